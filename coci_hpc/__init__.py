@@ -1,0 +1,3 @@
+"""coci_hpc: fault tolerance for deep-learning training on Slurm."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,85 @@
+"""The one error hierarchy of coci_hpc.
+
+Library code raises these; only ``coci_hpc.cli`` turns them into messages and exit codes
+(``coci_hpc.cli.common.run_cli``). A message names the problem; ``hint`` says how to fix it.
+"""
+from __future__ import annotations
+
+
+class CociError(Exception):
+    """Base of every error coci_hpc raises on purpose."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message} (hint: {self.hint})"
+
+
+class UsageError(CociError):
+    """Bad arguments or configuration given by the user."""
+
+    exit_code = 2
+
+
+class InputFormatError(UsageError):
+    """An input file (sacct output, profile JSON, ...) does not parse.
+
+    ``line`` is the 1-based line number where known.
+    """
+
+    def __init__(self, message: str, *, line: int | None = None, source: str | None = None,
+                 hint: str | None = None) -> None:
+        where = ""
+        if source is not None:
+            where = f"{source}"
+        if line is not None:
+            where = f"{where}:{line}" if where else f"line {line}"
+        super().__init__(f"{where}: {message}" if where else message, hint=hint)
+        self.line = line
+        self.source = source
+
+
+class SlurmError(CociError):
+    """A Slurm command failed or is missing."""
+
+    exit_code = 3
+
+
+class PlannerError(CociError):
+    """The planner cannot produce a plan from the given numbers."""
+
+    exit_code = 4
+
+
+class CheckpointError(CociError):
+    """Saving or loading a checkpoint failed."""
+
+    exit_code = 5
+
+
+class CheckpointNotFound(CheckpointError):
+    """No committed checkpoint where one was asked for."""
+
+    exit_code = 6
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A committed checkpoint fails verification (checksum, missing shard, bad manifest)."""
+
+    exit_code = 7
+
+
+class CommError(CociError):
+    """One or more ranks failed in a collective step; raised on every rank, naming the failed ones."""
+
+    exit_code = 8
+
+    def __init__(self, message: str, *, failed_ranks: dict[int, str] | None = None,
+                 hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.failed_ranks = dict(failed_ranks or {})

@@ -1,0 +1,83 @@
+"""Shared fixtures: the local Slurm cluster (session-wide) and small helpers to drive jobs through it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVCLUSTER = ROOT / "slurm" / "devcluster"
+VENV_PYTHON = sys.executable
+
+
+@dataclass
+class SlurmCluster:
+    """The running local cluster, as tests see it."""
+
+    devcluster: Path
+    env: dict[str, str]
+    workdir: Path
+    started_here: bool = False
+    _seen: set[str] = field(default_factory=set)
+
+    def run(self, *cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+        p = subprocess.run(list(cmd), capture_output=True, text=True, env=self.env, timeout=timeout)
+        if check and p.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr}{p.stdout}")
+        return p
+
+    def sbatch(self, *args: str) -> str:
+        return self.run("sbatch", "--parsable", *args).stdout.strip().split(";")[0]
+
+    def attempts(self, job_id: str) -> list[dict[str, str]]:
+        """Every attempt of a job (one row per requeue), from sacct: the accounting view of the job."""
+        out = self.run("sacct", "-X", "-D", "-P", "-j", job_id,
+                       "--format=JobID,State,Start,End,NodeList,ExitCode,Partition").stdout
+        lines = out.strip().splitlines()
+        head = lines[0].split("|")
+        return [dict(zip(head, ln.split("|"))) for ln in lines[1:]]
+
+    def queue_state(self, job_id: str) -> str:
+        return self.run("squeue", "-h", "-j", job_id, "-o", "%T", check=False).stdout.strip()
+
+    def wait_state(self, job_id: str, states: tuple[str, ...], timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.queue_state(job_id)
+            if st in states:
+                return st
+            time.sleep(0.5)
+        raise AssertionError(f"job {job_id} not in {states} after {timeout}s (now {self.queue_state(job_id)!r})")
+
+    def wait_gone(self, job_id: str, timeout: float = 180) -> list[dict[str, str]]:
+        """Wait until the job has left the queue and sacct has its final attempt."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.queue_state(job_id):
+                rows = self.attempts(job_id)
+                if rows and rows[-1]["State"] not in ("RUNNING", "PENDING", "REQUEUED", ""):
+                    return rows
+            time.sleep(1)
+        raise AssertionError(f"job {job_id} still queued after {timeout}s: {self.attempts(job_id)}")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> SlurmCluster:
+    env = dict(os.environ)
+    was_up = subprocess.run([str(DEVCLUSTER), "status"], capture_output=True).returncode == 0
+    p = subprocess.run([str(DEVCLUSTER), "up"], capture_output=True, text=True, timeout=300)
+    print(p.stdout)
+    if p.returncode != 0:
+        pytest.fail(f"slurm/devcluster up failed:\n{p.stdout}\n{p.stderr}")
+    env.update(line.split(None, 1)[1].split("=", 1) for line in  # SLURM_CONF=...
+               [subprocess.run([str(DEVCLUSTER), "env"], capture_output=True, text=True).stdout.strip()])
+    # Job files must be visible from every virtual node: one machine, so any local dir is "shared".
+    workdir = tmp_path_factory.mktemp("slurm")
+    yield SlurmCluster(devcluster=DEVCLUSTER, env=env, workdir=workdir, started_here=not was_up)
+    if not was_up:
+        subprocess.run([str(DEVCLUSTER), "down"], capture_output=True)

@@ -1,0 +1,109 @@
+"""End to end on the local Slurm cluster: MPI across virtual nodes, preemption, node failure."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, SlurmCluster
+
+pytestmark = pytest.mark.slurm
+
+
+def test_status_says_every_daemon_is_up(slurm_cluster: SlurmCluster) -> None:
+    p = slurm_cluster.run(str(slurm_cluster.devcluster), "status")
+    for daemon in ("munged", "mariadb", "slurmdbd", "slurmctld", "slurmd-n1", "slurmd-n2"):
+        assert any(line.split()[:2] == [daemon, "UP"] for line in p.stdout.splitlines()), p.stdout
+
+
+def test_up_twice_is_harmless(slurm_cluster: SlurmCluster) -> None:
+    before = slurm_cluster.run(str(slurm_cluster.devcluster), "status").stdout
+    p = slurm_cluster.run(str(slurm_cluster.devcluster), "up")
+    assert "already up" in p.stdout
+    after = slurm_cluster.run(str(slurm_cluster.devcluster), "status").stdout
+    pids = lambda s: sorted(ln for ln in s.splitlines() if "pid" in ln)  # noqa: E731
+    assert pids(before) == pids(after)  # nothing restarted
+
+
+def test_two_node_mpi_job_writes_one_hdf5_file(slurm_cluster: SlurmCluster) -> None:
+    out_h5 = slurm_cluster.workdir / "hello.h5"
+    log = slurm_cluster.workdir / "mpi-%j.out"
+    job = slurm_cluster.sbatch("-N", "2", "--ntasks-per-node=1", "-o", str(log), "--wrap",
+                               f"srun --mpi=pmix {sys.executable} {ROOT}/examples/mpi_hdf5_hello.py {out_h5}")
+    rows = slurm_cluster.wait_gone(job, timeout=120)
+    text = Path(str(log).replace("%j", job)).read_text()
+    print(text)
+    assert rows[-1]["State"] == "COMPLETED", rows
+    records = [json.loads(ln) for ln in text.splitlines() if ln.startswith("{")]
+    ranks = {r["rank"]: r["node"] for r in records if "rank" in r}
+    assert ranks == {0: "n1", 1: "n2"}
+    verdict = next(r for r in records if "file" in r)
+    assert verdict["verified"] is True and verdict["writers"] == 2
+    with h5py.File(out_h5, "r") as f:  # read it back ourselves, not only the job's word
+        assert np.array_equal(f["x"][...], np.arange(f["x"].shape[0], dtype="f8"))
+        assert f.attrs["writers"] == 2
+
+
+VICTIM = """#!/bin/bash
+#SBATCH -N 2 --requeue --signal=B:USR1@60 --open-mode=append
+echo "attempt restart=${SLURM_RESTART_COUNT:-0}"
+if [ "${SLURM_RESTART_COUNT:-0}" -ge 1 ]; then echo "resumed from {marker}: $(cat {marker})"; exit 0; fi
+trap 'echo "got USR1"; echo "checkpoint-at-signal" > {marker}' USR1
+echo running
+# Keep running after the signal: Slurm ends the job after GraceTime and requeues it (PREEMPTED).
+for i in $(seq 1 600); do sleep 1; done
+"""
+
+
+def test_preempted_job_gets_signal_is_requeued_and_completes(slurm_cluster: SlurmCluster) -> None:
+    wd = slurm_cluster.workdir
+    marker = wd / f"ckpt-{uuid.uuid4().hex[:8]}"
+    script = wd / "victim.sh"
+    script.write_text(VICTIM.replace("{marker}", str(marker)))
+    log = wd / "victim-%j.out"
+    victim = slurm_cluster.sbatch("-o", str(log), str(script))
+    slurm_cluster.wait_state(victim, ("RUNNING",), timeout=60)
+    time.sleep(2)  # let the batch shell install its trap
+    urgent = slurm_cluster.sbatch("-p", "urgent", "-N", "1", "-o", str(wd / "urgent-%j.out"), "--wrap", "sleep 1")
+    rows = slurm_cluster.wait_gone(victim, timeout=180)
+    text = Path(str(log).replace("%j", victim)).read_text()
+    print(text, rows)
+    assert "got USR1" in text
+    assert "resumed from" in text and "checkpoint-at-signal" in text
+    states = [r["State"] for r in rows]
+    assert states[0] == "PREEMPTED" and states[-1] == "COMPLETED", states
+    assert slurm_cluster.wait_gone(urgent, timeout=60)[-1]["State"] == "COMPLETED"
+
+
+def test_job_on_failed_node_ends_node_fail_is_requeued_and_completes(slurm_cluster: SlurmCluster) -> None:
+    wd = slurm_cluster.workdir
+    reason = f"test node failure {uuid.uuid4().hex[:8]}"
+    log = wd / "nf-%j.out"
+    job = slurm_cluster.sbatch("-N", "1", "-w", "n2", "--requeue", "--open-mode=append", "-o", str(log), "--wrap",
+                               'echo "attempt ${SLURM_RESTART_COUNT:-0} on $SLURMD_NODENAME"; '
+                               '[ "${SLURM_RESTART_COUNT:-0}" -ge 1 ] && exit 0; sleep 600')
+    slurm_cluster.wait_state(job, ("RUNNING",), timeout=60)
+    slurm_cluster.run(str(slurm_cluster.devcluster), "fail", "n2", "--reason", reason)
+    try:
+        slurm_cluster.wait_state(job, ("PENDING",), timeout=60)
+        deadline = time.monotonic() + 30  # slurmctld hands events to slurmdbd asynchronously
+        while True:
+            events = slurm_cluster.run("sacctmgr", "-P", "show", "event",
+                                       "format=NodeName,TimeStart,TimeEnd,State,Reason").stdout
+            if any(ln.startswith("n2|") and "|DOWN|" in ln and reason in ln for ln in events.splitlines()):
+                break
+            assert time.monotonic() < deadline, f"no DOWN event for n2 with reason {reason!r}:\n{events}"
+            time.sleep(1)
+        print(events)
+    finally:
+        slurm_cluster.run(str(slurm_cluster.devcluster), "recover", "n2")
+    rows = slurm_cluster.wait_gone(job, timeout=120)
+    print(Path(str(log).replace("%j", job)).read_text(), rows)
+    states = [r["State"] for r in rows]
+    assert states[0] == "NODE_FAIL" and states[-1] == "COMPLETED", states

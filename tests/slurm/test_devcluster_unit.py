@@ -1,0 +1,84 @@
+"""devcluster's own logic without starting a cluster: failure reports, pid ownership, rendered config."""
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DEVCLUSTER
+
+
+@pytest.fixture()
+def dc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("COCI_DEVCLUSTER_DIR", str(tmp_path / "state"))
+    loader = importlib.machinery.SourceFileLoader("devcluster_under_test", str(DEVCLUSTER))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    mod.PIDS.mkdir(parents=True)
+    mod.LOGS.mkdir(parents=True)
+    return mod
+
+
+def test_failed_start_prints_the_daemons_log_lines(dc) -> None:
+    log = dc.LOGS / "fake.log"
+    d = dc.Daemon("fake", ["sh", "-c", f"echo 'fatal: Unable to bind listen port 6817' >> {log}; exit 3"], log,
+                  ready=lambda: False, wait_s=10)
+    with pytest.raises(dc.DevclusterError) as ei:
+        d.start()
+    msg = str(ei.value)
+    assert "fake exited during start-up" in msg
+    assert "Unable to bind listen port 6817" in msg  # the relevant line, not just "failed"
+
+
+def test_start_that_never_becomes_ready_times_out_with_log(dc) -> None:
+    log = dc.LOGS / "slow.log"
+    d = dc.Daemon("slow", ["sh", "-c", f"echo 'waiting for database' >> {log}; sleep 30"], log,
+                  ready=lambda: False, wait_s=1.5)
+    with pytest.raises(dc.DevclusterError, match="did not become ready.*") as ei:
+        d.start()
+    assert "waiting for database" in str(ei.value)
+    assert d.stop()  # we started it, so `down` may stop it
+
+
+def test_down_never_kills_a_process_that_only_reuses_a_recorded_pid(dc) -> None:
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        d = dc.Daemon("slurmctld", ["true"], dc.LOGS / "x.log", ready=lambda: True)
+        # A record whose pid is alive but whose start time differs: the pid was recycled.
+        d.pid_file.write_text(json.dumps({"pid": other.pid, "start": "1", "argv": ["slurmctld"]}))
+        assert d.owned_pid() is None
+        assert d.stop() is False
+        time.sleep(0.2)
+        assert other.poll() is None  # still alive
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_rendered_config_has_the_partitions_and_preemption_the_tests_rely_on(dc) -> None:
+    conf = dc.render_slurm_conf(3, "host1")
+    assert "NodeName=n[1-3] NodeHostname=host1 NodeAddr=127.0.0.1 Port=[17001-17003] CPUs=1" in conf
+    gpu = next(ln for ln in conf.splitlines() if ln.startswith("PartitionName=gpu"))
+    urgent = next(ln for ln in conf.splitlines() if ln.startswith("PartitionName=urgent"))
+    assert "Default=YES" in gpu and "GraceTime=" in gpu and "PreemptMode=REQUEUE" in gpu
+    tier = lambda ln: int(ln.split("PriorityTier=")[1].split()[0])  # noqa: E731
+    assert tier(urgent) > tier(gpu)
+    assert "SlurmctldParameters=preempt_send_user_signal" in conf
+    assert "PreemptType=preempt/partition_prio" in conf
+    assert str(dc.STATE) in conf and "%n" in conf.split("SlurmdSpoolDir=")[1].splitlines()[0]
+    assert dc.render_mpi_conf().strip().endswith(f"PMIxCliTmpDirBase={dc.STATE}/pmix")
+
+
+def test_status_without_a_cluster_says_so_and_fails(tmp_path: Path) -> None:
+    env = dict(os.environ, COCI_DEVCLUSTER_DIR=str(tmp_path / "none"))
+    p = subprocess.run([str(DEVCLUSTER), "status"], capture_output=True, text=True, env=env)
+    assert p.returncode == 1
+    assert "run `slurm/devcluster up`" in p.stdout
