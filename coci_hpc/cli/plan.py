@@ -1,0 +1,454 @@
+"""coci-plan: a checkpoint schedule from the job's convergence curve and the cluster's failures.
+
+Profile JSON (``--profile``), as the runtime records it; every key but ``samples`` optional::
+
+    {
+      "samples": [{"step": 100, "time_s": 52.0, "loss": 2.11}, ...],
+      "ckpt_cost_s": 12.5,        # Ts: blocking time of one checkpoint (measured)
+      "restart_cost_s": 140.0,    # Tr: requeue latency + restore (measured)
+      "step_time_s": 0.52         # seconds per step (else derived from the samples)
+    }
+
+``time_s`` is training time since the job started (checkpoint stalls excluded). Plans start at
+the last sample and cover ``--horizon`` of training time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import time
+from typing import Sequence
+
+import numpy as np
+
+from coci_hpc.cli.common import run_cli
+from coci_hpc.errors import InputFormatError, PlannerError, UsageError
+from coci_hpc.planner import failures as fmod
+from coci_hpc.planner import simulator as sim
+from coci_hpc.planner.convergence import CurveFit, FitOutcome, fit_curve
+from coci_hpc.planner.costs import Costs
+from coci_hpc.planner.policies import POLICY_NAMES, PlanContext, make_policy
+from coci_hpc.slurm import accounting as acct
+
+PROG = "coci-plan"
+DEFAULT_CKPT_COST_S = 30.0      # used only without a profile or --ckpt-cost, and said so
+DEFAULT_RESTART_COST_S = 150.0  # Slurm's 120 s requeue credential lifetime + 30 s restore
+COMPARED = ("coci", "young", "daly", "checkfreq")
+SIM_RUNS = 300
+SIM_SEED = 20250101
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # route argparse errors through run_cli's exit codes
+        raise UsageError(message, hint=f"see {PROG} --help")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="Profile schema:\n" + __doc__.split("Profile JSON")[1])
+    src = p.add_argument_group("failure history (one of these, or --mtbf-hours)")
+    src.add_argument("--sacct-file", help="output of: " + " ".join(acct.SACCT_ARGS))
+    src.add_argument("--events-file", help="output of: " + " ".join(acct.SACCTMGR_EVENT_ARGS))
+    src.add_argument("--from-cluster", action="store_true",
+                     help="run sacct/sacctmgr/sinfo here (needs --since)")
+    src.add_argument("--partition", help="with --from-cluster: only this partition's jobs/nodes")
+    src.add_argument("--since", help="window start, YYYY-MM-DDTHH:MM:SS (local time)")
+    src.add_argument("--until", help="window end for files (default: last record)")
+    src.add_argument("--cluster-nodes", type=int,
+                     help="nodes in the cluster, for node-event exposure from files "
+                     "(default: nodes seen in the files)")
+    src.add_argument("--mtbf-hours", type=float, help="per-node MTBF instead of a history")
+    src.add_argument("--skip-bad-lines", action="store_true",
+                     help="skip malformed lines (and count them) instead of failing")
+    src.add_argument("--maintenance-pattern", action="append", default=None, metavar="REGEX",
+                     help="reason regex of planned maintenance to ignore (repeatable; replaces "
+                     "the defaults: " + ", ".join(acct.DEFAULT_MAINTENANCE_PATTERNS) + ")")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the job runs on (default 1)")
+    p.add_argument("--profile", help="PROFILE.json: loss samples and measured costs")
+    p.add_argument("--ckpt-cost", type=float, help="Ts seconds (overrides the profile)")
+    p.add_argument("--restart-cost", type=float, help="Tr seconds (overrides the profile)")
+    p.add_argument("--step-time", type=float, help="seconds per step (overrides the profile)")
+    p.add_argument("--policy", default="coci", help="one of: " + ", ".join(POLICY_NAMES))
+    p.add_argument("--horizon", default="24h", help="training time to plan for: 3600, 90m, 24h, 2d")
+    p.add_argument("--confidence", type=float, default=0.9, help="interval level (default 0.9)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="FILE.png", help="write loss curve + overhead comparison")
+    return p
+
+
+def parse_duration(text: str) -> float:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*", str(text))
+    if not m:
+        raise UsageError(f"bad duration {text!r}", hint="e.g. 3600, 90m, 24h, 2d")
+    v = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    if v <= 0:
+        raise UsageError(f"duration must be > 0, got {text!r}", hint="e.g. --horizon 24h")
+    return v
+
+
+def load_profile(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read profile {path}: {exc.strerror}",
+                         hint="check the --profile path") from exc
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputFormatError(f"not JSON: {exc.msg}", line=exc.lineno, source=path,
+                               hint="see the profile schema in coci-plan --help") from exc
+    if not isinstance(d, dict) or not isinstance(d.get("samples", []), list):
+        raise InputFormatError("expected an object with a 'samples' list", source=path,
+                               hint="see the profile schema in coci-plan --help")
+    steps, times, losses = [], [], []
+    for i, smp in enumerate(d.get("samples", [])):
+        try:
+            times.append(float(smp["time_s"]))
+            losses.append(float(smp["loss"]) if smp["loss"] is not None else math.nan)
+            steps.append(int(smp["step"]) if smp.get("step") is not None else None)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputFormatError(f"samples[{i}] needs numeric time_s and loss ({exc})",
+                                   source=path, hint='e.g. {"step": 10, "time_s": 5.2, "loss": 2.1}')
+    for key in ("ckpt_cost_s", "restart_cost_s", "step_time_s"):
+        if d.get(key) is not None and not isinstance(d[key], (int, float)):
+            raise InputFormatError(f"{key} must be a number", source=path,
+                                   hint="seconds, e.g. 12.5")
+    return {"steps": steps, "times": times, "losses": losses, "ckpt_cost_s": d.get("ckpt_cost_s"),
+            "restart_cost_s": d.get("restart_cost_s"), "step_time_s": d.get("step_time_s")}
+
+
+def _step_time_from(prof: dict) -> float | None:
+    pairs = [(s, t) for s, t in zip(prof["steps"], prof["times"]) if s is not None]
+    if len(pairs) < 2:
+        return None
+    s, t = np.array(pairs, dtype=float).T
+    ds, dt = np.diff(s), np.diff(t)
+    ok = ds > 0
+    return float(np.median(dt[ok] / ds[ok])) if ok.any() else None
+
+
+def build_failure_model(a, now: float) -> tuple[fmod.FailureModel, dict]:
+    """The failure model and a description of where it came from."""
+    if a.mtbf_hours is not None:
+        if a.sacct_file or a.events_file or a.from_cluster:
+            raise UsageError("give either --mtbf-hours or a failure history, not both",
+                             hint="drop --mtbf-hours to use the history")
+        return fmod.from_mtbf(a.mtbf_hours * 3600.0), {"source": "--mtbf-hours"}
+    patterns = tuple(a.maintenance_pattern) if a.maintenance_pattern else \
+        acct.DEFAULT_MAINTENANCE_PATTERNS
+    for pat in patterns:
+        try:
+            re.compile(pat)
+        except re.error as exc:
+            raise UsageError(f"bad --maintenance-pattern {pat!r}: {exc}",
+                             hint="give a Python regular expression") from exc
+    info: dict = {"maintenance_patterns": list(patterns)}
+    if a.from_cluster:
+        if a.sacct_file or a.events_file:
+            raise UsageError("--from-cluster reads the cluster; drop --sacct-file/--events-file",
+                             hint="use one source")
+        if not a.since:
+            raise UsageError("--from-cluster needs --since", hint="e.g. --since 2026-01-01T00:00:00")
+        ch = acct.from_cluster(a.since, a.partition, skip_bad_lines=a.skip_bad_lines,
+                               maintenance_patterns=patterns, now_s=now)
+        hist, start, end = ch.history, ch.window_start_s, ch.window_end_s
+        n_cluster = a.cluster_nodes or len(ch.cluster_nodes) or len(hist.nodes_seen)
+        have_events = True
+        info.update(source="cluster", commands=[" ".join(c) for c in ch.commands])
+    elif a.sacct_file or a.events_file:
+        hist = acct.History()
+        kw = {"skip_bad_lines": a.skip_bad_lines}
+        if a.sacct_file:
+            hist = hist.merge(acct.read_file(a.sacct_file, "sacct", **kw))
+        if a.events_file:
+            hist = hist.merge(acct.read_file(a.events_file, "events", maintenance_patterns=patterns,
+                                             **kw))
+        start = _time_arg(a.since, "--since") if a.since else hist.first_s
+        end = _time_arg(a.until, "--until") if a.until else hist.last_s
+        n_cluster = a.cluster_nodes or len(hist.nodes_seen)
+        have_events = bool(a.events_file)
+        info["source"] = "files"
+    else:
+        raise UsageError("no failure information",
+                         hint="give --sacct-file, --events-file, --from-cluster or --mtbf-hours")
+    if start is None or end is None:
+        raise PlannerError("the failure history has no timestamps to form a window",
+                           hint="check the files, or give --since/--until")
+    evs = [e for e in hist.failures() if start <= e.time_s <= end + 1]
+    if have_events:
+        exposure = max(n_cluster, 1) * (end - start)
+        basis = f"{n_cluster} cluster node(s) x {(end - start) / 3600:.4g} h window"
+    else:
+        exposure = hist.job_node_seconds
+        basis = f"job node-hours from {hist.n_records} job record(s)"
+    model = fmod.estimate(evs, exposure, confidence=a.confidence, basis=basis)
+    info.update(window_start=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start)),
+                window_end=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(end)),
+                cluster_nodes=n_cluster, skipped_lines=hist.skipped,
+                filtered_maintenance=hist.filtered_maintenance, records=hist.n_records)
+    return model, info
+
+
+def _time_arg(text: str, flag: str) -> float:
+    try:
+        t = acct.parse_time(text)
+    except ValueError:
+        t = None
+    if t is None:
+        raise UsageError(f"{flag} {text!r} is not a time", hint="use YYYY-MM-DDTHH:MM:SS")
+    return t
+
+
+class _Shifted:
+    """The fitted curve seen from t_now (the simulator starts every run at progress 0)."""
+
+    def __init__(self, fit: CurveFit, t0: float) -> None:
+        self.fit, self.t0 = fit, t0
+
+    def loss(self, t):
+        return self.fit.loss(np.asarray(t, dtype=float) + self.t0)
+
+    def rate(self, t):
+        return self.fit.rate(np.asarray(t, dtype=float) + self.t0)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    a = _parser().parse_args(argv)
+    if a.nodes < 1:
+        raise UsageError(f"--nodes must be >= 1, got {a.nodes}", hint="e.g. --nodes 8")
+    if not 0 < a.confidence < 1:
+        raise UsageError("--confidence must be in (0, 1)", hint="e.g. 0.9")
+    horizon = parse_duration(a.horizon)
+    policy = make_policy(a.policy)
+    now = time.time()
+    model, fsrc = build_failure_model(a, now)
+
+    prof = load_profile(a.profile) if a.profile else None
+    assumed = []
+    ts = a.ckpt_cost if a.ckpt_cost is not None else (prof or {}).get("ckpt_cost_s")
+    tr = a.restart_cost if a.restart_cost is not None else (prof or {}).get("restart_cost_s")
+    st = a.step_time if a.step_time is not None else (prof or {}).get("step_time_s")
+    if ts is None:
+        ts = DEFAULT_CKPT_COST_S
+        assumed.append("ckpt_cost_s")
+    if tr is None:
+        tr = DEFAULT_RESTART_COST_S
+        assumed.append("restart_cost_s")
+    if st is None and prof:
+        st = _step_time_from(prof)
+    costs = Costs(float(ts), float(tr), None if st is None else float(st))
+
+    if prof and prof["times"]:
+        outcome = fit_curve(prof["times"], prof["losses"])
+        finite_t = [t for t in prof["times"] if math.isfinite(t)]
+        t_now = max(finite_t) if finite_t else 0.0
+        steps = [s for s in prof["steps"] if s is not None]
+        step_now = max(steps) if steps else 0
+    else:
+        outcome = FitOutcome(None, "no loss samples (give --profile)")
+        t_now, step_now = 0.0, 0
+    ctx = PlanContext(costs, model.job_rate(a.nodes), horizon, t_now, step_now,
+                      outcome.fit, outcome.reason)
+
+    names = list(dict.fromkeys([policy.name] + list(COMPARED)))
+    policies = {n: (policy if n == policy.name else make_policy(n)) for n in names}
+    plans = {n: p.plan(ctx) for n, p in policies.items()}
+    plan = plans[policy.name]
+
+    curve = _Shifted(outcome.fit, t_now) if outcome.fit is not None else None
+    expected, sim_info = _expected_overhead(plans, ctx, costs, curve, horizon, t_now)
+
+    lo, hi = model.job_mtbf_interval_s(a.nodes)
+    out = {
+        "policy": plan.policy, "effective_policy": plan.effective_policy,
+        "fallback": plan.fallback,
+        "mtbf_hours": model.job_mtbf_s(a.nodes) / 3600.0,
+        "mtbf_hours_interval": [lo / 3600.0, None if math.isinf(hi) else hi / 3600.0],
+        "nodes": a.nodes, "interval_s": plan.interval_s,
+        "checkpoints": [c.to_dict() for c in plan.checkpoints],
+        "next_checkpoint": None if not plan.checkpoints else plan.checkpoints[0].to_dict(),
+        "expected_overhead": expected,
+        "failures": {**model.to_dict(a.nodes), **fsrc},
+        "fit": outcome.to_dict(),
+        "costs": {**costs.to_dict(), "assumed": assumed},
+        "horizon_s": horizon, "t_now": t_now, "step_now": step_now,
+        "simulation": sim_info,
+        "plans": {n: {"effective_policy": p.effective_policy, "interval_s": p.interval_s,
+                      "n_checkpoints": len(p.checkpoints), "fallback": p.fallback,
+                      "first": [c.to_dict() for c in p.checkpoints[:5]]}
+                  for n, p in plans.items()},
+    }
+    if a.plot:
+        _plot(a.plot, plans, outcome, prof, t_now, horizon, expected, out)
+        out["plot"] = a.plot
+    if a.json:
+        print(json.dumps(out, indent=1, allow_nan=False, default=_nan_none))
+    else:
+        _summary(out, model, outcome, plans, a)
+    return 0
+
+
+def _expected_overhead(plans: dict, ctx: PlanContext, costs: Costs, curve, horizon: float,
+                       t_now: float) -> tuple[dict, dict]:
+    """Every plan on the same simulated traces, for complete and for exploratory jobs."""
+    rate = ctx.job_rate
+    info = {"seed": SIM_SEED, "exploratory_stop": "log-uniform in [2%, 100%] of the horizon"}
+    if rate * (costs.ckpt_s + costs.restart_s) > 0.5:
+        note = (f"job MTBF {1 / rate:.3g} s is not much longer than Ts + Tr = "
+                f"{costs.ckpt_s + costs.restart_s:.3g} s: the job can hardly make progress under "
+                "any schedule; simulation skipped")
+        info.update(runs=0, note=note)
+        return ({n: {"time_s": None, "time_fraction": None, "progress_loss": None,
+                     "n_checkpoints": len(p.checkpoints), "note": note}
+                 for n, p in plans.items()}, info)
+    # Bound the work: about 2e5 simulated failures in all, at least 20 runs.
+    runs = int(min(SIM_RUNS, max(20, 2e5 / max(1.0, rate * horizon))))
+    info["runs"] = runs
+    rel = {n: [t - t_now for t in p.times] for n, p in plans.items()}
+    overhead: dict = {}
+    for term in ("complete", "exploratory"):
+        sc = sim.make_scenario(rate, horizon, runs, SIM_SEED, termination=term)
+        for n, s in sim.evaluate(rel, sc, costs, curve).items():
+            overhead.setdefault(n, {})[term] = s.to_dict()
+    return ({n: {"time_s": o["complete"]["overhead_s"],
+                 "time_fraction": o["complete"]["overhead_fraction"],
+                 "progress_loss": o["complete"]["overhead_progress"],
+                 "n_checkpoints": len(plans[n].checkpoints),
+                 "complete": o["complete"], "exploratory": o["exploratory"]}
+             for n, o in overhead.items()}, info)
+
+
+def _nan_none(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    raise TypeError(type(o))
+
+
+def _fmt_h(s: float | None) -> str:
+    if s is None:
+        return "inf"
+    return f"{s / 3600:.3g} h" if s >= 3600 else f"{s / 60:.3g} min" if s >= 60 else f"{s:.3g} s"
+
+
+def _summary(out: dict, model, outcome: FitOutcome, plans: dict, a) -> None:
+    f = out["failures"]
+    w = print
+    if f.get("source") == "--mtbf-hours":
+        w(f"failure rate: given, per-node MTBF {1 / model.per_node_rate / 3600:.4g} h")
+    else:
+        w(f"failures: {model.n_failures} in window"
+          + (f" {f.get('window_start')} .. {f.get('window_end')}" if f.get("window_start") else "")
+          + f" ({model.note})")
+    for e in model.events[:10]:
+        w(f"  {time.strftime('%Y-%m-%dT%H:%M:%S', time.localtime(e.time_s))} "
+          f"{','.join(e.nodes)} {e.state or ''} {e.reason!r} [{e.source}]")
+    if f.get("skipped_lines"):
+        w(f"  skipped {f['skipped_lines']} malformed line(s)")
+    if f.get("filtered_maintenance"):
+        w(f"  ignored {f['filtered_maintenance']} maintenance event(s)")
+    lo, hi = out["mtbf_hours_interval"]
+    ival = ("no interval (given)" if model.n_failures == 0 and model.exposure_node_s == 0 else
+            f"{model.confidence:.0%} interval [{lo:.4g}, {'inf' if hi is None else f'{hi:.4g}'}] h")
+    w(f"job MTBF ({a.nodes} node(s)): {out['mtbf_hours']:.4g} h, {ival}; "
+      f"distribution {model.distribution}"
+      + (f" (Weibull shape {model.weibull_shape:.3g})" if model.weibull_shape else ""))
+    w("curve: " + (outcome.fit.describe() if outcome.fit else f"none ({outcome.reason})"))
+    c = out["costs"]
+    step = "?" if c["step_time_s"] is None else f"{c['step_time_s']:.4g} s"
+    w(f"costs: Ts {c['ckpt_s']:g} s, Tr {c['restart_s']:g} s, step {step}"
+      + (f"  (assumed: {', '.join(c['assumed'])})" if c["assumed"] else ""))
+    plan = plans[out["policy"]]
+    w(f"policy {out['policy']}" + (f" -> {plan.effective_policy}: {plan.fallback}"
+                                   if plan.fallback else "")
+      + (f", interval {_fmt_h(plan.interval_s)}" if plan.interval_s else ""))
+    nxt = ", ".join(f"{_fmt_h(ck.time_s)}" + (f" (step {ck.step})" if ck.step is not None else "")
+                    for ck in plan.checkpoints[:5])
+    w(f"next checkpoints (training time): {nxt or 'none within the horizon'}"
+      + (f" ... {len(plan.checkpoints)} in {_fmt_h(out['horizon_s'])}" if plan.checkpoints else ""))
+    sim_info = out["simulation"]
+    if sim_info.get("note"):
+        w(f"expected overhead: {sim_info['note']}")
+        return
+    w(f"expected overhead over {_fmt_h(out['horizon_s'])} ({sim_info['runs']} simulated runs, "
+      "same traces for every policy):")
+    w(f"  {'policy':12s} {'ckpts':>6s} {'complete time':>14s} {'%':>6s} {'progress':>10s}"
+      f" {'exploratory time':>17s} {'progress':>10s}")
+    for n, e in out["expected_overhead"].items():
+        ex = e["exploratory"]
+        pg = "-" if e["progress_loss"] is None else f"{e['progress_loss']:.4g}"
+        pge = "-" if ex["overhead_progress"] is None else f"{ex['overhead_progress']:.4g}"
+        w(f"  {n:12s} {e['n_checkpoints']:6d} {_fmt_h(e['time_s']):>14s} "
+          f"{100 * e['time_fraction']:5.2f}% {pg:>10s} {_fmt_h(ex['overhead_s']):>17s} {pge:>10s}")
+    w("  (progress = loss drop lost to checkpoints, recomputation and restarts)")
+
+
+def _plot(path: str, plans: dict, outcome: FitOutcome, prof: dict | None, t_now: float,
+          horizon: float, expected: dict, out: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [2, 1]})
+    t_end = t_now + horizon
+    fit = outcome.fit
+    if prof and prof["times"]:
+        ax.plot(np.asarray(prof["times"]) / 3600, prof["losses"], ".", color="0.5", ms=3,
+                label="observed loss")
+    if fit is not None:
+        grid = np.linspace(0, t_end, 400)
+        ax.plot(grid / 3600, fit.loss(grid), "k-", lw=1.5, label=f"fit ({fit.kind})")
+        top = float(fit.loss(0.0))
+        bottom = float(fit.loss(t_end))
+    else:
+        top, bottom = 1.0, 0.0
+    span = max(top - bottom, 1e-9)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    rows: list[tuple[float, str]] = []
+    for i, (n, p) in enumerate(plans.items()):
+        y0 = bottom - span * (0.08 + 0.07 * i)
+        rows.append((y0, n))
+        ts = np.asarray(p.times) / 3600
+        ax.plot(ts, np.full(ts.size, y0), "|", ms=9, color=colors[i % len(colors)],
+                label=f"{n}: {len(ts)} checkpoints" + (" (fallback young)" if p.fallback else ""))
+    ax.axvline(t_now / 3600, color="0.7", ls=":", lw=1)
+    ax.set_xlabel("training time (hours)")
+    if fit is not None:
+        ax.set_ylabel("loss (fitted curve; marks = checkpoints)")
+    else:  # no loss axis to show: one labelled row of marks per policy
+        ax.set_yticks([y for y, _ in rows], [n for _, n in rows])
+        ax.set_ylabel("policy (marks = checkpoints)")
+    ax.set_title(f"Checkpoint plans, job MTBF {out['mtbf_hours']:.3g} h, "
+                 f"Ts {out['costs']['ckpt_s']:g} s")
+    ax.legend(fontsize=8, loc="upper right")
+    names = [n for n in expected if expected[n].get("complete")]
+    if not names:
+        bx.text(0.5, 0.5, "overhead not simulated\n(job MTBF too short)", ha="center",
+                va="center", transform=bx.transAxes)
+    x = np.arange(len(names))
+    comp = [100 * expected[n]["complete"]["overhead_fraction"] for n in names]
+    expl = [100 * expected[n]["exploratory"]["overhead_fraction"] for n in names]
+    bx.bar(x - 0.2, comp, 0.4, label="complete jobs")
+    bx.bar(x + 0.2, expl, 0.4, label="exploratory (stopped early)")
+    bx.set_xticks(x, names, rotation=20)
+    bx.set_ylabel("expected overhead (% of useful training time)")
+    bx.set_title("Expected overhead\n(checkpoints + lost work + restarts)")
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise UsageError(f"cannot write plot {path}: {exc.strerror}", hint="check --plot") from exc
+    finally:
+        plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(PROG, _main, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,211 @@
+"""Failure model: failure events -> per-node rate over an exposure window -> job rate.
+
+Exponential (constant rate) by default. A Weibull fit of the gaps between failures is reported
+and used when a likelihood-ratio test against the exponential supports it. The rate comes with
+an exact (Garwood, chi-square) Poisson confidence interval. With zero failures the point
+estimate uses the Jeffreys prior Gamma(1/2, 0): rate = 0.5 / exposure (the posterior mean),
+so the planner never divides by zero and says so in ``note``.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+from scipy import stats
+
+from coci_hpc.errors import PlannerError
+
+JEFFREYS_PRIOR_FAILURES = 0.5
+LRT_CRITICAL = stats.chi2.ppf(0.95, 1)   # Weibull vs exponential: one extra parameter
+WEIBULL_MIN_GAPS = 8
+MAX_OUTAGE_S = 7 * 86400.0             # older records are never the same failure
+MERGE_WINDOW_S = 600.0                   # DRAIN+DOWN of one node, or NODE_FAIL + node DOWN = one failure
+
+
+@dataclass(frozen=True)
+class FailureEvent:
+    """One node failure. ``nodes`` is the expanded node set (one node for node events, the job's
+    node list for a NODE_FAIL job record, where Slurm does not say which node died)."""
+
+    nodes: tuple[str, ...]
+    time_s: float                 # epoch seconds
+    reason: str = ""
+    source: str = ""              # "event" (sacctmgr), "sacct" (job record), "trace", ...
+    state: str = ""
+    job_id: str | None = None
+    end_s: float | None = None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["nodes"] = list(self.nodes)
+        return d
+
+
+def merge_events(events: Iterable[FailureEvent], window_s: float = MERGE_WINDOW_S,
+                 adjacent_s: float = 60.0) -> list[FailureEvent]:
+    """Collapse records of the same failure on overlapping nodes.
+
+    * two node events are one failure when the second starts while the first is still open
+      (or within ``adjacent_s`` of its end), e.g. DOWN then DOWN+DRAIN; with no known end,
+      within ``window_s``;
+    * a job's NODE_FAIL and a node event are one failure within ``window_s`` (Slurm may end the
+      job only after SlurmdTimeout).
+    Node events (with a reason) win over job records.
+    """
+    ordered = sorted(events, key=lambda e: (e.time_s, 0 if e.source == "event" else 1))
+    kept: list[FailureEvent] = []
+    for ev in ordered:
+        dup = None
+        for k in reversed(kept):
+            if ev.time_s - k.time_s > MAX_OUTAGE_S:
+                break
+            if ev.time_s - k.time_s > window_s and not (
+                    k.source == ev.source == "event" and k.end_s is not None
+                    and ev.time_s <= k.end_s + adjacent_s):
+                continue
+            if not set(ev.nodes) & set(k.nodes):
+                continue
+            if k.source == ev.source == "event" and k.end_s is not None:
+                if ev.time_s <= k.end_s + adjacent_s:
+                    dup = k
+                    break
+                continue
+            dup = k
+            break
+        if dup is None:
+            kept.append(ev)
+        elif dup.source != "event" and ev.source == "event":
+            kept[kept.index(dup)] = ev
+    return kept
+
+
+@dataclass(frozen=True)
+class WeibullFit:
+    shape: float
+    scale_s: float
+    n_gaps: int
+    lrt_stat: float          # 2*(loglik_weibull - loglik_exponential)
+    supported: bool          # LRT > chi2_1(0.95) and enough gaps
+
+
+def fit_weibull(gaps_s: Sequence[float], min_gaps: int = WEIBULL_MIN_GAPS) -> WeibullFit | None:
+    """MLE Weibull (location 0) on inter-failure gaps, tested against the exponential."""
+    g = np.asarray([x for x in gaps_s if x > 0 and math.isfinite(x)], dtype=float)
+    if g.size < 3:
+        return None
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")      # identical gaps: scipy warns, the fit is still defined
+        shape, _, scale = stats.weibull_min.fit(g, floc=0)
+    ll_w = float(stats.weibull_min.logpdf(g, shape, 0, scale).sum())
+    ll_e = float(stats.expon.logpdf(g, 0, g.mean()).sum())
+    lrt = max(0.0, 2 * (ll_w - ll_e))
+    return WeibullFit(float(shape), float(scale), int(g.size), lrt,
+                      bool(g.size >= min_gaps and lrt > LRT_CRITICAL))
+
+
+def poisson_interval(k: int, exposure: float, confidence: float = 0.9) -> tuple[float, float]:
+    """Exact (Garwood) two-sided interval for a Poisson rate: k events over ``exposure``."""
+    alpha = 1.0 - confidence
+    lo = 0.0 if k == 0 else stats.chi2.ppf(alpha / 2, 2 * k) / (2 * exposure)
+    hi = stats.chi2.ppf(1 - alpha / 2, 2 * k + 2) / (2 * exposure)
+    return float(lo), float(hi)
+
+
+@dataclass(frozen=True)
+class FailureModel:
+    """Per-node failure rate (1/s) with its interval; the job rate for n nodes is n times it."""
+
+    per_node_rate: float
+    ci_low: float
+    ci_high: float
+    confidence: float
+    n_failures: int
+    exposure_node_s: float
+    distribution: str = "exponential"     # or "weibull"
+    weibull_shape: float | None = None
+    weibull_lrt: float | None = None
+    prior: str | None = None              # set when the point estimate came from the prior
+    note: str = ""
+    events: tuple[FailureEvent, ...] = field(default=(), compare=False)
+
+    def job_rate(self, nodes: int) -> float:
+        return nodes * self.per_node_rate
+
+    def job_mtbf_s(self, nodes: int) -> float:
+        return 1.0 / self.job_rate(nodes)
+
+    def job_mtbf_interval_s(self, nodes: int) -> tuple[float, float]:
+        """(low, high) job MTBF; high is inf when the rate's lower bound is 0."""
+        lo_rate, hi_rate = nodes * self.ci_low, nodes * self.ci_high
+        return (1.0 / hi_rate, math.inf if lo_rate == 0 else 1.0 / lo_rate)
+
+    def to_dict(self, nodes: int | None = None) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "events"}
+        d["per_node_mtbf_hours"] = 1.0 / self.per_node_rate / 3600.0
+        d["events"] = [e.to_dict() for e in self.events]
+        if nodes is not None:
+            lo, hi = self.job_mtbf_interval_s(nodes)
+            d["nodes"] = nodes
+            d["job_mtbf_hours"] = self.job_mtbf_s(nodes) / 3600.0
+            d["job_mtbf_hours_interval"] = [lo / 3600.0, None if math.isinf(hi) else hi / 3600.0]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FailureModel":
+        evs = tuple(FailureEvent(nodes=tuple(e["nodes"]), time_s=float(e["time_s"]),
+                                 reason=e.get("reason", ""), source=e.get("source", ""),
+                                 state=e.get("state", ""), job_id=e.get("job_id"),
+                                 end_s=e.get("end_s")) for e in d.get("events", []))
+        keys = ("per_node_rate", "ci_low", "ci_high", "confidence", "n_failures",
+                "exposure_node_s", "distribution", "weibull_shape", "weibull_lrt", "prior", "note")
+        return cls(**{k: d[k] for k in keys if k in d}, events=evs)
+
+
+def from_mtbf(mtbf_node_s: float) -> FailureModel:
+    """A model from a given per-node MTBF (no data: the interval is the point)."""
+    if not (mtbf_node_s > 0 and math.isfinite(mtbf_node_s)):
+        raise PlannerError(f"MTBF must be a positive number of seconds, got {mtbf_node_s!r}",
+                           hint="pass --mtbf-hours as a positive number (per node)")
+    r = 1.0 / mtbf_node_s
+    return FailureModel(r, r, r, 1.0, 0, 0.0, note="MTBF given by the user (no interval)")
+
+
+def estimate(events: Sequence[FailureEvent], exposure_node_s: float, *, confidence: float = 0.9,
+             weibull_min_gaps: int = WEIBULL_MIN_GAPS, basis: str = "") -> FailureModel:
+    """Per-node failure rate from ``events`` seen over ``exposure_node_s`` node-seconds.
+
+    ``basis`` is a human phrase for how the exposure was counted (goes into ``note``).
+    """
+    if not (exposure_node_s > 0 and math.isfinite(exposure_node_s)):
+        raise PlannerError("the failure history covers no exposure time (0 node-seconds)",
+                           hint="widen the window (--since) or pass --mtbf-hours")
+    k = len(events)
+    lo, hi = poisson_interval(k, exposure_node_s, confidence)
+    hours = exposure_node_s / 3600.0
+    prior = None
+    if k == 0:
+        rate = JEFFREYS_PRIOR_FAILURES / exposure_node_s
+        prior = "jeffreys"
+        note = (f"no failures in {hours:.4g} node-hours; using the Jeffreys prior "
+                f"(rate = 0.5 / exposure, per-node MTBF {2 * hours:.4g} h): treat as a lower bound "
+                f"on the true MTBF's uncertainty")
+    else:
+        rate = k / exposure_node_s
+        note = f"{k} failure(s) in {hours:.4g} node-hours"
+    if basis:
+        note += f" ({basis})"
+    times = sorted(e.time_s for e in events)
+    wb = fit_weibull(np.diff(times), weibull_min_gaps) if len(times) >= 4 else None
+    dist, shape, lrt = "exponential", None, None
+    if wb is not None:
+        shape, lrt = wb.shape, wb.lrt_stat
+        if wb.supported:
+            dist = "weibull"
+            note += f"; Weibull shape {wb.shape:.3g} preferred over exponential (LRT {wb.lrt_stat:.3g})"
+        else:
+            note += f"; Weibull shape {wb.shape:.3g} not significantly different from 1"
+    return FailureModel(rate, lo, hi, confidence, k, float(exposure_node_s), dist, shape, lrt,
+                        prior, note, tuple(events))

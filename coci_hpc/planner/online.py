@@ -1,0 +1,88 @@
+"""The planner as the training loop uses it: observe losses, re-plan on drift, serialise.
+
+``OnlinePlanner.to_state()`` is a JSON-able dict, so the checkpoint store can keep it as
+"planner state" in a checkpoint's user extras and ``from_state`` resumes after a restart.
+"""
+from __future__ import annotations
+
+from coci_hpc.planner.convergence import ConvergenceTracker
+from coci_hpc.planner.costs import Costs
+from coci_hpc.planner.failures import FailureModel
+from coci_hpc.planner.plan import Checkpoint, Plan
+from coci_hpc.planner.policies import PlanContext, make_policy
+
+
+class OnlinePlanner:
+    def __init__(self, policy: str, failure_model: FailureModel, nodes: int, costs: Costs,
+                 horizon_s: float, *, refit_every: int = 50, drift_tol: float = 0.05) -> None:
+        self.policy_spec = policy
+        self.policy = make_policy(policy)
+        self.failure_model = failure_model
+        self.nodes = int(nodes)
+        self.costs = costs
+        self.horizon_s = float(horizon_s)
+        self.tracker = ConvergenceTracker(refit_every=refit_every, drift_tol=drift_tol)
+        self.plan: Plan = self._make_plan(0.0, 0)
+        self.replans = 0
+
+    def _make_plan(self, t_now: float, step_now: int) -> Plan:
+        o = self.tracker.outcome
+        ctx = PlanContext(self.costs, self.failure_model.job_rate(self.nodes), self.horizon_s,
+                          t_now, step_now, o.fit, o.reason)
+        return self.policy.plan(ctx)
+
+    def observe(self, step: int, time_s: float, loss: float) -> bool:
+        """Record a loss; returns True when the plan was remade (curve drifted or first fit)."""
+        refit = self.tracker.add(step, time_s, loss)
+        first_fit = refit and self.tracker.fit is not None and self.plan.fit is None
+        if self.tracker.replan_needed or first_fit:
+            self.replan(step, time_s)
+            return True
+        return False
+
+    def replan(self, step: int, time_s: float, costs: Costs | None = None) -> Plan:
+        """Re-plan from now (e.g. with newly measured costs)."""
+        if costs is not None:
+            self.costs = costs
+        self.plan = self._make_plan(float(time_s), int(step))
+        self.tracker.acknowledge()
+        self.replans += 1
+        return self.plan
+
+    def next_checkpoint(self, time_s: float) -> Checkpoint | None:
+        nxt = self.plan.next_checkpoint(time_s)
+        if nxt is None and time_s >= self.plan.t_now + self.plan.horizon_s:
+            # past the horizon: extend the plan rather than stop protecting the job
+            step = self.tracker.samples[-1][0] if self.tracker.samples else 0
+            self.replan(step, time_s)
+            nxt = self.plan.next_checkpoint(time_s)
+        return nxt
+
+    def should_checkpoint(self, step: int, last_ckpt_step: int) -> bool:
+        """True when a planned checkpoint step lies in (last_ckpt_step, step]."""
+        for c in self.plan.checkpoints:
+            if c.step is not None and last_ckpt_step < c.step <= step:
+                return True
+        return False
+
+    def to_state(self) -> dict:
+        return {"version": 1, "policy": self.policy_spec, "nodes": self.nodes,
+                "horizon_s": self.horizon_s, "costs": self.costs.to_dict(),
+                "failure_model": self.failure_model.to_dict(), "tracker": self.tracker.to_state(),
+                "plan": self.plan.to_dict(), "replans": self.replans}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "OnlinePlanner":
+        if state.get("version") != 1:
+            raise ValueError(f"unknown planner state version {state.get('version')!r}")
+        obj = cls.__new__(cls)
+        obj.policy_spec = state["policy"]
+        obj.policy = make_policy(state["policy"])
+        obj.failure_model = FailureModel.from_dict(state["failure_model"])
+        obj.nodes = int(state["nodes"])
+        obj.costs = Costs.from_dict(state["costs"])
+        obj.horizon_s = float(state["horizon_s"])
+        obj.tracker = ConvergenceTracker.from_state(state["tracker"])
+        obj.plan = Plan.from_dict(state["plan"])
+        obj.replans = int(state.get("replans", 0))
+        return obj

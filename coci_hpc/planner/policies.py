@@ -1,0 +1,286 @@
+"""Checkpoint policies behind one interface.
+
+Every policy turns a :class:`PlanContext` into a frozen :class:`~coci_hpc.planner.plan.Plan`
+(checkpoint training-times and steps from ``t_now`` up to the horizon) and answers
+``next_checkpoint``. Times are training time in seconds (checkpoint stalls excluded), so a plan
+stays valid across restarts: after a rollback to checkpoint k the next target is k+1.
+
+Policies: ``coci`` (convergence-aware, COCI paper), ``coci:dp=S[,T]`` (its data-parallel variant),
+``young``, ``daly``, ``checkfreq[:P]``, ``fixed:N``. See :func:`make_policy`.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+from coci_hpc.errors import PlannerError, UsageError
+from coci_hpc.planner.convergence import CurveFit
+from coci_hpc.planner.costs import Costs
+from coci_hpc.planner.plan import Checkpoint, Plan
+
+# The COCI paper's code fits theta1 and takes lambda and Ts per MINUTE; its Pe formula is not
+# unit-free (it mixes a rate with a loss drop), so we evaluate it in the paper's unit.
+COCI_TIME_UNIT_S = 60.0
+MAX_CHECKPOINTS = 200_000
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    costs: Costs
+    job_rate: float                 # job failures per second (n nodes * per-node rate)
+    horizon_s: float                # plan covers (t_now, t_now + horizon_s]
+    t_now: float = 0.0              # current training time
+    step_now: int = 0
+    fit: CurveFit | None = None
+    fit_reason: str | None = None   # why there is no fit (for the fallback message)
+
+    def __post_init__(self) -> None:
+        if not (self.job_rate > 0 and math.isfinite(self.job_rate)):
+            raise PlannerError(f"job failure rate must be > 0 per second, got {self.job_rate!r}",
+                               hint="give a failure history or --mtbf-hours")
+        if not (self.horizon_s > 0 and math.isfinite(self.horizon_s)):
+            raise PlannerError(f"horizon must be > 0 seconds, got {self.horizon_s!r}",
+                               hint="e.g. --horizon 24h")
+
+    @property
+    def mtbf_s(self) -> float:
+        return 1.0 / self.job_rate
+
+    def step_at(self, t: float) -> int | None:
+        st = self.costs.step_time_s
+        if st is None:
+            return None
+        return self.step_now + max(1, int(round((t - self.t_now) / st)))
+
+
+def young_interval(ckpt_s: float, mtbf_s: float) -> float:
+    """Young (1974): sqrt(2 * Ts * M)."""
+    return math.sqrt(2.0 * ckpt_s * mtbf_s)
+
+
+def daly_interval(ckpt_s: float, mtbf_s: float) -> float:
+    """Daly (2006) higher-order estimate of the optimum compute time between checkpoints:
+    sqrt(2dM) * [1 + (1/3) sqrt(d/2M) + (1/9) (d/2M)] - d  for d < 2M, else M."""
+    d, m = ckpt_s, mtbf_s
+    if d >= 2.0 * m:
+        return m
+    x = d / (2.0 * m)
+    return math.sqrt(2.0 * d * m) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - d
+
+
+def checkfreq_interval(ckpt_s: float, max_overhead: float, step_time_s: float | None) -> float:
+    """CheckFreq: the most frequent interval whose checkpoint overhead Ts/(T+Ts) <= p.
+
+    With a step time the interval is a whole number of steps (CheckFreq works per iteration)."""
+    if not 0 < max_overhead < 1:
+        raise UsageError(f"checkfreq overhead bound must be in (0, 100) percent, got "
+                         f"{max_overhead * 100:g}", hint="e.g. --policy checkfreq:3.5")
+    t = ckpt_s * (1.0 - max_overhead) / max_overhead
+    if step_time_s:
+        t = math.ceil(t / step_time_s - 1e-9) * step_time_s
+    return t
+
+
+def coci_pe(theta1_per_s: float, ckpt_s: float, job_rate_per_s: float,
+            unit_s: float = COCI_TIME_UNIT_S) -> float:
+    """COCI's loss drop per checkpoint segment:
+    Pe = (1 - exp(theta1*Ts)) * (1/(2*lambda) - 1/(2*theta1)), in the paper's time unit."""
+    th = theta1_per_s * unit_s
+    ts = ckpt_s / unit_s
+    lam = job_rate_per_s * unit_s
+    if th >= 0:
+        raise PlannerError("COCI needs a decreasing loss curve (theta1 < 0)",
+                           hint="use another policy or profile longer")
+    return (1.0 - math.exp(th * ts)) * (1.0 / (2.0 * lam) - 1.0 / (2.0 * th))
+
+
+class Policy(ABC):
+    name: str = ""
+
+    @abstractmethod
+    def plan(self, ctx: PlanContext) -> Plan:
+        ...
+
+    def next_checkpoint(self, ctx: PlanContext) -> Checkpoint | None:
+        return self.plan(ctx).next_checkpoint()
+
+    def __repr__(self) -> str:
+        return f"<policy {self.name}>"
+
+
+def _uniform(ctx: PlanContext, interval: float) -> list[float]:
+    n = int(math.floor(ctx.horizon_s / interval + 1e-9))
+    if n > MAX_CHECKPOINTS:
+        raise PlannerError(f"interval {interval:.3g} s gives {n} checkpoints within the horizon",
+                           hint="shorten --horizon or check the costs and failure rate")
+    return [ctx.t_now + interval * (i + 1) for i in range(n)]
+
+
+def _checkpoints(ctx: PlanContext, times: list[float]) -> tuple[Checkpoint, ...]:
+    out: list[Checkpoint] = []
+    last_step = ctx.step_now
+    for t in times:
+        s = ctx.step_at(t)
+        if s is not None:
+            if s <= last_step:           # two targets inside one step: keep the first
+                continue
+            last_step = s
+        out.append(Checkpoint(float(t), s))
+    return tuple(out)
+
+
+class UniformPolicy(Policy):
+    """A policy with one interval; subclasses give it."""
+
+    @abstractmethod
+    def interval(self, ctx: PlanContext) -> float:
+        ...
+
+    def plan(self, ctx: PlanContext) -> Plan:
+        iv = self.interval(ctx)
+        return Plan(self.name, self.name, _checkpoints(ctx, _uniform(ctx, iv)), iv,
+                    ctx.horizon_s, ctx.t_now, ctx.step_now, ctx.job_rate, ctx.costs, ctx.fit)
+
+
+class Young(UniformPolicy):
+    name = "young"
+
+    def interval(self, ctx: PlanContext) -> float:
+        return young_interval(ctx.costs.ckpt_s, ctx.mtbf_s)
+
+
+class Daly(UniformPolicy):
+    name = "daly"
+
+    def interval(self, ctx: PlanContext) -> float:
+        return daly_interval(ctx.costs.ckpt_s, ctx.mtbf_s)
+
+
+class CheckFreq(UniformPolicy):
+    def __init__(self, max_overhead_percent: float = 3.5) -> None:
+        self.p = max_overhead_percent / 100.0
+        self.name = "checkfreq" if max_overhead_percent == 3.5 else f"checkfreq:{max_overhead_percent:g}"
+
+    def interval(self, ctx: PlanContext) -> float:
+        return checkfreq_interval(ctx.costs.ckpt_s, self.p, ctx.costs.step_time_s)
+
+
+class Fixed(UniformPolicy):
+    def __init__(self, every_steps: int) -> None:
+        if every_steps < 1:
+            raise UsageError(f"fixed:N needs N >= 1, got {every_steps}", hint="e.g. fixed:500")
+        self.n = int(every_steps)
+        self.name = f"fixed:{self.n}"
+
+    def interval(self, ctx: PlanContext) -> float:
+        if ctx.costs.step_time_s is None:
+            raise PlannerError(f"{self.name} needs the step time to turn steps into seconds",
+                               hint="give step_time_s in the profile")
+        return self.n * ctx.costs.step_time_s
+
+
+class Coci(Policy):
+    """Checkpoints at equal convergence progress: checkpoint i where the fitted loss has dropped
+    by i*Pe from its value now. Dense early, sparse late.
+
+    Data-parallel variant (``theta_scale``, ``ts_scale``): the run continues under another
+    configuration whose convergence per second is ``theta_scale`` times the profiled one and
+    whose checkpoint cost is ``ts_scale`` times Ts, as in the paper.
+
+    ``max_interval_factor`` caps any gap at that many Young intervals: past the fitted curve's
+    reach (a floor, or beyond the data) the extrapolation is not trusted to leave the job
+    unprotected for hours. ``None`` disables the cap (the paper's pure rule).
+    Without a usable fit, coci falls back to young and says why.
+    """
+
+    def __init__(self, theta_scale: float = 1.0, ts_scale: float = 1.0,
+                 max_interval_factor: float | None = 2.0) -> None:
+        if theta_scale <= 0 or ts_scale <= 0:
+            raise UsageError("coci:dp scales must be > 0", hint="e.g. coci:dp=4,1.5")
+        self.theta_scale, self.ts_scale = float(theta_scale), float(ts_scale)
+        self.max_interval_factor = max_interval_factor
+        dp = (self.theta_scale, self.ts_scale) != (1.0, 1.0)
+        self.name = f"coci:dp={self.theta_scale:g},{self.ts_scale:g}" if dp else "coci"
+        if max_interval_factor is None:
+            self.name = "coci-uncapped" if not dp else self.name + "-uncapped"
+
+    def plan(self, ctx: PlanContext) -> Plan:
+        fit = ctx.fit
+        ts = ctx.costs.ckpt_s * self.ts_scale
+        young = young_interval(ts, ctx.mtbf_s)
+        if fit is None:
+            why = ctx.fit_reason or "no convergence samples"
+            p = Young().plan(ctx)
+            return Plan(self.name, "young", p.checkpoints, p.interval_s, ctx.horizon_s, ctx.t_now,
+                        ctx.step_now, ctx.job_rate, ctx.costs, None,
+                        fallback=f"no usable convergence fit ({why}); planned as young")
+        pe = coci_pe(fit.theta1 * self.theta_scale, ts, ctx.job_rate)
+        scale = self.theta_scale
+
+        def loss_at(t: float) -> float:          # the curve as walked under this configuration
+            return float(fit.loss(ctx.t_now + scale * (t - ctx.t_now)))
+
+        def time_at(loss: float) -> float:
+            u = fit.time_at_loss(loss)
+            return ctx.t_now + (u - ctx.t_now) / scale if math.isfinite(u) else math.inf
+
+        l_now = loss_at(ctx.t_now)
+        end = ctx.t_now + ctx.horizon_s
+        cap = None if self.max_interval_factor is None else self.max_interval_factor * young
+        min_iv = max(ts, ctx.costs.step_time_s or 0.0)   # never more often than once per Ts
+        times: list[float] = []
+        anchor, last, i = l_now, ctx.t_now, 1
+        while len(times) < MAX_CHECKPOINTS:
+            t = time_at(anchor - i * pe)
+            if t - last < min_iv:
+                # skip the targets that fall inside the minimum interval in one jump
+                i = max(i + 1, math.ceil((anchor - loss_at(last + min_iv)) / pe - 1e-12))
+                t = time_at(anchor - i * pe)
+            if cap is not None and t - last > cap:
+                # beyond the curve's reach (or a long gap): cap it, then measure the next
+                # equal-progress drop from the loss reached there
+                t = last + cap
+                anchor, i = loss_at(t), 0
+            if not math.isfinite(t) or t > end + 1e-9:
+                break
+            times.append(t)
+            last = t
+            i += 1
+        params = {"pe": pe, "loss_now": l_now, "time_unit_s": COCI_TIME_UNIT_S,
+                  "theta_scale": self.theta_scale, "ts_scale": self.ts_scale,
+                  "max_interval_s": cap}
+        return Plan(self.name, self.name, _checkpoints(ctx, times), None, ctx.horizon_s,
+                    ctx.t_now, ctx.step_now, ctx.job_rate, ctx.costs, fit, None, params)
+
+
+POLICY_NAMES = ("coci", "coci:dp=THETA_SCALE[,TS_SCALE]", "young", "daly", "checkfreq[:PERCENT]",
+                "fixed:N")
+
+
+def make_policy(spec: str) -> Policy:
+    """Parse a policy name as given on the command line."""
+    s = spec.strip().lower()
+    head, _, arg = s.partition(":")
+    try:
+        if head == "coci" and not arg:
+            return Coci()
+        if head == "coci" and arg.startswith("dp="):
+            parts = [float(x) for x in arg[3:].split(",")]
+            if len(parts) not in (1, 2):
+                raise ValueError(arg)
+            return Coci(parts[0], parts[1] if len(parts) == 2 else 1.0)
+        if head == "coci-uncapped" and not arg:
+            return Coci(max_interval_factor=None)
+        if head == "young" and not arg:
+            return Young()
+        if head == "daly" and not arg:
+            return Daly()
+        if head == "checkfreq":
+            return CheckFreq(float(arg) if arg else 3.5)
+        if head == "fixed" and arg:
+            return Fixed(int(arg))
+    except ValueError:
+        pass
+    raise UsageError(f"unknown policy {spec!r}", hint="valid: " + ", ".join(POLICY_NAMES))

@@ -1,0 +1,283 @@
+"""Replay failure traces against checkpoint plans, a loss curve and early termination.
+
+Every policy is run on the SAME traces and the same stop points (common random numbers), so
+differences between policies are not sampling noise. A run:
+
+* trains from progress 0 towards ``stop_s`` of training time (the job's useful work: the
+  whole job when it completes, less when an exploratory job is stopped early);
+* at each planned checkpoint time it stalls for Ts; a failure rolls it back to the last
+  completed checkpoint and costs Tr of restart (a failure during a restart restarts again).
+
+Overhead in time = wall time - stop_s = checkpoint stalls + lost (recomputed) work + restarts.
+Overhead in convergence progress (loss units): the loss drop that had to be recomputed after
+each failure, L(last checkpoint) - L(failure point), plus the loss drop forgone during stalls,
+|dL/dt| x stall time, at the point of the stall. It weights early waste more: COCI's premise.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+from scipy.special import gamma as gamma_fn
+
+from coci_hpc.errors import PlannerError
+from coci_hpc.planner.costs import Costs
+
+
+class Curve(Protocol):
+    def loss(self, t): ...
+    def rate(self, t): ...
+
+
+class InterpolatedCurve:
+    """A recorded loss curve made monotone (running minimum of a moving average), linearly
+    interpolated; beyond the last sample it stays at the last value (no extrapolated progress)."""
+
+    def __init__(self, times: Sequence[float], losses: Sequence[float], smooth: int = 5) -> None:
+        t = np.asarray(times, dtype=float)
+        y = np.asarray(losses, dtype=float)
+        ok = np.isfinite(t) & np.isfinite(y)
+        t, y = t[ok], y[ok]
+        order = np.argsort(t)
+        t, y = t[order], y[order]
+        if t.size < 2:
+            raise PlannerError("a recorded curve needs at least 2 samples")
+        if smooth > 1 and y.size > smooth:
+            k = np.ones(smooth) / smooth
+            pad = np.concatenate([np.full(smooth // 2, y[0]), y, np.full(smooth - 1 - smooth // 2, y[-1])])
+            y = np.convolve(pad, k, mode="valid")
+        self.t = t
+        self.y = np.minimum.accumulate(y)
+        dt = np.diff(self.t)
+        self._slope = np.where(dt > 0, -np.diff(self.y) / np.where(dt > 0, dt, 1.0), 0.0)
+
+    def loss(self, t):
+        return np.interp(t, self.t, self.y)
+
+    def rate(self, t):
+        idx = np.clip(np.searchsorted(self.t, t, side="right") - 1, 0, self._slope.size - 1)
+        r = self._slope[idx]
+        return np.where(np.asarray(t) >= self.t[-1], 0.0, r)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    wall_s: float
+    stop_s: float
+    ckpt_s: float          # completed + interrupted checkpoint stalls
+    lost_s: float          # recomputed work
+    restart_s: float
+    n_failures: int
+    n_ckpts: int
+    progress_ckpt: float
+    progress_lost: float
+    progress_restart: float
+    finished: bool = True
+
+    @property
+    def overhead_s(self) -> float:
+        return self.wall_s - self.stop_s
+
+    @property
+    def overhead_progress(self) -> float:
+        return self.progress_ckpt + self.progress_lost + self.progress_restart
+
+
+def run_one(ckpt_times: Sequence[float] | np.ndarray, stop_s: float, failures: np.ndarray,
+            costs: Costs, curve: Curve | None = None, trace_until_s: float = math.inf
+            ) -> RunResult:
+    """One job: plan ``ckpt_times`` (training time, sorted), useful work ``stop_s``, failure
+    wall-clock times ``failures`` (sorted, since job start, valid up to ``trace_until_s``:
+    a run still going past it is reported as not finished)."""
+    ts, tr = costs.ckpt_s, costs.restart_s
+    c = np.asarray(ckpt_times, dtype=float)
+    c = c[(c > 0) & (c < stop_s)]
+    n = c.size
+    g = c + ts * np.arange(1, n + 1)          # completion wall time of ckpt j from a clean start
+    if curve is not None:
+        rc = np.concatenate([[0.0], np.cumsum(np.asarray(curve.rate(c), dtype=float) * ts)])
+        loss = lambda x: float(curve.loss(x))     # noqa: E731
+        rate = lambda x: float(curve.rate(x))     # noqa: E731
+    else:
+        rc = np.zeros(n + 1)
+        loss = rate = lambda x: 0.0               # noqa: E731
+    w, p0, j0, fi = 0.0, 0.0, 0, 0
+    ck = lost = rs = pk = pl = pr = 0.0
+    nf = ncomp = 0
+    nfail_total = failures.size
+    while True:
+        offset = w - p0 - ts * j0
+        finish = offset + stop_s + ts * n
+        f = failures[fi] if fi < nfail_total else math.inf
+        if f >= finish:
+            ck += ts * (n - j0)
+            ncomp += n - j0
+            pk += rc[n] - rc[j0]
+            w = finish
+            break
+        # checkpoints completed before the failure
+        j1 = max(j0, int(np.searchsorted(g, f - offset, side="right")))
+        ck += ts * (j1 - j0)
+        ncomp += j1 - j0
+        pk += rc[j1] - rc[j0]
+        w_last = offset + g[j1 - 1] if j1 > j0 else w
+        p_last = c[j1 - 1] if j1 > 0 else 0.0
+        p_last = p_last if j1 > j0 else p0
+        e = f - w_last
+        seg = (c[j1] if j1 < n else stop_s) - p_last
+        if e <= seg:
+            x_fail, partial = p_last + e, 0.0
+        else:                                     # died while writing checkpoint j1
+            x_fail, partial = c[j1], e - seg
+        lost += x_fail - p_last
+        ck += partial
+        pl += loss(p_last) - loss(x_fail)
+        pk += rate(x_fail) * partial
+        nf += 1
+        fi += 1
+        w = f + tr
+        while fi < nfail_total and failures[fi] < w:     # failed again while restarting
+            nf += 1
+            w = failures[fi] + tr
+            fi += 1
+        rs += w - f
+        pr += rate(p_last) * (w - f)
+        p0, j0 = p_last, j1
+    finished = w <= trace_until_s
+    return RunResult(w, stop_s, ck, lost, rs, nf, ncomp, pk, pl, pr, bool(finished))
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Common random numbers: failure traces and stop points shared by every policy."""
+
+    traces: tuple[np.ndarray, ...]
+    stops: np.ndarray
+    horizon_s: float
+    termination: str
+    job_rate: float
+    weibull_shape: float | None = None
+    trace_until_s: float = math.inf
+
+
+def sample_trace(rng: np.random.Generator, job_rate: float, until_s: float,
+                 weibull_shape: float | None = None) -> np.ndarray:
+    """Failure times of a renewal process with mean gap 1/job_rate (exponential or Weibull)."""
+    mean = 1.0 / job_rate
+    out: list[np.ndarray] = []
+    t = 0.0
+    batch = max(16, int(until_s * job_rate * 1.5) + 16)
+    while t < until_s:
+        if weibull_shape is None:
+            gaps = rng.exponential(mean, batch)
+        else:
+            scale = mean / gamma_fn(1.0 + 1.0 / weibull_shape)
+            gaps = scale * rng.weibull(weibull_shape, batch)
+        times = t + np.cumsum(gaps)
+        out.append(times)
+        t = float(times[-1])
+    allt = np.concatenate(out)
+    return allt[allt <= until_s]
+
+
+def replay_trace(recorded_s: Sequence[float], period_s: float, offset_s: float,
+                 until_s: float) -> np.ndarray:
+    """A recorded failure history (seconds within a window of ``period_s``), replayed cyclically
+    from ``offset_s`` so runs see the cluster's real pattern of gaps."""
+    rec = np.sort(np.mod(np.asarray(recorded_s, dtype=float), period_s))
+    if rec.size == 0:
+        return np.empty(0)
+    shifted = np.sort(np.mod(rec - offset_s, period_s))
+    reps = int(math.ceil(until_s / period_s)) + 1
+    allt = (shifted[None, :] + period_s * np.arange(reps)[:, None]).ravel()
+    return allt[allt <= until_s]
+
+
+def make_scenario(job_rate: float, horizon_s: float, n_runs: int, seed: int = 0, *,
+                  termination: str = "complete", min_fraction: float = 0.02,
+                  weibull_shape: float | None = None,
+                  recorded: tuple[Sequence[float], float] | None = None,
+                  trace_factor: float = 3.0) -> Scenario:
+    """``termination``: "complete" (every run reaches the horizon) or "exploratory" (stopped
+    after a log-uniform fraction in [min_fraction, 1] of the horizon). ``recorded`` =
+    (failure times, window length) replays a real history instead of sampling the model.
+    Traces cover ``trace_factor`` x the horizon of wall time; a run that needs longer (over
+    200% overhead) is reported as unfinished rather than silently given a failure-free tail."""
+    if termination not in ("complete", "exploratory"):
+        raise PlannerError(f"unknown termination {termination!r}", hint="complete or exploratory")
+    rng = np.random.default_rng(seed)
+    if termination == "complete":
+        stops = np.full(n_runs, float(horizon_s))
+    else:
+        stops = horizon_s * np.exp(rng.uniform(math.log(min_fraction), 0.0, n_runs))
+    until = trace_factor * horizon_s + 50.0 / job_rate
+    traces = []
+    for _ in range(n_runs):
+        if recorded is not None:
+            times, period = recorded
+            traces.append(replay_trace(times, period, rng.uniform(0, period), until))
+        else:
+            traces.append(sample_trace(rng, job_rate, until, weibull_shape))
+    return Scenario(tuple(traces), stops, float(horizon_s), termination, job_rate, weibull_shape,
+                    until)
+
+
+@dataclass(frozen=True)
+class Summary:
+    policy: str
+    n_runs: int
+    overhead_s: float             # mean over runs
+    overhead_fraction: float      # mean overhead / mean useful work
+    ckpt_s: float
+    lost_s: float
+    restart_s: float
+    overhead_progress: float      # mean lost loss-drop, loss units (nan without a curve)
+    progress_fraction: float      # / mean loss drop achieved by the runs
+    n_ckpts: float
+    n_failures: float
+    unfinished: int
+    per_run_s: np.ndarray = field(repr=False, compare=False, default=None)
+    per_run_progress: np.ndarray = field(repr=False, compare=False, default=None)
+
+    def to_dict(self) -> dict:
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                for k, v in self.__dict__.items() if not k.startswith("per_run")}
+
+
+def evaluate(plans: dict[str, Sequence[float]], scenario: Scenario, costs: Costs,
+             curve: Curve | None = None) -> dict[str, Summary]:
+    """Run every plan on every (trace, stop) of ``scenario``."""
+    out: dict[str, Summary] = {}
+    achieved = None
+    if curve is not None:
+        achieved = float(np.mean([float(curve.loss(0.0)) - float(curve.loss(s))
+                                  for s in scenario.stops]))
+    for name, times in plans.items():
+        times = np.sort(np.asarray(times, dtype=float))
+        rr = [run_one(times, float(s), tr, costs, curve, scenario.trace_until_s)
+              for s, tr in zip(scenario.stops, scenario.traces)]
+        ov = np.array([r.overhead_s for r in rr])
+        pg = np.array([r.overhead_progress for r in rr]) if curve is not None else np.full(len(rr), np.nan)
+        work = float(np.mean(scenario.stops))
+        out[name] = Summary(
+            policy=name, n_runs=len(rr), overhead_s=float(ov.mean()),
+            overhead_fraction=float(ov.mean() / work),
+            ckpt_s=float(np.mean([r.ckpt_s for r in rr])),
+            lost_s=float(np.mean([r.lost_s for r in rr])),
+            restart_s=float(np.mean([r.restart_s for r in rr])),
+            overhead_progress=float(pg.mean()),
+            progress_fraction=float(pg.mean() / achieved) if achieved else math.nan,
+            n_ckpts=float(np.mean([r.n_ckpts for r in rr])),
+            n_failures=float(np.mean([r.n_failures for r in rr])),
+            unfinished=int(sum(not r.finished for r in rr)),
+            per_run_s=ov, per_run_progress=pg)
+    return out
+
+
+def ratio(a: Summary, b: Summary, metric: str = "progress") -> float:
+    """Mean overhead of ``a`` over that of ``b`` on the same runs."""
+    if metric == "progress":
+        return a.overhead_progress / b.overhead_progress if b.overhead_progress else math.nan
+    return a.overhead_s / b.overhead_s if b.overhead_s else math.nan

@@ -1,0 +1,52 @@
+"""Thin adapters around Slurm commands. One runner, replaceable in tests; no policy here."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from typing import Callable, Sequence
+
+from coci_hpc.errors import SlurmError
+
+Runner = Callable[[Sequence[str]], str]
+
+
+def run_command(argv: Sequence[str], timeout: float = 60.0) -> str:
+    """Run a Slurm command and return its stdout; a missing command or non-zero exit is a SlurmError."""
+    if shutil.which(argv[0]) is None:
+        raise SlurmError(f"`{argv[0]}` not found on PATH",
+                         hint="run inside a Slurm allocation or on a login node with Slurm's client commands")
+    try:
+        p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise SlurmError(f"`{' '.join(argv)}` did not answer within {timeout:.0f}s",
+                         hint="is slurmctld up? (`scontrol ping`)") from exc
+    if p.returncode != 0:
+        raise SlurmError(f"`{' '.join(argv)}` failed (exit {p.returncode}): {(p.stderr or p.stdout).strip()}")
+    return p.stdout
+
+
+def requeue(job_id: str, runner: Runner = run_command) -> None:
+    """Ask Slurm to requeue the job: it is ended now and starts again as the same job id."""
+    runner(["scontrol", "requeue", job_id])
+
+
+def time_left_s(job_id: str, runner: Runner = run_command) -> float | None:
+    """Seconds until the job's time limit, from Slurm (``squeue %L``); None when unlimited or unknown."""
+    out = runner(["squeue", "-h", "-j", job_id, "-o", "%L"]).strip()
+    return parse_duration(out)
+
+
+def parse_duration(text: str) -> float | None:
+    """Slurm's ``[days-]hours:minutes:seconds`` / ``minutes:seconds`` -> seconds; UNLIMITED/INVALID -> None."""
+    text = text.strip()
+    if not text or text.upper() in ("UNLIMITED", "INVALID", "NOT_SET"):
+        return None
+    days = 0
+    if "-" in text:
+        d, text = text.split("-", 1)
+        days = int(d)
+    parts = [float(x) for x in text.split(":")]
+    while len(parts) < 3:
+        parts.insert(0, 0.0)
+    h, m, s = parts[-3:]
+    return days * 86400 + h * 3600 + m * 60 + s

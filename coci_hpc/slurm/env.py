@@ -1,0 +1,72 @@
+"""The one place that reads ``SLURM_*``: a frozen view of the job this process runs in.
+
+Everything else takes a :class:`JobEnvironment`; tests build one from a plain dict.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+# attribute -> (variable, type). Table-driven so that a new field is one line, not a new getter.
+_TABLE: dict[str, tuple[str, type]] = {
+    "job_id": ("SLURM_JOB_ID", str),
+    "array_job_id": ("SLURM_ARRAY_JOB_ID", str),
+    "array_task_id": ("SLURM_ARRAY_TASK_ID", str),
+    "job_name": ("SLURM_JOB_NAME", str),
+    "partition": ("SLURM_JOB_PARTITION", str),
+    "nodelist": ("SLURM_JOB_NODELIST", str),
+    "num_nodes": ("SLURM_JOB_NUM_NODES", int),
+    "node_name": ("SLURMD_NODENAME", str),
+    "ntasks": ("SLURM_NTASKS", int),
+    "procid": ("SLURM_PROCID", int),
+    "localid": ("SLURM_LOCALID", int),
+    "restart_count": ("SLURM_RESTART_COUNT", int),
+    "submit_dir": ("SLURM_SUBMIT_DIR", str),
+}
+
+
+@dataclass(frozen=True)
+class JobEnvironment:
+    job_id: str | None = None
+    array_job_id: str | None = None
+    array_task_id: str | None = None
+    job_name: str | None = None
+    partition: str | None = None
+    nodelist: str | None = None
+    num_nodes: int | None = None
+    node_name: str | None = None
+    ntasks: int | None = None
+    procid: int | None = None
+    localid: int | None = None
+    restart_count: int = 0
+    submit_dir: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "JobEnvironment":
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for name, (var, typ) in _TABLE.items():
+            raw = env.get(var)
+            if raw is None or raw == "":
+                continue
+            try:
+                values[name] = typ(raw)
+            except ValueError:
+                # Slurm never sets these to non-numbers; a hand-set one is ignored rather than fatal.
+                continue
+        return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def in_slurm_job(self) -> bool:
+        return self.job_id is not None
+
+    @property
+    def requeue_id(self) -> str | None:
+        """The id `scontrol requeue` takes: for an array task, ``<array job>_<task>``."""
+        if self.array_job_id and self.array_task_id:
+            return f"{self.array_job_id}_{self.array_task_id}"
+        return self.job_id
+
+
+assert set(_TABLE) == {f.name for f in fields(JobEnvironment)}, "table and dataclass disagree"

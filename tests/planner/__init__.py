@@ -1,0 +1,1 @@
+"""Tests of the COCI planner, its Slurm accounting adapters and coci-plan."""

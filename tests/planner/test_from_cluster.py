@@ -1,0 +1,55 @@
+"""coci-plan --from-cluster on the local Slurm cluster: a failed node shows up in the plan."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from coci_hpc.slurm.accounting import SACCTMGR_EVENT_ARGS
+
+pytestmark = pytest.mark.slurm
+
+
+def _down_events_since(env: dict, since: str, node: str) -> list[str]:
+    p = subprocess.run(SACCTMGR_EVENT_ARGS + [f"Start={since}", "End=now"], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.strip().splitlines()[1:]          # skip the header
+    return [ln for ln in lines if ln.split("|")[0] == node and "DOWN" in ln.split("|")[3].upper()]
+
+
+def test_failed_node_appears_in_plan(slurm_cluster):
+    env = slurm_cluster.env
+    dev = str(slurm_cluster.devcluster)
+    # one second of slack: Slurm stamps events to the second
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 1))
+    subprocess.run([dev, "fail", "n2"], check=True, env=env, timeout=120,
+                   capture_output=True, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _down_events_since(env, since, "n2"):
+            if time.monotonic() > deadline:
+                pytest.fail("sacctmgr show event never listed n2 DOWN after devcluster fail n2")
+            time.sleep(1)
+    finally:
+        subprocess.run([dev, "recover", "n2"], check=True, env=env, timeout=120,
+                       capture_output=True, text=True)
+
+    p = subprocess.run([sys.executable, "-m", "coci_hpc.cli.plan", "--from-cluster",
+                        "--since", since, "--nodes", "2", "--json"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    f = out["failures"]
+    assert f["source"] == "cluster"
+    assert f["n_failures"] >= 1
+    n2 = [e for e in f["events"] if "n2" in e["nodes"]]
+    assert n2, f"n2's failure missing from {f['events']}"
+    assert n2[0]["source"] == "event" and "DOWN" in n2[0]["state"].upper()
+    assert out["mtbf_hours"] > 0
+    assert out["checkpoints"] and out["checkpoints"][0]["time_s"] > 0
+    assert out["interval_s"] is not None          # coci without a profile plans as young
+    assert "profile" in out["fallback"]

@@ -1,0 +1,62 @@
+"""Planner state and plans survive JSON (the checkpoint store keeps them in user extras)."""
+import json
+import math
+
+import pytest
+
+from coci_hpc.planner.costs import Costs
+from coci_hpc.planner.failures import from_mtbf
+from coci_hpc.planner.online import OnlinePlanner
+from coci_hpc.planner.plan import Plan
+from coci_hpc.planner.policies import PlanContext, make_policy
+
+
+def feed(p, start, stop):
+    for i in range(start, stop):
+        t = 5.0 * i
+        p.observe(10 * i, t, 2 * math.exp(-1e-3 * t) + 0.1)
+
+
+def test_plan_json_roundtrip():
+    ctx = PlanContext(Costs(5, 60, 0.5), 1 / 7200, 7200.0)
+    p = make_policy("daly").plan(ctx)
+    q = Plan.from_dict(json.loads(p.to_json()))
+    assert q == p
+
+
+def test_online_planner_replans_on_first_fit_and_roundtrips():
+    op = OnlinePlanner("coci", from_mtbf(4 * 3600), 2, Costs(1.6, 120, 0.5), 6 * 3600,
+                       refit_every=20)
+    assert op.plan.effective_policy == "young" and op.plan.fallback
+    feed(op, 0, 100)
+    assert op.plan.effective_policy == "coci" and op.replans >= 1
+    state = json.loads(json.dumps(op.to_state(), allow_nan=False))
+    op2 = OnlinePlanner.from_state(state)
+    assert op2.plan == op.plan
+    assert op2.tracker.samples == op.tracker.samples
+    # both continue identically
+    feed(op, 100, 160)
+    feed(op2, 100, 160)
+    assert op2.plan == op.plan
+    nxt = op.next_checkpoint(500.0)
+    assert nxt is not None and nxt.time_s > 500.0
+    assert op.should_checkpoint(nxt.step, nxt.step - 1)
+    steps = [c.step for c in op.plan.checkpoints]
+    k = steps.index(nxt.step)
+    prev = steps[k - 1] if k else op.plan.step_now
+    if nxt.step - prev > 1:      # no planned step strictly between two planned checkpoints
+        assert not op.should_checkpoint(nxt.step - 1, prev)
+
+
+def test_online_planner_extends_past_horizon():
+    op = OnlinePlanner("young", from_mtbf(3600), 1, Costs(1.0, 10.0, 1.0), 600.0)
+    nxt = op.next_checkpoint(700.0)
+    assert nxt is not None and nxt.time_s > 700.0
+
+
+def test_state_version_checked():
+    op = OnlinePlanner("young", from_mtbf(3600), 1, Costs(1.0, 10.0), 600.0)
+    st = op.to_state()
+    st["version"] = 99
+    with pytest.raises(ValueError):
+        OnlinePlanner.from_state(st)
