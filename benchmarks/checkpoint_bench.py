@@ -1,0 +1,418 @@
+"""Checkpoint benchmark: coci_hpc vs raw I/O, torch.save and torch.distributed.checkpoint (DCP).
+
+    python benchmarks/checkpoint_bench.py                 # 1 and 2 ranks, ~1.2 GB state
+    python benchmarks/checkpoint_bench.py --json          # one JSON object on stdout
+    python benchmarks/checkpoint_bench.py --size-mb 200   # iterate small
+
+The state is an MLP of ``size_mb / 12`` MB of float32 parameters plus Adam's two moments
+(~``size_mb`` MB in all). The script runs itself under ``mpiexec -n 1`` and ``-n 2`` (``--ranks``)
+and measures, in each world, interleaved over ``--repeats`` rounds (medians reported):
+
+* raw write+fsync: every rank pwrites its 1/N of the same bytes into one file, then fsync
+  (measured twice per round, first and right before coci's save; the faster one counts);
+* torch.save+fsync of model+optimizer state dicts on rank 0 (the usual data-parallel practice);
+* DCP ``save`` (fsync on) and ``async_save`` (thread), all ranks;
+* coci ``save`` (sync) and ``save_async`` inside a training loop;
+* restores with a cold page cache: raw read of the same bytes, coci load, torch.load, DCP load
+  (every rank loads the whole replicated state, as data parallelism needs).
+
+Times are the slowest rank's, between barriers. Ratios (goals from issue 3):
+persist_efficiency = raw write / save (>= 0.95); stall_ratio = training-loop blocked time of an
+async save / torch.save time (<= 0.05); restore_ratio = restore / raw read (<= 1.2);
+interference = training steps/s while a persist runs / steps/s without (>= 0.9).
+Top-level JSON keys are coci's worst value over the rank counts; ``by_ranks`` has everything.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+# ------------------------------------------------------------------------------ helpers
+def drop_cache(paths: list[Path]) -> str:
+    """Evict files from the page cache: drop_caches if allowed, else fadvise(DONTNEED)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for p in paths:
+        for f in ([p] if p.is_file() else [q for q in p.rglob("*") if q.is_file()]):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "fadvise"
+
+
+def build(size_mb: int, threads: int, comm=None):
+    """MLP + Adam of ~size_mb MB; train_step() is one data-parallel step (gradient allreduce
+    over ``comm`` when it has several ranks, like DDP, which also keeps the ranks in step)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    n_params = size_mb * (1 << 20) // 12
+    layers = 4
+    width = int((n_params / layers) ** 0.5)
+    torch.manual_seed(0)
+    mods = []
+    for i in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Dropout(0.1)]
+    model = torch.nn.Sequential(*mods[:-2])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-5)
+    x = torch.randn(16, width)
+
+    def train_step() -> None:
+        opt.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+        if comm is not None and comm.size > 1:
+            from mpi4py import MPI
+
+            for p in model.parameters():
+                comm.mpi_comm.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
+                p.grad /= comm.size
+        opt.step()
+
+    train_step()  # creates the Adam moments
+    return model, opt, train_step
+
+
+def tensors_of(model, opt) -> list:
+    out = [p.detach() for p in model.parameters()]
+    for st in opt.state.values():
+        out += [st["exp_avg"], st["exp_avg_sq"]]
+    return out
+
+
+class Timer:
+    """Slowest-rank wall time of a block, between barriers."""
+
+    def __init__(self, comm) -> None:
+        self.comm = comm
+
+    def __call__(self, fn):
+        self.comm.barrier()
+        t0 = time.perf_counter()
+        out = fn()
+        dt = time.perf_counter() - t0
+        self.comm.barrier()
+        return self.comm.allreduce_max(dt), out
+
+
+def raw_write(comm, path: Path, tensors) -> None:
+    """Every rank pwrites its 1/N of the concatenated bytes at their stream offsets, then fsync."""
+    from coci_hpc.checkpoint.rawio import pwrite_all
+
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    lo, hi = total * comm.rank // comm.size, total * (comm.rank + 1) // comm.size
+    if comm.rank == 0:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+    comm.barrier()
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        off = 0
+        for t in tensors:
+            b = t.reshape(-1).view(__import__("torch").uint8).numpy()
+            a, z = max(lo, off), min(hi, off + b.nbytes)
+            if a < z:
+                pwrite_all(fd, b[a - off:z - off], a)
+            off += b.nbytes
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_read(path: Path, tensors) -> None:
+    from coci_hpc.checkpoint.rawio import pread_into
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        off = 0
+        for t in tensors:
+            b = t.reshape(-1).view(__import__("torch").uint8).numpy()
+            pread_into(fd, b, off)
+            off += b.nbytes
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    for f in ([path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ------------------------------------------------------------------------------- worker
+def worker(args: argparse.Namespace) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from coci_hpc.checkpoint import CheckpointManager
+    from coci_hpc.comm import Comm
+
+    comm = Comm.world()
+    W, rank = comm.size, comm.rank
+    threads = max(1, (os.cpu_count() or 2) // W)
+    model, opt, train_step = build(args.size_mb, threads, comm)
+    tensors = tensors_of(model, opt)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    base = Path(comm.bcast(tempfile.mkdtemp(prefix="coci-bench-", dir=args.dir) if rank == 0 else None))
+    port = comm.bcast(29500 + os.getpid() % 2000 if rank == 0 else None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W)
+    timer = Timer(comm)
+    state = {"model": model, "optimizer": opt}
+    res: dict[str, list[float]] = {}
+    cache_method = ""
+
+    def rec(key: str, value: float) -> None:
+        res.setdefault(key, []).append(value)
+
+    def clean(p: Path) -> None:
+        comm.barrier()
+        if rank == 0:
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        comm.barrier()
+
+    for _ in range(2):  # warm up
+        train_step()
+
+    for rep in range(args.repeats):
+        # raw write + read
+        raw = base / "raw.bin"
+        rec("raw_write", timer(lambda: raw_write(comm, raw, tensors))[0])
+        cache_method = drop_cache([raw]) if rank == 0 else ""
+        comm.barrier()
+        rec("raw_read", timer(lambda: raw_read(raw, tensors))[0])
+        clean(raw)
+
+        # torch.save + fsync on rank 0; torch.load on every rank
+        tp = base / "torch.pt"
+
+        def tsave() -> None:
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tp)
+                fsync_tree(tp)
+        rec("torch_save", timer(tsave)[0])
+        if rank == 0:
+            drop_cache([tp])
+        comm.barrier()
+        rec("torch_load", timer(lambda: torch.load(tp, weights_only=True))[0])
+        clean(tp)
+
+        # DCP save, load, async_save
+        dp = base / f"dcp{rep}"
+        sd = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        rec("dcp_save", timer(lambda: dcp.save(sd, checkpoint_id=str(dp)))[0])
+        if rank == 0:
+            drop_cache([dp])
+        comm.barrier()
+        rec("dcp_load", timer(lambda: dcp.load({"model": model.state_dict(),
+                                                "optimizer": opt.state_dict()}, checkpoint_id=str(dp)))[0])
+        clean(dp)
+        dpa = base / f"dcpa{rep}"
+        comm.barrier()
+        t0 = time.perf_counter()
+        fut = dcp.async_save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                             checkpoint_id=str(dpa))
+        blocked = time.perf_counter() - t0
+        steps, t1 = 0, time.perf_counter()
+        while True:
+            train_step()
+            steps += 1
+            if comm.allreduce_min(1.0 if fut.done() else 0.0) >= 1.0:
+                break
+        window = time.perf_counter() - t1
+        fut.result()
+        rec("dcp_async_blocked", comm.allreduce_max(blocked))
+        rec("dcp_async_rate", steps / comm.allreduce_max(window))
+        rec("dcp_async_total", comm.allreduce_max(blocked + window))
+        clean(dpa)
+
+        # raw write again, right before coci's save: the baseline is the faster of the two
+        rec("raw_write_b", timer(lambda: raw_write(comm, raw, tensors))[0])
+        clean(raw)
+
+        # coci sync save + load
+        cdir = base / "coci"
+        mgr = CheckpointManager(cdir, comm=comm, keep=1, rng=True)
+        rec("coci_save", timer(lambda: mgr.save(1 + 10 * rep, state))[0])
+        if rank == 0:
+            drop_cache([cdir])
+        comm.barrier()
+        rec("coci_load", timer(lambda: mgr.load(1 + 10 * rep, state))[0])
+
+        # steps/s without checkpoint activity, measured right before the async saves
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            train_step()
+        rec("base_rate", args.steps / comm.allreduce_max(time.perf_counter() - t0))
+
+        # coci async save inside a training loop (twice: the second reuses host buffers)
+        for k in range(2):
+            comm.barrier()
+            t0 = time.perf_counter()
+            mgr.save_async(2 + 10 * rep + k, state)
+            start_blocked = time.perf_counter() - t0
+            steps, t1, poll_s = 0, time.perf_counter(), 0.0
+            while True:
+                train_step()   # its optimizer.step() waits for the snapshot copy (pre-hook)
+                steps += 1
+                tp0 = time.perf_counter()
+                done = mgr.poll()
+                poll_s += time.perf_counter() - tp0
+                if done:
+                    break
+            window = time.perf_counter() - t1
+            st = mgr.async_stats
+            blocked = start_blocked + st.get("snapshot_wait_s", 0.0) + poll_s
+            if k == 1:
+                rec("coci_async_start", comm.allreduce_max(start_blocked))
+                rec("coci_async_snapwait", comm.allreduce_max(st.get("snapshot_wait_s", 0.0)))
+                rec("coci_async_poll", comm.allreduce_max(poll_s))
+                rec("coci_async_blocked", comm.allreduce_max(blocked))
+                rec("coci_async_rate", steps / comm.allreduce_max(window))
+                rec("coci_async_persist", comm.allreduce_max(st.get("persist_s", 0.0)))
+        mgr.close()
+        clean(cdir)
+
+    dist.destroy_process_group()
+    if rank == 0:
+        shutil.rmtree(base, ignore_errors=True)
+    res["raw_write"] = [min(a, b) for a, b in zip(res["raw_write"], res.pop("raw_write_b"))]
+    med = {k: statistics.median(v) for k, v in res.items()}
+    med.update({"bytes": nbytes, "ranks": W, "cache": cache_method,
+                "threads_per_rank": threads, "samples": res})
+    return med
+
+
+def ratios(m: dict) -> dict:
+    def r(a: float, b: float) -> float:
+        return round(a / b, 3) if b else float("nan")
+
+    return {
+        "coci": {"persist_efficiency": r(m["raw_write"], m["coci_save"]),
+                 "stall_ratio": r(m["coci_async_blocked"], m["torch_save"]),
+                 "restore_ratio": r(m["coci_load"], m["raw_read"]),
+                 "interference": r(m["coci_async_rate"], m["base_rate"])},
+        "torch_save": {"persist_efficiency": r(m["raw_write"], m["torch_save"]),
+                       "stall_ratio": 1.0,
+                       "restore_ratio": r(m["torch_load"], m["raw_read"]),
+                       "interference": None},
+        "dcp": {"persist_efficiency": r(m["raw_write"], m["dcp_save"]),
+                "stall_ratio": r(m["dcp_async_blocked"], m["torch_save"]),
+                "restore_ratio": r(m["dcp_load"], m["raw_read"]),
+                "interference": r(m["dcp_async_rate"], m["base_rate"])},
+    }
+
+
+def table(results: dict[int, dict]) -> str:
+    rows = [("raw write+fsync", "raw_write"), ("torch.save+fsync (rank 0)", "torch_save"),
+            ("DCP save", "dcp_save"), ("DCP async_save: blocked", "dcp_async_blocked"),
+            ("coci save (sync)", "coci_save"), ("coci save_async: blocked", "coci_async_blocked"),
+            ("  of which save_async call", "coci_async_start"),
+            ("  of which optimizer waits", "coci_async_snapwait"),
+            ("  of which poll/commit", "coci_async_poll"),
+            ("coci save_async: persist", "coci_async_persist"),
+            ("raw read (cold)", "raw_read"), ("torch.load (cold)", "torch_load"),
+            ("DCP load (cold)", "dcp_load"), ("coci load (cold)", "coci_load")]
+    ws = sorted(results)
+    out = []
+    gb = results[ws[0]]["bytes"] / 1e9
+    out.append(f"state: {gb:.2f} GB (MLP + Adam), seconds = median, slowest rank")
+    out.append(f"{'':<28}" + "".join(f"{f'{w} rank(s)':>14}" for w in ws))
+    for label, key in rows:
+        out.append(f"{label:<28}" + "".join(f"{results[w][key]:>14.3f}" for w in ws))
+    out.append(f"{'train steps/s (no ckpt)':<28}" + "".join(f"{results[w]['base_rate']:>14.2f}" for w in ws))
+    out.append("")
+    out.append(f"{'ratio':<34}" + "".join(f"{f'{w} rank(s)':>12}" for w in ws) + "   goal")
+    goals = {"persist_efficiency": ">= 0.95", "stall_ratio": "<= 0.05", "restore_ratio": "<= 1.2",
+             "interference": ">= 0.9"}
+    for tool in ("coci", "torch_save", "dcp"):
+        for key, goal in goals.items():
+            vals = [ratios(results[w])[tool][key] for w in ws]
+            cells = "".join(f"{('n/a' if v is None else f'{v:.3f}'):>12}" for v in vals)
+            out.append(f"{tool + ' ' + key:<34}{cells}   {goal if tool == 'coci' else ''}")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-mb", type=int, default=1200, help="state size (params + Adam moments)")
+    ap.add_argument("--ranks", default="1,2", help="world sizes to run, comma separated")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4, help="training steps for each baseline rate")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.worker:
+        out = worker(args)
+        from coci_hpc.comm import Comm
+
+        if Comm.world().rank == 0:
+            Path(args.worker).write_text(json.dumps(out))
+        return 0
+
+    results: dict[int, dict] = {}
+    t_start = time.perf_counter()
+    for w in [int(x) for x in args.ranks.split(",")]:
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tf:
+            out_path = tf.name
+        cmd = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", str(w), sys.executable,
+               "-m", "mpi4py", __file__, "--worker", out_path, "--size-mb", str(args.size_mb),
+               "--repeats", str(args.repeats), "--steps", str(args.steps)]
+        if args.dir:
+            cmd += ["--dir", args.dir]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            print(p.stdout, p.stderr, file=sys.stderr)
+            return 1
+        results[w] = json.loads(Path(out_path).read_text())
+        os.unlink(out_path)
+    elapsed = time.perf_counter() - t_start
+
+    per = {str(w): {"ratios": ratios(m), "seconds": {k: v for k, v in m.items() if k != "samples"}}
+           for w, m in results.items()}
+    worst = {}
+    for key, better in (("persist_efficiency", max), ("stall_ratio", min), ("restore_ratio", min),
+                        ("interference", max)):
+        vals = [ratios(m)["coci"][key] for m in results.values()]
+        worst[key] = min(vals) if better is max else max(vals)
+    doc = {**worst,
+           "torch_save": {k: [ratios(m)["torch_save"][k] for m in results.values()] for k in worst},
+           "dcp": {k: [ratios(m)["dcp"][k] for m in results.values()] for k in worst},
+           "ranks": sorted(results), "state_bytes": results[min(results)]["bytes"],
+           "page_cache": results[min(results)]["cache"], "elapsed_s": round(elapsed, 1),
+           "by_ranks": per}
+    if args.json:
+        print(table(results), file=sys.stderr)
+        print(json.dumps(doc))
+    else:
+        print(table(results))
+        print(f"\ncold cache via {doc['page_cache']}; total {elapsed:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""The checkpoint manifest: the JSON file whose presence marks a checkpoint committed.
+
+Layout of a checkpoint root::
+
+    ROOT/step_000000120/data.h5        HDF5 file(s) with the tensors (written first)
+    ROOT/step_000000120/manifest.json  written last: temp name, fsync, rename, fsync dir
+
+Only a step directory with ``manifest.json`` counts; "latest" is the committed one with the
+highest step. Retention keeps the newest ``keep`` committed checkpoints and deletes older ones
+(and uncommitted leftovers older than the newest commit) only after a newer one has committed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coci_hpc.errors import CheckpointCorrupt, CheckpointNotFound
+
+FORMAT = "coci-ckpt"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DATA_FILE = "data.h5"
+_STEP_RE = re.compile(r"^step_(\d{9,})$")
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step_{step:09d}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+    committed: bool
+
+
+def scan(root: str | os.PathLike) -> list[CheckpointInfo]:
+    """All step directories under ``root``, oldest first, committed or not."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for entry in root.iterdir():
+        m = _STEP_RE.match(entry.name)
+        if m and entry.is_dir():
+            out.append(CheckpointInfo(int(m.group(1)), entry, (entry / MANIFEST).is_file()))
+    return sorted(out, key=lambda c: c.step)
+
+
+def committed_steps(root: str | os.PathLike) -> list[int]:
+    return [c.step for c in scan(root) if c.committed]
+
+
+def latest_step(root: str | os.PathLike) -> int | None:
+    steps = committed_steps(root)
+    return steps[-1] if steps else None
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def build(*, step: int, world_size: int, tensors: dict[str, Any], shards: list[dict[str, Any]],
+          skeletons: dict[str, Any], files: list[str], backend: str, extra: dict[str, Any] | None = None,
+          ) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": int(step),
+        "world_size": int(world_size),
+        "wall_time": time.time(),
+        "backend": backend,
+        "checksum": "crc32",
+        "files": files,
+        "tensors": tensors,
+        "shards": shards,
+        "skeletons": skeletons,
+        **(extra or {}),
+    }
+
+
+def commit(directory: str | os.PathLike, manifest: dict[str, Any]) -> Path:
+    """Write the manifest atomically: temp name, fsync, rename, fsync of the directory."""
+    directory = Path(directory)
+    final = directory / MANIFEST
+    tmp = directory / f".{MANIFEST}.tmp.{os.getpid()}"
+    data = json.dumps(manifest, separators=(",", ":")).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    fsync_dir(directory)
+    return final
+
+
+def read(directory: str | os.PathLike) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise CheckpointNotFound(f"{directory} has no {MANIFEST}: it is not a committed checkpoint",
+                                 hint="use `coci-ckpt list DIR` to see the committed steps")
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointCorrupt(f"{path}: manifest does not parse: {exc}",
+                                hint="load an older step; this one is damaged") from exc
+    if m.get("format") != FORMAT or not isinstance(m.get("format_version"), int):
+        raise CheckpointCorrupt(f"{path}: not a coci checkpoint manifest",
+                                hint="point at a directory written by coci_hpc")
+    if m["format_version"] > FORMAT_VERSION:
+        raise CheckpointCorrupt(f"{path}: format version {m['format_version']} is newer than this "
+                                f"coci_hpc understands ({FORMAT_VERSION})", hint="upgrade coci_hpc")
+    return m
+
+
+def read_step(root: str | os.PathLike, step: int | None) -> dict[str, Any]:
+    if step is None:
+        step = latest_step(root)
+        if step is None:
+            raise CheckpointNotFound(f"no committed checkpoint under {root}",
+                                     hint="save one first, or check the directory")
+    return read(step_dir(root, step))
+
+
+_reaper: threading.Thread | None = None
+
+
+def _reap(paths: list[Path]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def wait_for_deletions() -> None:
+    if _reaper is not None:
+        _reaper.join()
+
+
+def apply_retention(root: str | os.PathLike, keep: int, *, background: bool = True) -> list[int]:
+    """Delete all but the newest ``keep`` committed checkpoints, plus stale uncommitted ones.
+
+    Called only right after a commit, so the newest checkpoint is always a committed one.
+    A victim is first made uncommitted (manifest unlinked) and renamed to ``.trash-...``, both
+    instant; its data is then removed by a background thread (unlinking GBs takes a while and
+    must not stall training). Returns the steps removed.
+    """
+    global _reaper
+    root = Path(root)
+    infos = scan(root)
+    committed = [c for c in infos if c.committed]
+    if not committed:
+        return []
+    newest = committed[-1].step
+    keep_steps = {c.step for c in committed[-max(1, keep):]}
+    removed, trash = [], [p for p in root.glob(".trash-*") if p.is_dir()]
+    for c in infos:
+        stale_partial = not c.committed and c.step < newest
+        if (c.committed and c.step not in keep_steps) or stale_partial:
+            # Remove the manifest first so a crash midway never leaves a "committed" half.
+            (c.path / MANIFEST).unlink(missing_ok=True)
+            target = root / f".trash-{c.path.name}-{os.getpid()}-{time.monotonic_ns()}"
+            try:
+                os.rename(c.path, target)
+            except OSError:
+                target = c.path
+            trash.append(target)
+            removed.append(c.step)
+    if trash:
+        wait_for_deletions()
+        if background:
+            _reaper = threading.Thread(target=_reap, args=(trash,), name="coci-retention", daemon=True)
+            _reaper.start()
+        else:
+            _reap(trash)
+    return removed

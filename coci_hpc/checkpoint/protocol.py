@@ -1,0 +1,41 @@
+"""The storage protocol: how the checkpoint engine talks to a file backend.
+
+Call sequence for one save, and which rank makes each call (like torch.distributed.checkpoint's
+``StorageWriter``)::
+
+    1. plan            ALL ranks, main thread: allgather leaf descriptions, build the same
+                       :class:`~coci_hpc.checkpoint.plan.Plan` everywhere (pure).
+    2. writer.create   ALL ranks, main thread, collective: make the step directory (Lustre
+                       striping), create the data file and every dataset with identical
+                       arguments; returns {dataset index: byte offset}, the same on every rank.
+    3. writer.write    EACH rank writes its own pieces. If ``writer.collective_write`` is true
+                       every rank must call it together (main thread only); otherwise it is
+                       independent and may run in a background thread (it touches no MPI).
+    4. commit          ALL ranks agree on success (one allgather); the COORDINATOR (rank 0)
+                       writes the manifest (temp, fsync, rename, fsync dir) and applies
+                       retention; a barrier ends the save.
+
+Loading needs no protocol step beyond reading: every rank opens the files read-only on its own.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from coci_hpc.checkpoint.lustre import IOTuning
+from coci_hpc.checkpoint.plan import Plan
+from coci_hpc.checkpoint.rawio import WriteItem
+
+
+class StorageWriter(Protocol):
+    name: str
+    collective_write: bool
+
+    def create(self, directory: Path, plan: Plan, tuning: IOTuning) -> dict[int, int]:
+        """ALL ranks, collective: create the data file and datasets; return dataset offsets."""
+        ...
+
+    def write(self, path: Path, items: Sequence[WriteItem], tuning: IOTuning) -> list[int]:
+        """Write this rank's items and fsync; return their CRC-32s (see ``collective_write``)."""
+        ...

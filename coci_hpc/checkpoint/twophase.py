@@ -1,0 +1,262 @@
+"""Two-phase (CheckFreq-style) save: snapshot to host memory, persist in the background.
+
+Design that cannot hang
+-----------------------
+Every MPI call (allgather of the plan, the collective HDF5 file and dataset creation, the
+agreement on success, the manifest commit, the barrier) happens in the MAIN thread, inside calls
+that every rank makes at the same training step: :meth:`TwoPhaseSaver.start` (from
+``save_async``), :meth:`poll`, :meth:`wait` and :meth:`close`. The background thread makes no MPI
+call and no HDF5 call: it copies the snapshot and writes its pieces into the already created
+datasets with plain ``pwrite`` at their fixed offsets, then ``fsync``. So the training loop's own
+collectives (allreduce of gradients, ...) can never interleave with ours inside MPI, there is no
+need for ``MPI_THREAD_MULTIPLE``, and no lock is shared with the training thread except the GIL,
+which ``pwrite``, ``fsync``, ``zlib.crc32`` and numpy copies release. (The alternative, MPI-IO
+from the thread on a duplicated communicator, depends on the MPI library's thread level and on
+h5py holding the GIL during I/O; rejected.)
+
+Phases
+------
+``start(step, state)`` (collective):
+  1. flatten the state; small tensors (< ``overlap_min_bytes``) and all JSON are copied now;
+  2. prepare: plan, directory, file and datasets (collective, main thread);
+  3. only the bytes THIS rank will write (its ~1/N of the replicated tensors, its per-rank and
+     sharded parts) are copied into reused, page-aligned host buffers (pinned when CUDA is
+     available) either now
+     (``overlap=False``) or by the background thread while the next iteration's forward and
+     backward run (``overlap=True``). In that case the state must not be modified in place
+     before :meth:`wait_snapshot` returns; :class:`~coci_hpc.checkpoint.api.CheckpointManager`
+     installs it as a ``step`` pre-hook on every optimizer in the state, so ``optimizer.step()``
+     waits for the copy automatically (CheckFreq: "only the weight update waits").
+  4. the background thread persists (pwrite, O_DIRECT for whole aligned pages, + fsync +
+     CRC-32 per piece) at a lower CPU priority (nice 10) than the training threads.
+
+A second ``start`` while a persist is in flight does what ``on_busy`` says:
+  * ``"wait"`` (default): block until the persist finishes, commit it, then start the new one;
+  * ``"skip"``: if any rank is still persisting, return ``"skipped"`` on every rank and save
+    nothing (the ranks agree with one allreduce); otherwise commit the old one and start.
+
+Commit of a finished persist happens at a later collective call: ``poll()`` (non-blocking: a
+small ``MPI_Iallreduce`` started by one call is completed by the next; call it every step to
+commit promptly), ``wait()``, ``start()`` or ``close()``.
+Background errors are re-raised there on EVERY rank as one CommError naming the failed ranks.
+``close()`` runs at interpreter exit too; if it fails there the error is printed and the process
+exits with status 1, so a failed persist is never silent.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from coci_hpc.checkpoint import engine
+from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint.lustre import IOTuning
+from coci_hpc.checkpoint.protocol import StorageWriter
+from coci_hpc.checkpoint.rawio import WriteItem, aligned_empty, lower_thread_priority
+from coci_hpc.checkpoint.state import Leaf, collect
+from coci_hpc.comm import Comm, PendingMin
+from coci_hpc.errors import UsageError
+
+ON_BUSY = ("wait", "skip")
+
+
+class HostBuffers:
+    """Host copies of the state's tensors, reused across checkpoints (pinned when CUDA)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, np.ndarray] = {}
+        self._pinned: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, nbytes: int) -> np.ndarray:
+        buf = self._bufs.get(name)
+        if buf is None or buf.nbytes != nbytes:
+            if torch.cuda.is_available():
+                t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                self._pinned[name] = t
+                buf = t.numpy()
+            else:
+                buf = aligned_empty(nbytes)
+            self._bufs[name] = buf
+        return buf
+
+    def pinned(self, name: str) -> torch.Tensor | None:
+        return self._pinned.get(name)
+
+    def drop_unused(self, names: set[str]) -> None:
+        for n in [n for n in self._bufs if n not in names]:
+            del self._bufs[n]
+            self._pinned.pop(n, None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._bufs.values())
+
+
+def copy_bytes(leaf: Leaf, start: int, dst: np.ndarray, pinned: torch.Tensor | None) -> None:
+    """Copy bytes [start, start + dst.nbytes) of a leaf into ``dst``."""
+    stop = start + dst.nbytes
+    if leaf.array is not None:
+        np.copyto(dst, leaf.array.view(np.uint8)[start:stop])
+        return
+    assert leaf.source is not None
+    src = leaf.source.contiguous().reshape(-1).view(torch.uint8)[start:stop]
+    if pinned is not None:
+        pinned.copy_(src, non_blocking=True)
+        torch.cuda.current_stream(src.device).synchronize()
+    else:
+        np.copyto(dst, src.cpu().numpy())
+
+
+@dataclass
+class _Job:
+    prepared: engine.Prepared
+    items: list[WriteItem]
+    deferred: list[tuple[Leaf, int, np.ndarray, torch.Tensor | None]]
+    snapshot_done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    crcs: list[int] | None = None
+    error: BaseException | None = None
+    thread: threading.Thread | None = None
+    t_start: float = 0.0
+    t_snapshot: float = 0.0
+    t_persist: float = 0.0
+
+
+class TwoPhaseSaver:
+    def __init__(self, comm: Comm, root: Path, writer: StorageWriter, tuning: Callable[[], IOTuning],
+                 *, keep: int, on_busy: str = "wait", overlap: bool = True, rng: bool = True,
+                 overlap_min_bytes: int = 1 << 20, direct: bool = True) -> None:
+        if on_busy not in ON_BUSY:
+            raise UsageError(f"on_busy={on_busy!r} is not one of {ON_BUSY}",
+                             hint="'wait' blocks until the previous persist commits; 'skip' drops the new save")
+        self.comm, self.root, self.writer, self.tuning = comm, root, writer, tuning
+        self.keep, self.on_busy, self.overlap, self.rng = keep, on_busy, overlap, rng
+        self.overlap_min_bytes = overlap_min_bytes
+        self.direct = direct
+        self.buffers = HostBuffers()
+        self._job: _Job | None = None
+        self._pending: PendingMin | None = None
+        self.last_stats: dict[str, float] = {}
+        self.committed: list[int] = []
+
+    @property
+    def in_flight(self) -> bool:
+        return self._job is not None
+
+    # ------------------------------------------------------------------ collective calls
+    def start(self, step: int, state: Mapping[str, Any]) -> str:
+        """Collective. Returns "started" or "skipped" (only with on_busy="skip")."""
+        t0 = time.perf_counter()
+        self._finish_pending()
+        if self._job is not None:
+            if self.on_busy == "skip":
+                if self.comm.allreduce_min(1.0 if self._job.done.is_set() else 0.0) < 1.0:
+                    return "skipped"
+            self.wait()
+        skeletons, leaves = collect(state, rng=self.rng, defer_device=True)
+        prepared = engine.prepare(self.comm, self.root, step, skeletons, leaves, self.writer, self.tuning())
+        # Snapshot only the bytes this rank writes: 1/N of the replicated state plus its own.
+        items: list[WriteItem] = []
+        deferred = []
+        used = set()
+        for p in prepared.my_pieces(self.comm.rank):
+            leaf = prepared.leaves[p.leaf]
+            key = f"{p.leaf}@{p.src_start}"
+            used.add(key)
+            buf = self.buffers.get(key, p.stop - p.start)
+            items.append(WriteItem(prepared.offsets[p.dataset] + p.start, buf))
+            copy = (leaf, p.src_start, buf, self.buffers.pinned(key))
+            if self.overlap and buf.nbytes >= self.overlap_min_bytes:
+                deferred.append(copy)
+            else:
+                copy_bytes(*copy)
+        self.buffers.drop_unused(used)
+        job = _Job(prepared, items, deferred, t_start=t0)
+        if not deferred:
+            job.snapshot_done.set()
+        job.thread = threading.Thread(target=self._persist, args=(job,), name="coci-persist", daemon=True)
+        self._job = job
+        job.thread.start()
+        self.last_stats = {"start_blocked_s": time.perf_counter() - t0}
+        return "started"
+
+    def poll(self) -> bool:
+        """Collective and non-blocking: commit the in-flight checkpoint once every rank finished.
+
+        Each call completes the MIN-allreduce of "done" flags started by the previous call
+        (by now every rank has started it, so this does not wait for a slower rank) and starts
+        the next one. All ranks see the same results at the same call, so they commit together,
+        one ``poll`` after the last rank finished writing.
+        """
+        if self._job is None:
+            return False
+        if self._pending is not None:
+            all_done = self._pending.wait() >= 1.0
+            self._pending = None
+            if all_done:
+                self._commit()
+                return True
+        self._pending = self.comm.iallreduce_min(1.0 if self._job.done.is_set() else 0.0)
+        return False
+
+    def _finish_pending(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+    def wait(self) -> None:
+        """Collective: block until the in-flight persist is done everywhere, then commit it."""
+        self._finish_pending()
+        if self._job is None:
+            return
+        self._job.done.wait()
+        self._commit()
+
+    def close(self) -> None:
+        self.wait()
+        mf.wait_for_deletions()
+
+    # --------------------------------------------------------------------- local calls
+    def wait_snapshot(self) -> float:
+        """Block until the snapshot copy is complete (local, no MPI). Returns seconds blocked."""
+        job = self._job
+        if job is None or job.snapshot_done.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        job.snapshot_done.wait()
+        dt = time.perf_counter() - t0
+        self.last_stats["snapshot_wait_s"] = self.last_stats.get("snapshot_wait_s", 0.0) + dt
+        return dt
+
+    # ------------------------------------------------------------------------ internals
+    def _persist(self, job: _Job) -> None:
+        try:
+            for leaf, start, buf, pinned in job.deferred:
+                copy_bytes(leaf, start, buf, pinned)
+            job.t_snapshot = time.perf_counter() - job.t_start
+            job.snapshot_done.set()
+            # The copy ran at full priority (the optimizer step may be waiting for it); the
+            # writes yield the CPU to training, which keeps interference low on few cores.
+            lower_thread_priority()
+            job.crcs = engine.write_posix(job.prepared.data_path, job.items, direct=self.direct)
+            job.t_persist = time.perf_counter() - job.t_start
+        except BaseException as exc:  # noqa: BLE001 - surfaced on every rank at commit
+            job.error = exc
+        finally:
+            job.snapshot_done.set()
+            job.done.set()
+
+    def _commit(self) -> None:
+        job, self._job = self._job, None
+        assert job is not None
+        if job.thread is not None:
+            job.thread.join()
+        self.last_stats.update({"snapshot_s": job.t_snapshot, "persist_s": job.t_persist})
+        engine.commit(self.comm, job.prepared, job.crcs, job.error, self.keep)
+        self.committed.append(job.prepared.step)

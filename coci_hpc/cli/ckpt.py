@@ -1,0 +1,150 @@
+"""coci-ckpt: list, verify and inspect coci_hpc checkpoints.
+
+    coci-ckpt list DIR               committed (and uncommitted) steps
+    coci-ckpt verify DIR [STEP]      recompute every shard checksum (default: all committed steps)
+    coci-ckpt inspect DIR STEP       tensors, shapes, dtypes, bytes and the ranks that wrote them
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint.h5file import DatasetReader
+from coci_hpc.checkpoint.rawio import crc32
+from coci_hpc.cli.common import run_cli
+from coci_hpc.errors import CheckpointCorrupt, CheckpointNotFound
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _root(path: str) -> Path:
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointNotFound(f"{root} is not a directory", hint="pass the checkpoint root directory")
+    return root
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    infos = mf.scan(_root(args.dir))
+    if not infos:
+        print(f"no checkpoints under {args.dir}")
+        return 0
+    latest = mf.latest_step(args.dir)
+    print(f"{'step':>10}  {'status':<11} {'ranks':>5} {'size':>10}  written")
+    for c in infos:
+        size = sum(p.stat().st_size for p in c.path.iterdir() if p.is_file())
+        if c.committed:
+            m = mf.read(c.path)
+            when = dt.datetime.fromtimestamp(m["wall_time"]).isoformat(timespec="seconds")
+            status = "latest" if c.step == latest else "committed"
+            print(f"{c.step:>10}  {status:<11} {m['world_size']:>5} {_human(size):>10}  {when}")
+        else:
+            print(f"{c.step:>10}  {'UNCOMMITTED':<11} {'-':>5} {_human(size):>10}  (ignored by loaders)")
+    return 0
+
+
+def verify_step(root: Path, step: int) -> list[str]:
+    """Problems found in one committed checkpoint (empty list = good)."""
+    m = mf.read(mf.step_dir(root, step))
+    d = mf.step_dir(root, step)
+    by_dataset = {t["dataset"]: t for t in m["tensors"]}
+    problems: list[str] = []
+    readers: dict[str, DatasetReader] = {}
+    try:
+        for s in m["shards"]:
+            where = (f"step {step} shard {s['file']}:{s['dataset']} bytes [{s['start']}, {s['stop']}) "
+                     f"written by rank {s['rank']}")
+            try:
+                if s["file"] not in readers:
+                    readers[s["file"]] = DatasetReader(d / s["file"])
+                data = readers[s["file"]].read_bytes(by_dataset[s["dataset"]], s["start"], s["stop"])
+            except (CheckpointCorrupt, OSError, EOFError, KeyError) as exc:
+                problems.append(f"{where}: unreadable: {exc}")
+                continue
+            got = crc32(data)
+            if got != s["crc32"]:
+                problems.append(f"{where}: checksum mismatch (crc32 {got:08x}, manifest {s['crc32']:08x})")
+    except CheckpointCorrupt as exc:
+        problems.append(f"step {step}: {exc.message}")
+    finally:
+        for r in readers.values():
+            r.close()
+    return problems
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    root = _root(args.dir)
+    steps = [args.step] if args.step is not None else mf.committed_steps(root)
+    if not steps:
+        raise CheckpointNotFound(f"no committed checkpoint under {root}", hint="nothing to verify")
+    bad: list[str] = []
+    for step in steps:
+        problems = verify_step(root, step)
+        m = mf.read(mf.step_dir(root, step))
+        print(f"step {step}: {'OK' if not problems else 'CORRUPT'} ({len(m['shards'])} shards)")
+        for p in problems:
+            print(f"  {p}")
+        bad.extend(problems)
+    if bad:
+        raise CheckpointCorrupt(f"{len(bad)} bad shard(s); first: {bad[0]}",
+                                hint="load an older committed step (coci-ckpt list DIR)")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    root = _root(args.dir)
+    m = mf.read(mf.step_dir(root, args.step))
+    writers: dict[str, set[int]] = defaultdict(set)
+    for s in m["shards"]:
+        writers[s["dataset"]].add(s["rank"])
+    when = dt.datetime.fromtimestamp(m["wall_time"]).isoformat(timespec="seconds")
+    total = sum(t["nbytes"] for t in m["tensors"])
+    print(f"step {m['step']}  world_size {m['world_size']}  backend {m['backend']}  written {when}  "
+          f"format v{m['format_version']}  {len(m['tensors'])} tensors, {_human(total)}")
+    w = max([len(t["dataset"]) for t in m["tensors"]] + [6])
+    print(f"{'tensor':<{w}}  {'kind':<10} {'dtype':<15} {'shape':<18} {'bytes':>12}  ranks")
+    for t in m["tensors"]:
+        ranks = ",".join(str(r) for r in sorted(writers.get(t["dataset"], ()))) or "-"
+        shape = "x".join(str(x) for x in t["shape"]) or "scalar"
+        print(f"{t['dataset']:<{w}}  {t['kind']:<10} {t['dtype']:<15} {shape:<18} {t['nbytes']:>12}  {ranks}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="coci-ckpt", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("list", help="list checkpoints")
+    a.add_argument("dir")
+    a.set_defaults(fn=cmd_list)
+    a = sub.add_parser("verify", help="recompute shard checksums; non-zero exit names bad shards")
+    a.add_argument("dir")
+    a.add_argument("step", nargs="?", type=int)
+    a.set_defaults(fn=cmd_verify)
+    a = sub.add_parser("inspect", help="tensors, shapes, dtypes, bytes, ranks of one step")
+    a.add_argument("dir")
+    a.add_argument("step", type=int)
+    a.set_defaults(fn=cmd_inspect)
+    return p
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    return args.fn(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("coci-ckpt", _main, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""A communicator wrapper that works with and without MPI.
+
+``Comm.world()`` wraps ``mpi4py.MPI.COMM_WORLD`` when mpi4py imports and the process was started
+by an MPI launcher; otherwise it is a single-process communicator whose collectives are no-ops.
+mpi4py is imported lazily so that users without MPI keep the serial path.
+
+``Comm.run_step(fn)`` runs a per-rank step on every rank and turns per-rank failures into ONE
+:class:`~coci_hpc.errors.CommError`, raised on every rank and naming the failed ranks with their
+messages (an allgather of ok/err). Without it, one rank's exception leaves the others blocked in
+the next collective forever.
+"""
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from coci_hpc.errors import CociError, CommError
+
+T = TypeVar("T")
+
+# Variables set by the MPI launchers we know (Open MPI, MPICH/Hydra, Slurm's PMIx launch).
+_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+def _mpi_launched() -> bool:
+    return any(v in os.environ for v in _LAUNCHER_VARS)
+
+
+class Comm:
+    """Rank, size and the few collectives coci_hpc needs, on mpi4py or on one process.
+
+    ``mpi_comm`` is the wrapped mpi4py communicator, or ``None`` for the serial case.
+    """
+
+    def __init__(self, mpi_comm: Any = None) -> None:
+        self.mpi_comm = mpi_comm
+        if mpi_comm is None:
+            self.rank, self.size = 0, 1
+        else:
+            self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+
+    # construction -----------------------------------------------------------------------
+    @classmethod
+    def world(cls) -> Comm:
+        """COMM_WORLD when launched by MPI (or mpi4py is already initialised), else serial."""
+        import sys
+
+        if "mpi4py.MPI" in sys.modules or _mpi_launched():
+            try:
+                from mpi4py import MPI
+            except ImportError:
+                return cls(None)
+            return cls(MPI.COMM_WORLD)
+        return cls(None)
+
+    @classmethod
+    def serial(cls) -> Comm:
+        return cls(None)
+
+    @classmethod
+    def wrap(cls, comm: Comm | Any | None) -> Comm:
+        """Accept a Comm, an mpi4py communicator, or None (= ``world()``)."""
+        if comm is None:
+            return cls.world()
+        if isinstance(comm, Comm):
+            return comm
+        return cls(comm)
+
+    @property
+    def is_mpi(self) -> bool:
+        return self.mpi_comm is not None
+
+    # collectives (no-ops on one process) ------------------------------------------------
+    def barrier(self) -> None:
+        if self.mpi_comm is not None:
+            self.mpi_comm.Barrier()
+
+    def bcast(self, obj: T, root: int = 0) -> T:
+        if self.mpi_comm is None:
+            return obj
+        return self.mpi_comm.bcast(obj, root=root)
+
+    def allgather(self, obj: T) -> list[T]:
+        if self.mpi_comm is None:
+            return [obj]
+        return self.mpi_comm.allgather(obj)
+
+    def gather(self, obj: T, root: int = 0) -> list[T] | None:
+        if self.mpi_comm is None:
+            return [obj]
+        return self.mpi_comm.gather(obj, root=root)
+
+    def allreduce_min(self, value: float) -> float:
+        if self.mpi_comm is None:
+            return value
+        from mpi4py import MPI
+
+        return self.mpi_comm.allreduce(value, op=MPI.MIN)
+
+    def allreduce_max(self, value: float) -> float:
+        if self.mpi_comm is None:
+            return value
+        from mpi4py import MPI
+
+        return self.mpi_comm.allreduce(value, op=MPI.MAX)
+
+    def iallreduce_min(self, value: float) -> PendingMin:
+        """Start a non-blocking MIN-allreduce; ``.wait()`` returns the result."""
+        if self.mpi_comm is None:
+            return PendingMin(None, value)
+        import numpy as np
+        from mpi4py import MPI
+
+        send, recv = np.array([value], dtype=np.float64), np.empty(1, dtype=np.float64)
+        req = self.mpi_comm.Iallreduce(send, recv, op=MPI.MIN)
+        return PendingMin(req, recv, send)
+
+    # failure agreement --------------------------------------------------------------------
+    def check(self, error: BaseException | None, what: str) -> None:
+        """Collective: raise one error on every rank if ``error`` is set on any rank.
+
+        That is a CommError naming the failed ranks and their messages, except when every rank
+        failed with the same coci error, which is then raised unchanged everywhere.
+        """
+        msg = None if error is None else f"{type(error).__name__}: {error}"
+        results = self.allgather(msg)
+        failed = {r: m for r, m in enumerate(results) if m is not None}
+        if failed and error is not None and len(failed) == self.size and \
+                len(set(failed.values())) == 1 and isinstance(error, CociError):
+            # Every rank hit the same coci error (e.g. a bad argument): raise it as it is.
+            raise error
+        if failed:
+            names = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
+            exc = CommError(f"{what} failed on rank(s) {sorted(failed)}: {names}",
+                            failed_ranks=failed,
+                            hint="see the message of the lowest failed rank; the other ranks "
+                                 "stopped cleanly because of it")
+            if error is not None:
+                raise exc from error
+            raise exc
+
+    def run_step(self, fn: Callable[[], T], what: str = "step") -> T:
+        """Run ``fn()`` on every rank; if any rank raises, every rank raises one CommError."""
+        result: T | None = None
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the agreement below
+            error = exc
+            if os.environ.get("COCI_DEBUG"):
+                traceback.print_exc()
+        self.check(error, what)
+        return result  # type: ignore[return-value]
+
+
+class PendingMin:
+    """A MIN-allreduce in flight (or already known, without MPI)."""
+
+    def __init__(self, request: Any, result: Any, keep: Any = None) -> None:
+        self._req, self._result, self._keep = request, result, keep
+
+    def wait(self) -> float:
+        if self._req is not None:
+            self._req.Wait()
+            self._req = None
+            return float(self._result[0])
+        return float(self._result)

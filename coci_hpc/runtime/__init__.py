@@ -1,0 +1,1 @@
+"""What runs inside the training job: preemption handling at step boundaries."""

@@ -1,0 +1,136 @@
+"""Preemption and time-limit handling: handlers record, the training loop acts at a step boundary.
+
+Slurm sends the job's ``--signal`` (e.g. ``--signal=USR1@60``) before the time limit and, with
+``preempt_send_user_signal``, on preemption, then SIGTERM when it ends the job. A handler that
+checkpoints runs at an arbitrary point inside a step (torn state, a collective half done on one
+rank), so :class:`SignalRecorder` only records. The loop calls :meth:`PreemptionGuard.stop_requested`
+once per step on every rank; it agrees across ranks (a rank that got no signal still stops at the
+same step), and then the loop saves and calls :meth:`PreemptionGuard.requeue`.
+
+Why the job requeues itself: a job that exits during its grace time ends COMPLETED and is NOT
+requeued by Slurm (seen on the local cluster), and Slurm never requeues a job that hits its time
+limit. ``scontrol requeue`` ends the job and queues it again under the same id with
+``SLURM_RESTART_COUNT`` incremented.
+
+Usage::
+
+    with PreemptionGuard() as guard:
+        for step in range(start, total):
+            train_step()
+            if guard.stop_requested():          # every rank, every step: one tiny allreduce
+                manager.save(step + 1, state)
+                guard.requeue()                 # rank 0 asks Slurm; all ranks then return
+                return
+"""
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Iterable
+
+from coci_hpc.comm import Comm
+from coci_hpc.errors import SlurmError
+from coci_hpc.slurm import commands
+from coci_hpc.slurm.env import JobEnvironment
+
+DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+@dataclass(frozen=True)
+class Received:
+    signum: int
+    monotonic: float
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+class SignalRecorder:
+    """Installs handlers that only record which signal came, and when.
+
+    It composes with handlers already installed: a previous Python handler is still called after
+    recording, and :meth:`uninstall` restores exactly what was there.
+    """
+
+    def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
+        self.signals = tuple(signals)
+        self.received: list[Received] = []
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(Received(signum, time.monotonic()))
+        prev = self._previous.get(signum)
+        if callable(prev):
+            prev(signum, frame)
+
+    def install(self) -> "SignalRecorder":
+        for s in self.signals:
+            if s not in self._previous:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for s, prev in self._previous.items():
+            signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    @property
+    def first(self) -> Received | None:
+        return self.received[0] if self.received else None
+
+class PreemptionGuard:
+    """Step-boundary agreement on stopping, and the self-requeue that follows a checkpoint.
+
+    ``signal_lead_s`` is the lead time given to ``--signal`` (the ``@60`` in ``USR1@60``). With it,
+    :meth:`reason` tells a time-limit warning from a preemption by asking Slurm how much time the
+    job has left, instead of guessing from elapsed time.
+    """
+
+    def __init__(self, comm: Comm | None = None, job: JobEnvironment | None = None,
+                 recorder: SignalRecorder | None = None, signal_lead_s: float | None = None,
+                 runner: commands.Runner = commands.run_command) -> None:
+        self.comm = Comm.wrap(comm)
+        self.job = job if job is not None else JobEnvironment.from_env()
+        self.recorder = recorder if recorder is not None else SignalRecorder()
+        self.signal_lead_s = signal_lead_s
+        self._runner = runner
+        self._stopping = False
+
+    def __enter__(self) -> "PreemptionGuard":
+        self.recorder.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.recorder.uninstall()
+
+    def stop_requested(self) -> bool:
+        """Collective: True on every rank once any rank has received a stop signal."""
+        local = 1.0 if self.recorder.received else 0.0
+        self._stopping = self.comm.allreduce_max(local) > 0
+        return self._stopping
+
+    def reason(self) -> str:
+        """'timeout', 'preemption', or 'signal <NAME>' when Slurm cannot tell (no job or no lead time)."""
+        first = self.recorder.first
+        if first is None:
+            return "none"
+        if first.signum == signal.SIGUSR1 and self.job.in_slurm_job and self.signal_lead_s is not None:
+            try:
+                left = commands.time_left_s(self.job.job_id or "", self._runner)
+            except SlurmError:
+                left = None
+            if left is not None:
+                return "timeout" if left <= self.signal_lead_s + 30 else "preemption"
+        return f"signal {first.name}"
+
+    def requeue(self) -> None:
+        """Collective: rank 0 asks Slurm to requeue this job; a failure is raised on every rank."""
+        def ask() -> None:
+            if self.comm.rank != 0:
+                return
+            if self.job.requeue_id is None:
+                raise SlurmError("cannot requeue: this process is not inside a Slurm job (no SLURM_JOB_ID)",
+                                 hint="run the training script with sbatch, or handle stopping yourself")
+            commands.requeue(self.job.requeue_id, self._runner)
+        self.comm.run_step(ask, "requeue")

@@ -1,0 +1,97 @@
+"""Resharding 2->1 and 1->2 across real processes; a writer killed before commit."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.cli.ckpt import main as ckpt_main
+from tests.checkpoint.conftest import ROOT, SCRIPTS, clean_env, run_ranks
+from tests.checkpoint.helpers import canonical, empty_state, full_state
+
+pytestmark = pytest.mark.timeout(180)
+JOB = str(SCRIPTS / "ckpt_job.py")
+
+
+def _result(p: subprocess.CompletedProcess) -> dict:
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert len(lines) == 1, p.stdout + p.stderr
+    return json.loads(lines[0][len("RESULT "):])
+
+
+@pytest.mark.parametrize("writers,readers", [(2, 1), (1, 2)])
+def test_checkpoint_written_on_n_ranks_loads_on_m_ranks(tmp_path, writers, readers):
+    wrote = _result(run_ranks(writers, JOB, "write", str(tmp_path), "4", "21"))
+    read = _result(run_ranks(readers, JOB, "read", str(tmp_path)))
+    assert (wrote["world"], read["world"]) == (writers, readers)
+    assert read["step"] == 4
+    assert read["hash"] == wrote["hash"]          # model, optimizer, scheduler, scaler, extras...
+    assert read["rows"] == wrote["rows"]          # the sharded tensor, re-split over M ranks
+    assert mf.read(mf.step_dir(tmp_path, 4))["world_size"] == writers
+
+
+def test_writer_killed_before_commit_leaves_previous_checkpoint_loadable(tmp_path):
+    proc = subprocess.Popen([sys.executable, JOB, "die", str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT)
+    try:
+        line = ""
+        while "MIDWRITE" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, proc.stderr.read()
+        assert (mf.step_dir(tmp_path, 2) / mf.DATA_FILE).exists()
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert mf.committed_steps(tmp_path) == [1]
+    assert not (mf.step_dir(tmp_path, 2) / mf.MANIFEST).exists()
+    mgr = CheckpointManager(tmp_path, comm=None)
+    assert mgr.latest_step() == 1
+    target = empty_state()
+    mgr.load_latest(target)
+    assert canonical(target["model"]) == canonical(full_state(1)["model"])
+    assert ckpt_main(["verify", str(tmp_path)]) == 0
+    # The next successful save reuses nothing of the dead one and cleans it up.
+    mgr.save(3, full_state(3))
+    assert [c.step for c in mf.scan(tmp_path)] == [1, 3]
+
+
+def test_retention_keeps_last_k_and_deletes_only_after_a_newer_commit(tmp_path, monkeypatch):
+    from coci_hpc.checkpoint import engine
+
+    mgr = CheckpointManager(tmp_path, comm=None, keep=2)
+    s = full_state(1)
+    for step in (10, 20, 30):
+        mgr.save(step, s)
+    assert [c.step for c in mgr.list()] == [20, 30]
+    mf.step_dir(tmp_path, 25).mkdir()  # a stale uncommitted leftover
+    monkeypatch.setattr(engine, "write_items", lambda *a, **k: (_ for _ in ()).throw(OSError("boom")))
+    with pytest.raises(Exception, match="boom"):
+        mgr.save(40, s)
+    assert [c.step for c in mgr.list()] == [20, 30]  # failed save deleted nothing
+    monkeypatch.undo()
+    mgr.save(50, s)
+    assert [c.step for c in mf.scan(tmp_path)] == [30, 50]
+    assert mgr.latest_step() == 50
+    with pytest.raises(Exception, match="already committed"):
+        mgr.save(50, s)
+
+
+def test_manifest_commit_is_atomic_and_validated(tmp_path):
+    d = tmp_path / "step_000000001"
+    d.mkdir()
+    mf.commit(d, {"format": mf.FORMAT, "format_version": 1, "step": 1})
+    assert [p.name for p in d.iterdir()] == [mf.MANIFEST]
+    assert mf.latest_step(tmp_path) == 1
+    (d / mf.MANIFEST).write_text('{"format": "coci-ckpt", "format_version": 99}')
+    with pytest.raises(Exception, match="newer"):
+        mf.read(d)
+    (d / mf.MANIFEST).write_text("{trunc")
+    with pytest.raises(Exception, match="does not parse"):
+        mf.read(d)

@@ -1,0 +1,72 @@
+"""Signal recording, step-boundary agreement and self-requeue, without a cluster (fake runner)."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from coci_hpc.comm import Comm
+from coci_hpc.errors import CommError, SlurmError
+from coci_hpc.runtime.preemption import PreemptionGuard, SignalRecorder
+from coci_hpc.slurm.commands import parse_duration
+from coci_hpc.slurm.env import JobEnvironment
+
+
+def test_job_environment_reads_the_table_and_types_values() -> None:
+    env = JobEnvironment.from_env({"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "3", "SLURM_NTASKS": "2",
+                                   "SLURMD_NODENAME": "n1", "SLURM_JOB_NUM_NODES": "x"})
+    assert (env.job_id, env.restart_count, env.ntasks, env.node_name) == ("42", 3, 2, "n1")
+    assert env.num_nodes is None  # not a number: ignored, not fatal
+    assert JobEnvironment.from_env({}).in_slurm_job is False
+    arr = JobEnvironment.from_env({"SLURM_JOB_ID": "43", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "3"})
+    assert arr.requeue_id == "40_3"
+
+
+@pytest.mark.parametrize("text,seconds", [("1-02:03:04", 93784), ("02:03:04", 7384), ("3:04", 184),
+                                          ("UNLIMITED", None), ("", None)])
+def test_parse_duration(text: str, seconds: float | None) -> None:
+    assert parse_duration(text) == seconds
+
+
+def test_recorder_only_records_and_restores_previous_handler() -> None:
+    calls: list[int] = []
+    old = signal.signal(signal.SIGUSR1, lambda s, f: calls.append(s))
+    try:
+        rec = SignalRecorder([signal.SIGUSR1]).install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert [r.name for r in rec.received] == ["SIGUSR1"]
+        assert calls == [signal.SIGUSR1]  # the handler that was there still runs
+        rec.uninstall()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert len(rec.received) == 1 and calls == [signal.SIGUSR1] * 2
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_guard_stops_at_the_boundary_after_a_signal_and_requeues_through_scontrol() -> None:
+    seen: list[list[str]] = []
+    job = JobEnvironment.from_env({"SLURM_JOB_ID": "77"})
+    with PreemptionGuard(Comm.serial(), job, SignalRecorder([signal.SIGUSR1]),
+                         runner=lambda argv: seen.append(list(argv)) or "") as guard:
+        assert guard.stop_requested() is False
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert guard.stop_requested() is True
+        guard.requeue()
+    assert seen == [["scontrol", "requeue", "77"]]
+
+
+@pytest.mark.parametrize("left,expected", [("0:45", "timeout"), ("1:00:00", "preemption")])
+def test_reason_asks_slurm_for_time_left(left: str, expected: str) -> None:
+    job = JobEnvironment.from_env({"SLURM_JOB_ID": "5"})
+    guard = PreemptionGuard(Comm.serial(), job, SignalRecorder([signal.SIGUSR1]), signal_lead_s=60,
+                            runner=lambda argv: left)
+    with guard:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert guard.reason() == expected
+
+
+def test_requeue_outside_slurm_is_a_clear_error() -> None:
+    guard = PreemptionGuard(Comm.serial(), JobEnvironment(), SignalRecorder([]))
+    with pytest.raises((SlurmError, CommError), match="not inside a Slurm job"):
+        guard.requeue()
