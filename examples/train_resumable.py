@@ -7,12 +7,15 @@ dropout and a shuffled resumable loader, checkpointed with coci_hpc's Checkpoint
 It resumes from the latest committed checkpoint in --ckpt-dir automatically, and prints
 ``PARAM_HASH <sha256>`` of the final parameters (rank 0). With 2+ ranks it is data parallel:
 gradients are averaged with an MPI allreduce, each rank reads its own shard of every batch.
-``--profile-out FILE`` records {"samples": [{"step", "time_s", "loss"}], "ckpt_cost_s",
+``--preemptible`` (inside a Slurm job submitted with ``--signal=USR1@N --requeue``): on the signal
+every rank stops at the next step boundary, saves, and rank 0 requeues the job; the requeued job
+resumes from that checkpoint. ``--profile-out FILE`` records {"samples": [{"step", "time_s", "loss"}], "ckpt_cost_s",
 "restart_cost_s": null, "step_time_s"} for the checkpoint planner.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import sys
@@ -26,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from coci_hpc.checkpoint import CheckpointManager, ResumableSampler
 from coci_hpc.comm import Comm
+from coci_hpc.runtime.preemption import PreemptionGuard
 
 
 def make_data(n: int, d_in: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile-out", help="write a planner profile JSON here (rank 0)")
+    ap.add_argument("--preemptible", action="store_true",
+                    help="on Slurm's --signal, save at the next step boundary and requeue this job")
+    ap.add_argument("--signal-lead", type=float, default=None,
+                    help="the N of --signal=USR1@N, to tell a time-limit warning from a preemption")
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of pretend extra work per step")
     args = ap.parse_args(argv)
 
     comm = Comm.world()
@@ -102,28 +111,45 @@ def main(argv: list[str] | None = None) -> int:
     samples, step_times, ckpt_costs = [], [], []
     t0 = time.perf_counter()
     model.train()
-    while step < args.steps:
-        ts = time.perf_counter()
-        idx = torch.from_numpy(sampler.next_batch(args.batch))
-        loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
-        opt.zero_grad(set_to_none=False)
-        loss.backward()
-        allreduce_grads(model, comm)
-        opt.step()
-        sched.step()
-        step += 1
-        step_times.append(time.perf_counter() - ts)
-        samples.append({"step": step, "time_s": time.perf_counter() - t0, "loss": float(loss.detach())})
-        if step % args.ckpt_every == 0:
-            extras["last_loss"] = float(loss.detach())
-            tc = time.perf_counter()
-            if args.use_async:
-                mgr.save_async(step, state)
-            else:
-                mgr.save(step, state)
-            ckpt_costs.append(time.perf_counter() - tc)
-        elif args.use_async:
-            mgr.poll()
+    with contextlib.ExitStack() as stack:
+        guard = stack.enter_context(PreemptionGuard(comm, signal_lead_s=args.signal_lead)) \
+            if args.preemptible else None
+        while step < args.steps:
+            ts = time.perf_counter()
+            idx = torch.from_numpy(sampler.next_batch(args.batch))
+            loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            allreduce_grads(model, comm)
+            opt.step()
+            sched.step()
+            step += 1
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            step_times.append(time.perf_counter() - ts)
+            samples.append({"step": step, "time_s": time.perf_counter() - t0, "loss": float(loss.detach())})
+            if step % args.ckpt_every == 0:
+                extras["last_loss"] = float(loss.detach())
+                tc = time.perf_counter()
+                if args.use_async:
+                    mgr.save_async(step, state)
+                else:
+                    mgr.save(step, state)
+                ckpt_costs.append(time.perf_counter() - tc)
+                if comm.rank == 0:
+                    print(f"saved step {step}", flush=True)
+            elif args.use_async:
+                mgr.poll()
+            if guard is not None and guard.stop_requested():  # collective: every rank stops at this step
+                mgr.wait()  # an async save in flight commits first
+                if mgr.latest_step() != step:
+                    extras["last_loss"] = float(loss.detach())
+                    mgr.save(step, state)
+                mgr.close()
+                if comm.rank == 0:
+                    print(f"STOP at step {step} ({guard.reason()}): saved, requeue", flush=True)
+                guard.requeue()
+                return 0
     mgr.close()
 
     digest = param_hash(model)

@@ -119,9 +119,11 @@ class PreemptionGuard:
             try:
                 left = commands.time_left_s(self.job.job_id or "", self._runner)
             except SlurmError:
-                left = None
-            if left is not None:
-                return "timeout" if left <= self.signal_lead_s + 30 else "preemption"
+                return f"signal {first.name}"
+            # No time limit (None): the warning cannot be the time limit's, so it is a preemption.
+            if left is None or left > self.signal_lead_s + 30:
+                return "preemption"
+            return "timeout"
         return f"signal {first.name}"
 
     def requeue(self) -> None:

@@ -56,7 +56,8 @@ def test_guard_stops_at_the_boundary_after_a_signal_and_requeues_through_scontro
     assert seen == [["scontrol", "requeue", "77"]]
 
 
-@pytest.mark.parametrize("left,expected", [("0:45", "timeout"), ("1:00:00", "preemption")])
+@pytest.mark.parametrize("left,expected", [("0:45", "timeout"), ("1:00:00", "preemption"),
+                                           ("UNLIMITED", "preemption")])
 def test_reason_asks_slurm_for_time_left(left: str, expected: str) -> None:
     job = JobEnvironment.from_env({"SLURM_JOB_ID": "5"})
     guard = PreemptionGuard(Comm.serial(), job, SignalRecorder([signal.SIGUSR1]), signal_lead_s=60,
@@ -70,3 +71,13 @@ def test_requeue_outside_slurm_is_a_clear_error() -> None:
     guard = PreemptionGuard(Comm.serial(), JobEnvironment(), SignalRecorder([]))
     with pytest.raises((SlurmError, CommError), match="not inside a Slurm job"):
         guard.requeue()
+
+
+def test_reason_when_slurm_cannot_be_asked_names_the_signal() -> None:
+    def broken(argv):
+        raise SlurmError("squeue: error: slurm_load_jobs error: Unable to contact slurm controller")
+    guard = PreemptionGuard(Comm.serial(), JobEnvironment.from_env({"SLURM_JOB_ID": "5"}),
+                            SignalRecorder([signal.SIGUSR1]), signal_lead_s=60, runner=broken)
+    with guard:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert guard.reason() == "signal SIGUSR1"

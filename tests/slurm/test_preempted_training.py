@@ -1,0 +1,64 @@
+"""The whole story on the local cluster: a 2-node data-parallel training job is preempted, checkpoints
+at the next step boundary, requeues itself, resumes from the newest committed checkpoint and ends
+with exactly the parameters of an uninterrupted run."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, SlurmCluster
+
+pytestmark = pytest.mark.slurm
+
+TRAIN = ROOT / "examples" / "train_resumable.py"
+STEPS, EVERY = 400, 100
+
+
+def _hash(text: str) -> str:
+    found = re.findall(r"PARAM_HASH (\w+) step (\d+)", text)
+    assert found, text
+    assert int(found[-1][1]) == STEPS
+    return found[-1][0]
+
+
+def test_preempted_training_resumes_bit_exactly(slurm_cluster: SlurmCluster) -> None:
+    wd = slurm_cluster.workdir / "train"
+    wd.mkdir()
+    ref = subprocess.run(["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m",
+                          "mpi4py", str(TRAIN), "--steps", str(STEPS), "--ckpt-dir", str(wd / "ref"),
+                          "--ckpt-every", str(EVERY)], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"))
+    assert ref.returncode == 0, ref.stderr
+    ref_hash = _hash(ref.stdout)
+
+    log = wd / "job-%j.out"
+    job = slurm_cluster.sbatch(
+        "-N", "2", "--ntasks-per-node=1", "--time=10", "--requeue", "--signal=USR1@60", "--open-mode=append", "-o", str(log),
+        "--wrap", f"srun --mpi=pmix {sys.executable} {TRAIN} --steps {STEPS} --ckpt-dir {wd / 'run'} "
+                  f"--ckpt-every {EVERY} --preemptible --signal-lead 60 --step-sleep 0.05")
+    logfile = Path(str(log).replace("%j", job))
+    deadline = time.monotonic() + 120
+    # Preempt after the first periodic checkpoint and well before the end (step ~150 of 400).
+    while "saved step 100" not in (logfile.read_text() if logfile.exists() else ""):
+        assert time.monotonic() < deadline, logfile.read_text() if logfile.exists() else "no log"
+        time.sleep(0.5)
+    time.sleep(2.5)
+    urgent = slurm_cluster.sbatch("-p", "urgent", "-N", "1", "-o", os.devnull, "--wrap", "sleep 1")
+    rows = slurm_cluster.wait_gone(job, timeout=240)
+    text = logfile.read_text()
+    print(text, rows)
+    stop = re.search(r"STOP at step (\d+) \((\w[\w ]*)\): saved, requeue", text)
+    assert stop, text
+    stop_step = int(stop.group(1))
+    assert EVERY < stop_step < STEPS and stop_step % EVERY != 0  # a step-boundary save, not a periodic one
+    assert stop.group(2) == "preemption"
+    assert f"resumed from step {stop_step}" in text
+    assert [r["State"] for r in rows][-1] == "COMPLETED" and len(rows) >= 2, rows
+    assert _hash(text) == ref_hash  # bit-exact with the uninterrupted run
+    assert slurm_cluster.wait_gone(urgent, timeout=60)[-1]["State"] == "COMPLETED"
