@@ -137,6 +137,9 @@ def build_failure_model(a, now: float) -> tuple[fmod.FailureModel, dict]:
         if a.sacct_file or a.events_file or a.from_cluster:
             raise UsageError("give either --mtbf-hours or a failure history, not both",
                              hint="drop --mtbf-hours to use the history")
+        if not (math.isfinite(a.mtbf_hours) and a.mtbf_hours > 0):
+            raise UsageError(f"--mtbf-hours {a.mtbf_hours:g}: the per-node MTBF must be a positive number of hours",
+                             hint="e.g. --mtbf-hours 70, or read it from the cluster with --from-cluster")
         return fmod.from_mtbf(a.mtbf_hours * 3600.0), {"source": "--mtbf-hours"}
     patterns = tuple(a.maintenance_pattern) if a.maintenance_pattern else \
         acct.DEFAULT_MAINTENANCE_PATTERNS
@@ -222,6 +225,12 @@ def _main(argv: Sequence[str] | None) -> int:
         raise UsageError(f"--nodes must be >= 1, got {a.nodes}", hint="e.g. --nodes 8")
     if not 0 < a.confidence < 1:
         raise UsageError("--confidence must be in (0, 1)", hint="e.g. 0.9")
+    for flag, value, strict in (("--ckpt-cost", a.ckpt_cost, True), ("--restart-cost", a.restart_cost, False),
+                                ("--step-time", a.step_time, True)):
+        if value is not None and not (math.isfinite(value) and (value > 0 if strict else value >= 0)):
+            need = "a positive" if strict else "a non-negative"
+            raise UsageError(f"{flag} {value:g}: must be {need} number of seconds",
+                             hint=f"e.g. {flag} 12 (measured by the runtime; see --profile)")
     horizon = parse_duration(a.horizon)
     policy = make_policy(a.policy)
     now = time.time()

@@ -94,8 +94,9 @@ def test_human_summary(capsys, profile):
     ([], 2, "no failure information"),
     (["--mtbf-hours", "4", "--policy", "nope"], 2, "unknown policy"),
     (["--mtbf-hours", "4", "--horizon", "soon"], 2, "bad duration"),
-    (["--mtbf-hours", "-3"], 4, "MTBF"),
-    (["--mtbf-hours", "4", "--ckpt-cost", "0"], 4, "Ts"),
+    (["--mtbf-hours", "-3"], 2, "--mtbf-hours -3"),
+    (["--mtbf-hours", "4", "--ckpt-cost", "0"], 2, "--ckpt-cost 0: must be a positive number"),
+    (["--mtbf-hours", "4", "--restart-cost", "-1"], 2, "--restart-cost -1"),
     (["--sacct-file", os.path.join(FIX, "sacct_malformed.txt")], 2, "sacct_malformed.txt:3"),
     (["--events-file", "/nonexistent/ev.txt"], 2, "cannot read"),
     (["--from-cluster"], 2, "--since"),
@@ -189,3 +190,12 @@ def test_real_capture_through_cli(capsys):
     assert d["failures"]["n_failures"] == 2
     assert d["failures"]["filtered_maintenance"] >= 1
     assert d["checkpoints"]
+
+
+@pytest.mark.parametrize("value", ["-3", "0", "nan"])
+def test_non_positive_mtbf_is_a_usage_error_naming_the_flag(value, capsys):
+    from coci_hpc.cli.plan import main
+    rc = main(["--mtbf-hours", value, "--nodes", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "--mtbf-hours" in err and "positive number of hours" in err
