@@ -9,7 +9,9 @@ It resumes from the latest committed checkpoint in --ckpt-dir automatically, and
 gradients are averaged with an MPI allreduce, each rank reads its own shard of every batch.
 ``--preemptible`` (inside a Slurm job submitted with ``--signal=USR1@N --requeue``): on the signal
 every rank stops at the next step boundary, saves, and rank 0 requeues the job; the requeued job
-resumes from that checkpoint. ``--profile-out FILE`` records {"samples": [{"step", "time_s", "loss"}], "ckpt_cost_s",
+resumes from that checkpoint. ``--plan POLICY --mtbf-hours H`` lets the COCI planner choose the
+checkpoint steps instead of ``--ckpt-every`` (Ts measured by an early checkpoint, Tr across a
+requeue). ``--profile-out FILE`` records {"samples": [{"step", "time_s", "loss"}], "ckpt_cost_s",
 "restart_cost_s": null, "step_time_s"} for the checkpoint planner.
 """
 from __future__ import annotations
@@ -29,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from coci_hpc.checkpoint import CheckpointManager, ResumableSampler
 from coci_hpc.comm import Comm
+from coci_hpc.planner.failures import from_mtbf
 from coci_hpc.runtime.preemption import PreemptionGuard
+from coci_hpc.runtime.schedule import CheckpointSchedule
 
 
 def make_data(n: int, d_in: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--signal-lead", type=float, default=None,
                     help="the N of --signal=USR1@N, to tell a time-limit warning from a preemption")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of pretend extra work per step")
+    ap.add_argument("--plan", metavar="POLICY",
+                    help="choose checkpoint steps with the planner (coci, young, daly, checkfreq, fixed:N)")
+    ap.add_argument("--mtbf-hours", type=float, default=70.0, help="per-node MTBF for --plan (hours)")
+    ap.add_argument("--plan-warmup", type=int, default=20, help="steps before the first (Ts-measuring) save")
     args = ap.parse_args(argv)
 
     comm = Comm.world()
@@ -95,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed * 1000 + 1 + comm.rank)  # per-rank dropout streams
     x, y = make_data(args.samples, d_in)
     sampler = ResumableSampler(args.samples, seed=args.seed, rank=comm.rank, world_size=comm.size)
-    planner: dict = {"ckpt_every": args.ckpt_every}
+    planner: dict | CheckpointSchedule = {"ckpt_every": args.ckpt_every}
+    if args.plan:
+        planner = CheckpointSchedule(args.plan, from_mtbf(args.mtbf_hours * 3600), nodes=comm.size,
+                                     horizon_s=24 * 3600, comm=comm, warmup_steps=args.plan_warmup)
+    schedule = planner if isinstance(planner, CheckpointSchedule) else None
     extras: dict = {}
     state = {"model": model, "optimizer": opt, "scheduler": sched, "loader": sampler,
              "planner": planner, "extras": extras}
@@ -107,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         step = mgr.load_latest(state).step
         if comm.rank == 0:
             print(f"resumed from step {step} in {time.perf_counter() - t_restart:.3f}s", flush=True)
+        restart_cost = schedule.resumed(step) if schedule is not None else None
+        if restart_cost is not None and comm.rank == 0:
+            print(f"measured restart cost (stop-save to resumed) {restart_cost:.1f}s", flush=True)
 
     samples, step_times, ckpt_costs = [], [], []
     t0 = time.perf_counter()
@@ -127,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.step_sleep:
                 time.sleep(args.step_sleep)
             step_times.append(time.perf_counter() - ts)
+            if schedule is not None:
+                schedule.observe(step, float(loss.detach()), step_times[-1])
             samples.append({"step": step, "time_s": time.perf_counter() - t0, "loss": float(loss.detach())})
-            if step % args.ckpt_every == 0:
+            if schedule.due(step) if schedule is not None else step % args.ckpt_every == 0:
                 extras["last_loss"] = float(loss.detach())
                 tc = time.perf_counter()
                 if args.use_async:
@@ -136,13 +153,18 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     mgr.save(step, state)
                 ckpt_costs.append(time.perf_counter() - tc)
+                if schedule is not None:
+                    schedule.saved(step, ckpt_costs[-1])
                 if comm.rank == 0:
-                    print(f"saved step {step}", flush=True)
+                    nxt = "" if schedule is None else f" (plan {args.plan}: next at step {schedule.next_step()})"
+                    print(f"saved step {step}{nxt}", flush=True)
             elif args.use_async:
                 mgr.poll()
             if guard is not None and guard.stop_requested():  # collective: every rank stops at this step
                 mgr.wait()  # an async save in flight commits first
                 if mgr.latest_step() != step:
+                    if schedule is not None:
+                        schedule.stopping()
                     extras["last_loss"] = float(loss.detach())
                     mgr.save(step, state)
                 mgr.close()

@@ -1,0 +1,172 @@
+"""The planner inside the training loop: it measures costs, feeds losses and decides WHEN to save.
+
+The planner itself (:mod:`coci_hpc.planner`) is pure: numbers in, a plan out. This class gives it
+the numbers the runtime alone can measure, and turns its plan into a save/no-save decision that is
+the same on every rank:
+
+- Ts (checkpoint cost) is measured by taking one checkpoint early, after ``warmup_steps`` steps,
+  as the COCI paper does; the plan is (re)made from that measurement. That checkpoint's own state
+  cannot hold its cost (it is written before the cost is known), so a job resumed from it
+  measures Ts again; from the second checkpoint on, measured costs travel in the state.
+- Tr (restart cost) is measured across a requeue: the wall time from the stop-save (written into
+  this object's saved state) to the moment training resumes, which covers requeue latency, job
+  start and restore. A crash is not a stop-save, so its lost work is not mistaken for Tr.
+- Time is training time with checkpoint stalls excluded (the planner's axis), summed from step
+  times, and saved, so a resumed job continues the same time axis.
+- Losses reach the planner as one mean per ``observe_every_s`` of training time, not per step: a
+  refit (every 50 observations) costs ~0.1 s on the training thread, so per-step feeding would
+  cost 0.1 s per 50 steps; this way it is at most ~0.2 % of training time.
+- Only rank 0 runs the planner (ranks see different local losses and clocks); its decision is
+  broadcast, because a save is collective and ranks that disagreed would deadlock.
+
+It is a stateful object (``state_dict``/``load_state_dict``), so put it in the checkpointed state::
+
+    sched = CheckpointSchedule("young", failures.from_mtbf(70 * 3600), nodes=8, horizon_s=86400)
+    state = {"model": model, ..., "planner": sched}
+    ...
+    sched.observe(step, loss, step_seconds)
+    if sched.due(step):
+        t = time.perf_counter(); mgr.save(step, state); sched.saved(step, time.perf_counter() - t)
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any
+
+from coci_hpc.comm import Comm
+from coci_hpc.errors import UsageError
+from coci_hpc.planner.costs import Costs
+from coci_hpc.planner.failures import FailureModel
+from coci_hpc.planner.online import OnlinePlanner
+from coci_hpc.planner.policies import make_policy
+
+# Before any restart was seen, Tr is assumed (requeue latency of a default Slurm: credential
+# lifetime 120 s, plus start-up); replaced by the measured value after the first requeue.
+ASSUMED_RESTART_S = 150.0
+
+
+class CheckpointSchedule:
+    def __init__(self, policy: str, failure_model: FailureModel, nodes: int, horizon_s: float, *,
+                 comm: Comm | None = None, warmup_steps: int = 20, refit_every: int = 50,
+                 observe_every_s: float = 1.0) -> None:
+        make_policy(policy)  # fail now, on every rank, on a bad spec
+        if warmup_steps < 1:
+            raise UsageError(f"warmup_steps must be >= 1, got {warmup_steps}",
+                             hint="the first checkpoint is taken after warmup_steps to measure Ts")
+        self.comm = Comm.wrap(comm)
+        self.policy, self.failure_model, self.nodes = policy, failure_model, int(nodes)
+        self.horizon_s, self.warmup_steps, self.refit_every = float(horizon_s), int(warmup_steps), refit_every
+        self.planner: OnlinePlanner | None = None
+        self.train_time_s = 0.0
+        self.step_times: list[float] = []
+        self.ckpt_costs: list[float] = []
+        self.restart_costs: list[float] = []
+        self.last_saved_step = 0
+        self.last_saved_time_s = 0.0
+        self.observe_every_s = float(observe_every_s)
+        self._pending = (0.0, 0, -float("inf"))  # loss sum, count, train time of the last observation
+        self._stop_wall: float | None = None   # set in the state of a stop-save only
+
+    # -- the loop's calls --------------------------------------------------------------------------
+    def observe(self, step: int, loss: float, step_seconds: float) -> None:
+        self.train_time_s += step_seconds
+        self.step_times.append(step_seconds)
+        del self.step_times[:-200]  # a recent median is what converts plan times to steps
+        if self.comm.rank != 0:
+            return
+        total, n, last_t = self._pending
+        if math.isfinite(loss):
+            total, n = total + float(loss), n + 1
+        if self.train_time_s - last_t < self.observe_every_s:
+            self._pending = (total, n, last_t)
+            return
+        self._pending = (0.0, 0, self.train_time_s)
+        if self.planner is not None and self.planner.observe(step, self.train_time_s, total / n if n else math.nan):
+            self._replan()  # the planner re-planned from now; anchor the new plan at the last checkpoint
+
+    def due(self, step: int) -> bool:
+        """Collective: whether to checkpoint after ``step`` (rank 0 decides, everyone follows)."""
+        decision = None
+        if self.comm.rank == 0:
+            if self.planner is None:
+                decision = step >= self.last_saved_step + self.warmup_steps and not self.ckpt_costs
+            else:
+                self.planner.next_checkpoint(self.train_time_s)  # extends a plan past its horizon
+                decision = self.planner.should_checkpoint(step, self.last_saved_step)
+        return bool(self.comm.bcast(decision))
+
+    def saved(self, step: int, seconds: float) -> None:
+        """Record a finished save and its blocking time; the first one creates the plan."""
+        self.last_saved_step, self.last_saved_time_s = step, self.train_time_s
+        self.ckpt_costs.append(float(self.comm.allreduce_max(seconds)))
+        self._replan()
+
+    def stopping(self) -> None:
+        """Call right before the stop-save (preemption or time limit): Tr is measured from here."""
+        self._stop_wall = time.time()
+
+    def resumed(self, step: int) -> float | None:
+        """Collective; call once state is restored from the checkpoint of ``step``.
+
+        Returns the measured restart cost when that checkpoint was a stop-save, else None.
+        """
+        # The saved state was captured before saved() ran for that very checkpoint.
+        self.last_saved_step, self.last_saved_time_s = int(step), self.train_time_s
+        tr = None
+        if self._stop_wall is not None:
+            tr = float(self.comm.allreduce_max(max(0.0, time.time() - self._stop_wall)))
+            self.restart_costs.append(tr)
+            self._stop_wall = None
+        if self.ckpt_costs:
+            self._replan()
+        return tr
+
+    # -- planning ------------------------------------------------------------------------------------
+    def costs(self) -> Costs:
+        ts = statistics.median(self.ckpt_costs) if self.ckpt_costs else 0.0
+        tr = statistics.median(self.restart_costs) if self.restart_costs else ASSUMED_RESTART_S
+        st = statistics.median(self.step_times) if self.step_times else None
+        return Costs(max(ts, 1e-3), tr, st)
+
+    def _replan(self) -> None:
+        """Plan from the last checkpoint, not from now: a re-plan must not postpone protection."""
+        if self.comm.rank != 0:
+            return
+        if self.planner is None:
+            self.planner = OnlinePlanner(self.policy, self.failure_model, self.nodes, self.costs(),
+                                         self.horizon_s, refit_every=self.refit_every)
+        self.planner.replan(self.last_saved_step, self.last_saved_time_s, self.costs())
+
+    def next_step(self) -> int | None:
+        """Rank 0's next planned checkpoint step (for logs); None on other ranks or before a plan."""
+        if self.planner is None:
+            return None
+        nxt = self.planner.next_checkpoint(self.train_time_s)
+        return None if nxt is None else nxt.step
+
+    # -- checkpointed state (JSON only; identical on every rank: rank 0's) ---------------------------
+    def state_dict(self) -> dict[str, Any]:
+        mine = {"version": 1, "policy": self.policy, "train_time_s": self.train_time_s,
+                "step_times": list(self.step_times), "ckpt_costs": list(self.ckpt_costs),
+                "restart_costs": list(self.restart_costs), "last_saved_step": self.last_saved_step,
+                "last_saved_time_s": self.last_saved_time_s,
+                "stop_wall": self._stop_wall,
+                "planner": None if self.planner is None else self.planner.to_state()}
+        return self.comm.bcast(mine)
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        if d.get("version") != 1:
+            raise UsageError(f"unknown checkpoint-schedule state version {d.get('version')!r}",
+                             hint="resume with the coci_hpc version that wrote the checkpoint")
+        self.policy = d["policy"]
+        self.train_time_s = float(d["train_time_s"])
+        self.step_times = [float(x) for x in d["step_times"]]
+        self.ckpt_costs = [float(x) for x in d["ckpt_costs"]]
+        self.restart_costs = [float(x) for x in d["restart_costs"]]
+        self.last_saved_step = int(d["last_saved_step"])
+        self.last_saved_time_s = float(d.get("last_saved_time_s", self.train_time_s))
+        self._stop_wall = None if d.get("stop_wall") is None else float(d["stop_wall"])
+        self.planner = None if d.get("planner") is None or self.comm.rank != 0 else \
+            OnlinePlanner.from_state(d["planner"])
