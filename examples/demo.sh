@@ -29,8 +29,8 @@ echo "[demo] 2. uninterrupted reference run (mpiexec -n 2)"
 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpiexec --allow-run-as-root --oversubscribe -n 2 \
   "$PY" -m mpi4py $TRAIN --ckpt-dir "$OUT/ckpt-ref" > "$OUT/reference.out"
 ref=$(grep -o 'PARAM_HASH [0-9a-f]*' "$OUT/reference.out")
-job=$(sbatch --parsable -N 2 --ntasks-per-node=1 --time=10 --requeue --signal=USR1@60 --open-mode=append \
-  -o "$OUT/train-%j.out" --wrap "srun --mpi=pmix $PY $TRAIN --ckpt-dir $OUT/ckpt --preemptible --signal-lead 60 --step-sleep 0.05")
+job=$(sbatch --parsable --time=10 -o "$OUT/train-%j.out" slurm/templates/train_preemptible.sbatch \
+  "$PY" $TRAIN --ckpt-dir "$OUT/ckpt" --preemptible --signal-lead 60 --step-sleep 0.05)
 echo "[demo] submitted preemptible training job $job to partition gpu"
 until grep -q "saved step 100" "$OUT/train-$job.out" 2>/dev/null; do sleep 0.5; done
 sleep 2

@@ -38,10 +38,11 @@ def test_preempted_training_resumes_bit_exactly(slurm_cluster: SlurmCluster) -> 
     ref_hash = _hash(ref.stdout)
 
     log = wd / "job-%j.out"
+    # The plain sbatch template people use without a CLI: it sets --requeue, --signal=USR1@60, srun --mpi=pmix.
     job = slurm_cluster.sbatch(
-        "-N", "2", "--ntasks-per-node=1", "--time=10", "--requeue", "--signal=USR1@60", "--open-mode=append", "-o", str(log),
-        "--wrap", f"srun --mpi=pmix {sys.executable} {TRAIN} --steps {STEPS} --ckpt-dir {wd / 'run'} "
-                  f"--ckpt-every {EVERY} --preemptible --signal-lead 60 --step-sleep 0.05")
+        "--time=10", "-o", str(log), str(ROOT / "slurm" / "templates" / "train_preemptible.sbatch"),
+        sys.executable, str(TRAIN), "--steps", str(STEPS), "--ckpt-dir", str(wd / "run"), "--ckpt-every", str(EVERY),
+        "--preemptible", "--signal-lead", "60", "--step-sleep", "0.05")
     logfile = Path(str(log).replace("%j", job))
     deadline = time.monotonic() + 120
     # Preempt after the first periodic checkpoint and well before the end (step ~150 of 400).
@@ -59,6 +60,7 @@ def test_preempted_training_resumes_bit_exactly(slurm_cluster: SlurmCluster) -> 
     assert EVERY < stop_step < STEPS
     assert stop.group(2) == "preemption"
     assert f"resumed from step {stop_step}" in text
+    assert "attempt 1 on n[1-2]" in text and "attempt 2 on n[1-2]" in text  # the template's own lines
     assert [r["State"] for r in rows][-1] == "COMPLETED" and len(rows) >= 2, rows
     assert _hash(text) == ref_hash  # bit-exact with the uninterrupted run
     assert slurm_cluster.wait_gone(urgent, timeout=60)[-1]["State"] == "COMPLETED"
