@@ -16,6 +16,7 @@ Every method marked *collective* must be called by all ranks at the same point.
 from __future__ import annotations
 
 import atexit
+import numbers
 import os
 import sys
 import time
@@ -61,8 +62,8 @@ class CheckpointManager:
     def __init__(self, directory: str | os.PathLike, comm: Any = None, *, keep: int = 2,
                  backend: str = "auto", lustre: LustrePolicy | None = None, on_busy: str = "wait",
                  overlap: bool = True, rng: bool = True) -> None:
-        if keep < 1:
-            raise UsageError(f"keep={keep} must be at least 1", hint="keep=2 keeps the last two")
+        if not isinstance(keep, numbers.Integral) or keep < 1:
+            raise UsageError(f"keep={keep!r} must be an integer of at least 1", hint="keep=2 keeps the last two")
         self.root = Path(directory)
         self.comm = Comm.wrap(comm)
         self.keep = keep

@@ -5,6 +5,7 @@ The two-phase save in :mod:`.twophase` reuses the same three steps with the writ
 """
 from __future__ import annotations
 
+import numbers
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.h5file import DatasetReader
@@ -19,9 +21,10 @@ from coci_hpc.checkpoint.lustre import IOTuning, apply_setstripe
 from coci_hpc.checkpoint.plan import LeafDesc, Plan, make_plan
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, write_posix
-from coci_hpc.checkpoint.state import Leaf, Sharded, apply, empty_like_leaf, iter_targets, leaf_view
+from coci_hpc.checkpoint.state import (Leaf, PerRank, Sharded, apply, empty_like_leaf, iter_targets,
+                                      leaf_view)
 from coci_hpc.comm import Comm
-from coci_hpc.errors import CheckpointError, CheckpointNotFound
+from coci_hpc.errors import CheckpointError, CheckpointNotFound, CociError, UsageError
 
 
 @dataclass
@@ -59,6 +62,11 @@ class Prepared:
 def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves: Sequence[Leaf],
             writer: StorageWriter, tuning: IOTuning) -> Prepared:
     """Collective: agree on the plan, make the step directory and the file with all datasets."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        # step_-0000001 would be written but never listed, loaded as latest or retained.
+        raise UsageError(f"step={step!r} is not a non-negative integer",
+                         hint="pass the training step counter (0, 1, 2, ...)")
+    step = int(step)
     descs = [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in leaves]
     all_descs = comm.allgather(descs)
     plan = comm.run_step(lambda: make_plan(all_descs, align=tuning.align), "planning the checkpoint")
@@ -139,66 +147,145 @@ class LoadResult:
     manifest: dict[str, Any]
 
 
+_LATEST_ATTEMPTS = 3  # a concurrent writer's retention can remove "latest" while we open it
+
+
 def load(comm: Comm, root: Path, step: int | None, state: Mapping[str, Any], *, rng: bool = True
          ) -> LoadResult:
-    """Collective: every rank loads ``step`` (latest when None) into ``state`` in place."""
-    def read_manifest() -> dict[str, Any]:
-        return mf.read_step(root, step)
+    """Collective: every rank loads ``step`` (latest when None) into ``state`` in place.
 
-    # Rank 0 picks the step so that all ranks load the same one even while a writer commits.
-    chosen = comm.bcast(mf.latest_step(root) if step is None and comm.rank == 0 else step)
-    if chosen is None:
-        comm.run_step(read_manifest, "finding the latest checkpoint")  # raises CheckpointNotFound
-        raise CheckpointNotFound(f"no committed checkpoint under {root}", hint="save one first")
-    step = chosen
-    m = comm.run_step(read_manifest, f"reading the manifest of step {step}")
+    Everything is checked (manifest, datasets, shapes and dtypes against ``state``) on every
+    rank before the first byte goes into ``state``: a failed load leaves it untouched.
+    """
     targets = dict(iter_targets(state))
     local_rows = {n: t.local.shape[0] for n, t in targets.items() if isinstance(t, Sharded)}
     all_rows = comm.allgather(local_rows)
+    for attempt in range(_LATEST_ATTEMPTS):
+        # Rank 0 picks the step so that all ranks load the same one even while a writer commits.
+        chosen = comm.bcast(mf.latest_step(root) if step is None and comm.rank == 0 else step)
+        if chosen is None:
+            comm.run_step(lambda: mf.read_step(root, None), "finding the latest checkpoint")  # raises
+            raise CheckpointNotFound(f"no committed checkpoint under {root}", hint="save one first")
+        try:
+            m, reader = _open_checked(comm, root, chosen, state, targets, all_rows)
+            break
+        except CociError:
+            # Asked for "latest" and a newer commit retired the chosen one meanwhile: choose again.
+            gone = comm.bcast(not (mf.step_dir(root, chosen) / mf.MANIFEST).is_file()
+                              if comm.rank == 0 else None)
+            if step is not None or not gone or attempt == _LATEST_ATTEMPTS - 1:
+                raise
+    try:
+        return comm.run_step(lambda: _read_all(comm, m, reader, state, targets, all_rows, rng),
+                             f"loading checkpoint step {chosen}")
+    finally:
+        reader.close()
 
-    def read_all() -> LoadResult:
-        rank = comm.rank
-        saved = int(m["world_size"])
-        tensors: dict[str, Any] = {}
-        path = mf.step_dir(root, step) / mf.DATA_FILE
-        with DatasetReader(path) as reader:
-            for meta in m["tensors"]:
-                kind = meta["kind"]
-                if kind == "per_rank" and meta["rank"] != rank:
-                    continue
-                shape = tuple(meta["shape"])
-                start = 0
-                if kind == "sharded":
-                    tgt = targets.get(meta["name"])
-                    if not isinstance(tgt, Sharded):
-                        raise CheckpointError(f"{meta['name']!r} is sharded in the checkpoint but the state "
-                                              f"passed to load has no Sharded(...) for it",
-                                              hint="pass Sharded(local_rows_tensor) at the same place")
-                    total = sum(rows.get(meta["name"], 0) for rows in all_rows)
-                    if total != shape[0]:
-                        raise CheckpointError(f"sharded {meta['name']!r} has {shape[0]} rows in the "
-                                              f"checkpoint but the ranks hold {total}",
-                                              hint="size the local parts so they add up to the saved rows")
-                    before = sum(rows.get(meta["name"], 0) for rows in all_rows[:rank])
-                    row_bytes = meta["nbytes"] // shape[0] if shape[0] else 0
-                    start = before * row_bytes
-                    shape = (tgt.local.shape[0],) + shape[1:]
-                dest = leaf_view(targets.get(meta["name"]), meta["dtype"], shape)
-                if dest is not None:
-                    obj = targets[meta["name"]]
-                    obj = obj.local if isinstance(obj, Sharded) else obj
-                else:
-                    obj, dest = empty_like_leaf(meta["dtype"], shape)
-                reader.read(meta, dest, start)
-                tensors[meta["name"]] = obj
-        per_rank_skel = m["skeletons"]["per_rank"].get(str(rank), {})
-        skeletons = {"replicated": m["skeletons"]["replicated"], "per_rank": per_rank_skel}
-        import torch
 
-        with torch.no_grad():
-            missing = apply(state, skeletons, tensors, rng=rng and str(rank) in m["skeletons"]["per_rank"])
-        if rng and str(rank) not in m["skeletons"]["per_rank"]:
-            missing.append("__rng__")
-        return LoadResult(int(m["step"]), saved, tuple(missing), m)
+def _dtype_of(obj: Any) -> str:
+    if isinstance(obj, torch.Tensor):
+        return str(obj.dtype)
+    return f"numpy.{obj.dtype.newbyteorder('=').name}"
 
-    return comm.run_step(read_all, f"loading checkpoint step {step}")
+
+def _my_tensors(m: Mapping[str, Any], rank: int) -> list[dict[str, Any]]:
+    return [t for t in m["tensors"] if t["kind"] != "per_rank" or t["rank"] == rank]
+
+
+def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, Any],
+                         targets: Mapping[str, Any], all_rows: list[dict[str, int]]) -> None:
+    """Raise a CheckpointError if the checkpoint cannot be loaded into ``state`` as it is."""
+    step = m["step"]
+    hint = "load into a state built like the one that was saved (same model, dtypes and sizes)"
+    for meta in _my_tensors(m, rank):
+        name, shape = meta["name"], tuple(meta["shape"])
+        tgt = targets.get(name)
+        if meta["kind"] == "sharded":
+            if not isinstance(tgt, Sharded):
+                raise CheckpointError(f"{name!r} is sharded in the checkpoint but the state "
+                                      f"passed to load has no Sharded(...) for it",
+                                      hint="pass Sharded(local_rows_tensor) at the same place")
+            total = sum(rows.get(name, 0) for rows in all_rows)
+            if not shape or total != shape[0]:
+                raise CheckpointError(f"sharded {name!r} has {shape[0] if shape else 0} rows in the "
+                                      f"checkpoint but the ranks hold {total}",
+                                      hint="size the local parts so they add up to the saved rows")
+            tgt, shape = tgt.local, (tgt.local.shape[0],) + shape[1:]
+        elif isinstance(tgt, Sharded):
+            raise CheckpointError(f"{name!r} is Sharded(...) in the state passed to load but "
+                                  f"{meta['kind']} in checkpoint step {step}", hint=hint)
+        if tgt is not None and (tuple(tgt.shape) != shape or _dtype_of(tgt) != meta["dtype"]):
+            raise CheckpointError(f"{name!r} is {_dtype_of(tgt)} {list(tgt.shape)} in the state passed to "
+                                  f"load but {meta['dtype']} {list(shape)} in checkpoint step {step}",
+                                  hint=hint)
+    for key, value in state.items():
+        section = "per_rank" if isinstance(value, PerRank) else "replicated"
+        inner = value.value if isinstance(value, PerRank) else value
+        skel = m["skeletons"][section] if section == "replicated" else \
+            m["skeletons"]["per_rank"].get(str(rank), {})
+        if not isinstance(inner, torch.nn.Module) or key not in skel:
+            continue
+        saved = skel[key]
+        if isinstance(saved, dict) and "__dict__" in saved and len(saved) == 1:
+            saved_keys = {k for k, _ in saved["__dict__"]}
+        else:
+            saved_keys = set(saved) if isinstance(saved, dict) else set()
+        mine = set(inner.state_dict())
+        if saved_keys != mine:
+            missing, extra = sorted(mine - saved_keys)[:3], sorted(saved_keys - mine)[:3]
+            raise CheckpointError(f"model {key!r} does not match checkpoint step {step}: entries missing "
+                                  f"from the checkpoint {missing}, entries the model lacks {extra}",
+                                  hint=hint)
+
+
+def _open_checked(comm: Comm, root: Path, step: int, state: Mapping[str, Any],
+                  targets: Mapping[str, Any], all_rows: list[dict[str, int]]
+                  ) -> tuple[dict[str, Any], DatasetReader]:
+    """Collective: read the manifest, open the data file, check everything; nothing written yet."""
+    opened: list[DatasetReader] = []
+
+    def step_fn() -> dict[str, Any]:
+        m = mf.read_step(root, step)
+        opened.append(DatasetReader(mf.step_dir(root, step) / mf.DATA_FILE))
+        for meta in _my_tensors(m, comm.rank):
+            opened[0].offset(meta)  # present, same shape/dtype/size as the manifest, inside the file
+        _check_against_state(m, comm.rank, state, targets, all_rows)
+        return m
+
+    try:
+        m = comm.run_step(step_fn, f"checking checkpoint step {step}")
+    except BaseException:
+        for r in opened:
+            r.close()
+        raise
+    return m, opened[0]
+
+
+def _read_all(comm: Comm, m: dict[str, Any], reader: DatasetReader, state: Mapping[str, Any],
+              targets: Mapping[str, Any], all_rows: list[dict[str, int]], rng: bool) -> LoadResult:
+    rank = comm.rank
+    tensors: dict[str, Any] = {}
+    for meta in _my_tensors(m, rank):
+        shape = tuple(meta["shape"])
+        start = 0
+        if meta["kind"] == "sharded":
+            tgt = targets[meta["name"]]
+            before = sum(rows.get(meta["name"], 0) for rows in all_rows[:rank])
+            row_bytes = meta["nbytes"] // shape[0] if shape[0] else 0
+            start = before * row_bytes
+            shape = (tgt.local.shape[0],) + shape[1:]
+        dest = leaf_view(targets.get(meta["name"]), meta["dtype"], shape)
+        if dest is not None:
+            obj = targets[meta["name"]]
+            obj = obj.local if isinstance(obj, Sharded) else obj
+        else:
+            obj, dest = empty_like_leaf(meta["dtype"], shape)
+        reader.read(meta, dest, start)
+        tensors[meta["name"]] = obj
+    per_rank_skel = m["skeletons"]["per_rank"].get(str(rank), {})
+    skeletons = {"replicated": m["skeletons"]["replicated"], "per_rank": per_rank_skel}
+    with torch.no_grad():
+        missing = apply(state, skeletons, tensors, rng=rng and str(rank) in m["skeletons"]["per_rank"])
+    if rng and str(rank) not in m["skeletons"]["per_rank"]:
+        missing.append("__rng__")
+    return LoadResult(int(m["step"]), int(m["world_size"]), tuple(missing), m)

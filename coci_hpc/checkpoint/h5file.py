@@ -91,19 +91,27 @@ class DatasetReader:
             raise CheckpointCorrupt(f"{self.path}: dataset {path!r} is {ds.shape} {ds.dtype}, manifest "
                                     f"says {tuple(meta['shape'])} {meta['dtype']}",
                                     hint="the shard file does not belong to this manifest")
+        nbytes = int(np.prod(h5_shape(meta["shape"]), dtype=np.int64)) * ds.dtype.itemsize
+        if int(meta["nbytes"]) != nbytes:
+            raise CheckpointCorrupt(f"{self.path}: dataset {path!r} holds {nbytes} bytes, manifest says "
+                                    f"{meta['nbytes']}", hint="the manifest was edited or damaged; "
+                                    "load an older step")
         off = ds.id.get_offset()
         if off is None:
-            if int(meta["nbytes"]) == 0:
+            if nbytes == 0:
                 return 0
             raise CheckpointCorrupt(f"{self.path}: dataset {path!r} has no contiguous storage",
                                     hint="the file was not written by coci_hpc")
+        if int(off) + nbytes > os.fstat(self._fd).st_size:
+            raise CheckpointCorrupt(f"{self.path}: dataset {path!r} ends past the end of the file "
+                                    f"(truncated?)", hint="the shard file is damaged; load an older step")
         return int(off)
 
     def read(self, meta: Mapping[str, Any], dest: np.ndarray, start: int = 0) -> None:
         """Fill ``dest`` (any contiguous array) with bytes [start, start+dest.nbytes) of a dataset."""
         if dest.nbytes == 0:
             return
-        if start + dest.nbytes > int(meta["nbytes"]):
+        if start < 0 or start + dest.nbytes > int(meta["nbytes"]):
             raise CheckpointCorrupt(f"{self.path}: read past the end of {meta['dataset']!r}",
                                     hint="manifest and request disagree")
         pread_into(self._fd, dest, self.offset(meta) + start)

@@ -119,13 +119,72 @@ def read(directory: str | os.PathLike) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise CheckpointCorrupt(f"{path}: manifest does not parse: {exc}",
                                 hint="load an older step; this one is damaged") from exc
-    if m.get("format") != FORMAT or not isinstance(m.get("format_version"), int):
+    if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("format_version"), int):
         raise CheckpointCorrupt(f"{path}: not a coci checkpoint manifest",
                                 hint="point at a directory written by coci_hpc")
     if m["format_version"] > FORMAT_VERSION:
         raise CheckpointCorrupt(f"{path}: format version {m['format_version']} is newer than this "
                                 f"coci_hpc understands ({FORMAT_VERSION})", hint="upgrade coci_hpc")
+    problem = _schema_problem(m)
+    if problem:
+        raise CheckpointCorrupt(f"{path}: manifest is damaged or was edited: {problem}",
+                                hint="load an older step (coci-ckpt list DIR); this one is damaged")
     return m
+
+
+def _is_int(x: Any, low: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _is_file_name(x: Any) -> bool:
+    return isinstance(x, str) and x not in ("", ".", "..") and "/" not in x and "\\" not in x
+
+
+_KINDS = ("replicated", "per_rank", "sharded")
+
+
+def _schema_problem(m: dict[str, Any]) -> str | None:
+    """What is wrong with the fields of a parsed manifest that readers rely on (None: fine)."""
+    if not _is_int(m.get("step")):
+        return "'step' is not a non-negative integer"
+    if not _is_int(m.get("world_size"), 1):
+        return "'world_size' is not a positive integer"
+    if isinstance(m.get("wall_time"), bool) or not isinstance(m.get("wall_time"), (int, float)):
+        return "'wall_time' is not a number"
+    if not isinstance(m.get("backend"), str):
+        return "'backend' is not a string"
+    files = m.get("files")
+    if not isinstance(files, list) or not all(_is_file_name(f) for f in files):
+        return "'files' is not a list of file names inside the checkpoint directory"
+    skel = m.get("skeletons")
+    if not isinstance(skel, dict) or not isinstance(skel.get("replicated"), dict) \
+            or not isinstance(skel.get("per_rank"), dict):
+        return "'skeletons' lacks its 'replicated' and 'per_rank' sections"
+    tensors, shards = m.get("tensors"), m.get("shards")
+    if not isinstance(tensors, list) or not isinstance(shards, list):
+        return "'tensors' or 'shards' is not a list"
+    sizes: dict[tuple[str, str], int] = {}
+    for i, t in enumerate(tensors):
+        if not isinstance(t, dict):
+            return f"tensors[{i}] is not an object"
+        if not all(isinstance(t.get(k), str) for k in ("name", "dataset", "dtype")) \
+                or t.get("file") not in files or t.get("kind") not in _KINDS \
+                or not isinstance(t.get("shape"), list) or not all(_is_int(x) for x in t["shape"]) \
+                or not _is_int(t.get("nbytes")) or not (t.get("rank") is None or _is_int(t.get("rank"))):
+            return f"tensors[{i}] ({t.get('name')!r}) has a missing or invalid field"
+        if t["kind"] == "per_rank" and t["rank"] is None:
+            return f"tensors[{i}] ({t['name']!r}) is per-rank but names no rank"
+        sizes[(t["file"], t["dataset"])] = t["nbytes"]
+    for i, sh in enumerate(shards):
+        if not isinstance(sh, dict) or not all(_is_int(sh.get(k)) for k in ("rank", "start", "stop", "crc32")):
+            return f"shards[{i}] has a missing or invalid field"
+        key = (sh.get("file"), sh.get("dataset"))
+        if key not in sizes:
+            return f"shards[{i}] names {key[0]}:{key[1]}, which is not a tensor of this manifest"
+        if not sh["start"] <= sh["stop"] <= sizes[key]:
+            return (f"shards[{i}] covers bytes [{sh['start']}, {sh['stop']}) outside {key[1]!r} "
+                    f"({sizes[key]} bytes)")
+    return None
 
 
 def read_step(root: str | os.PathLike, step: int | None) -> dict[str, Any]:

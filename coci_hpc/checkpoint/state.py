@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from coci_hpc.errors import CheckpointError
+from coci_hpc.errors import CheckpointCorrupt, CheckpointError
 
 # torch dtype name -> (numpy dtype used for the stored bytes, torch dtype to view as on the way out).
 # bfloat16 and bool have no exact numpy twin of the same meaning, so their bytes go out as uint.
@@ -72,8 +72,15 @@ class Leaf:
 def storage_dtype(dtype: str) -> np.dtype:
     if dtype in _TORCH_DTYPES:
         return _TORCH_DTYPES[dtype][0]
-    if dtype.startswith("numpy."):
-        return np.dtype(dtype[len("numpy."):]).newbyteorder("<")
+    if isinstance(dtype, str) and dtype.startswith("numpy."):
+        try:
+            dt = np.dtype(dtype[len("numpy."):])
+        except TypeError:
+            dt = None
+        # Only the numeric kinds that are ever saved: raw bytes read into an object (pointer)
+        # array would be memory corruption, never a tensor.
+        if dt is not None and dt.kind in _NUMPY_KINDS:
+            return dt.newbyteorder("<")
     raise CheckpointError(f"unsupported tensor dtype {dtype!r} in checkpoint",
                           hint="supported: " + ", ".join(sorted(_TORCH_DTYPES)) + ", numpy numeric")
 
@@ -163,13 +170,17 @@ def unflatten(skeleton: Any, tensors: Mapping[str, Any]) -> Any:
     """Inverse of :func:`flatten`; ``tensors`` maps leaf names to the loaded tensors/arrays."""
     if isinstance(skeleton, dict):
         if "__tensor__" in skeleton and len(skeleton) == 1:
+            if skeleton["__tensor__"] not in tensors:
+                raise CheckpointCorrupt(f"the manifest names tensor {skeleton['__tensor__']!r} but "
+                                        f"lists no dataset for it",
+                                        hint="the manifest was edited or damaged; load an older step")
             return tensors[skeleton["__tensor__"]]
         if "__dict__" in skeleton and len(skeleton) == 1:
             return {_unjson_key(k): unflatten(v, tensors) for k, v in skeleton["__dict__"]}
         if "__tuple__" in skeleton and len(skeleton) == 1:
             return tuple(unflatten(v, tensors) for v in skeleton["__tuple__"])
         if "__torch_dtype__" in skeleton and len(skeleton) == 1:
-            return getattr(torch, skeleton["__torch_dtype__"].split(".", 1)[1])
+            return _torch_dtype(skeleton["__torch_dtype__"])
         return {k: unflatten(v, tensors) for k, v in skeleton.items()}
     if isinstance(skeleton, list):
         return [unflatten(v, tensors) for v in skeleton]
@@ -178,8 +189,18 @@ def unflatten(skeleton: Any, tensors: Mapping[str, Any]) -> Any:
 
 def _unjson_key(k: Any) -> Any:
     if isinstance(k, dict) and "__torch_dtype__" in k:
-        return getattr(torch, k["__torch_dtype__"].split(".", 1)[1])
+        return _torch_dtype(k["__torch_dtype__"])
     return k
+
+
+def _torch_dtype(name: Any) -> torch.dtype:
+    """The torch dtype saved as ``"torch.float32"``; anything else in a manifest is refused."""
+    attr = name.split(".", 1)[1] if isinstance(name, str) and name.startswith("torch.") else None
+    dt = getattr(torch, attr, None) if attr else None
+    if not isinstance(dt, torch.dtype):
+        raise CheckpointCorrupt(f"the manifest holds {name!r} where a torch dtype belongs",
+                                hint="the manifest was edited or damaged; load an older step")
+    return dt
 
 
 def empty_like_leaf(dtype: str, shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:

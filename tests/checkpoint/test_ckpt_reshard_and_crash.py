@@ -95,3 +95,64 @@ def test_manifest_commit_is_atomic_and_validated(tmp_path):
     (d / mf.MANIFEST).write_text("{trunc")
     with pytest.raises(Exception, match="does not parse"):
         mf.read(d)
+
+
+def test_edited_manifest_is_refused_with_a_clear_error(tmp_path):
+    import torch
+
+    from coci_hpc.errors import CheckpointCorrupt
+
+    mgr = CheckpointManager(tmp_path, comm=None)
+    mgr.save(1, {"a": torch.arange(8.0), "b": torch.arange(8.0) + 100})
+    path = mf.step_dir(tmp_path, 1) / mf.MANIFEST
+    good = json.loads(path.read_text())
+
+    def shard_of_b(m):
+        return next(s for s in m["shards"] if s["dataset"].endswith("/b"))
+
+    edits = {
+        "not an object": lambda m: [1, 2],
+        "no shards": lambda m: m.pop("shards"),
+        "no skeletons": lambda m: m.pop("skeletons"),
+        "no wall_time": lambda m: m.pop("wall_time"),
+        "shard before the dataset": lambda m: shard_of_b(m).update(start=-16, stop=0),
+        "stop before start": lambda m: shard_of_b(m).update(start=16, stop=8),
+        "file outside the dir": lambda m: [t.update(file="../x.h5") for t in m["tensors"]],
+        "nbytes past the dataset": lambda m: [t.update(nbytes=64) for t in m["tensors"]],
+    }
+    for what, edit in edits.items():
+        m = json.loads(json.dumps(good))
+        out = edit(m)
+        path.write_text(json.dumps(out if isinstance(out, list) else m))
+        target = {"a": torch.zeros(8), "b": torch.zeros(8)}
+        with pytest.raises(CheckpointCorrupt, match="manifest|dataset") as info:
+            mgr.load(1, target)
+        assert info.value.hint, what
+        assert not target["a"].any() and not target["b"].any(), what   # nothing overwritten
+        for cmd in (["verify", str(tmp_path), "1"], ["inspect", str(tmp_path), "1"], ["list", str(tmp_path)]):
+            assert ckpt_main(cmd) == 7, (what, cmd)
+
+
+def test_load_latest_survives_a_concurrent_commit_retiring_the_chosen_step(tmp_path, monkeypatch):
+    """Another job commits (keep=1) right after this loader chose "latest": it loads the new one."""
+    import torch
+
+    writer = CheckpointManager(tmp_path, comm=None, keep=1)
+    writer.save(1, {"a": torch.ones(3)})
+    real, fired = mf.read_step, []
+
+    def racing(root, step):
+        if not fired:
+            fired.append(1)
+            writer.save(2, {"a": torch.full((3,), 2.0)})
+            mf.wait_for_deletions()
+        return real(root, step)
+
+    monkeypatch.setattr(mf, "read_step", racing)
+    target = {"a": torch.zeros(3)}
+    res = CheckpointManager(tmp_path, comm=None).load_latest(target)
+    assert fired and res.step == 2 and torch.equal(target["a"], torch.full((3,), 2.0))
+    # An explicitly requested step that is gone is still an error, not a silent substitute.
+    from coci_hpc.errors import CheckpointNotFound
+    with pytest.raises(CheckpointNotFound):
+        CheckpointManager(tmp_path, comm=None).load(1, target)

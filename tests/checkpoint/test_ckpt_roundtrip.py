@@ -10,7 +10,7 @@ import torch
 from coci_hpc.checkpoint import CheckpointManager, PerRank, Sharded
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.state import collect, unflatten
-from coci_hpc.errors import CheckpointError, CheckpointNotFound, CommError
+from coci_hpc.errors import CheckpointError, CheckpointNotFound, CommError, UsageError
 from tests.checkpoint.helpers import canonical, empty_state, full_state, rng_draws, rows_of
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -137,3 +137,62 @@ def test_sharded_rows_reassemble(shared_dir, comm):
     tgt = Sharded(torch.zeros(len(rows), 3))
     mgr.load(1, {"s": {"w": tgt}})
     assert torch.equal(tgt.local, g[rows.start:rows.stop])
+
+
+def test_load_into_a_state_of_other_shapes_or_dtypes_is_refused_and_changes_nothing(shared_dir, comm):
+    mgr = CheckpointManager(shared_dir, comm=comm)
+    torch.manual_seed(0)
+    mgr.save(1, {"model": torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)),
+                 "w": torch.ones(1)})
+    cases = [
+        {"model": torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))},       # shape
+        {"model": torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).double()},  # dtype
+        {"model": torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2),
+                                      torch.nn.Linear(2, 2))},                               # keys
+        {"w": torch.zeros(3)},                              # would broadcast [1] -> [3] silently
+        {"w": torch.zeros(1, dtype=torch.float64)},         # would convert silently
+    ]
+    for target in cases:
+        before = {k: {n: t.clone() for n, t in v.state_dict().items()} if isinstance(v, torch.nn.Module)
+                  else v.clone() for k, v in target.items()}
+        with pytest.raises(CheckpointError, match="does not match|in the state passed to load") as info:
+            mgr.load(1, target)
+        assert info.value.hint
+        for k, v in target.items():
+            if isinstance(v, torch.nn.Module):
+                assert all(torch.equal(t, before[k][n]) for n, t in v.state_dict().items())
+            else:
+                assert torch.equal(v, before[k])
+
+
+def test_negative_or_non_integer_step_is_refused(shared_dir, comm):
+    mgr = CheckpointManager(shared_dir, comm=comm)
+    for step in (-1, 2.5):
+        with pytest.raises(UsageError, match="non-negative integer"):
+            mgr.save(step, {"a": torch.ones(2)})
+    assert mf.scan(shared_dir) == []
+
+
+def test_keep_must_be_a_positive_integer(shared_dir, comm):
+    for keep in (0, -1, 1.5, "2"):
+        with pytest.raises(UsageError, match="keep="):
+            CheckpointManager(shared_dir, comm=comm, keep=keep)
+
+
+def test_a_manifest_cannot_smuggle_objects_into_the_state(shared_dir, comm):
+    mgr = CheckpointManager(shared_dir, comm=comm)
+    mgr.save(1, {"x": {"dt": torch.float32, "a": np.zeros(4)}})
+    comm.barrier()
+    if comm.rank == 0:
+        path = mf.step_dir(shared_dir, 1) / mf.MANIFEST
+        m = json.loads(path.read_text())
+        m["skeletons"]["replicated"]["x"]["dt"] = {"__torch_dtype__": "torch.load"}
+        path.write_text(json.dumps(m))
+    comm.barrier()
+    with pytest.raises((CheckpointError, CommError), match="where a torch dtype belongs"):
+        mgr.load(1, {"x": {}})
+    # Raw bytes are never read into an object (pointer) array: only numeric dtypes load.
+    from coci_hpc.checkpoint.state import storage_dtype
+    for bad in ("numpy.object", "numpy.void", "numpy.str_", "numpy.nonsense"):
+        with pytest.raises(CheckpointError, match="unsupported tensor dtype"):
+            storage_dtype(bad)
