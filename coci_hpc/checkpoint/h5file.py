@@ -69,6 +69,10 @@ class DatasetReader:
             raise CheckpointCorrupt(f"{self.path}: cannot open as HDF5: {exc}",
                                     hint="run `coci-ckpt verify` on it; load an older step") from exc
         self._fd = os.open(self.path, os.O_RDONLY)
+        self._size = os.fstat(self._fd).st_size
+        # Loads check every dataset before reading any (so a failed load changes nothing), then
+        # read: one HDF5 lookup per dataset, not two (each costs ~0.3 ms).
+        self._offsets: dict[tuple[Any, ...], int] = {}
 
     def close(self) -> None:
         self._h5.close()
@@ -82,6 +86,13 @@ class DatasetReader:
 
     def offset(self, meta: Mapping[str, Any]) -> int:
         """Byte offset of a dataset after checking it against its manifest entry."""
+        key = (meta["dataset"], tuple(meta["shape"]), meta["dtype"], meta["nbytes"])
+        off = self._offsets.get(key)
+        if off is None:
+            off = self._offsets[key] = self._checked_offset(meta)
+        return off
+
+    def _checked_offset(self, meta: Mapping[str, Any]) -> int:
         path = meta["dataset"]
         if path not in self._h5:
             raise CheckpointCorrupt(f"{self.path}: dataset {path!r} named in the manifest is missing",
@@ -102,7 +113,7 @@ class DatasetReader:
                 return 0
             raise CheckpointCorrupt(f"{self.path}: dataset {path!r} has no contiguous storage",
                                     hint="the file was not written by coci_hpc")
-        if int(off) + nbytes > os.fstat(self._fd).st_size:
+        if int(off) + nbytes > self._size:
             raise CheckpointCorrupt(f"{self.path}: dataset {path!r} ends past the end of the file "
                                     f"(truncated?)", hint="the shard file is damaged; load an older step")
         return int(off)
