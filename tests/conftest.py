@@ -12,7 +12,27 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVCLUSTER = ROOT / "slurm" / "devcluster"
-VENV_PYTHON = sys.executable
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """Environment for a child mpiexec/python: no MPI variables inherited from this process."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "OPAL_", "PRTE_", "HYDRA_"))}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def run_ranks(n: int, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+              ) -> subprocess.CompletedProcess:
+    """Run ``python args...`` on n ranks under mpiexec (n=0: plain python, no MPI)."""
+    cmd = [sys.executable, *args]
+    if n:
+        cmd = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", str(n), *cmd]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=ROOT)
+    if p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
 
 
 @dataclass

@@ -7,16 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_ranks
 
-TRAIN = [sys.executable, str(ROOT / "examples" / "train_resumable.py")]
+TRAIN = [str(ROOT / "examples" / "train_resumable.py")]
 PLAN = ["--plan", "young", "--mtbf-hours", "0.005", "--plan-warmup", "10", "--step-sleep", "0.005"]
 
 
 def _train(*args: str) -> str:
-    p = subprocess.run([*TRAIN, *args], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    return p.stdout
+    return run_ranks(0, *TRAIN, *args, timeout=300).stdout
 
 
 def test_planned_checkpoints_resume_bit_exactly_and_feed_coci_plan(tmp_path: Path) -> None:

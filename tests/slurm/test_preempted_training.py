@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, SlurmCluster
+from tests.conftest import ROOT, SlurmCluster, run_ranks
 
 pytestmark = pytest.mark.slurm
 
@@ -30,12 +29,8 @@ def _hash(text: str) -> str:
 def test_preempted_training_resumes_bit_exactly(slurm_cluster: SlurmCluster) -> None:
     wd = slurm_cluster.workdir / "train"
     wd.mkdir()
-    ref = subprocess.run(["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m",
-                          "mpi4py", str(TRAIN), "--steps", str(STEPS), "--ckpt-dir", str(wd / "ref"),
-                          "--ckpt-every", str(EVERY)], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"))
-    assert ref.returncode == 0, ref.stderr
-    ref_hash = _hash(ref.stdout)
+    ref_hash = _hash(run_ranks(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--ckpt-dir", str(wd / "ref"),
+                               "--ckpt-every", str(EVERY), timeout=300).stdout)
 
     log = wd / "job-%j.out"
     # The plain sbatch template people use without a CLI: it sets --requeue, --signal=USR1@60, srun --mpi=pmix.
