@@ -60,10 +60,10 @@ class OnlinePlanner:
 
     def should_checkpoint(self, step: int, last_ckpt_step: int) -> bool:
         """True when a planned checkpoint step lies in (last_ckpt_step, step]."""
-        for c in self.plan.checkpoints:
-            if c.step is not None and last_ckpt_step < c.step <= step:
-                return True
-        return False
+        # Called every training step: stop at the first planned step after the last checkpoint
+        # (plans are in time order) instead of scanning the whole plan when nothing is due.
+        nxt = self.plan.next_step(last_ckpt_step)
+        return nxt is not None and nxt <= step
 
     def to_state(self) -> dict:
         return {"version": 1, "policy": self.policy_spec, "nodes": self.nodes,
