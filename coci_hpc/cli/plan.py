@@ -55,8 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--from-cluster", action="store_true",
                      help="run sacct/sacctmgr/sinfo here (needs --since)")
     src.add_argument("--partition", help="with --from-cluster: only this partition's jobs/nodes")
-    src.add_argument("--since", help="window start, YYYY-MM-DDTHH:MM:SS (local time)")
-    src.add_argument("--until", help="window end for files (default: last record)")
+    src.add_argument("--since", help="window start, YYYY-MM-DD or YYYY-MM-DDTHH:MM:SS (local time)")
+    src.add_argument("--until", help="window end for files (default: last record); running jobs "
+                     "count up to it")
     src.add_argument("--cluster-nodes", type=int,
                      help="nodes in the cluster, for node-event exposure from files "
                      "(default: nodes seen in the files)")
@@ -149,19 +150,16 @@ def build_failure_model(a, now: float) -> tuple[fmod.FailureModel, dict]:
         except re.error as exc:
             raise UsageError(f"bad --maintenance-pattern {pat!r}: {exc}",
                              hint="give a Python regular expression") from exc
-    info: dict = {"maintenance_patterns": list(patterns)}
+    info: dict
     if a.from_cluster:
         if a.sacct_file or a.events_file:
             raise UsageError("--from-cluster reads the cluster; drop --sacct-file/--events-file",
                              hint="use one source")
         if not a.since:
-            raise UsageError("--from-cluster needs --since", hint="e.g. --since 2026-01-01T00:00:00")
-        ch = acct.from_cluster(a.since, a.partition, skip_bad_lines=a.skip_bad_lines,
-                               maintenance_patterns=patterns, now_s=now)
-        hist, start, end = ch.history, ch.window_start_s, ch.window_end_s
-        n_cluster = a.cluster_nodes or len(ch.cluster_nodes) or len(hist.nodes_seen)
-        have_events = True
-        info.update(source="cluster", commands=[" ".join(c) for c in ch.commands])
+            raise UsageError("--from-cluster needs --since", hint="e.g. --since 2026-01-01")
+        model, info = acct.failure_model_from_cluster(
+            a.partition, since=a.since, confidence=a.confidence, skip_bad_lines=a.skip_bad_lines,
+            maintenance_patterns=patterns, now_s=now)
     elif a.sacct_file or a.events_file:
         hist = acct.History()
         kw = {"skip_bad_lines": a.skip_bad_lines}
@@ -170,40 +168,20 @@ def build_failure_model(a, now: float) -> tuple[fmod.FailureModel, dict]:
         if a.events_file:
             hist = hist.merge(acct.read_file(a.events_file, "events", maintenance_patterns=patterns,
                                              **kw))
-        start = _time_arg(a.since, "--since") if a.since else hist.first_s
-        end = _time_arg(a.until, "--until") if a.until else hist.last_s
+        start = acct.parse_since(a.since) if a.since else hist.first_s
+        end = acct.parse_since(a.until, "--until") if a.until else hist.last_s
+        if start is None or end is None:
+            raise PlannerError("the failure history has no timestamps to form a window",
+                               hint="check the files, or give --since/--until")
         n_cluster = a.cluster_nodes or len(hist.nodes_seen)
-        have_events = bool(a.events_file)
+        model, info = acct.build_model(hist, start, end, cluster_nodes=n_cluster,
+                                       have_events=bool(a.events_file), confidence=a.confidence)
         info["source"] = "files"
     else:
         raise UsageError("no failure information",
                          hint="give --sacct-file, --events-file, --from-cluster or --mtbf-hours")
-    if start is None or end is None:
-        raise PlannerError("the failure history has no timestamps to form a window",
-                           hint="check the files, or give --since/--until")
-    evs = [e for e in hist.failures() if start <= e.time_s <= end + 1]
-    if have_events:
-        exposure = max(n_cluster, 1) * (end - start)
-        basis = f"{n_cluster} cluster node(s) x {(end - start) / 3600:.4g} h window"
-    else:
-        exposure = hist.job_node_seconds
-        basis = f"job node-hours from {hist.n_records} job record(s)"
-    model = fmod.estimate(evs, exposure, confidence=a.confidence, basis=basis)
-    info.update(window_start=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start)),
-                window_end=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(end)),
-                cluster_nodes=n_cluster, skipped_lines=hist.skipped,
-                filtered_maintenance=hist.filtered_maintenance, records=hist.n_records)
+    info["maintenance_patterns"] = list(patterns)
     return model, info
-
-
-def _time_arg(text: str, flag: str) -> float:
-    try:
-        t = acct.parse_time(text)
-    except ValueError:
-        t = None
-    if t is None:
-        raise UsageError(f"{flag} {text!r} is not a time", hint="use YYYY-MM-DDTHH:MM:SS")
-    return t
 
 
 class _Shifted:

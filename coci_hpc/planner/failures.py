@@ -23,6 +23,8 @@ LRT_CRITICAL = stats.chi2.ppf(0.95, 1)   # Weibull vs exponential: one extra par
 WEIBULL_MIN_GAPS = 8
 MAX_OUTAGE_S = 7 * 86400.0             # older records are never the same failure
 MERGE_WINDOW_S = 600.0                   # DRAIN+DOWN of one node, or NODE_FAIL + node DOWN = one failure
+SIMULTANEOUS_S = 60.0                    # records starting within a minute: one incident
+REPEAT_S = 3600.0                        # same node down again within an hour of repair: one incident
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,59 @@ def merge_events(events: Iterable[FailureEvent], window_s: float = MERGE_WINDOW_
     return kept
 
 
+def decluster(events: Iterable[FailureEvent], simultaneous_s: float = SIMULTANEOUS_S,
+              repeat_s: float = REPEAT_S) -> list[FailureEvent]:
+    """Group failure records into incidents; one incident is what a job actually suffers once.
+
+    * records that start within ``simultaneous_s`` of an incident's first record are that
+      incident, on whatever nodes (a switch, a PDU or a software push takes several nodes down
+      in the same minute);
+    * a record on a node that was part of an incident and came back less than ``repeat_s`` ago
+      (or whose repair time is unknown and started less than ``repeat_s`` ago) is that incident
+      again: the repair did not hold, and a job restarted on that node in between is rare.
+    An incident keeps its first record's time, reason and state; its nodes are the union.
+    """
+    ordered = sorted(events, key=lambda e: e.time_s)
+    incidents: list[FailureEvent] = []
+    last_seen: dict[str, tuple[float, int]] = {}    # node -> (repaired at, incident index)
+    for ev in ordered:
+        hit = None
+        if incidents and ev.time_s - incidents[-1].time_s <= simultaneous_s:
+            hit = len(incidents) - 1
+        else:
+            for n in ev.nodes:
+                seen = last_seen.get(n)
+                if seen is not None and ev.time_s - seen[0] <= repeat_s:
+                    hit = seen[1] if hit is None else max(hit, seen[1])
+        if hit is None:
+            incidents.append(ev)
+            hit = len(incidents) - 1
+        else:
+            inc = incidents[hit]
+            nodes = tuple(dict.fromkeys(inc.nodes + ev.nodes))
+            ends = [x for x in (inc.end_s, ev.end_s) if x is not None]
+            incidents[hit] = FailureEvent(nodes, inc.time_s, inc.reason, inc.source, inc.state,
+                                          inc.job_id, max(ends) if ends else None)
+        up = ev.end_s if ev.end_s is not None else ev.time_s
+        for n in ev.nodes:
+            prev = last_seen.get(n)
+            last_seen[n] = (max(up, prev[0]) if prev and prev[1] == hit else up, hit)
+    return incidents
+
+
+def per_node_gaps(events: Iterable[FailureEvent]) -> list[float]:
+    """Times between consecutive failures of the same node, pooled over nodes (the hazard a
+    restarted job sees on the node that just came back)."""
+    by_node: dict[str, list[float]] = {}
+    for e in events:
+        for n in e.nodes:
+            by_node.setdefault(n, []).append(e.time_s)
+    gaps: list[float] = []
+    for ts in by_node.values():
+        gaps.extend(np.diff(sorted(ts)).tolist())
+    return gaps
+
+
 @dataclass(frozen=True)
 class WeibullFit:
     shape: float
@@ -130,6 +185,8 @@ class FailureModel:
     prior: str | None = None              # set when the point estimate came from the prior
     note: str = ""
     events: tuple[FailureEvent, ...] = field(default=(), compare=False)
+    n_records: int | None = None          # failure records before declustering (None: not counted)
+    weibull_scale_s: float | None = None  # per-node Weibull scale, with weibull_shape
 
     def job_rate(self, nodes: int) -> float:
         return nodes * self.per_node_rate
@@ -160,7 +217,8 @@ class FailureModel:
                                  state=e.get("state", ""), job_id=e.get("job_id"),
                                  end_s=e.get("end_s")) for e in d.get("events", []))
         keys = ("per_node_rate", "ci_low", "ci_high", "confidence", "n_failures",
-                "exposure_node_s", "distribution", "weibull_shape", "weibull_lrt", "prior", "note")
+                "exposure_node_s", "distribution", "weibull_shape", "weibull_lrt", "prior", "note",
+                "n_records", "weibull_scale_s")
         return cls(**{k: d[k] for k in keys if k in d}, events=evs)
 
 
@@ -174,10 +232,13 @@ def from_mtbf(mtbf_node_s: float) -> FailureModel:
 
 
 def estimate(events: Sequence[FailureEvent], exposure_node_s: float, *, confidence: float = 0.9,
-             weibull_min_gaps: int = WEIBULL_MIN_GAPS, basis: str = "") -> FailureModel:
-    """Per-node failure rate from ``events`` seen over ``exposure_node_s`` node-seconds.
+             weibull_min_gaps: int = WEIBULL_MIN_GAPS, basis: str = "",
+             n_records: int | None = None) -> FailureModel:
+    """Per-node failure rate from ``events`` (incidents) seen over ``exposure_node_s``
+    node-seconds. The Weibull fit uses the gaps between failures of the same node.
 
-    ``basis`` is a human phrase for how the exposure was counted (goes into ``note``).
+    ``basis`` is a human phrase for how the exposure was counted (goes into ``note``);
+    ``n_records`` the number of records the incidents were declustered from.
     """
     if not (exposure_node_s > 0 and math.isfinite(exposure_node_s)):
         raise PlannerError("the failure history covers no exposure time (0 node-seconds)",
@@ -197,15 +258,17 @@ def estimate(events: Sequence[FailureEvent], exposure_node_s: float, *, confiden
         note = f"{k} failure(s) in {hours:.4g} node-hours"
     if basis:
         note += f" ({basis})"
-    times = sorted(e.time_s for e in events)
-    wb = fit_weibull(np.diff(times), weibull_min_gaps) if len(times) >= 4 else None
-    dist, shape, lrt = "exponential", None, None
+    if n_records is not None and n_records != k:
+        note += f" ({n_records} record(s) declustered into {k} incident(s))"
+    gaps = per_node_gaps(events)
+    wb = fit_weibull(gaps, weibull_min_gaps) if len(gaps) >= 3 else None
+    dist, shape, lrt, wscale = "exponential", None, None, None
     if wb is not None:
-        shape, lrt = wb.shape, wb.lrt_stat
+        shape, lrt, wscale = wb.shape, wb.lrt_stat, wb.scale_s
         if wb.supported:
             dist = "weibull"
             note += f"; Weibull shape {wb.shape:.3g} preferred over exponential (LRT {wb.lrt_stat:.3g})"
         else:
             note += f"; Weibull shape {wb.shape:.3g} not significantly different from 1"
     return FailureModel(rate, lo, hi, confidence, k, float(exposure_node_s), dist, shape, lrt,
-                        prior, note, tuple(events))
+                        prior, note, tuple(events), n_records, wscale)

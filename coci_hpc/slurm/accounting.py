@@ -3,30 +3,37 @@
 Two sources, both ``--parsable2`` WITH their header line, parsed by column name:
 
 * job records (``sacct``): jobs that ended ``NODE_FAIL`` are failures; the node-seconds of all
-  job records are the exposure (a per-node rate as seen by jobs);
+  job records inside the window are the exposure (a per-node rate as seen by jobs). PREEMPTED
+  and TIMEOUT are announced (a signal comes first and the runtime saves on it): they are counted
+  in the summary, never as failures;
 * node events (``sacctmgr show event``): DOWN / DRAIN / FAIL states with their reasons; the
   exposure is cluster nodes x window.
 
 Planned maintenance is dropped by reason patterns (configurable). A malformed line raises
 :class:`~coci_hpc.errors.InputFormatError` with its line number, or with ``skip_bad_lines`` is
 counted in ``History.skipped``. :func:`from_cluster` runs the commands through a replaceable
-runner so tests need no Slurm.
+runner so tests need no Slurm; :func:`build_model` turns a history and its window into the
+failure model (records declustered into incidents) and a JSON-able summary;
+:func:`failure_model_from_cluster` is both in one call (the runtime's and coci-plan's entry).
 """
 from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Sequence
 
-from coci_hpc.errors import InputFormatError, UsageError
-from coci_hpc.planner.failures import FailureEvent, merge_events
+from coci_hpc.errors import InputFormatError, PlannerError, UsageError
+from coci_hpc.planner import failures as fmod
+from coci_hpc.planner.failures import FailureEvent, FailureModel, merge_events
 from coci_hpc.slurm.commands import Runner, run_command
 
 # Exact command lines (the lead captures tests/fixtures/slurm/real_*.txt with these, plus the
 # window arguments added by sacct_argv / sacctmgr_event_argv).
-SACCT_FORMAT = "JobIDRaw,JobID,JobName,Partition,State,Start,End,NNodes,NodeList"
+# No JobName: it is free text (may hold '|') and nothing here needs it.
+SACCT_FORMAT = "JobIDRaw,JobID,Partition,State,Start,End,NNodes,NodeList"
 SACCT_ARGS = ["sacct", "-a", "-X", "-D", "--parsable2", f"--format={SACCT_FORMAT}"]
 SACCTMGR_EVENT_ARGS = ["sacctmgr", "--parsable2", "show", "event", "Event=Node",
                        "format=NodeName,TimeStart,TimeEnd,State,Reason"]
@@ -37,6 +44,10 @@ DEFAULT_MAINTENANCE_PATTERNS = (r"(?i)maint", r"(?i)upgrade", r"(?i)planned", r"
                                 r"(?i)reserv", r"(?i)reboot\s+(asap|requested|issued)")
 FAILURE_STATE = re.compile(r"^(DOWN|DRAIN|DRAINED|DRAINING|FAIL|FAILING|NO_RESPOND)", re.I)
 _UNKNOWN_TIMES = {"", "unknown", "none", "n/a"}
+# Job ends that come with a signal first (the runtime saves on it): not failures.
+ANNOUNCED_STATES = ("PREEMPTED", "TIMEOUT", "DEADLINE")
+UNANNOUNCED_JOB_STATES = ("NODE_FAIL",)
+DEFAULT_WINDOW_DAYS = 30.0
 
 
 
@@ -95,7 +106,7 @@ def parse_time(text: str) -> float | None:
     t = text.strip()
     if t.lower() in _UNKNOWN_TIMES:
         return None
-    for fmt in ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M"):
+    for fmt in ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M", "%Y-%m-%d"):
         try:
             return time.mktime(datetime.strptime(t, fmt).timetuple())
         except ValueError:
@@ -103,12 +114,28 @@ def parse_time(text: str) -> float | None:
     raise ValueError(f"unrecognised time {text!r}")
 
 
+@dataclass(frozen=True)
+class JobRecord:
+    """One sacct record that ran: [start_s, end_s) on ``nnodes`` nodes; end None = still running."""
+
+    start_s: float
+    end_s: float | None
+    nnodes: int
+    state: str
+
+    def node_seconds(self, window_start_s: float, window_end_s: float) -> float:
+        """Node-seconds inside the window; a running job counts up to the window's end, which
+        is --until or the last record for files and "now" only when reading the live cluster."""
+        end = window_end_s if self.end_s is None else min(self.end_s, window_end_s)
+        return max(0.0, end - max(self.start_s, window_start_s)) * max(self.nnodes, 1)
+
+
 @dataclass
 class History:
     """What the adapters read: failure events plus what is needed for the exposure."""
 
     events: list[FailureEvent] = field(default_factory=list)
-    job_node_seconds: float = 0.0         # sacct: sum of NNodes x elapsed over job records
+    jobs: list[JobRecord] = field(default_factory=list)
     nodes_seen: set[str] = field(default_factory=set)
     first_s: float | None = None
     last_s: float | None = None
@@ -116,6 +143,17 @@ class History:
     filtered_maintenance: int = 0
     n_records: int = 0
     sources: list[str] = field(default_factory=list)
+    job_states: Counter = field(default_factory=Counter)    # final state of every job record
+
+    def job_node_seconds_in(self, start_s: float, end_s: float) -> float:
+        return sum(j.node_seconds(start_s, end_s) for j in self.jobs)
+
+    @property
+    def job_node_seconds(self) -> float:
+        """All job node-seconds, running jobs up to the last record (no window)."""
+        if self.first_s is None or self.last_s is None:
+            return 0.0
+        return self.job_node_seconds_in(self.first_s, self.last_s)
 
     def _see(self, t: float | None) -> None:
         if t is None:
@@ -124,11 +162,12 @@ class History:
         self.last_s = t if self.last_s is None else max(self.last_s, t)
 
     def merge(self, other: "History") -> "History":
-        h = History(self.events + other.events, self.job_node_seconds + other.job_node_seconds,
+        h = History(self.events + other.events, self.jobs + other.jobs,
                     self.nodes_seen | other.nodes_seen, None, None,
                     self.skipped + other.skipped,
                     self.filtered_maintenance + other.filtered_maintenance,
-                    self.n_records + other.n_records, self.sources + other.sources)
+                    self.n_records + other.n_records, self.sources + other.sources,
+                    self.job_states + other.job_states)
         for t in (self.first_s, self.last_s, other.first_s, other.last_s):
             h._see(t)
         return h
@@ -159,15 +198,18 @@ def _rows(text: str, source: str, required: Sequence[Sequence[str]],
                 hint="produce the file with a header line: " + " ".join(command))
         if idx is not None:
             cols[group[0]] = idx
-    last_is_reason = header[-1].strip().lower() == "reason"
+    # free-text columns may hold '|': Reason (sacctmgr) and JobName (older sacct formats)
+    free = [i for i, h in enumerate(header) if h.strip().lower() in ("reason", "jobname")]
     for i in range(hdr_no + 1, len(lines)):
         raw = lines[i]
         if not raw.strip():
             continue
         fields = raw.split("|")
-        if len(fields) > len(header) and last_is_reason:
-            # a '|' inside the free-text reason: glue the tail back together
-            fields = fields[:len(header) - 1] + ["|".join(fields[len(header) - 1:])]
+        extra = len(fields) - len(header)
+        if extra > 0 and len(free) == 1:
+            # glue the free-text column back together; the fixed columns around it stay put
+            j = free[0]
+            fields = fields[:j] + ["|".join(fields[j:j + extra + 1])] + fields[j + extra + 1:]
         if len(fields) != len(header):
             yield i + 1, None, (f"expected {len(header)} '|'-separated fields as in the header, "
                                 f"got {len(fields)}: {raw[:80]!r}")
@@ -186,13 +228,11 @@ def _is_maintenance(reason: str, patterns: Sequence[str]) -> bool:
     return any(re.search(p, reason) for p in patterns)
 
 
-def parse_sacct(text: str, *, source: str = "sacct", skip_bad_lines: bool = False,
-                window_end_s: float | None = None) -> History:
-    """Job records -> NODE_FAIL failure events and job node-seconds of exposure.
+def parse_sacct(text: str, *, source: str = "sacct", skip_bad_lines: bool = False) -> History:
+    """Job records -> NODE_FAIL failure events and the job records for the exposure.
 
-    Running jobs (End=Unknown) count up to ``window_end_s`` (default: now)."""
+    Running jobs (End=Unknown) keep end None; the window decides where they stop counting."""
     hist = History(sources=[source])
-    end_default = time.time() if window_end_s is None else window_end_s
     hint = "fix or remove the line, or pass --skip-bad-lines"
     req = [("State",), ("Start",), ("End",), ("NodeList",)]
     opt = [("JobID", "JobIDRaw"), ("NNodes",)]
@@ -215,11 +255,11 @@ def parse_sacct(text: str, *, source: str = "sacct", skip_bad_lines: bool = Fals
         hist._see(end)
         if start is None or not nodes:
             continue                      # never ran: no exposure, cannot have failed on a node
-        stop = end if end is not None else end_default
-        hist.job_node_seconds += max(0.0, stop - start) * max(nn, 1)
-        if state == "NODE_FAIL":
+        hist.jobs.append(JobRecord(start, end, max(nn, 1), state))
+        hist.job_states[state] += 1
+        if state in UNANNOUNCED_JOB_STATES and end is not None:
             job = row.get("JobID")
-            hist.events.append(FailureEvent(tuple(nodes), stop, reason="job ended NODE_FAIL",
+            hist.events.append(FailureEvent(tuple(nodes), end, reason="job ended NODE_FAIL",
                                             source="sacct", state=state, job_id=job))
     return hist
 
@@ -308,23 +348,31 @@ class ClusterHistory:
     commands: list[list[str]]
 
 
+def parse_since(text: str, flag: str = "--since") -> float:
+    """A window bound: ``YYYY-MM-DD`` or ``YYYY-MM-DDTHH:MM[:SS]`` (local time) -> epoch seconds."""
+    try:
+        t = parse_time(text)
+    except ValueError:
+        t = None
+    if t is None:
+        raise UsageError(f"{flag} {text!r} is not a time",
+                         hint="use YYYY-MM-DD or YYYY-MM-DDTHH:MM:SS (local time)")
+    return t
+
+
 def from_cluster(since: str, partition: str | None = None, *, runner: Runner | None = None,
                  skip_bad_lines: bool = False,
                  maintenance_patterns: Sequence[str] = DEFAULT_MAINTENANCE_PATTERNS,
                  now_s: float | None = None) -> ClusterHistory:
-    """Run sacct, sacctmgr and sinfo for the window starting at ``since`` (Slurm time syntax,
-    ISO form recommended); keep only failures inside the window and on the partition's nodes."""
-    try:
-        since_s = parse_time(since)
-    except ValueError as exc:
-        raise UsageError(f"--since {since!r} is not a time", hint="use YYYY-MM-DDTHH:MM:SS") from exc
-    if since_s is None:
+    """Run sacct, sacctmgr and sinfo for the window starting at ``since`` (``YYYY-MM-DD`` or
+    ``YYYY-MM-DDTHH:MM:SS``); keep only failures inside the window and on the partition's nodes."""
+    if not since:
         raise UsageError("--since is required with --from-cluster", hint="e.g. --since 2026-01-01")
+    since_s = parse_since(since)
     now = time.time() if now_s is None else now_s
     runner = runner or run_command      # looked up at call time so tests can replace it
     cmds = [sacct_argv(since, partition), sacctmgr_event_argv(since), sinfo_argv(partition)]
-    jobs = parse_sacct(runner(cmds[0]), source="sacct", skip_bad_lines=skip_bad_lines,
-                       window_end_s=now)
+    jobs = parse_sacct(runner(cmds[0]), source="sacct", skip_bad_lines=skip_bad_lines)
     evs = parse_events(runner(cmds[1]), source="sacctmgr", skip_bad_lines=skip_bad_lines,
                        maintenance_patterns=maintenance_patterns)
     nodes = sorted({n for line in runner(cmds[2]).splitlines() for n in expand_hostlist(line)})
@@ -333,3 +381,78 @@ def from_cluster(since: str, partition: str | None = None, *, runner: Runner | N
     hist.events = [e for e in hist.events
                    if since_s <= e.time_s <= now + 1 and (not keep or set(e.nodes) & keep)]
     return ClusterHistory(hist, nodes, since_s, now, cmds)
+
+
+def _reason_class(e: FailureEvent) -> str:
+    """'Hardware: Memory' -> 'Hardware'; free text is cut, so the summary stays a short table."""
+    r = (e.reason or e.state or "unknown").strip()
+    head = r.split(":", 1)[0].strip() if ":" in r[:40] else r
+    return head[:48]
+
+
+def build_model(hist: History, window_start_s: float, window_end_s: float, *,
+                cluster_nodes: int, have_events: bool, confidence: float = 0.9,
+                ) -> tuple[FailureModel, dict]:
+    """The per-node failure model from what was read, over exactly [start, end].
+
+    Failure records inside the window (NODE_FAIL jobs merged with their node's DOWN event) are
+    declustered into incidents, and the rate is incidents over the exposure:
+    ``cluster_nodes`` x window with node events (every node is watched all the time), else the
+    job node-seconds inside the window. Announced ends (PREEMPTED, TIMEOUT) are counted in the
+    summary only. Returns (model, JSON-able summary)."""
+    if window_end_s <= window_start_s:
+        raise PlannerError("the failure history's window is empty (end <= start)",
+                           hint="check --since/--until, or give a longer history")
+    recs = [e for e in hist.failures() if window_start_s <= e.time_s <= window_end_s + 1]
+    incidents = fmod.decluster(recs)
+    span = window_end_s - window_start_s
+    if have_events:
+        n = max(cluster_nodes, 1)
+        exposure = n * span
+        basis = f"{n} cluster node(s) x {span / 3600:.4g} h window"
+    else:
+        exposure = hist.job_node_seconds_in(window_start_s, window_end_s)
+        basis = f"job node-hours inside the window from {len(hist.jobs)} job record(s)"
+    model = fmod.estimate(incidents, exposure, confidence=confidence, basis=basis,
+                          n_records=len(recs))
+    by_node: Counter = Counter(n for e in recs for n in e.nodes)
+    announced = Counter(j.state for j in hist.jobs if j.state in ANNOUNCED_STATES
+                        and j.end_s is not None and window_start_s <= j.end_s <= window_end_s + 1)
+    fmt = lambda t: time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t))  # noqa: E731
+    summary = {
+        "window_start": fmt(window_start_s), "window_end": fmt(window_end_s),
+        "window_hours": span / 3600.0, "cluster_nodes": cluster_nodes,
+        "exposure_node_hours": exposure / 3600.0, "exposure_basis": basis,
+        "records": len(recs), "incidents": len(incidents),
+        "by_node": dict(by_node.most_common()),
+        "by_reason": dict(Counter(_reason_class(e) for e in recs).most_common()),
+        "announced_not_counted": {s: announced.get(s, 0) for s in ANNOUNCED_STATES},
+        "skipped_lines": hist.skipped, "filtered_maintenance": hist.filtered_maintenance,
+        "records_read": hist.n_records,
+    }
+    return model, summary
+
+
+def failure_model_from_cluster(partition: str | None, *, since: str | None = None,
+                               runner: Runner | None = None, confidence: float = 0.9,
+                               skip_bad_lines: bool = False,
+                               maintenance_patterns: Sequence[str] = DEFAULT_MAINTENANCE_PATTERNS,
+                               now_s: float | None = None) -> tuple[FailureModel, dict]:
+    """The partition's failure model from this cluster's accounting, for a job about to plan.
+
+    Called once per job attempt on rank 0 (and by ``coci-plan --from-cluster``). ``since``
+    defaults to DEFAULT_WINDOW_DAYS before now. Raises :class:`~coci_hpc.errors.SlurmError` when
+    sacct/sacctmgr/sinfo is missing or fails: the caller falls back (and logs why)."""
+    now = time.time() if now_s is None else now_s
+    if since is None:
+        since = time.strftime("%Y-%m-%dT%H:%M:%S",
+                              time.localtime(now - DEFAULT_WINDOW_DAYS * 86400.0))
+    ch = from_cluster(since, partition, runner=runner, skip_bad_lines=skip_bad_lines,
+                      maintenance_patterns=maintenance_patterns, now_s=now)
+    n_cluster = len(ch.cluster_nodes) or len(ch.history.nodes_seen)
+    model, summary = build_model(ch.history, ch.window_start_s, ch.window_end_s,
+                                 cluster_nodes=n_cluster, have_events=True,
+                                 confidence=confidence)
+    summary.update(source="cluster", partition=partition,
+                   commands=[" ".join(c) for c in ch.commands])
+    return model, summary

@@ -187,7 +187,10 @@ def test_real_capture_through_cli(capsys):
     d = run_json(capsys, "--sacct-file", os.path.join(FIX, "real_sacct.txt"),
                  "--events-file", os.path.join(FIX, "real_events.txt"), "--nodes", "2",
                  "--cluster-nodes", "4")
-    assert d["failures"]["n_failures"] == 2
+    # n2 (GPU Xid) and n1 (slurmd timeout) went down 17 s apart: two records, one incident
+    assert d["failures"]["records"] == 2
+    assert d["failures"]["n_failures"] == d["failures"]["incidents"] == 1
+    assert d["failures"]["by_node"] == {"n2": 1, "n1": 1}
     assert d["failures"]["filtered_maintenance"] >= 1
     assert d["checkpoints"]
 
