@@ -14,8 +14,13 @@ from coci_hpc.planner.policies import PlanContext, make_policy
 
 class OnlinePlanner:
     def __init__(self, policy: str, failure_model: FailureModel, nodes: int, costs: Costs,
-                 horizon_s: float, *, refit_every: int = 50, drift_tol: float = 0.05) -> None:
+                 horizon_s: float, *, refit_every: int = 50, drift_tol: float = 0.05,
+                 time_since_failure_s: float | None = None) -> None:
+        """``time_since_failure_s``: wall time since the failure that made this a restart (None:
+        a fresh start, or unknown); with a decreasing hazard the default policy checkpoints more
+        often right after a failure. It ages with training time from t = 0."""
         self.policy_spec = policy
+        self.time_since_failure_s = time_since_failure_s
         self.policy = make_policy(policy)
         self.failure_model = failure_model
         self.nodes = int(nodes)
@@ -27,8 +32,12 @@ class OnlinePlanner:
 
     def _make_plan(self, t_now: float, step_now: int) -> Plan:
         o = self.tracker.outcome
-        ctx = PlanContext(self.costs, self.failure_model.job_rate(self.nodes), self.horizon_s,
-                          t_now, step_now, o.fit, o.reason)
+        fm = self.failure_model
+        shape = fm.weibull_shape if fm.distribution == "weibull" else None
+        age = None if self.time_since_failure_s is None else self.time_since_failure_s + t_now
+        ctx = PlanContext(self.costs, fm.job_rate(self.nodes), self.horizon_s,
+                          t_now, step_now, o.fit, o.reason, nodes=self.nodes,
+                          weibull_shape=shape, time_since_failure_s=age)
         return self.policy.plan(ctx)
 
     def observe(self, step: int, time_s: float, loss: float) -> bool:
@@ -69,7 +78,8 @@ class OnlinePlanner:
         return {"version": 1, "policy": self.policy_spec, "nodes": self.nodes,
                 "horizon_s": self.horizon_s, "costs": self.costs.to_dict(),
                 "failure_model": self.failure_model.to_dict(), "tracker": self.tracker.to_state(),
-                "plan": self.plan.to_dict(), "replans": self.replans}
+                "plan": self.plan.to_dict(), "replans": self.replans,
+                "time_since_failure_s": self.time_since_failure_s}
 
     @classmethod
     def from_state(cls, state: dict) -> "OnlinePlanner":
@@ -85,4 +95,5 @@ class OnlinePlanner:
         obj.tracker = ConvergenceTracker.from_state(state["tracker"])
         obj.plan = Plan.from_dict(state["plan"])
         obj.replans = int(state.get("replans", 0))
+        obj.time_since_failure_s = state.get("time_since_failure_s")
         return obj

@@ -5,8 +5,18 @@ Every policy turns a :class:`PlanContext` into a frozen :class:`~coci_hpc.planne
 ``next_checkpoint``. Times are training time in seconds (checkpoint stalls excluded), so a plan
 stays valid across restarts: after a rollback to checkpoint k the next target is k+1.
 
-Policies: ``coci`` (convergence-aware, COCI paper), ``coci:dp=S[,T]`` (its data-parallel variant),
-``young``, ``daly``, ``checkfreq[:P]``, ``fixed:N``. See :func:`make_policy`.
+Policies (see :func:`make_policy`):
+
+* ``coci`` (the default, :class:`CociDefault`): the exponential-optimal period for the job's
+  failure rate (declustered, unannounced interruptions only) with the blocking cost Tb, never
+  shorter than the asynchronous persist time P; the remaining horizon cut into the optimal
+  number of equal chunks (Bougeret et al., no trailing checkpoint); after a restart, when the
+  fitted per-node Weibull shape is < 1, intervals that grow with the time since the failure.
+  Never measurably worse than Daly (benchmarks/planner_bench.py).
+* ``coci-paper`` (the COCI paper's equal-loss-drop rule, uncapped, as published),
+  ``coci-paper:capped`` (gaps capped at 2x Young), ``coci-paper:dp=S[,T]`` (data-parallel).
+  For reproduction; equal-loss-drop spacing costs more than Daly in wall time (README).
+* ``young``, ``daly``, ``checkfreq[:P]``, ``fixed:N``.
 """
 from __future__ import annotations
 
@@ -16,8 +26,10 @@ from dataclasses import dataclass
 
 
 from coci_hpc.errors import PlannerError, UsageError
+from coci_hpc.planner import horizon as endgame
 from coci_hpc.planner.convergence import CurveFit
 from coci_hpc.planner.costs import Costs
+from coci_hpc.planner.hazard import JobHazard
 from coci_hpc.planner.plan import Checkpoint, Plan
 
 # The COCI paper's code fits theta1 and takes lambda and Ts per MINUTE; its Pe formula is not
@@ -35,6 +47,9 @@ class PlanContext:
     step_now: int = 0
     fit: CurveFit | None = None
     fit_reason: str | None = None   # why there is no fit (for the fallback message)
+    nodes: int = 1                  # the job's nodes (job_rate = nodes * per-node rate)
+    weibull_shape: float | None = None        # per-node shape when the history prefers Weibull
+    time_since_failure_s: float | None = None  # wall time since the failure that restarted the job
 
     def __post_init__(self) -> None:
         if not (self.job_rate > 0 and math.isfinite(self.job_rate)):
@@ -181,30 +196,30 @@ class Fixed(UniformPolicy):
         return self.n * ctx.costs.step_time_s
 
 
-class Coci(Policy):
-    """Checkpoints at equal convergence progress: checkpoint i where the fitted loss has dropped
+class CociPaper(Policy):
+    """The COCI paper's rule, kept for reproduction: checkpoints at equal convergence progress: checkpoint i where the fitted loss has dropped
     by i*Pe from its value now. Dense early, sparse late.
 
     Data-parallel variant (``theta_scale``, ``ts_scale``): the run continues under another
     configuration whose convergence per second is ``theta_scale`` times the profiled one and
     whose checkpoint cost is ``ts_scale`` times Ts, as in the paper.
 
-    ``max_interval_factor`` caps any gap at that many Young intervals: past the fitted curve's
-    reach (a floor, or beyond the data) the extrapolation is not trusted to leave the job
-    unprotected for hours. ``None`` disables the cap (the paper's pure rule).
-    Without a usable fit, coci falls back to young and says why.
+    ``max_interval_factor`` caps any gap at that many Young intervals (``coci-paper:capped``,
+    2.0): past the fitted curve's reach the extrapolation is not trusted to leave the job
+    unprotected for hours. ``None`` (the default) is the paper's rule as published.
+    Without a usable fit, it falls back to young and says why.
     """
 
     def __init__(self, theta_scale: float = 1.0, ts_scale: float = 1.0,
-                 max_interval_factor: float | None = 2.0) -> None:
+                 max_interval_factor: float | None = None) -> None:
         if theta_scale <= 0 or ts_scale <= 0:
-            raise UsageError("coci:dp scales must be > 0", hint="e.g. coci:dp=4,1.5")
+            raise UsageError("coci-paper:dp scales must be > 0", hint="e.g. coci-paper:dp=4,1.5")
         self.theta_scale, self.ts_scale = float(theta_scale), float(ts_scale)
         self.max_interval_factor = max_interval_factor
         dp = (self.theta_scale, self.ts_scale) != (1.0, 1.0)
-        self.name = f"coci:dp={self.theta_scale:g},{self.ts_scale:g}" if dp else "coci"
-        if max_interval_factor is None:
-            self.name = "coci-uncapped" if not dp else self.name + "-uncapped"
+        self.name = f"coci-paper:dp={self.theta_scale:g},{self.ts_scale:g}" if dp else "coci-paper"
+        if max_interval_factor is not None:
+            self.name = "coci-paper:capped" if not dp else self.name + ":capped"
 
     def plan(self, ctx: PlanContext) -> Plan:
         fit = ctx.fit
@@ -255,8 +270,70 @@ class Coci(Policy):
                     ctx.t_now, ctx.step_now, ctx.job_rate, ctx.costs, fit, None, params)
 
 
-POLICY_NAMES = ("coci", "coci:dp=THETA_SCALE[,TS_SCALE]", "young", "daly", "checkfreq[:PERCENT]",
-                "fixed:N")
+class CociDefault(Policy):
+    """The default: Daly where failures are memoryless, better where there is structure.
+
+    1. The exponential-optimal period for the job rate (the caller gives the declustered rate
+       of unannounced interruptions) with the BLOCKING cost Tb, never below the persist time P
+       of an asynchronous save (overhead ~ Tb/tau + lambda (tau/2 + P + R): P does not move the
+       optimum, it only bounds it below) nor below one step.
+    2. The remaining horizon is cut into the optimal number of equal chunks (Bougeret et al.,
+       :mod:`coci_hpc.planner.horizon`), so no checkpoint lands just before the end unused.
+    3. Hazard layer: after a restart (``time_since_failure_s`` known) with a per-node Weibull
+       shape < 1, intervals follow Daly's rule at the mean hazard h(age) over the interval (:mod:`coci_hpc.planner.hazard`),
+       and the last stretch is cut into equal chunks again at its mean hazard.
+    The convergence fit does not move checkpoints; it predicts the horizon (coci-plan).
+    """
+
+    name = "coci"
+    max_gap_factor = 20.0            # the hazard layer never leaves more than 20 Daly periods
+
+    def plan(self, ctx: PlanContext) -> Plan:
+        c = ctx.costs
+        lam, tb, w = ctx.job_rate, c.ckpt_s, ctx.horizon_s
+        lo = max(c.persist_s, c.step_time_s or 0.0, 1e-6)
+        daly = daly_interval(tb, 1.0 / lam)
+        base = max(daly, lo)
+        shape = ctx.weibull_shape
+        hazard = (shape is not None and 0 < shape < 1 and ctx.time_since_failure_s is not None)
+        params = {"daly_s": daly, "min_interval_s": lo, "persist_s": c.persist_s}
+        if not hazard:
+            if w / base > MAX_CHECKPOINTS:
+                raise PlannerError(f"interval {base:.3g} s gives over {MAX_CHECKPOINTS} "
+                                   "checkpoints within the horizon",
+                                   hint="shorten --horizon or check the costs and failure rate")
+            k = endgame.chunks(lam, w, tb, c.restart_s, lo)
+            iv = w / k
+            times = [ctx.t_now + iv * i for i in range(1, k)]
+            params.update(mode="exponential", chunks=k)
+            return Plan(self.name, self.name, _checkpoints(ctx, times), iv, w, ctx.t_now,
+                        ctx.step_now, lam, c, ctx.fit, None, params)
+        hz = JobHazard(lam / max(ctx.nodes, 1), float(shape), max(ctx.nodes, 1))
+        age0 = float(ctx.time_since_failure_s)
+        end = ctx.t_now + w
+        t, times, tau = ctx.t_now, [], base
+        while len(times) < MAX_CHECKPOINTS:
+            tau = hz.next_interval(age0 + t - ctx.t_now, tb, tau, lo, self.max_gap_factor * base,
+                                   daly_interval)
+            if t + tau >= end:
+                break
+            t += tau
+            times.append(t)
+        # end game: the last stretch (from the second-to-last checkpoint) in equal chunks
+        s0 = times[-2] if len(times) >= 2 else ctx.t_now
+        kept = times[:-1] if len(times) >= 2 else []
+        span = end - s0
+        lam_end = hz.mean_rate(age0 + s0 - ctx.t_now, span)
+        k = endgame.chunks(lam_end, span, tb, c.restart_s, lo)
+        times = kept + [s0 + span / k * i for i in range(1, k)]
+        params.update(mode="hazard", weibull_shape=shape, time_since_failure_s=age0,
+                      end_chunks=k)
+        return Plan(self.name, self.name, _checkpoints(ctx, times), None, w, ctx.t_now,
+                    ctx.step_now, lam, c, ctx.fit, None, params)
+
+
+POLICY_NAMES = ("coci", "coci-paper", "coci-paper:capped", "coci-paper:dp=THETA_SCALE[,TS_SCALE]",
+                "young", "daly", "checkfreq[:PERCENT]", "fixed:N")
 
 
 def make_policy(spec: str) -> Policy:
@@ -265,14 +342,20 @@ def make_policy(spec: str) -> Policy:
     head, _, arg = s.partition(":")
     try:
         if head == "coci" and not arg:
-            return Coci()
-        if head == "coci" and arg.startswith("dp="):
-            parts = [float(x) for x in arg[3:].split(",")]
-            if len(parts) not in (1, 2):
-                raise ValueError(arg)
-            return Coci(parts[0], parts[1] if len(parts) == 2 else 1.0)
-        if head == "coci-uncapped" and not arg:
-            return Coci(max_interval_factor=None)
+            return CociDefault()
+        if head == "coci-paper":
+            capped = arg == "capped" or arg.endswith(":capped")
+            arg = arg[:-len("capped")].rstrip(":") if capped else arg
+            cap = 2.0 if capped else None
+            if not arg:
+                return CociPaper(max_interval_factor=cap)
+            if arg.startswith("dp="):
+                parts = [float(x) for x in arg[3:].split(",")]
+                if len(parts) not in (1, 2):
+                    raise ValueError(arg)
+                return CociPaper(parts[0], parts[1] if len(parts) == 2 else 1.0,
+                                 max_interval_factor=cap)
+            raise ValueError(arg)
         if head == "young" and not arg:
             return Young()
         if head == "daly" and not arg:

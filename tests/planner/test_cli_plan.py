@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from coci_hpc.cli import plan as cli
-from coci_hpc.planner.policies import young_interval
+from coci_hpc.planner.policies import daly_interval, young_interval
 from coci_hpc.slurm import accounting as acct
 
 FIX = os.path.join(os.path.dirname(__file__), "..", "fixtures", "slurm")
@@ -50,15 +50,27 @@ def test_json_keys_and_values(capsys, profile):
     assert d["fit"]["fit"]["kind"] in ("exp", "exp_floor")
 
 
-def test_coci_interval_is_null_and_checkpoints_grow_apart(capsys, profile):
-    d = run_json(capsys, "--mtbf-hours", "4", "--profile", profile, "--horizon", "2h")
-    assert d["policy"] == "coci" and d["interval_s"] is None and d["fallback"] is None
+def test_coci_paper_interval_is_null_and_checkpoints_grow_apart(capsys, profile):
+    d = run_json(capsys, "--mtbf-hours", "4", "--profile", profile, "--horizon", "2h",
+                 "--policy", "coci-paper:capped")
+    assert d["policy"] == "coci-paper:capped" and d["interval_s"] is None and d["fallback"] is None
     times = [c["time_s"] for c in d["checkpoints"]]
     assert len(times) > 3 and times == sorted(times)
 
 
-def test_coci_without_profile_states_fallback(capsys):
+def test_default_policy_needs_no_profile(capsys):
     d = run_json(capsys, "--mtbf-hours", "4", "--ckpt-cost", "5", "--restart-cost", "60")
+    assert d["policy"] == d["effective_policy"] == "coci" and d["fallback"] is None
+    daly = daly_interval(5, 4 * 3600)
+    assert d["interval_s"] == pytest.approx(daly, rel=0.02)     # equal chunks of the horizon
+    k = round(24 * 3600 / d["interval_s"])
+    assert d["interval_s"] * k == pytest.approx(24 * 3600)
+    assert len(d["checkpoints"]) == k - 1                        # none at the very end
+
+
+def test_coci_paper_without_profile_states_fallback(capsys):
+    d = run_json(capsys, "--mtbf-hours", "4", "--ckpt-cost", "5", "--restart-cost", "60",
+                 "--policy", "coci-paper")
     assert d["effective_policy"] == "young"
     assert "profile" in d["fallback"]
     assert d["interval_s"] == pytest.approx(young_interval(5, 4 * 3600))
@@ -121,7 +133,7 @@ def test_noisy_profile_falls_back_with_reason(capsys, tmp_path):
     p = tmp_path / "p.json"
     p.write_text(json.dumps({"samples": [{"step": i, "time_s": i, "loss": 1.0 + (i % 2)}
                                          for i in range(30)]}))
-    d = run_json(capsys, "--mtbf-hours", "4", "--profile", str(p))
+    d = run_json(capsys, "--mtbf-hours", "4", "--profile", str(p), "--policy", "coci-paper")
     assert d["effective_policy"] == "young" and "not decreasing" in d["fallback"]
 
 

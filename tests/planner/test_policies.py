@@ -7,7 +7,7 @@ import pytest
 from coci_hpc.errors import PlannerError, UsageError
 from coci_hpc.planner.convergence import CurveFit
 from coci_hpc.planner.costs import Costs
-from coci_hpc.planner.policies import (Coci, PlanContext, checkfreq_interval, coci_pe,
+from coci_hpc.planner.policies import (CociPaper as Coci, PlanContext, checkfreq_interval, coci_pe,
                                        daly_interval, make_policy, young_interval)
 
 
@@ -99,13 +99,13 @@ def test_coci_data_parallel_variant_scales_time_and_cost():
     l0 = float(fit.loss(0.0))
     t1 = dp.times[0]
     assert l0 - float(fit.loss(2 * t1)) == pytest.approx(pe2, rel=1e-6)
-    assert make_policy("coci:dp=2,1.5").name == "coci:dp=2,1.5"
-    assert base.policy == "coci-uncapped"
+    assert make_policy("coci-paper:dp=2,1.5").name == "coci-paper:dp=2,1.5"
+    assert base.policy == "coci-paper"
 
 
 def test_coci_falls_back_to_young_with_reason():
     c = ctx(None, fit_reason="too few samples")
-    plan = Coci().plan(c)
+    plan = Coci(max_interval_factor=2.0).plan(c)
     assert plan.effective_policy == "young"
     assert "too few samples" in plan.fallback
     assert plan.interval_s == pytest.approx(young_interval(6.0, 14400))
@@ -113,7 +113,7 @@ def test_coci_falls_back_to_young_with_reason():
 
 def test_coci_never_checkpoints_more_often_than_ts():
     fit = exp_fit(theta1=-1e-2)               # very fast curve, tiny Pe spacing
-    plan = Coci().plan(ctx(fit, costs=Costs(30.0, 10.0)))
+    plan = Coci(max_interval_factor=2.0).plan(ctx(fit, costs=Costs(30.0, 10.0)))
     assert np.diff([0.0] + plan.times).min() >= 30.0 - 1e-9
 
 

@@ -25,11 +25,11 @@ def test_plan_json_roundtrip():
 
 
 def test_online_planner_replans_on_first_fit_and_roundtrips():
-    op = OnlinePlanner("coci", from_mtbf(4 * 3600), 2, Costs(1.6, 120, 0.5), 6 * 3600,
-                       refit_every=20)
+    op = OnlinePlanner("coci-paper:capped", from_mtbf(4 * 3600), 2, Costs(1.6, 120, 0.5),
+                       6 * 3600, refit_every=20)
     assert op.plan.effective_policy == "young" and op.plan.fallback
     feed(op, 0, 100)
-    assert op.plan.effective_policy == "coci" and op.replans >= 1
+    assert op.plan.effective_policy == "coci-paper:capped" and op.replans >= 1
     state = json.loads(json.dumps(op.to_state(), allow_nan=False))
     op2 = OnlinePlanner.from_state(state)
     assert op2.plan == op.plan
