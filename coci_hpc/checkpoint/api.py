@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from coci_hpc.checkpoint import engine, h5_parallel
+from coci_hpc.checkpoint import engine, h5_parallel, recovery
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.h5_serial import SerialH5Writer
 from coci_hpc.checkpoint.lustre import IOTuning, LustrePolicy, tuning_for
@@ -145,12 +145,15 @@ class CheckpointManager:
     def load(self, step: int, state: Mapping[str, Any]) -> engine.LoadResult:
         """Collective: load ``step`` into ``state`` in place (any world size can load it)."""
         self._async.wait()
-        return engine.load(self.comm, self.root, step, state, rng=self.rng)
+        return recovery.load_step(self.comm, self.root, step,  # damage -> CheckpointCorrupt
+                                  lambda s: engine.load(self.comm, self.root, s, state, rng=self.rng))
 
     def load_latest(self, state: Mapping[str, Any]) -> engine.LoadResult:
-        """Collective: load the newest committed checkpoint; CheckpointNotFound if there is none."""
+        """Collective: load the newest committed checkpoint that is intact (a damaged one is skipped
+        with a loud warning); CheckpointNotFound if there is none, CheckpointCorrupt if all are bad."""
         self._async.wait()
-        return engine.load(self.comm, self.root, None, state, rng=self.rng)
+        return recovery.load_latest_intact(self.comm, self.root,  # damaged -> falls back, warns
+                                           lambda s: engine.load(self.comm, self.root, s, state, rng=self.rng))
 
     def latest_step(self) -> int | None:
         """Collective: the newest committed step (decided on rank 0), or None."""

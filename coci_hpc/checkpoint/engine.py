@@ -125,7 +125,7 @@ def commit(comm: Comm, prepared: Prepared, crcs: list[int] | None, error: BaseEx
         for r, g in enumerate(gathered):
             for p, crc in zip([p for p in plan.pieces if p.rank == r], g["crcs"]):
                 shards.append({"file": mf.DATA_FILE, "dataset": plan.datasets[p.dataset].path,
-                               "rank": r, "start": p.start, "stop": p.stop, "crc32": crc})
+                               "rank": r, "start": p.start, "stop": p.stop, "crc32c": crc})
         skel = {"replicated": prepared.skeletons["replicated"],
                 "per_rank": {str(r): g["per_rank"] for r, g in enumerate(gathered)}}
         m = mf.build(step=prepared.step, world_size=comm.size, tensors=tensors, shards=shards,
@@ -246,7 +246,7 @@ def _open_checked(comm: Comm, root: Path, step: int, state: Mapping[str, Any],
 
     def step_fn() -> dict[str, Any]:
         m = mf.read_step(root, step)
-        opened.append(DatasetReader(mf.step_dir(root, step) / mf.DATA_FILE))
+        opened.append(DatasetReader(mf.step_dir(root, step) / mf.DATA_FILE, m))  # checks CRCs on read
         for meta in _my_tensors(m, comm.rank):
             opened[0].offset(meta)  # present, same shape/dtype/size as the manifest, inside the file
         _check_against_state(m, comm.rank, state, targets, all_rows)
