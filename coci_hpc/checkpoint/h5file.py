@@ -252,6 +252,10 @@ class DatasetReader:
             self._verified.add(key)
 
     def read_bytes(self, meta: Mapping[str, Any], start: int, stop: int) -> np.ndarray:
+        self.offset(meta)  # the dataset lies inside the file: no allocation from a crafted size
+        if not 0 <= start <= stop <= int(meta["nbytes"]):
+            raise CheckpointCorrupt(f"{self.path}: bytes [{start}, {stop}) are outside {meta['dataset']!r}",
+                                    hint="manifest and request disagree")
         buf = np.empty(stop - start, dtype=np.uint8)
         self.read(meta, buf, start)
         return buf
