@@ -8,6 +8,12 @@ mpi4py is imported lazily so that users without MPI keep the serial path.
 :class:`~coci_hpc.errors.CommError`, raised on every rank and naming the failed ranks with their
 messages (an allgather of ok/err). Without it, one rank's exception leaves the others blocked in
 the next collective forever.
+
+Subclassing: a communicator over another transport (e.g. torch.distributed for DDP-only jobs)
+subclasses :class:`Comm`, sets ``rank``/``size`` and overrides the collectives (``barrier``,
+``bcast``, ``allgather``, ``gather``, ``allreduce_min``/``max``, ``iallreduce_min``, ``abort``);
+``is_mpi`` stays False unless ``mpi_comm`` is an mpi4py communicator. Everything else
+(``check``, ``run_step``) is built on those methods.
 """
 from __future__ import annotations
 
@@ -116,6 +122,23 @@ class Comm:
         send, recv = np.array([value], dtype=np.float64), np.empty(1, dtype=np.float64)
         req = self.mpi_comm.Iallreduce(send, recv, op=MPI.MIN)
         return PendingMin(req, recv, send)
+
+    def abort(self, code: int = 1) -> None:
+        """End the whole job now, without any collective (``MPI_Abort`` under MPI).
+
+        Used after an uncaught exception or a hung rank: the other ranks may sit in a
+        collective this rank will never join, so only an abort ends them promptly.
+        """
+        import sys
+
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed stream must not stop the abort
+                pass
+        if self.mpi_comm is not None:
+            self.mpi_comm.Abort(code)
+        os._exit(code)
 
     # failure agreement --------------------------------------------------------------------
     def check(self, error: BaseException | None, what: str) -> None:

@@ -12,12 +12,14 @@
     mgr.close()                            # at the end: waits and commits
 
 Every method marked *collective* must be called by all ranks at the same point.
+Semantics (rollback, the directory lock, a full disk, exceptions and exit, a hung rank, launches
+without MPI) are described in docs/checkpoint-semantics.md.
 """
 from __future__ import annotations
 
-import atexit
 import numbers
 import os
+import shutil
 import sys
 import time
 import weakref
@@ -27,17 +29,23 @@ from typing import Any
 
 import torch
 
-from coci_hpc.checkpoint import engine, h5_parallel
+from coci_hpc.checkpoint import engine, exitguard, h5_parallel, recovery, retire
 from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint.launch import check_launch
+from coci_hpc.checkpoint.lock import CheckpointLocked, DirectoryLock
+from coci_hpc.checkpoint.rawio import WriteItem
 from coci_hpc.checkpoint.h5_serial import SerialH5Writer
 from coci_hpc.checkpoint.lustre import IOTuning, LustrePolicy, tuning_for
 from coci_hpc.checkpoint.protocol import StorageWriter
-from coci_hpc.checkpoint.state import collect
+from coci_hpc.checkpoint.state import collect, find_optimizers, guarded_ptrs
 from coci_hpc.checkpoint.twophase import TwoPhaseSaver
+from coci_hpc.checkpoint.watchdog import Watchdog
 from coci_hpc.comm import Comm
-from coci_hpc.errors import UsageError
+from coci_hpc.errors import CheckpointError, CociError, UsageError
 
 BACKENDS = ("auto", "parallel", "serial")
+ON_NO_SPACE = ("raise", "retire_oldest")
+DEFAULT_TIMEOUT_S = 600.0
 LoadResult = engine.LoadResult
 
 
@@ -56,28 +64,68 @@ class CheckpointManager:
     ``keep``: committed checkpoints to retain (older ones are deleted after a newer commit).
     ``backend``: "auto" | "parallel" (h5py mpio + MPI-IO) | "serial" (same format, no MPI-IO).
     ``on_busy`` / ``overlap``: two-phase save behaviour, see :mod:`coci_hpc.checkpoint.twophase`.
-    ``rng``: also save/restore every rank's RNG states (python, numpy, torch, CUDA).
+    ``rng``: also save/restore every rank's RNG states (python, numpy, torch CUDA).
+    ``lock``: take the directory's writer lock (:mod:`.lock`) now; ``False`` opens it to read
+    only (``save`` is then refused), for tools that look while a run writes.
+    ``on_no_space``: "raise" (a clear CheckpointError; the previous checkpoint stays intact) or
+    "retire_oldest" (delete abandoned and all but the newest committed checkpoints, retry once).
+    ``timeout_s``: a save (or the wait for a background one) that has not finished after this
+    many seconds on some rank is reported naming that rank and not committed (None: no limit).
     """
 
     def __init__(self, directory: str | os.PathLike, comm: Any = None, *, keep: int = 2,
                  backend: str = "auto", lustre: LustrePolicy | None = None, on_busy: str = "wait",
-                 overlap: bool = True, rng: bool = True) -> None:
+                 overlap: bool = True, rng: bool = True, lock: bool = True,
+                 on_no_space: str = "raise", timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
         if not isinstance(keep, numbers.Integral) or keep < 1:
             raise UsageError(f"keep={keep!r} must be an integer of at least 1", hint="keep=2 keeps the last two")
+        if on_no_space not in ON_NO_SPACE:
+            raise UsageError(f"on_no_space={on_no_space!r} is not one of {ON_NO_SPACE}",
+                             hint="'raise' stops with a clear error; 'retire_oldest' frees space and retries once")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)
+                                      or not timeout_s > 0):
+            raise UsageError(f"timeout_s={timeout_s!r} must be a positive number of seconds or None",
+                             hint=f"the default is {DEFAULT_TIMEOUT_S:g}")
         self.root = Path(directory)
         self.comm = Comm.wrap(comm)
+        check_launch(self.comm)
         self.keep = keep
         self.rng = rng
+        self.on_no_space = on_no_space
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
         self.lustre = lustre or LustrePolicy()
         self.writer = make_writer(self.comm, backend)
         self._tuning: IOTuning | None = None
         self._async = TwoPhaseSaver(self.comm, self.root, self.writer, self.tuning, keep=keep,
-                                    on_busy=on_busy, overlap=overlap, rng=rng)
+                                    on_busy=on_busy, overlap=overlap, rng=rng, timeout_s=self.timeout_s,
+                                    on_failure=self._async_failed)
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._base: int | None = None   # the step loaded last: the next save retires newer ones
         self.stats: dict[str, float] = {}
         self._closed = False
-        # Registered after Comm.wrap imported mpi4py, so it runs BEFORE mpi4py's MPI_Finalize.
-        atexit.register(_close_at_exit, weakref.ref(self))
+        self._lock: DirectoryLock | None = self._take_lock() if lock else None
+        exitguard.register(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _take_lock(self) -> DirectoryLock | None:
+        """Collective: rank 0 takes the writer lock; a refusal is raised on every rank."""
+        outcome: Any = None
+        held = None
+        if self.comm.rank == 0:
+            try:
+                held = DirectoryLock.acquire(self.root)
+            except CheckpointLocked as exc:
+                outcome = (exc.message, exc.hint)
+            except OSError as exc:
+                outcome = (f"cannot take the writer lock of {self.root}: {exc}",
+                           "check that the directory exists and is writable")
+        outcome = self.comm.bcast(outcome)
+        if outcome is not None:
+            raise CheckpointLocked(outcome[0], hint=outcome[1])
+        return held
 
     def tuning(self) -> IOTuning:
         """Filesystem decisions (Lustre or not), made once on rank 0 and shared."""
@@ -88,35 +136,148 @@ class CheckpointManager:
 
     # -------------------------------------------------------------------------- saving
     def save(self, step: int, state: Mapping[str, Any]) -> Path:
-        """Collective, synchronous: write, fsync and commit ``step``; returns its directory."""
+        """Collective, synchronous: write, fsync and commit ``step``; returns its directory.
+
+        Saving the newest committed step again is a no-op (it returns that directory).
+        """
         t0 = time.perf_counter()
         self._async.wait()
+        step = engine.check_step(step)
+        with Watchdog(self.comm, self.timeout_s, f"saving checkpoint step {step}") as dog:
+            if self._before_save(step) == "skip":
+                return mf.step_dir(self.root, step)
+            for attempt in (0, 1):
+                try:
+                    directory = self._save_once(step, state, dog)
+                    break
+                except CociError as exc:
+                    if not retire.is_no_space(exc):
+                        raise
+                    if attempt == 0 and self.on_no_space == "retire_oldest" and self._free_space():
+                        continue
+                    raise self._no_space_error(step, exc) from exc
+        self.stats = {"save_s": time.perf_counter() - t0}
+        return directory
+
+    def _save_once(self, step: int, state: Mapping[str, Any], dog: Watchdog) -> Path:
+        dog.enter("preparing the file (collective)", waiting_for_others=True)
         skeletons, leaves = collect(state, rng=self.rng)
         prepared = engine.prepare(self.comm, self.root, step, skeletons, leaves, self.writer, self.tuning())
-        # Agree that every rank has its data before any collective write starts.
-        items = self.comm.run_step(lambda: prepared.items(self.comm.rank),
-                                   f"collecting the data of step {step}")
-        crcs, error = None, None
         try:
-            crcs = engine.write_items(prepared, items, self.writer)
-        except Exception as exc:  # noqa: BLE001 - agreed on in commit
-            error = exc
-        engine.commit(self.comm, prepared, crcs, error, self.keep)
-        self.stats = {"save_s": time.perf_counter() - t0}
+            dog.enter("writing its data")
+            # Agree that every rank has its data before any collective write starts.
+            items = self.comm.run_step(lambda: prepared.items(self.comm.rank),
+                                       f"collecting the data of step {step}")
+            crcs, error = None, None
+            try:
+                crcs = engine.write_items(prepared, items, self.writer)
+            except Exception as exc:  # noqa: BLE001 - agreed on in commit
+                error = exc
+            dog.enter("waiting for the other ranks to commit", waiting_for_others=True)
+            engine.commit(self.comm, prepared, crcs, error, self.keep)
+        except BaseException:
+            engine.discard(self.comm, prepared)  # raised on every rank: no partial step left
+            raise
         return prepared.directory
+
+    def _before_save(self, step: int) -> str:
+        """Collective, before anything is written: lock check, rollback, leftovers, duplicates.
+
+        Returns "skip" when ``step`` is the newest committed step already (nothing to write).
+        """
+        base = self._base
+
+        def decide() -> str | None:
+            if self.comm.rank != 0:
+                return None
+            if self._lock is None:
+                raise UsageError(f"this CheckpointManager of {self.root} was opened with lock=False "
+                                 f"(read only)", hint="open it with lock=True (the default) to save")
+            if not self._lock.still_held():
+                raise CheckpointLocked(f"the writer lock of {self.root} was removed or taken over by "
+                                       f"another run", hint="two runs must not share a checkpoint directory")
+            if base is not None:
+                retire.retire_abandoned(self.root, base)
+            committed = mf.committed_steps(self.root)
+            if committed and step == committed[-1]:
+                return "skip"
+            if committed and step < committed[-1]:
+                raise CheckpointError(
+                    f"cannot save step {step}: step {committed[-1]} is newer and was not rolled back",
+                    hint=f"load the step to continue from first (a save after a load moves the newer "
+                         f"steps to {self.root / retire.ABANDONED}), or use a new directory")
+            retire.remove_partial(self.root)
+            return "go"
+
+        outcome = self.comm.bcast(self.comm.run_step(decide, f"preparing to save step {step}"))
+        self._base = None
+        return outcome
+
+    def _free_space(self) -> bool:
+        """Collective: on_no_space="retire_oldest": delete old checkpoints; True if any went."""
+        freed = self.comm.run_step(lambda: retire.retire_oldest(self.root) if self.comm.rank == 0 else None,
+                                   "freeing space")
+        freed = self.comm.bcast(freed)
+        if freed and self.comm.rank == 0:
+            print(f"coci_hpc: no space left under {self.root}: deleted {', '.join(freed)} and "
+                  f"retrying (on_no_space='retire_oldest')", file=sys.stderr, flush=True)
+        return bool(freed)
+
+    def _no_space_error(self, step: int, exc: BaseException) -> CheckpointError:
+        try:
+            free = f"{shutil.disk_usage(self.root).free / 2**20:.0f} MiB free"
+        except OSError:
+            free = "free space unknown"
+        retried = " even after deleting older checkpoints" if self.on_no_space == "retire_oldest" else ""
+        return CheckpointError(
+            f"no space left on the device of {self.root} for checkpoint step {step}{retried} "
+            f"({free}); step {step} was not committed, its partial directory was removed and the "
+            f"previous checkpoint is intact ({exc})",
+            hint=f"free space there (old runs, {self.root / retire.ABANDONED}), lower keep, or pass "
+                 f"on_no_space='retire_oldest' to delete the older checkpoints (never the newest) "
+                 f"and retry once")
+
+    def _async_failed(self, prepared: engine.Prepared, items: list[WriteItem], exc: BaseException) -> None:
+        """A background save failed to commit (its directory is already removed): retry or explain."""
+        if not retire.is_no_space(exc):
+            raise exc
+        if self.on_no_space == "retire_oldest" and self._free_space():
+            try:
+                engine.recreate(self.comm, prepared, self.writer)
+                crcs, error = None, None
+                try:
+                    crcs = engine.write_items(prepared, items, None)  # the snapshot buffers, pwrite
+                except Exception as err:  # noqa: BLE001 - agreed on in commit
+                    error = err
+                engine.commit(self.comm, prepared, crcs, error, self.keep)
+                return
+            except CociError as again:
+                engine.discard(self.comm, prepared)
+                if not retire.is_no_space(again):
+                    raise
+                exc = again
+        raise self._no_space_error(prepared.step, exc) from exc
 
     def save_async(self, step: int, state: Mapping[str, Any]) -> str:
         """Collective: two-phase save. Returns "started" or "skipped" (on_busy="skip").
 
-        Large tensors are copied while training continues; every optimizer in ``state`` gets a
-        step pre-hook that waits for that copy, so in-place updates cannot tear the snapshot.
-        Modify other large tensors in place only after :meth:`wait_snapshot`.
+        Tensors that only ``optimizer.step()`` changes (parameters and optimizer state) are
+        copied while training continues; every optimizer anywhere in ``state`` (also inside
+        ``PerRank``, dicts, lists, schedulers) gets a step pre-hook that waits for that copy.
+        All other tensors (module buffers that forward changes in place, ...) are copied
+        before this returns. So the snapshot cannot tear; see docs/checkpoint-semantics.md.
         """
-        for value in state.values():
-            if isinstance(value, torch.optim.Optimizer) and value not in self._hooked:
-                value.register_step_pre_hook(self._optimizer_pre_hook)
-                self._hooked.add(value)
-        return self._async.start(step, state)
+        step = engine.check_step(step)
+        optimizers = find_optimizers(state)
+        for opt in optimizers:
+            if opt not in self._hooked:
+                opt.register_step_pre_hook(self._optimizer_pre_hook)
+                self._hooked.add(opt)
+        if not self._async.make_room():
+            return "skipped"
+        if self._before_save(step) == "skip":
+            return "skipped"
+        return self._async.start(step, state, guarded=guarded_ptrs(optimizers))
 
     def _optimizer_pre_hook(self, *_: Any) -> None:
         self._async.wait_snapshot()
@@ -143,14 +304,24 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------- loading
     def load(self, step: int, state: Mapping[str, Any]) -> engine.LoadResult:
-        """Collective: load ``step`` into ``state`` in place (any world size can load it)."""
+        """Collective: load ``step`` into ``state`` in place (any world size can load it).
+
+        A later save supersedes the committed steps newer than ``step`` (rollback).
+        """
         self._async.wait()
-        return engine.load(self.comm, self.root, step, state, rng=self.rng)
+        result = recovery.load_step(self.comm, self.root, step,  # damage -> CheckpointCorrupt
+                                    lambda s: engine.load(self.comm, self.root, s, state, rng=self.rng))
+        self._base = result.step
+        return result
 
     def load_latest(self, state: Mapping[str, Any]) -> engine.LoadResult:
-        """Collective: load the newest committed checkpoint; CheckpointNotFound if there is none."""
+        """Collective: load the newest committed checkpoint that is intact (a damaged one is skipped
+        with a loud warning); CheckpointNotFound if there is none, CheckpointCorrupt if all are bad."""
         self._async.wait()
-        return engine.load(self.comm, self.root, None, state, rng=self.rng)
+        result = recovery.load_latest_intact(self.comm, self.root,  # damaged -> falls back, warns
+                                             lambda s: engine.load(self.comm, self.root, s, state, rng=self.rng))
+        self._base = result.step
+        return result
 
     def latest_step(self) -> int | None:
         """Collective: the newest committed step (decided on rank 0), or None."""
@@ -161,11 +332,23 @@ class CheckpointManager:
         return [c for c in mf.scan(self.root) if c.committed]
 
     def close(self) -> None:
-        """Collective: finish and commit any background persist."""
+        """Collective: finish and commit any background persist; release the directory lock."""
         if self._closed:
             return
         self._closed = True
-        self._async.close()
+        try:
+            self._async.close()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+
+    def _close_at_exit(self) -> None:
+        """Normal interpreter exit (see :mod:`.exitguard`): commit what is in flight, never silently fail."""
+        try:
+            self.close()
+        except BaseException as exc:  # noqa: BLE001 - report any failure, never silently
+            print(f"coci_hpc: background checkpoint failed at exit: {exc}", file=sys.stderr, flush=True)
+            os._exit(1)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -173,15 +356,3 @@ class CheckpointManager:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         if exc_type is None:
             self.close()
-
-
-def _close_at_exit(ref: weakref.ref[CheckpointManager]) -> None:
-    """A persist still in flight at exit is finished and committed; a failure is never silent."""
-    mgr = ref()
-    if mgr is None or mgr._closed:
-        return
-    try:
-        mgr.close()
-    except BaseException as exc:  # noqa: BLE001 - report any failure, never silently
-        print(f"coci_hpc: background checkpoint failed at exit: {exc}", file=sys.stderr, flush=True)
-        os._exit(1)

@@ -21,8 +21,8 @@ from coci_hpc.checkpoint.lustre import IOTuning, apply_setstripe
 from coci_hpc.checkpoint.plan import LeafDesc, Plan, make_plan
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, write_posix
-from coci_hpc.checkpoint.state import (Leaf, PerRank, Sharded, apply, empty_like_leaf, iter_targets,
-                                      leaf_view)
+from coci_hpc.checkpoint.state import (Leaf, PerRank, Sharded, apply, check_skeleton, current_trees,
+                                      empty_like_leaf, is_stateful, iter_targets)
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointError, CheckpointNotFound, CociError, UsageError
 
@@ -59,17 +59,35 @@ class Prepared:
         return out
 
 
-def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves: Sequence[Leaf],
-            writer: StorageWriter, tuning: IOTuning) -> Prepared:
-    """Collective: agree on the plan, make the step directory and the file with all datasets."""
+def check_step(step: Any) -> int:
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
         # step_-0000001 would be written but never listed, loaded as latest or retained.
         raise UsageError(f"step={step!r} is not a non-negative integer",
                          hint="pass the training step counter (0, 1, 2, ...)")
-    step = int(step)
+    return int(step)
+
+
+def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves: Sequence[Leaf],
+            writer: StorageWriter, tuning: IOTuning) -> Prepared:
+    """Collective: agree on the plan, make the step directory and the file with all datasets."""
+    step = check_step(step)
     descs = [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in leaves]
     all_descs = comm.allgather(descs)
     plan = comm.run_step(lambda: make_plan(all_descs, align=tuning.align), "planning the checkpoint")
+    directory = mf.step_dir(root, step)
+    make_step_dir(comm, root, step, tuning)
+    try:
+        offsets = writer.create(directory, plan, tuning)
+    except BaseException:  # raised on every rank (the writers agree): leave no partial directory
+        comm.run_step(lambda: comm.rank != 0 or shutil.rmtree(directory, ignore_errors=True),
+                      f"removing the failed step {step}")
+        raise
+    return Prepared(step, directory, plan, offsets, {l.name: l for l in leaves}, skeletons, tuning,
+                    writer.name)
+
+
+def make_step_dir(comm: Comm, root: Path, step: int, tuning: IOTuning) -> Path:
+    """Collective: rank 0 creates the (empty) directory of ``step``; refuses a committed one."""
     directory = mf.step_dir(root, step)
 
     def make_dir() -> None:
@@ -82,12 +100,31 @@ def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves
             shutil.rmtree(directory)
         root.mkdir(parents=True, exist_ok=True)
         directory.mkdir()
+        # The new entry must survive a crash before the manifest's own directory fsync: without
+        # it a power loss could keep the manifest's inode but lose the step directory's name.
+        mf.fsync_dir(root)
         apply_setstripe(tuning, directory)
 
     comm.run_step(make_dir, f"creating {directory}")
-    offsets = writer.create(directory, plan, tuning)
-    return Prepared(step, directory, plan, offsets, {l.name: l for l in leaves}, skeletons, tuning,
-                    writer.name)
+    return directory
+
+
+def recreate(comm: Comm, prepared: Prepared, writer: StorageWriter) -> None:
+    """Collective: make the directory and file of a failed save again, for a retry of its items."""
+    make_step_dir(comm, prepared.directory.parent, prepared.step, prepared.tuning)
+    offsets = writer.create(prepared.directory, prepared.plan, prepared.tuning)
+    if offsets != prepared.offsets:
+        raise CheckpointError(f"retrying step {prepared.step}: the datasets landed at other offsets",
+                              hint="report this; save again under a new step")
+
+
+def discard(comm: Comm, prepared: Prepared) -> None:
+    """Collective: remove the directory of a save that failed (nothing of it was committed)."""
+    def remove() -> None:
+        if comm.rank == 0 and not (prepared.directory / mf.MANIFEST).exists():
+            shutil.rmtree(prepared.directory, ignore_errors=True)
+
+    comm.run_step(remove, f"removing the failed step {prepared.step}")
 
 
 def write_items(prepared: Prepared, items: Sequence[WriteItem], writer: StorageWriter | None) -> list[int]:
@@ -125,7 +162,7 @@ def commit(comm: Comm, prepared: Prepared, crcs: list[int] | None, error: BaseEx
         for r, g in enumerate(gathered):
             for p, crc in zip([p for p in plan.pieces if p.rank == r], g["crcs"]):
                 shards.append({"file": mf.DATA_FILE, "dataset": plan.datasets[p.dataset].path,
-                               "rank": r, "start": p.start, "stop": p.stop, "crc32": crc})
+                               "rank": r, "start": p.start, "stop": p.stop, "crc32c": crc})
         skel = {"replicated": prepared.skeletons["replicated"],
                 "per_rank": {str(r): g["per_rank"] for r, g in enumerate(gathered)}}
         m = mf.build(step=prepared.step, world_size=comm.size, tensors=tensors, shards=shards,
@@ -154,10 +191,14 @@ def load(comm: Comm, root: Path, step: int | None, state: Mapping[str, Any], *, 
          ) -> LoadResult:
     """Collective: every rank loads ``step`` (latest when None) into ``state`` in place.
 
-    Everything is checked (manifest, datasets, shapes and dtypes against ``state``) on every
-    rank before the first byte goes into ``state``: a failed load leaves it untouched.
+    Everything is checked (manifest, datasets, shapes and dtypes against ``state``, the saved
+    trees against the objects they go into) on every rank, and the data is read into fresh
+    buffers, before the first byte goes into ``state``; objects whose ``load_state_dict``
+    refuses are rolled back (:func:`~coci_hpc.checkpoint.state.apply`). A failed load leaves
+    the state as it was.
     """
-    targets = dict(iter_targets(state))
+    trees = current_trees(state)
+    targets = dict(iter_targets(state, trees))
     local_rows = {n: t.local.shape[0] for n, t in targets.items() if isinstance(t, Sharded)}
     all_rows = comm.allgather(local_rows)
     for attempt in range(_LATEST_ATTEMPTS):
@@ -167,7 +208,7 @@ def load(comm: Comm, root: Path, step: int | None, state: Mapping[str, Any], *, 
             comm.run_step(lambda: mf.read_step(root, None), "finding the latest checkpoint")  # raises
             raise CheckpointNotFound(f"no committed checkpoint under {root}", hint="save one first")
         try:
-            m, reader = _open_checked(comm, root, chosen, state, targets, all_rows)
+            m, reader = _open_checked(comm, root, chosen, state, targets, all_rows, trees)
             break
         except CociError:
             # Asked for "latest" and a newer commit retired the chosen one meanwhile: choose again.
@@ -176,10 +217,13 @@ def load(comm: Comm, root: Path, step: int | None, state: Mapping[str, Any], *, 
             if step is not None or not gone or attempt == _LATEST_ATTEMPTS - 1:
                 raise
     try:
-        return comm.run_step(lambda: _read_all(comm, m, reader, state, targets, all_rows, rng),
-                             f"loading checkpoint step {chosen}")
+        tensors = comm.run_step(lambda: _read_all(comm, m, reader, targets, all_rows),
+                                f"reading checkpoint step {chosen}")
     finally:
         reader.close()
+    # Every rank has all its bytes, checked, before any rank touches its state.
+    return comm.run_step(lambda: _apply_loaded(comm, m, state, tensors, rng, trees),
+                         f"loading checkpoint step {chosen} into the state")
 
 
 def _dtype_of(obj: Any) -> str:
@@ -193,7 +237,8 @@ def _my_tensors(m: Mapping[str, Any], rank: int) -> list[dict[str, Any]]:
 
 
 def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, Any],
-                         targets: Mapping[str, Any], all_rows: list[dict[str, int]]) -> None:
+                         targets: Mapping[str, Any], all_rows: list[dict[str, int]],
+                         trees: Mapping[str, Any]) -> None:
     """Raise a CheckpointError if the checkpoint cannot be loaded into ``state`` as it is."""
     step = m["step"]
     hint = "load into a state built like the one that was saved (same model, dtypes and sizes)"
@@ -223,7 +268,12 @@ def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, An
         inner = value.value if isinstance(value, PerRank) else value
         skel = m["skeletons"][section] if section == "replicated" else \
             m["skeletons"]["per_rank"].get(str(rank), {})
-        if not isinstance(inner, torch.nn.Module) or key not in skel:
+        if key not in skel:
+            continue
+        if is_stateful(inner) and not isinstance(inner, torch.nn.Module):
+            check_skeleton(key, trees[key], skel[key])
+            continue
+        if not isinstance(inner, torch.nn.Module):
             continue
         saved = skel[key]
         if isinstance(saved, dict) and "__dict__" in saved and len(saved) == 1:
@@ -239,17 +289,17 @@ def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, An
 
 
 def _open_checked(comm: Comm, root: Path, step: int, state: Mapping[str, Any],
-                  targets: Mapping[str, Any], all_rows: list[dict[str, int]]
+                  targets: Mapping[str, Any], all_rows: list[dict[str, int]], trees: Mapping[str, Any]
                   ) -> tuple[dict[str, Any], DatasetReader]:
     """Collective: read the manifest, open the data file, check everything; nothing written yet."""
     opened: list[DatasetReader] = []
 
     def step_fn() -> dict[str, Any]:
         m = mf.read_step(root, step)
-        opened.append(DatasetReader(mf.step_dir(root, step) / mf.DATA_FILE))
+        opened.append(DatasetReader(mf.step_dir(root, step) / mf.DATA_FILE, m))  # checks CRCs on read
         for meta in _my_tensors(m, comm.rank):
             opened[0].offset(meta)  # present, same shape/dtype/size as the manifest, inside the file
-        _check_against_state(m, comm.rank, state, targets, all_rows)
+        _check_against_state(m, comm.rank, state, targets, all_rows, trees)
         return m
 
     try:
@@ -261,8 +311,8 @@ def _open_checked(comm: Comm, root: Path, step: int, state: Mapping[str, Any],
     return m, opened[0]
 
 
-def _read_all(comm: Comm, m: dict[str, Any], reader: DatasetReader, state: Mapping[str, Any],
-              targets: Mapping[str, Any], all_rows: list[dict[str, int]], rng: bool) -> LoadResult:
+def _read_all(comm: Comm, m: dict[str, Any], reader: DatasetReader,
+              targets: Mapping[str, Any], all_rows: list[dict[str, int]]) -> dict[str, Any]:
     rank = comm.rank
     tensors: dict[str, Any] = {}
     for meta in _my_tensors(m, rank):
@@ -274,18 +324,22 @@ def _read_all(comm: Comm, m: dict[str, Any], reader: DatasetReader, state: Mappi
             row_bytes = meta["nbytes"] // shape[0] if shape[0] else 0
             start = before * row_bytes
             shape = (tgt.local.shape[0],) + shape[1:]
-        dest = leaf_view(targets.get(meta["name"]), meta["dtype"], shape)
-        if dest is not None:
-            obj = targets[meta["name"]]
-            obj = obj.local if isinstance(obj, Sharded) else obj
-        else:
-            obj, dest = empty_like_leaf(meta["dtype"], shape)
+        # Always a fresh buffer, never the live tensor: a read or check that fails half way, or
+        # a load_state_dict that refuses, must leave the state untouched (costs one copy).
+        obj, dest = empty_like_leaf(meta["dtype"], shape)
         reader.read(meta, dest, start)
         tensors[meta["name"]] = obj
+    return tensors
+
+
+def _apply_loaded(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], tensors: dict[str, Any],
+                  rng: bool, trees: Mapping[str, Any]) -> LoadResult:
+    rank = comm.rank
     per_rank_skel = m["skeletons"]["per_rank"].get(str(rank), {})
     skeletons = {"replicated": m["skeletons"]["replicated"], "per_rank": per_rank_skel}
     with torch.no_grad():
-        missing = apply(state, skeletons, tensors, rng=rng and str(rank) in m["skeletons"]["per_rank"])
+        missing = apply(state, skeletons, tensors, rng=rng and str(rank) in m["skeletons"]["per_rank"],
+                        before=trees)
     if rng and str(rank) not in m["skeletons"]["per_rank"]:
         missing.append("__rng__")
     return LoadResult(int(m["step"]), int(m["world_size"]), tuple(missing), m)

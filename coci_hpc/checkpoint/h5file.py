@@ -6,10 +6,18 @@ the page or Lustre stripe size. Its bytes live at a fixed offset that the writer
 (``H5Dget_offset``) and records in the manifest; readers look the dataset up through HDF5 again,
 check its shape and dtype, and read the raw bytes at that offset straight into the destination
 tensor's memory. Any HDF5 tool (``h5ls``, ``h5dump``, h5py) can read the files.
+
+Reading trusts nothing in the file: ``data.h5`` must be a regular file (not a symlink), every
+link in it a hard link (no soft or external links, which would make HDF5 open other files), every
+dataset one the manifest names, and every byte range read is checked against the CRC of the shards
+that cover it before the caller may use it. Any HDF5 error on damaged metadata becomes a
+:class:`~coci_hpc.errors.CheckpointCorrupt`.
 """
 from __future__ import annotations
 
+import math
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +25,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from coci_hpc.checkpoint.integrity import checksum
 from coci_hpc.checkpoint.plan import Plan
 from coci_hpc.checkpoint.rawio import pread_into
 from coci_hpc.checkpoint.state import storage_dtype
@@ -58,21 +67,92 @@ def file_kwargs(align: int, threshold: int) -> dict[str, Any]:
     return {"alignment_threshold": threshold, "alignment_interval": align}
 
 
-class DatasetReader:
-    """Reads byte ranges of datasets of one checkpoint file into caller-provided buffers."""
+# What h5py raises on damaged metadata (a flipped byte in an object header, a truncated B-tree).
+_H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError, IndexError, OverflowError)
 
-    def __init__(self, path: str | os.PathLike) -> None:
+
+def _hard_links_only(h5: h5py.File, path: Path) -> list[str]:
+    """Every dataset path in the file; CheckpointCorrupt if any link is soft or external."""
+    datasets: list[str] = []
+    bad: list[str] = []
+
+    def visit(name: str, link: h5py.HardLink | h5py.SoftLink | h5py.ExternalLink) -> None:
+        if not isinstance(link, h5py.HardLink):
+            bad.append(f"{name!r} is a {type(link).__name__}")
+        elif isinstance(h5.get(name), h5py.Dataset):
+            datasets.append(name)
+
+    h5.visititems_links(visit)
+    if bad:
+        raise CheckpointCorrupt(f"{path}: {bad[0]} (coci checkpoints hold only hard links; a link "
+                                f"could make the loader read another file)",
+                                hint="this file was not written by coci_hpc or was tampered with; "
+                                     "load an older step")
+    return datasets
+
+
+class DatasetReader:
+    """Reads byte ranges of datasets of one checkpoint file into caller-provided buffers.
+
+    With ``manifest`` (the parsed manifest of the checkpoint), the file must hold exactly the
+    datasets it names, and every :meth:`read` checks the checksums of the shards it covers.
+    """
+
+    def __init__(self, path: str | os.PathLike, manifest: Mapping[str, Any] | None = None) -> None:
         self.path = Path(path)
+        hint = "run `coci-ckpt verify` on it; load an older step"
         try:
-            self._h5 = h5py.File(self.path, "r")
+            # O_NOFOLLOW: a data.h5 that is a symlink would make us read any file on the machine.
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
-            raise CheckpointCorrupt(f"{self.path}: cannot open as HDF5: {exc}",
-                                    hint="run `coci-ckpt verify` on it; load an older step") from exc
-        self._fd = os.open(self.path, os.O_RDONLY)
-        self._size = os.fstat(self._fd).st_size
+            what = "is a symbolic link" if self.path.is_symlink() else f"cannot be opened: {exc}"
+            raise CheckpointCorrupt(f"{self.path} {what}", hint=hint) from exc
+        try:
+            st = os.fstat(self._fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointCorrupt(f"{self.path} is not a regular file", hint=hint)
+            self._size = st.st_size
+            try:
+                self._h5 = h5py.File(self.path, "r")
+            except _H5_ERRORS as exc:
+                raise CheckpointCorrupt(f"{self.path}: cannot open as HDF5: {exc}", hint=hint) from exc
+            try:
+                # The file HDF5 opened is the one we checked (not swapped for a link meanwhile).
+                same = os.fstat(self._h5.id.get_vfd_handle())
+                if (same.st_dev, same.st_ino) != (st.st_dev, st.st_ino):
+                    raise CheckpointCorrupt(f"{self.path} changed while it was being opened", hint=hint)
+                names = _hard_links_only(self._h5, self.path)
+            except _H5_ERRORS as exc:
+                self._h5.close()
+                raise CheckpointCorrupt(f"{self.path}: HDF5 metadata is damaged: {exc}", hint=hint) from exc
+            except BaseException:
+                self._h5.close()
+                raise
+        except BaseException:
+            os.close(self._fd)
+            raise
         # Loads check every dataset before reading any (so a failed load changes nothing), then
         # read: one HDF5 lookup per dataset, not two (each costs ~0.3 ms).
         self._offsets: dict[tuple[Any, ...], int] = {}
+        self._algorithm: str | None = None
+        self._shards: dict[str, list[Mapping[str, Any]]] = {}
+        self._verified: set[tuple[str, int]] = set()
+        if manifest is not None:
+            self._expect(manifest, names)
+
+    def _expect(self, manifest: Mapping[str, Any], names: list[str]) -> None:
+        mine = self.path.name
+        wanted = {t["dataset"].lstrip("/") for t in manifest["tensors"] if t["file"] == mine}
+        extra = sorted(set(names) - wanted)
+        if extra:
+            raise CheckpointCorrupt(f"{self.path} holds {len(extra)} dataset(s) its manifest does not "
+                                    f"name, e.g. {extra[0]!r}",
+                                    hint="the file does not belong to this manifest or was tampered "
+                                         "with; load an older step")
+        self._algorithm = manifest["checksum"]
+        for sh in manifest["shards"]:
+            if sh["file"] == mine:
+                self._shards.setdefault(sh["dataset"], []).append(sh)
 
     def close(self) -> None:
         self._h5.close()
@@ -89,7 +169,12 @@ class DatasetReader:
         key = (meta["dataset"], tuple(meta["shape"]), meta["dtype"], meta["nbytes"])
         off = self._offsets.get(key)
         if off is None:
-            off = self._offsets[key] = self._checked_offset(meta)
+            try:
+                off = self._offsets[key] = self._checked_offset(meta)
+            except _H5_ERRORS as exc:
+                raise CheckpointCorrupt(f"{self.path}: dataset {meta['dataset']!r}: HDF5 metadata is "
+                                        f"damaged: {exc}", hint="the shard file is damaged; load an "
+                                        "older step") from exc
         return off
 
     def _checked_offset(self, meta: Mapping[str, Any]) -> int:
@@ -98,11 +183,14 @@ class DatasetReader:
             raise CheckpointCorrupt(f"{self.path}: dataset {path!r} named in the manifest is missing",
                                     hint="the shard file is damaged; load an older step")
         ds = self._h5[path]
+        if not isinstance(ds, h5py.Dataset):
+            raise CheckpointCorrupt(f"{self.path}: {path!r} is not a dataset",
+                                    hint="the shard file is damaged; load an older step")
         if tuple(ds.shape) != h5_shape(meta["shape"]) or ds.dtype != storage_dtype(meta["dtype"]):
             raise CheckpointCorrupt(f"{self.path}: dataset {path!r} is {ds.shape} {ds.dtype}, manifest "
                                     f"says {tuple(meta['shape'])} {meta['dtype']}",
                                     hint="the shard file does not belong to this manifest")
-        nbytes = int(np.prod(h5_shape(meta["shape"]), dtype=np.int64)) * ds.dtype.itemsize
+        nbytes = math.prod(h5_shape(meta["shape"])) * ds.dtype.itemsize
         if int(meta["nbytes"]) != nbytes:
             raise CheckpointCorrupt(f"{self.path}: dataset {path!r} holds {nbytes} bytes, manifest says "
                                     f"{meta['nbytes']}", hint="the manifest was edited or damaged; "
@@ -119,15 +207,55 @@ class DatasetReader:
         return int(off)
 
     def read(self, meta: Mapping[str, Any], dest: np.ndarray, start: int = 0) -> None:
-        """Fill ``dest`` (any contiguous array) with bytes [start, start+dest.nbytes) of a dataset."""
+        """Fill ``dest`` (any contiguous array) with bytes [start, start+dest.nbytes) of a dataset.
+
+        With a manifest, the bytes are checked against the CRC of every shard they overlap before
+        this returns; a mismatch raises CheckpointCorrupt naming the shard (``dest`` then holds
+        the bad bytes: callers load into scratch buffers or discard the state).
+        """
         if dest.nbytes == 0:
             return
         if start < 0 or start + dest.nbytes > int(meta["nbytes"]):
             raise CheckpointCorrupt(f"{self.path}: read past the end of {meta['dataset']!r}",
                                     hint="manifest and request disagree")
-        pread_into(self._fd, dest, self.offset(meta) + start)
+        off = self.offset(meta)
+        try:
+            pread_into(self._fd, dest, off + start)
+        except (OSError, EOFError) as exc:
+            raise CheckpointCorrupt(f"{self.path}: reading {meta['dataset']!r} failed: {exc}",
+                                    hint="the shard file is damaged or truncated; load an older step") from exc
+        if self._algorithm is not None:
+            self._verify(meta, memoryview(dest.reshape(-1).view(np.uint8)), start, off)
+
+    def _verify(self, meta: Mapping[str, Any], got: memoryview, start: int, off: int) -> None:
+        stop = start + len(got)
+        for sh in self._shards.get(meta["dataset"], ()):
+            key = (meta["dataset"], sh["start"])
+            if sh["stop"] <= start or sh["start"] >= stop or key in self._verified:
+                continue
+            if start <= sh["start"] and sh["stop"] <= stop:
+                data: Any = got[sh["start"] - start:sh["stop"] - start]
+            else:  # the read covers part of the shard: its CRC needs all of it
+                data = np.empty(sh["stop"] - sh["start"], dtype=np.uint8)
+                try:
+                    pread_into(self._fd, data, off + sh["start"])
+                except (OSError, EOFError) as exc:
+                    raise CheckpointCorrupt(f"{self.path}: reading {meta['dataset']!r} failed: {exc}",
+                                            hint="the shard file is damaged; load an older step") from exc
+            crc = checksum(data, self._algorithm)
+            if crc != sh["crc"]:
+                raise CheckpointCorrupt(
+                    f"{self.path}: shard {meta['dataset']!r} bytes [{sh['start']}, {sh['stop']}) written "
+                    f"by rank {sh['rank']} fails its checksum ({self._algorithm} {crc:08x}, manifest "
+                    f"{sh['crc']:08x})", hint="the data file is damaged; load an older step "
+                                              "(load_latest falls back by itself)")
+            self._verified.add(key)
 
     def read_bytes(self, meta: Mapping[str, Any], start: int, stop: int) -> np.ndarray:
+        self.offset(meta)  # the dataset lies inside the file: no allocation from a crafted size
+        if not 0 <= start <= stop <= int(meta["nbytes"]):
+            raise CheckpointCorrupt(f"{self.path}: bytes [{start}, {stop}) are outside {meta['dataset']!r}",
+                                    hint="manifest and request disagree")
         buf = np.empty(stop - start, dtype=np.uint8)
         self.read(meta, buf, start)
         return buf

@@ -6,12 +6,18 @@ Layout of a checkpoint root::
     ROOT/step_000000120/manifest.json  written last: temp name, fsync, rename, fsync dir
 
 Only a step directory with ``manifest.json`` counts; "latest" is the committed one with the
-highest step. Retention keeps the newest ``keep`` committed checkpoints and deletes older ones
+highest step. A step directory that is a symlink is ignored (a checkpoint never points outside
+its root). The manifest carries a CRC-32C of its own bytes (format 2, see
+:mod:`~coci_hpc.checkpoint.integrity`); format-1 manifests (zlib CRC-32, no own checksum) are
+still read. Files are created with the mode of their step directory minus the execute bits
+(0600 under the default 0700 directories; see :mod:`~coci_hpc.checkpoint.perms`). Retention keeps the newest ``keep`` committed checkpoints and deletes older ones
 (and uncommitted leftovers older than the newest commit) only after a newer one has committed.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -21,10 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coci_hpc.errors import CheckpointCorrupt, CheckpointNotFound
+from coci_hpc.checkpoint import integrity
+from coci_hpc.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 
 FORMAT = "coci-ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2          # 2: CRC-32C shards ("crc"), the manifest's own checksum
+READABLE_VERSIONS = (1, 2)  # 1: zlib CRC-32 shards ("crc32"), no own checksum
+MAX_DEPTH = 64              # nesting of a manifest's JSON: deeper is damage, not training state
+MAX_NDIM = 32               # HDF5's own limit on dataset rank
 MANIFEST = "manifest.json"
 DATA_FILE = "data.h5"
 _STEP_RE = re.compile(r"^step_(\d{9,})$")
@@ -49,7 +59,7 @@ def scan(root: str | os.PathLike) -> list[CheckpointInfo]:
     out = []
     for entry in root.iterdir():
         m = _STEP_RE.match(entry.name)
-        if m and entry.is_dir():
+        if m and not entry.is_symlink() and entry.is_dir():
             out.append(CheckpointInfo(int(m.group(1)), entry, (entry / MANIFEST).is_file()))
     return sorted(out, key=lambda c: c.step)
 
@@ -81,7 +91,7 @@ def build(*, step: int, world_size: int, tensors: dict[str, Any], shards: list[d
         "world_size": int(world_size),
         "wall_time": time.time(),
         "backend": backend,
-        "checksum": "crc32",
+        "checksum": integrity.CHECKSUM,
         "files": files,
         "tensors": tensors,
         "shards": shards,
@@ -90,45 +100,83 @@ def build(*, step: int, world_size: int, tensors: dict[str, Any], shards: list[d
     }
 
 
+def file_mode(directory: str | os.PathLike) -> int:
+    """Mode for a file created in ``directory``: the directory's read/write bits (0700 -> 0600)."""
+    return os.stat(directory).st_mode & 0o666
+
+
 def commit(directory: str | os.PathLike, manifest: dict[str, Any]) -> Path:
-    """Write the manifest atomically: temp name, fsync, rename, fsync of the directory."""
+    """Seal the manifest with its own checksum and write it atomically: temp name, fsync,
+    rename, fsync of the directory. Its mode follows the step directory's (not the umask)."""
     directory = Path(directory)
     final = directory / MANIFEST
     tmp = directory / f".{MANIFEST}.tmp.{os.getpid()}"
-    data = json.dumps(manifest, separators=(",", ":")).encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    data = json.dumps(integrity.seal(manifest), separators=(",", ":")).encode()
+    mode = file_mode(directory)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
     try:
+        os.fchmod(fd, mode)  # O_CREAT's mode is masked by the umask; the directory decides
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            n = os.write(fd, view)
+            if n <= 0:  # never commit a short manifest (a full disk can return 0)
+                raise OSError(f"write of {tmp} returned {n} with {len(view)} bytes left")
+            view = view[n:]
         os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
     os.replace(tmp, final)
     fsync_dir(directory)
     return final
 
 
 def read(directory: str | os.PathLike) -> dict[str, Any]:
+    """The validated manifest of a committed checkpoint; CheckpointCorrupt names what is wrong.
+
+    Format-1 manifests come back with their shard checksums under ``"crc"`` as well, so readers
+    use ``m["checksum"]`` (the algorithm) and ``shard["crc"]`` whatever the format.
+    """
     path = Path(directory) / MANIFEST
+    if path.is_symlink():
+        raise CheckpointCorrupt(f"{path} is a symbolic link", hint="a checkpoint's files are never "
+                                "links; load an older step (coci-ckpt list DIR)")
     if not path.is_file():
         raise CheckpointNotFound(f"{directory} has no {MANIFEST}: it is not a committed checkpoint",
                                  hint="use `coci-ckpt list DIR` to see the committed steps")
     try:
-        m = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointCorrupt(f"{path}: manifest does not parse: {exc}",
+        raw = path.read_bytes()
+        if not raw.strip():
+            raise ValueError("the file is empty")
+        m = json.loads(raw)
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: absurdly nested JSON
+        raise CheckpointCorrupt(f"{path}: manifest does not parse: {str(exc)[:200]}",
                                 hint="load an older step; this one is damaged") from exc
-    if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("format_version"), int):
+    if not isinstance(m, dict) or m.get("format") != FORMAT or not _is_int(m.get("format_version")):
         raise CheckpointCorrupt(f"{path}: not a coci checkpoint manifest",
                                 hint="point at a directory written by coci_hpc")
     if m["format_version"] > FORMAT_VERSION:
         raise CheckpointCorrupt(f"{path}: format version {m['format_version']} is newer than this "
                                 f"coci_hpc understands ({FORMAT_VERSION})", hint="upgrade coci_hpc")
-    problem = _schema_problem(m)
+    problem = (f"format version {m['format_version']} was never written"
+               if m["format_version"] not in READABLE_VERSIONS else None)
+    if problem is None and _depth(m) > MAX_DEPTH:
+        problem = f"it is nested deeper than {MAX_DEPTH} levels"
+    if problem is None and m["format_version"] >= 2:
+        problem = integrity.seal_problem(m)
+    problem = problem or _schema_problem(m)
+    dir_step = _STEP_RE.match(Path(directory).name)
+    if problem is None and dir_step and int(dir_step.group(1)) != m["step"]:
+        problem = f"it says step {m['step']} but lives in {Path(directory).name}"
     if problem:
         raise CheckpointCorrupt(f"{path}: manifest is damaged or was edited: {problem}",
                                 hint="load an older step (coci-ckpt list DIR); this one is damaged")
+    key = integrity.SHARD_KEY[m["checksum"]]
+    for sh in m["shards"]:
+        sh["crc"] = sh[key]
     return m
 
 
@@ -143,14 +191,48 @@ def _is_file_name(x: Any) -> bool:
 _KINDS = ("replicated", "per_rank", "sharded")
 
 
+def _depth(x: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion (a hostile manifest may nest deeply)."""
+    deepest, stack = 0, [(x, 1)]
+    while stack:
+        node, d = stack.pop()
+        deepest = max(deepest, d)
+        if d > MAX_DEPTH:
+            break
+        if isinstance(node, dict):
+            stack.extend((v, d + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, d + 1) for v in node)
+    return deepest
+
+
+def _is_dataset_path(x: Any) -> bool:
+    """An HDF5 path inside the file as coci writes them: no empty, "." or ".." components."""
+    return isinstance(x, str) and 0 < len(x) < 4096 and all(
+        part not in ("", ".", "..") for part in x.lstrip("/").split("/")) and "\0" not in x
+
+
+def _itemsize(dtype: Any) -> int | None:
+    from coci_hpc.checkpoint.state import storage_dtype  # state imports torch: only when reading
+
+    try:
+        return storage_dtype(dtype).itemsize
+    except CheckpointError:
+        return None
+
+
 def _schema_problem(m: dict[str, Any]) -> str | None:
     """What is wrong with the fields of a parsed manifest that readers rely on (None: fine)."""
     if not _is_int(m.get("step")):
         return "'step' is not a non-negative integer"
     if not _is_int(m.get("world_size"), 1):
         return "'world_size' is not a positive integer"
-    if isinstance(m.get("wall_time"), bool) or not isinstance(m.get("wall_time"), (int, float)):
-        return "'wall_time' is not a number"
+    if isinstance(m.get("wall_time"), bool) or not isinstance(m.get("wall_time"), (int, float)) \
+            or not math.isfinite(m["wall_time"]) or not 0 <= m["wall_time"] < 1e11:
+        return "'wall_time' is not a finite time stamp"
+    if m.get("checksum") not in integrity.SHARD_KEY or \
+            (m["format_version"] >= 2) != (m["checksum"] == integrity.CHECKSUM):
+        return f"'checksum' names no algorithm of format {m['format_version']}"
     if not isinstance(m.get("backend"), str):
         return "'backend' is not a string"
     files = m.get("files")
@@ -168,15 +250,26 @@ def _schema_problem(m: dict[str, Any]) -> str | None:
         if not isinstance(t, dict):
             return f"tensors[{i}] is not an object"
         if not all(isinstance(t.get(k), str) for k in ("name", "dataset", "dtype")) \
+                or not _is_dataset_path(t.get("dataset")) \
                 or t.get("file") not in files or t.get("kind") not in _KINDS \
                 or not isinstance(t.get("shape"), list) or not all(_is_int(x) for x in t["shape"]) \
                 or not _is_int(t.get("nbytes")) or not (t.get("rank") is None or _is_int(t.get("rank"))):
             return f"tensors[{i}] ({t.get('name')!r}) has a missing or invalid field"
         if t["kind"] == "per_rank" and t["rank"] is None:
             return f"tensors[{i}] ({t['name']!r}) is per-rank but names no rank"
+        itemsize = _itemsize(t["dtype"])
+        if itemsize is None:
+            return f"tensors[{i}] ({t['name']!r}) has dtype {t['dtype']!r}, which is never stored"
+        if len(t["shape"]) > MAX_NDIM or math.prod(t["shape"] or [1]) * itemsize != t["nbytes"]:
+            return (f"tensors[{i}] ({t['name']!r}) has shape {t['shape'][:MAX_NDIM]} of {t['dtype']} "
+                    f"but says it holds {t['nbytes']} bytes")
+        if (t["file"], t["dataset"]) in sizes:
+            return f"tensors[{i}] ({t['name']!r}) names dataset {t['dataset']!r} a second time"
         sizes[(t["file"], t["dataset"])] = t["nbytes"]
+    crc_key = integrity.SHARD_KEY[m["checksum"]]
     for i, sh in enumerate(shards):
-        if not isinstance(sh, dict) or not all(_is_int(sh.get(k)) for k in ("rank", "start", "stop", "crc32")):
+        if not isinstance(sh, dict) or not all(_is_int(sh.get(k)) for k in ("rank", "start", "stop", crc_key)) \
+                or sh[crc_key] > 0xFFFFFFFF:
             return f"shards[{i}] has a missing or invalid field"
         key = (sh.get("file"), sh.get("dataset"))
         if key not in sizes:
@@ -184,6 +277,17 @@ def _schema_problem(m: dict[str, Any]) -> str | None:
         if not sh["start"] <= sh["stop"] <= sizes[key]:
             return (f"shards[{i}] covers bytes [{sh['start']}, {sh['stop']}) outside {key[1]!r} "
                     f"({sizes[key]} bytes)")
+    # Every byte of every tensor is under exactly one shard checksum: no unchecked bytes.
+    ranges: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for sh in shards:
+        if sh["stop"] > sh["start"]:
+            ranges.setdefault((sh["file"], sh["dataset"]), []).append((sh["start"], sh["stop"]))
+    for key, size in sizes.items():
+        pos = 0
+        for a, b in sorted(ranges.get(key, [])):
+            pos = b if a == pos else -1
+        if pos != size:
+            return f"the shards of {key[1]!r} do not cover its {size} bytes exactly once"
     return None
 
 

@@ -3,20 +3,24 @@
 Datasets are created contiguous, allocated early and never filled, so each has a fixed byte
 offset in its file (``H5Dget_offset``). Data then moves with the cheapest call there is:
 ``os.pwrite``/``os.preadv`` (no MPI, no HDF5, GIL released) or one MPI-IO ``Write_at_all`` per
-round (collective, carrying the MPI-IO hints). Checksums (CRC-32, zlib releases the GIL) are
-computed in a helper thread while the writes run, so they cost no wall time on a spare core.
+round (collective, carrying the MPI-IO hints). Checksums (hardware CRC-32C, which releases the
+GIL) are computed in a helper thread while the writes run, so they cost no wall time on a spare
+core. Every write checks its byte count: Open MPI's ``Write_at_all`` reports a full disk as
+success with a short count, and a checkpoint with missing bytes must never commit.
 """
 from __future__ import annotations
 
 import os
 import threading
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from coci_hpc.checkpoint.integrity import CHECKSUM, checksum
+from coci_hpc.errors import CheckpointError
 
 _CHUNK = 256 << 20  # bytes per write call: bounded so progress and errors surface promptly
 
@@ -29,15 +33,8 @@ class WriteItem:
     buf: np.ndarray
 
 
-def crc32(buf: np.ndarray | memoryview | bytes, value: int = 0) -> int:
-    mv = memoryview(buf).cast("B") if not isinstance(buf, bytes) else memoryview(buf)
-    for i in range(0, len(mv), _CHUNK):
-        value = zlib.crc32(mv[i:i + _CHUNK], value)
-    return value & 0xFFFFFFFF
-
-
 def _crcs(items: Sequence[WriteItem]) -> list[int]:
-    return [crc32(it.buf) for it in items]
+    return [checksum(it.buf, CHECKSUM) for it in items]
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -64,12 +61,14 @@ def _crc_pool() -> ThreadPoolExecutor:
 
 
 def pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
+    """Write all of ``buf`` at ``offset``: a short write is retried, one that writes nothing fails."""
     mv = memoryview(buf).cast("B")
     done = 0
     while done < len(mv):
         n = os.pwrite(fd, mv[done:done + _CHUNK], offset + done)
         if n <= 0:
-            raise OSError(f"pwrite wrote {n} bytes at offset {offset + done}")
+            raise OSError(f"pwrite wrote {n} bytes at offset {offset + done}, "
+                          f"{len(mv) - done} bytes left (disk full?)")
         done += n
 
 
@@ -97,7 +96,7 @@ def _open_direct(path: str | os.PathLike) -> int | None:
 
 def write_posix(path: str | os.PathLike, items: Sequence[WriteItem], *, fsync: bool = True,
                 direct: bool = False) -> list[int]:
-    """Write items with pwrite (no MPI); return their CRC-32s. Independent per rank.
+    """Write items with pwrite (no MPI); return their CRC-32Cs. Independent per rank.
 
     ``direct``: write the page-aligned whole pages of page-aligned buffers with O_DIRECT (no
     page-cache copy and no writeback work: about a quarter of the CPU time of buffered writes,
@@ -149,19 +148,33 @@ def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteIte
             chunks.append((it.offset + i, mv[i:i + _CHUNK]))
     rounds = mpi_comm.allreduce(len(chunks), op=MPI.MAX)
     fh = MPI.File.Open(mpi_comm, str(path), MPI.MODE_WRONLY, info if info is not None else MPI.INFO_NULL)
+    short: str | None = None
     try:
         empty = np.empty(0, dtype=np.uint8)
+        status = MPI.Status()
         for i in range(rounds):
-            if i < len(chunks):
+            # A rank that saw a short write keeps joining the collective rounds (with nothing to
+            # write) so the others do not hang; the error is raised after the last round.
+            if i < len(chunks) and short is None:
                 off, mv = chunks[i]
-                fh.Write_at_all(off, [mv, MPI.BYTE])
+                fh.Write_at_all(off, [mv, MPI.BYTE], status)
+                got = status.Get_count(MPI.BYTE)
+                if got != len(mv):
+                    short = (f"MPI-IO wrote {got} of {len(mv)} bytes at offset {off} of {path} "
+                             f"(disk full or quota exceeded?)")
             else:
                 fh.Write_at_all(0, [empty, MPI.BYTE])
-        if fsync:
+        # MPI_File_sync is collective: every rank must agree whether to call it.
+        any_short = mpi_comm.allreduce(short is not None, op=MPI.LOR)
+        if fsync and not any_short:
             fh.Sync()
     finally:
         fh.Close()
-    return fut.result()
+    crcs = fut.result()
+    if short is not None:
+        raise CheckpointError(short, hint="free space (df, lfs quota) or lower keep=; nothing was "
+                                          "committed and the previous checkpoint is intact")
+    return crcs
 
 
 def pread_into(fd: int, buf: np.ndarray, offset: int) -> None:

@@ -67,6 +67,9 @@ class Leaf:
     kind: str           # "replicated" | "per_rank" | "sharded"
     nbytes: int
     source: torch.Tensor | None = None  # a device tensor left for the two-phase save to copy
+    # Only the optimizer step changes it (a parameter or the state of an optimizer whose step
+    # waits for the snapshot), so the two-phase save may copy it in the background.
+    deferrable: bool = False
 
 
 def storage_dtype(dtype: str) -> np.dtype:
@@ -101,12 +104,14 @@ def _tensor_bytes(t: torch.Tensor) -> tuple[str, np.ndarray]:
     return name, t.reshape(-1).numpy()
 
 
-def _tensor_leaf(t: torch.Tensor, prefix: str, kind: str, defer_device: bool) -> Leaf:
+def _tensor_leaf(t: torch.Tensor, prefix: str, kind: str, defer_device: bool,
+                 guarded: frozenset[int] = frozenset()) -> Leaf:
+    deferrable = t.numel() > 0 and t.data_ptr() in guarded
     if defer_device and t.device.type != "cpu" and str(t.dtype) in _TORCH_DTYPES:
         return Leaf(prefix, str(t.dtype), tuple(t.shape), None, kind,
-                    t.numel() * t.element_size(), t.detach())
+                    t.numel() * t.element_size(), t.detach(), deferrable)
     name, arr = _tensor_bytes(t)
-    return Leaf(prefix, name, tuple(t.shape), arr, kind, int(arr.nbytes))
+    return Leaf(prefix, name, tuple(t.shape), arr, kind, int(arr.nbytes), None, deferrable)
 
 
 def _numpy_bytes(a: np.ndarray) -> tuple[str, np.ndarray]:
@@ -136,16 +141,18 @@ def _json_leaf(x: Any, where: str) -> Any:
                           hint="checkpoint state must be tensors, numpy arrays and JSON values")
 
 
-def flatten(tree: Any, prefix: str, kind: str, leaves: list[Leaf], defer_device: bool = False) -> Any:
+def flatten(tree: Any, prefix: str, kind: str, leaves: list[Leaf], defer_device: bool = False,
+            guarded: frozenset[int] = frozenset()) -> Any:
     """Return the JSON skeleton of ``tree``; append its tensors to ``leaves`` as :class:`Leaf`.
 
     ``defer_device``: leave device (CUDA) tensors uncopied, for a pinned-buffer snapshot later.
+    ``guarded``: data pointers of tensors only an optimizer step changes (see :func:`guarded_ptrs`).
     """
     if isinstance(tree, Sharded):
-        leaves.append(_tensor_leaf(tree.local, prefix, "sharded", defer_device))
+        leaves.append(_tensor_leaf(tree.local, prefix, "sharded", defer_device, guarded))
         return {"__tensor__": prefix}
     if isinstance(tree, torch.Tensor):
-        leaves.append(_tensor_leaf(tree, prefix, kind, defer_device))
+        leaves.append(_tensor_leaf(tree, prefix, kind, defer_device, guarded))
         return {"__tensor__": prefix}
     if isinstance(tree, np.ndarray):
         name, arr = _numpy_bytes(tree)
@@ -153,16 +160,17 @@ def flatten(tree: Any, prefix: str, kind: str, leaves: list[Leaf], defer_device:
         return {"__tensor__": prefix}
     if isinstance(tree, Mapping):
         if all(isinstance(k, str) and not k.startswith("__") for k in tree):
-            return {k: flatten(v, f"{prefix}/{_escape(k)}", kind, leaves, defer_device)
+            return {k: flatten(v, f"{prefix}/{_escape(k)}", kind, leaves, defer_device, guarded)
                     for k, v in tree.items()}
         return {"__dict__": [[_json_leaf(k, prefix),
-                              flatten(v, f"{prefix}/{_escape(str(k))}", kind, leaves, defer_device)]
+                              flatten(v, f"{prefix}/{_escape(str(k))}", kind, leaves, defer_device, guarded)]
                              for k, v in tree.items()]}
     if isinstance(tree, tuple):
-        return {"__tuple__": [flatten(v, f"{prefix}/{i}", kind, leaves, defer_device)
+        return {"__tuple__": [flatten(v, f"{prefix}/{i}", kind, leaves, defer_device, guarded)
                               for i, v in enumerate(tree)]}
     if isinstance(tree, list):
-        return [flatten(v, f"{prefix}/{i}", kind, leaves, defer_device) for i, v in enumerate(tree)]
+        return [flatten(v, f"{prefix}/{i}", kind, leaves, defer_device, guarded)
+                for i, v in enumerate(tree)]
     return _json_leaf(tree, prefix)
 
 
@@ -266,8 +274,52 @@ def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def collect(state: Mapping[str, Any], *, rng: bool = True, defer_device: bool = False
-            ) -> tuple[dict[str, Any], list[Leaf]]:
+def find_optimizers(tree: Any, found: list[torch.optim.Optimizer] | None = None,
+                    _seen: set[int] | None = None) -> list[torch.optim.Optimizer]:
+    """Every optimizer anywhere in a state: top level, inside PerRank, dicts, lists, tuples."""
+    found = [] if found is None else found
+    seen = set() if _seen is None else _seen
+    if id(tree) in seen:
+        return found
+    seen.add(id(tree))
+    if isinstance(tree, torch.optim.Optimizer):
+        if all(o is not tree for o in found):
+            found.append(tree)
+    elif isinstance(tree, PerRank):
+        find_optimizers(tree.value, found, seen)
+    elif isinstance(tree, Mapping):
+        for v in tree.values():
+            find_optimizers(v, found, seen)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            find_optimizers(v, found, seen)
+    else:
+        inner = getattr(tree, "optimizer", None)  # wrappers (LR schedulers, ZeRO-style shells)
+        if isinstance(inner, torch.optim.Optimizer):
+            find_optimizers(inner, found, seen)
+    return found
+
+
+def guarded_ptrs(optimizers: list[torch.optim.Optimizer]) -> frozenset[int]:
+    """Data pointers of the tensors only these optimizers' ``step`` changes: their parameters
+    and their state. A module buffer (BatchNorm statistics, a step counter) changes in forward
+    and is not among them, so it is snapshot synchronously."""
+    ptrs = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if isinstance(p, torch.Tensor) and p.numel():
+                    ptrs.add(p.data_ptr())
+        for st in opt.state.values():
+            if isinstance(st, Mapping):
+                for v in st.values():
+                    if isinstance(v, torch.Tensor) and v.numel():
+                        ptrs.add(v.data_ptr())
+    return frozenset(ptrs)
+
+
+def collect(state: Mapping[str, Any], *, rng: bool = True, defer_device: bool = False,
+            guarded: frozenset[int] = frozenset()) -> tuple[dict[str, Any], list[Leaf]]:
     """Flatten a user state into ``({"replicated":..., "per_rank":...} skeletons, leaves)``."""
     leaves: list[Leaf] = []
     repl: dict[str, Any] = {}
@@ -279,21 +331,123 @@ def collect(state: Mapping[str, Any], *, rng: bool = True, defer_device: bool = 
         target, kind, value = (per_rank, "per_rank", value.value) if isinstance(value, PerRank) \
             else (repl, "replicated", value)
         tree = value.state_dict() if is_stateful(value) else value
-        target[key] = flatten(tree, f"{kind}/{key}", kind, leaves, defer_device)
+        target[key] = flatten(tree, f"{kind}/{key}", kind, leaves, defer_device, guarded)
     if rng:
         per_rank["__rng__"] = flatten(capture_rng(), "per_rank/__rng__", "per_rank", leaves)
     return {"replicated": repl, "per_rank": per_rank}, leaves
 
 
-def iter_targets(state: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+def current_trees(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Each state value as a tree (``state_dict()`` of stateful objects), taken ONCE per load.
+
+    Some ``state_dict`` methods are collective (a planner that broadcasts rank 0's view), so
+    every rank calls them here, at the same point; the trees then serve for the in-place
+    targets, the checks and the rollback of a refused load.
+    """
+    out = {}
+    for key, value in state.items():
+        inner = value.value if isinstance(value, PerRank) else value
+        out[key] = inner.state_dict() if is_stateful(inner) else inner
+    return out
+
+
+def iter_targets(state: Mapping[str, Any], trees: Mapping[str, Any] | None = None
+                 ) -> Iterator[tuple[str, Any]]:
     """(leaf name, current tensor) pairs of the user's state, used to load in place."""
+    trees = current_trees(state) if trees is None else trees
     objs: dict[str, Any] = {}
     for key, value in state.items():
         kind = "per_rank" if isinstance(value, PerRank) else "replicated"
-        value = value.value if isinstance(value, PerRank) else value
-        tree = value.state_dict() if is_stateful(value) else value
-        _collect_tensors(tree, f"{kind}/{key}", objs)
+        _collect_tensors(trees[key], f"{kind}/{key}", objs)
     yield from objs.items()
+
+
+class _AnyTensor(Mapping):
+    """Stands for every tensor of a skeleton when only its structure is checked."""
+
+    def __getitem__(self, name: str) -> Any:
+        return _TENSOR
+
+    def __contains__(self, name: object) -> bool:
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+_TENSOR = object()
+
+
+def check_skeleton(key: str, current: Any, skeleton: Any) -> None:
+    """Refuse a saved tree that does not fit the state object it would be loaded into.
+
+    ``load_state_dict`` of many objects trusts its input (an LR scheduler does
+    ``__dict__.update``: an entry ``"optimizer": "pwn"`` replaced its optimizer and training
+    crashed later). Checked: the saved tree has no top-level entry the object does not have, and
+    every entry both have is of a compatible kind (number, bool, string, tensor, dict, list).
+    Entries missing from the checkpoint are the object's business (older versions).
+    """
+    saved = unflatten(skeleton, _AnyTensor())
+    problem = None
+    if isinstance(current, Mapping) and current and all(isinstance(k, str) for k in current):
+        if not isinstance(saved, Mapping):
+            problem = f"the checkpoint holds a {type(saved).__name__}, the object's state is a dict"
+        else:
+            extra = sorted(str(k) for k in saved if k not in current)
+            if extra:
+                problem = f"entries {extra[:5]} are not part of this object's state"
+    problem = problem or _tree_problem(current, saved, key)
+    if problem:
+        raise CheckpointError(f"state {key!r} in the checkpoint does not fit the "
+                                f"object passed to load: {problem}",
+                                hint="the manifest was edited, damaged, or written for another kind of "
+                                     "object; load an older step or pass the same kind of object")
+
+
+def _kind(x: Any) -> str:
+    if x is _TENSOR or isinstance(x, (torch.Tensor, np.ndarray)):
+        return "tensor"
+    if isinstance(x, bool):
+        return "bool"
+    if isinstance(x, (int, float, np.number)):
+        return "number"
+    if isinstance(x, str):
+        return "string"
+    if isinstance(x, Mapping):
+        return "dict"
+    if isinstance(x, (list, tuple)):
+        return "list"
+    if isinstance(x, torch.dtype):
+        return "dtype"
+    return "other"
+
+
+_COMPATIBLE = {("tensor", "number"), ("number", "tensor")}  # e.g. optimizer "step" across versions
+
+
+def _tree_problem(cur: Any, saved: Any, where: str, depth: int = 0) -> str | None:
+    if cur is None or saved is None or depth > 64:
+        return None
+    a, b = _kind(cur), _kind(saved)
+    if a == "other" or (a != b and (a, b) not in _COMPATIBLE):
+        if a == "other":
+            return None
+        return f"{where!r} is a {b} in the checkpoint but a {a} in the object's state"
+    if a == "dict":
+        for k in cur:
+            if k in saved:
+                p = _tree_problem(cur[k], saved[k], f"{where}/{k}", depth + 1)
+                if p:
+                    return p
+    elif a == "list":
+        for i, (x, y) in enumerate(zip(cur, saved)):
+            p = _tree_problem(x, y, f"{where}/{i}", depth + 1)
+            if p:
+                return p
+    return None
 
 
 def _collect_tensors(tree: Any, prefix: str, out: dict[str, Any]) -> None:
@@ -308,9 +462,18 @@ def _collect_tensors(tree: Any, prefix: str, out: dict[str, Any]) -> None:
 
 
 def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mapping[str, Any],
-          *, rng: bool = True) -> list[str]:
-    """Restore loaded trees into the user's state in place; return the keys that were missing."""
+          *, rng: bool = True, before: Mapping[str, Any] | None = None) -> list[str]:
+    """Restore loaded trees into the user's state in place; return the keys that were missing.
+
+    All or nothing: stateful objects that may refuse their input (optimizers, schedulers,
+    samplers, scalers: everything but modules) are loaded first; if one refuses, those already
+    loaded get back their previous state (``before``: their trees from
+    :func:`current_trees`, taken before the load) and nothing else was touched. Modules, plain
+    tensors, dicts and lists come after; their keys, shapes and dtypes were checked beforehand,
+    and ``tensors`` are fresh buffers, so no byte reached the state before this point.
+    """
     missing: list[str] = []
+    pending: list[tuple[str, Any, Any]] = []
     for key, value in state.items():
         section = "per_rank" if isinstance(value, PerRank) else "replicated"
         inner = value.value if isinstance(value, PerRank) else value
@@ -318,7 +481,27 @@ def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mappi
         if key not in skel:
             missing.append(key)
             continue
-        tree = unflatten(skel[key], tensors)
+        pending.append((key, inner, unflatten(skel[key], tensors)))
+        if not (is_stateful(inner) or isinstance(inner, (dict, list, Sharded, torch.Tensor))):
+            raise CheckpointError(f"cannot restore state key {key!r} of type {type(inner).__name__} in place",
+                                  hint="pass a dict, a list, a tensor or an object with load_state_dict")
+    rng_tree = None
+    if rng and "__rng__" in skeletons.get("per_rank", {}):
+        rng_tree = unflatten(skeletons["per_rank"]["__rng__"], tensors)
+    loaded: list[tuple[str, Any]] = []
+    try:
+        for key, inner, tree in pending:
+            if is_stateful(inner) and not isinstance(inner, torch.nn.Module):
+                inner.load_state_dict(tree)
+                loaded.append((key, inner))
+    except BaseException:
+        for key, inner in reversed(loaded):
+            if before is not None and key in before:
+                inner.load_state_dict(before[key])
+        raise
+    for key, inner, tree in pending:
+        if is_stateful(inner) and not isinstance(inner, torch.nn.Module):
+            continue
         if is_stateful(inner):
             inner.load_state_dict(tree)
         elif isinstance(inner, dict):
@@ -332,12 +515,9 @@ def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mappi
             if tree is not inner:
                 with torch.no_grad():
                     inner.copy_(tree)
-        else:
-            raise CheckpointError(f"cannot restore state key {key!r} of type {type(inner).__name__} in place",
-                                  hint="pass a dict, a list, a tensor or an object with load_state_dict")
     if rng:
-        if "__rng__" in skeletons.get("per_rank", {}):
-            restore_rng(unflatten(skeletons["per_rank"]["__rng__"], tensors))
+        if rng_tree is not None:
+            restore_rng(rng_tree)
         else:
             missing.append("__rng__")
     return missing

@@ -41,6 +41,16 @@ commit promptly), ``wait()``, ``start()`` or ``close()``.
 Background errors are re-raised there on EVERY rank as one CommError naming the failed ranks.
 ``close()`` runs at interpreter exit too; if it fails there the error is printed and the process
 exits with status 1, so a failed persist is never silent.
+
+Only tensors that nothing but an optimizer step changes (parameters and state of the
+optimizers that got the snapshot pre-hook, :func:`~coci_hpc.checkpoint.state.guarded_ptrs`) are
+copied in the background; every other tensor (module buffers that forward updates in place,
+tensors in plain dicts) is copied before ``start`` returns, so the snapshot cannot tear.
+
+A persist that does not finish within ``timeout_s`` (a hung filesystem, a stuck rank) is
+abandoned: ``wait`` gives up after the timeout, ``poll`` reports it through its allreduce, and
+the commit agreement raises one CommError on every rank naming the rank that timed out. Nothing
+is committed, the snapshot pre-hook is released, and the step directory is removed.
 """
 from __future__ import annotations
 
@@ -123,6 +133,7 @@ class _Job:
     crcs: list[int] | None = None
     error: BaseException | None = None
     thread: threading.Thread | None = None
+    deadline: float | None = None
     t_start: float = 0.0
     t_snapshot: float = 0.0
     t_persist: float = 0.0
@@ -131,7 +142,9 @@ class _Job:
 class TwoPhaseSaver:
     def __init__(self, comm: Comm, root: Path, writer: StorageWriter, tuning: Callable[[], IOTuning],
                  *, keep: int, on_busy: str = "wait", overlap: bool = True, rng: bool = True,
-                 overlap_min_bytes: int = 1 << 20, direct: bool = True) -> None:
+                 overlap_min_bytes: int = 1 << 20, direct: bool = True,
+                 timeout_s: float | None = None,
+                 on_failure: Callable[[engine.Prepared, list[WriteItem], BaseException], None] | None = None) -> None:
         if on_busy not in ON_BUSY:
             raise UsageError(f"on_busy={on_busy!r} is not one of {ON_BUSY}",
                              hint="'wait' blocks until the previous persist commits; 'skip' drops the new save")
@@ -139,6 +152,8 @@ class TwoPhaseSaver:
         self.keep, self.on_busy, self.overlap, self.rng = keep, on_busy, overlap, rng
         self.overlap_min_bytes = overlap_min_bytes
         self.direct = direct
+        self.timeout_s = timeout_s
+        self.on_failure = on_failure
         self.buffers = HostBuffers()
         self._job: _Job | None = None
         self._pending: PendingMin | None = None
@@ -150,16 +165,27 @@ class TwoPhaseSaver:
         return self._job is not None
 
     # ------------------------------------------------------------------ collective calls
-    def start(self, step: int, state: Mapping[str, Any]) -> str:
-        """Collective. Returns "started" or "skipped" (only with on_busy="skip")."""
-        t0 = time.perf_counter()
+    def make_room(self) -> bool:
+        """Collective: settle the persist in flight as ``on_busy`` says; False: skip the new save."""
         self._finish_pending()
         if self._job is not None:
             if self.on_busy == "skip":
                 if self.comm.allreduce_min(1.0 if self._job.done.is_set() else 0.0) < 1.0:
-                    return "skipped"
+                    return False
             self.wait()
-        skeletons, leaves = collect(state, rng=self.rng, defer_device=True)
+        return True
+
+    def start(self, step: int, state: Mapping[str, Any], guarded: frozenset[int] = frozenset(),
+              ) -> str:
+        """Collective. Returns "started" or "skipped" (only with on_busy="skip").
+
+        ``guarded``: data pointers of tensors that may be copied in the background (only an
+        optimizer step with the snapshot pre-hook changes them); all others are copied now.
+        """
+        t0 = time.perf_counter()
+        if not self.make_room():
+            return "skipped"
+        skeletons, leaves = collect(state, rng=self.rng, defer_device=True, guarded=guarded)
         prepared = engine.prepare(self.comm, self.root, step, skeletons, leaves, self.writer, self.tuning())
         # Snapshot only the bytes this rank writes: 1/N of the replicated state plus its own.
         items: list[WriteItem] = []
@@ -172,12 +198,13 @@ class TwoPhaseSaver:
             buf = self.buffers.get(key, p.stop - p.start)
             items.append(WriteItem(prepared.offsets[p.dataset] + p.start, buf))
             copy = (leaf, p.src_start, buf, self.buffers.pinned(key))
-            if self.overlap and buf.nbytes >= self.overlap_min_bytes:
+            if self.overlap and leaf.deferrable and buf.nbytes >= self.overlap_min_bytes:
                 deferred.append(copy)
             else:
                 copy_bytes(*copy)
         self.buffers.drop_unused(used)
-        job = _Job(prepared, items, deferred, t_start=t0)
+        job = _Job(prepared, items, deferred, t_start=t0,
+                   deadline=None if self.timeout_s is None else time.monotonic() + self.timeout_s)
         if not deferred:
             job.snapshot_done.set()
         job.thread = threading.Thread(target=self._persist, args=(job,), name="coci-persist", daemon=True)
@@ -197,13 +224,25 @@ class TwoPhaseSaver:
         if self._job is None:
             return False
         if self._pending is not None:
-            all_done = self._pending.wait() >= 1.0
+            result = self._pending.wait()
             self._pending = None
-            if all_done:
+            if result >= 1.0 or result < 0.0:  # all done, or some rank timed out
                 self._commit()
                 return True
-        self._pending = self.comm.iallreduce_min(1.0 if self._job.done.is_set() else 0.0)
+        job = self._job
+        flag = 1.0 if job.done.is_set() else (-1.0 if self._timed_out(job) else 0.0)
+        self._pending = self.comm.iallreduce_min(flag)
         return False
+
+    def _timed_out(self, job: _Job) -> bool:
+        if job.done.is_set() or job.deadline is None or time.monotonic() < job.deadline:
+            return False
+        if job.error is None:
+            job.error = TimeoutError(
+                f"the background write of step {job.prepared.step} did not finish within "
+                f"{self.timeout_s:g} s on rank {self.comm.rank} (hung filesystem or stuck process?)")
+        job.snapshot_done.set()  # never leave the optimizer pre-hook waiting for it
+        return True
 
     def _finish_pending(self) -> None:
         if self._pending is not None:
@@ -215,7 +254,10 @@ class TwoPhaseSaver:
         self._finish_pending()
         if self._job is None:
             return
-        self._job.done.wait()
+        job = self._job
+        remaining = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
+        if not job.done.wait(remaining):
+            self._timed_out(job)
         self._commit()
 
     def close(self) -> None:
@@ -255,8 +297,16 @@ class TwoPhaseSaver:
     def _commit(self) -> None:
         job, self._job = self._job, None
         assert job is not None
-        if job.thread is not None:
+        if job.thread is not None and job.done.is_set():
             job.thread.join()
         self.last_stats.update({"snapshot_s": job.t_snapshot, "persist_s": job.t_persist})
-        engine.commit(self.comm, job.prepared, job.crcs, job.error, self.keep)
+        try:
+            engine.commit(self.comm, job.prepared, job.crcs, job.error, self.keep)
+        except BaseException as exc:
+            engine.discard(self.comm, job.prepared)
+            if self.on_failure is not None:
+                self.on_failure(job.prepared, job.items, exc)  # retries it, or raises a clearer error
+                self.committed.append(job.prepared.step)
+                return
+            raise
         self.committed.append(job.prepared.step)

@@ -30,6 +30,19 @@ def requeue(job_id: str, runner: Runner = run_command) -> None:
     runner(["scontrol", "requeue", job_id])
 
 
+def job_active(job_id: str, runner: Runner = run_command) -> bool:
+    """Whether Slurm still knows the job as queued or running (``squeue``; an unknown id is not)."""
+    try:
+        out = runner(["squeue", "-h", "-j", job_id, "-o", "%T"]).strip()
+    except SlurmError as exc:
+        if "Invalid job id" in str(exc):
+            return False
+        raise
+    return bool(out) and not all(s in ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL",
+                                          "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+                                     for s in out.split())
+
+
 def time_left_s(job_id: str, runner: Runner = run_command) -> float | None:
     """Seconds until the job's time limit, from Slurm (``squeue %L``); None when unlimited or unknown."""
     out = runner(["squeue", "-h", "-j", job_id, "-o", "%L"]).strip()

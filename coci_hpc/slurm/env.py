@@ -20,6 +20,7 @@ _TABLE: dict[str, tuple[str, type]] = {
     "node_name": ("SLURMD_NODENAME", str),
     "ntasks": ("SLURM_NTASKS", int),
     "procid": ("SLURM_PROCID", int),
+    "step_num_tasks": ("SLURM_STEP_NUM_TASKS", int),  # tasks of this srun step (unset in the batch script)
     "localid": ("SLURM_LOCALID", int),
     "restart_count": ("SLURM_RESTART_COUNT", int),
     "submit_dir": ("SLURM_SUBMIT_DIR", str),
@@ -38,6 +39,7 @@ class JobEnvironment:
     node_name: str | None = None
     ntasks: int | None = None
     procid: int | None = None
+    step_num_tasks: int | None = None
     localid: int | None = None
     restart_count: int = 0
     submit_dir: str | None = None

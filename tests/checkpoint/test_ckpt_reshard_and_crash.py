@@ -79,8 +79,10 @@ def test_retention_keeps_last_k_and_deletes_only_after_a_newer_commit(tmp_path, 
     mgr.save(50, s)
     assert [c.step for c in mf.scan(tmp_path)] == [30, 50]
     assert mgr.latest_step() == 50
-    with pytest.raises(Exception, match="already committed"):
-        mgr.save(50, s)
+    # Saving the newest committed step again is a no-op (issue 8 #6); going back needs a load.
+    assert mgr.save(50, s) == mf.step_dir(tmp_path, 50)
+    with pytest.raises(Exception, match="step 50 is newer"):
+        mgr.save(30, s)
 
 
 def test_manifest_commit_is_atomic_and_validated(tmp_path):

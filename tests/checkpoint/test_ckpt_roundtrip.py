@@ -9,6 +9,7 @@ import torch
 
 from coci_hpc.checkpoint import CheckpointManager, PerRank, Sharded
 from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint.integrity import seal
 from coci_hpc.checkpoint.state import collect, unflatten
 from coci_hpc.errors import CheckpointError, CheckpointNotFound, CommError, UsageError
 from tests.checkpoint.helpers import canonical, empty_state, full_state, rng_draws, rows_of
@@ -187,7 +188,7 @@ def test_a_manifest_cannot_smuggle_objects_into_the_state(shared_dir, comm):
         path = mf.step_dir(shared_dir, 1) / mf.MANIFEST
         m = json.loads(path.read_text())
         m["skeletons"]["replicated"]["x"]["dt"] = {"__torch_dtype__": "torch.load"}
-        path.write_text(json.dumps(m))
+        path.write_text(json.dumps(seal(m)))  # a crafted manifest, not damage: checksum redone
     comm.barrier()
     with pytest.raises((CheckpointError, CommError), match="where a torch dtype belongs"):
         mgr.load(1, {"x": {}})

@@ -1,0 +1,83 @@
+"""Checksums of checkpoint bytes and of the manifest itself.
+
+* New checkpoints use CRC-32C (Castagnoli; the ``crc32c`` package uses the SSE4.2 / ARMv8 CRC
+  instructions, about 10 GB/s on one core here, and releases the GIL on large buffers). Old
+  checkpoints (manifest ``"checksum": "crc32"``, format 1) were written with zlib's CRC-32 and
+  are still read and verified with it.
+* The manifest protects its own bytes (format 2): ``manifest_crc32c`` is the CRC-32C of the
+  manifest's canonical JSON without that field (sorted keys, no spaces), so a one-digit edit of
+  the step, a learning rate or the sampler position is caught before anything is loaded.
+  A CRC catches damage (bit rot, a torn or hand-edited file), not a deliberate forgery.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from coci_hpc.errors import CheckpointCorrupt
+
+try:  # the hardware CRC; a pure-software fallback keeps old environments able to READ.
+    import crc32c as _crc32c_mod
+
+    def _crc32c(buf: memoryview, value: int) -> int:
+        return _crc32c_mod.crc32c(buf, value)
+
+    HARDWARE_CRC32C = bool(getattr(_crc32c_mod, "hardware_based", False))
+except ImportError:  # pragma: no cover - pyproject requires crc32c
+    _crc32c_mod = None
+    HARDWARE_CRC32C = False
+
+    def _crc32c(buf: memoryview, value: int) -> int:
+        raise CheckpointCorrupt("CRC-32C checksums need the `crc32c` package",
+                                hint="pip install crc32c (it is a dependency of coci_hpc)")
+
+CHECKSUM = "crc32c"                 # what new checkpoints use
+SHARD_KEY = {"crc32c": "crc32c", "crc32": "crc32"}  # per-shard field holding the value
+MANIFEST_KEY = "manifest_crc32c"    # the manifest's own checksum
+_CHUNK = 256 << 20                  # bounded calls: errors and GIL hand-offs stay prompt
+
+
+def _zlib_crc32(buf: memoryview, value: int) -> int:
+    return zlib.crc32(buf, value)
+
+
+_FUNCS: dict[str, Callable[[memoryview, int], int]] = {"crc32c": _crc32c, "crc32": _zlib_crc32}
+
+
+def checksum(buf: np.ndarray | memoryview | bytes, algorithm: str = CHECKSUM, value: int = 0) -> int:
+    """CRC of ``buf`` (any contiguous buffer) with ``algorithm`` ("crc32c" or legacy "crc32")."""
+    fn = _FUNCS.get(algorithm)
+    if fn is None:
+        raise CheckpointCorrupt(f"unknown checksum algorithm {algorithm!r}",
+                                hint=f"known: {sorted(_FUNCS)}; the manifest may be damaged")
+    mv = memoryview(buf).cast("B") if not isinstance(buf, bytes) else memoryview(buf)
+    for i in range(0, len(mv), _CHUNK):
+        value = fn(mv[i:i + _CHUNK], value)
+    return value & 0xFFFFFFFF
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The bytes the manifest checksum covers: sorted keys, no spaces (floats round-trip exactly)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def seal(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``manifest`` carrying its own CRC-32C."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_KEY}
+    return {**body, MANIFEST_KEY: checksum(canonical_json(body), "crc32c")}
+
+
+def seal_problem(manifest: Mapping[str, Any]) -> str | None:
+    """Why the manifest's own checksum does not hold (None: it holds)."""
+    want = manifest.get(MANIFEST_KEY)
+    if isinstance(want, bool) or not isinstance(want, int):
+        return f"its own checksum ({MANIFEST_KEY}) is missing"
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_KEY}
+    got = checksum(canonical_json(body), "crc32c")
+    if got != want:
+        return f"its own checksum does not match (crc32c {got:08x}, recorded {want:08x}): it was edited or damaged"
+    return None

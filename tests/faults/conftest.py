@@ -1,0 +1,67 @@
+"""Fixtures for the fault-injection suite: figures (kills tried, bad restores, corruptions,
+undetected, ...) collected by the tests and printed as one table at the end of the pytest run, so
+CI output shows them next to the pass/fail lines.
+
+Usage in a test::
+
+    def test_kills(record_figure):
+        ...
+        record_figure("kill -9, 2 ranks, async", tried=8, bad_restores=0)
+
+Figures with the same name add up (so a parametrised test can report per case and the table
+shows the totals); each row keeps its keys in the order first seen.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+
+# name -> {key: value}; module-level because pytest_terminal_summary sees the config, not fixtures.
+_FIGURES: dict[str, dict[str, int | float | str]] = {}
+
+
+def _add(name: str, **values: int | float | str) -> None:
+    row = _FIGURES.setdefault(name, {})
+    for key, value in values.items():
+        old = row.get(key)
+        if isinstance(value, (int, float)) and isinstance(old, (int, float)) and not isinstance(value, bool):
+            row[key] = old + value
+        else:
+            row[key] = value
+
+
+@pytest.fixture
+def record_figure() -> Callable[..., None]:
+    """``record_figure(name, **numbers)``: add figures to the suite's summary table."""
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+
+    def record(name: str, **values: int | float | str) -> None:
+        if rank == "0":  # under mpiexec -n 2 both ranks run the test: count it once
+            _add(name, **values)
+
+    return record
+
+
+def format_figures(figures: dict[str, dict[str, int | float | str]]) -> list[str]:
+    """The figures as text table lines: one row per name, one column per key (union, first-seen order)."""
+    if not figures:
+        return []
+    keys: list[str] = []
+    for row in figures.values():
+        keys += [k for k in row if k not in keys]
+    head = ["scenario", *keys]
+    rows = [[name, *(str(row.get(k, "")) for k in keys)] for name, row in figures.items()]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return [fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ANN001
+    lines = format_figures(_FIGURES)
+    if not lines:
+        return
+    terminalreporter.section("fault-injection figures")
+    for line in lines:
+        terminalreporter.write_line(line)
