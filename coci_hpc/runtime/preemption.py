@@ -36,6 +36,11 @@ from coci_hpc.slurm import commands
 from coci_hpc.slurm.env import JobEnvironment
 
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+# What the Session owns while it runs: submitit asks Slurm for USR2, the plain templates for USR1
+# or USR2, and SIGTERM comes at the end of the grace time / on scancel.
+SESSION_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+REQUEUE_TRIES = 4
+REQUEUE_BACKOFF_S = 1.0
 
 @dataclass(frozen=True)
 class Received:
@@ -134,5 +139,24 @@ class PreemptionGuard:
             if self.job.requeue_id is None:
                 raise SlurmError("cannot requeue: this process is not inside a Slurm job (no SLURM_JOB_ID)",
                                  hint="run the training script with sbatch, or handle stopping yourself")
-            commands.requeue(self.job.requeue_id, self._runner)
+            requeue_with_retries(self.job.requeue_id, self._runner)
         self.comm.run_step(ask, "requeue")
+
+
+def requeue_with_retries(job_id: str, runner: commands.Runner = commands.run_command, *,
+                         tries: int = REQUEUE_TRIES, backoff_s: float = REQUEUE_BACKOFF_S,
+                         sleep: Any = time.sleep) -> int:
+    """``scontrol requeue`` with retries: slurmctld can be briefly busy or unreachable (a transient
+    failure must not turn a clean stop into a lost attempt). Returns the number of tries used;
+    the last failure is raised when every try failed. The waits (1, 2, 4 s) fit in a grace time."""
+    for i in range(1, tries + 1):
+        try:
+            commands.requeue(job_id, runner)
+            return i
+        except SlurmError as exc:
+            if i == tries:
+                raise SlurmError(f"scontrol requeue {job_id} failed {tries} times; last: {exc.message}",
+                                 hint="is slurmctld up (`scontrol ping`)? the checkpoint is saved: "
+                                      "`scontrol requeue` the job or resubmit it to resume") from exc
+            sleep(backoff_s * 2 ** (i - 1))
+    raise AssertionError("unreachable")
