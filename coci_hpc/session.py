@@ -107,7 +107,7 @@ class Session:
                            if self.rank == 0 else None, f"creating {self.config.ckpt_dir}")
         self.events_path = self.config.ckpt_dir / FILENAME
         # Handlers first: a signal during the restore below must not kill the process.
-        self.recorder = SignalRecorder(SESSION_SIGNALS).install()
+        self.recorder = SignalRecorder(SESSION_SIGNALS, chain=False).install()
         self._every = self._fixed_every(self.config.policy)
         self.schedule: CheckpointSchedule | None = None
         if self._every is None:
