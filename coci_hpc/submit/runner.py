@@ -45,9 +45,12 @@ class EarlySignals:
         self._thread: threading.Thread | None = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signal.getsignal(signum) != self._handle:
+            # Called by the Session's handler, which chains to the one it replaced: it has the signal.
+            return
         # Only record: a signal handler runs between two bytecodes of whatever the script does.
-        print(f"coci-submit: {signal.Signals(signum).name} received before the training session "
-              f"started; passing it on when it starts", file=sys.stderr, flush=True)
+        print(f"coci-submit: {signal.Signals(signum).name} received while no training session runs; "
+              f"passing it on to the next one that starts", file=sys.stderr, flush=True)
         with self._lock:
             self.received.append(signum)
             start = self._thread is None
