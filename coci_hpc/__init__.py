@@ -1,3 +1,18 @@
 """coci_hpc: fault tolerance for deep-learning training on Slurm."""
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+__all__ = ["Session", "init_distributed"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `import coci_hpc` (the CLIs) must not pay for importing torch.
+    if name == "Session":
+        from coci_hpc.session import Session
+        return Session
+    if name == "init_distributed":
+        from coci_hpc.runtime.distributed import init_distributed
+        return init_distributed
+    raise AttributeError(f"module 'coci_hpc' has no attribute {name!r}")

@@ -83,3 +83,9 @@ class CommError(CociError):
                  hint: str | None = None) -> None:
         super().__init__(message, hint=hint)
         self.failed_ranks = dict(failed_ranks or {})
+
+
+class GaveUpError(CociError):
+    """A training session stopped for good: too many requeues, or restarts that make no progress."""
+
+    exit_code = 9

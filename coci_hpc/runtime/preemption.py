@@ -35,7 +35,12 @@ from coci_hpc.errors import SlurmError
 from coci_hpc.slurm import commands
 from coci_hpc.slurm.env import JobEnvironment
 
-DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+# What the Session owns while it runs: submitit asks Slurm for USR2, the plain templates for USR1
+# or USR2, and SIGTERM comes at the end of the grace time / on scancel.
+SESSION_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+REQUEUE_TRIES = 4
+REQUEUE_BACKOFF_S = 1.0
 
 @dataclass(frozen=True)
 class Received:
@@ -50,18 +55,21 @@ class SignalRecorder:
     """Installs handlers that only record which signal came, and when.
 
     It composes with handlers already installed: a previous Python handler is still called after
-    recording, and :meth:`uninstall` restores exactly what was there.
+    recording (unless ``chain=False``), and :meth:`uninstall` restores exactly what was there.
     """
 
-    def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
+    def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS, *, chain: bool = True) -> None:
         self.signals = tuple(signals)
+        self.chain = chain
         self.received: list[Received] = []
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received.append(Received(signum, time.monotonic()))
         prev = self._previous.get(signum)
-        if callable(prev):
+        # chain=False (the Session): the previous handlers are replaced while installed. submitit's
+        # USR2 handler checkpoints and requeues inside the handler and exits: it must not run.
+        if self.chain and callable(prev):
             prev(signum, frame)
 
     def install(self) -> "SignalRecorder":
@@ -115,7 +123,7 @@ class PreemptionGuard:
         first = self.recorder.first
         if first is None:
             return "none"
-        if first.signum == signal.SIGUSR1 and self.job.in_slurm_job and self.signal_lead_s is not None:
+        if first.signum in (signal.SIGUSR1, signal.SIGUSR2) and self.job.in_slurm_job and self.signal_lead_s is not None:
             try:
                 left = commands.time_left_s(self.job.job_id or "", self._runner)
             except SlurmError:
@@ -134,5 +142,24 @@ class PreemptionGuard:
             if self.job.requeue_id is None:
                 raise SlurmError("cannot requeue: this process is not inside a Slurm job (no SLURM_JOB_ID)",
                                  hint="run the training script with sbatch, or handle stopping yourself")
-            commands.requeue(self.job.requeue_id, self._runner)
+            requeue_with_retries(self.job.requeue_id, self._runner)
         self.comm.run_step(ask, "requeue")
+
+
+def requeue_with_retries(job_id: str, runner: commands.Runner = commands.run_command, *,
+                         tries: int = REQUEUE_TRIES, backoff_s: float = REQUEUE_BACKOFF_S,
+                         sleep: Any = time.sleep) -> int:
+    """``scontrol requeue`` with retries: slurmctld can be briefly busy or unreachable (a transient
+    failure must not turn a clean stop into a lost attempt). Returns the number of tries used;
+    the last failure is raised when every try failed. The waits (1, 2, 4 s) fit in a grace time."""
+    for i in range(1, tries + 1):
+        try:
+            commands.requeue(job_id, runner)
+            return i
+        except SlurmError as exc:
+            if i == tries:
+                raise SlurmError(f"scontrol requeue {job_id} failed {tries} times; last: {exc.message}",
+                                 hint="is slurmctld up (`scontrol ping`)? the checkpoint is saved: "
+                                      "`scontrol requeue` the job or resubmit it to resume") from exc
+            sleep(backoff_s * 2 ** (i - 1))
+    raise AssertionError("unreachable")

@@ -30,6 +30,7 @@ It is a stateful object (``state_dict``/``load_state_dict``), so put it in the c
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -45,6 +46,7 @@ from coci_hpc.planner.policies import make_policy
 # Before any restart was seen, Tr is assumed (requeue latency of a default Slurm: credential
 # lifetime 120 s, plus start-up); replaced by the measured value after the first requeue.
 ASSUMED_RESTART_S = 150.0
+_COSTS_FIELDS = {f.name for f in dataclasses.fields(Costs)}
 
 
 class CheckpointSchedule:
@@ -63,6 +65,7 @@ class CheckpointSchedule:
         self.step_times: list[float] = []
         self.ckpt_costs: list[float] = []
         self.restart_costs: list[float] = []
+        self.persist_costs: list[float] = []
         self.last_saved_step = 0
         self.last_saved_time_s = 0.0
         self.observe_every_s = float(observe_every_s)
@@ -88,14 +91,23 @@ class CheckpointSchedule:
 
     def due(self, step: int) -> bool:
         """Collective: whether to checkpoint after ``step`` (rank 0 decides, everyone follows)."""
-        decision = None
-        if self.comm.rank == 0:
-            if self.planner is None:
-                decision = step >= self.last_saved_step + self.warmup_steps and not self.ckpt_costs
-            else:
-                self.planner.next_checkpoint(self.train_time_s)  # extends a plan past its horizon
-                decision = self.planner.should_checkpoint(step, self.last_saved_step)
-        return bool(self.comm.bcast(decision))
+        return bool(self.comm.bcast(self.decide(step) if self.comm.rank == 0 else None))
+
+    def decide(self, step: int) -> bool:
+        """Local, rank 0's decision for ``step`` (False on other ranks). A caller that already has a
+        per-step collective (the Session's) folds this into it instead of paying :meth:`due`'s bcast."""
+        if self.comm.rank != 0:
+            return False
+        if self.planner is None:
+            return step >= self.last_saved_step + self.warmup_steps and not self.ckpt_costs
+        self.planner.next_checkpoint(self.train_time_s)  # extends a plan past its horizon
+        return self.planner.should_checkpoint(step, self.last_saved_step)
+
+    def persisted(self, seconds: float | None) -> None:
+        """Record the background persist latency of a two-phase save (rank 0's view)."""
+        if seconds is not None and math.isfinite(seconds):
+            self.persist_costs.append(float(seconds))
+            del self.persist_costs[:-20]
 
     def saved(self, step: int, seconds: float) -> None:
         """Record a finished save and its blocking time; the first one creates the plan."""
@@ -128,6 +140,8 @@ class CheckpointSchedule:
         ts = statistics.median(self.ckpt_costs) if self.ckpt_costs else 0.0
         tr = statistics.median(self.restart_costs) if self.restart_costs else ASSUMED_RESTART_S
         st = statistics.median(self.step_times) if self.step_times else None
+        if self.persist_costs and "persist_s" in _COSTS_FIELDS:  # Costs gains persist_s in issue 7
+            return Costs(max(ts, 1e-3), tr, st, persist_s=statistics.median(self.persist_costs))  # type: ignore[call-arg]
         return Costs(max(ts, 1e-3), tr, st)
 
     def _replan(self) -> None:
@@ -150,7 +164,8 @@ class CheckpointSchedule:
     def state_dict(self) -> dict[str, Any]:
         mine = {"version": 1, "policy": self.policy, "train_time_s": self.train_time_s,
                 "step_times": list(self.step_times), "ckpt_costs": list(self.ckpt_costs),
-                "restart_costs": list(self.restart_costs), "last_saved_step": self.last_saved_step,
+                "restart_costs": list(self.restart_costs), "persist_costs": list(self.persist_costs),
+                "last_saved_step": self.last_saved_step,
                 "last_saved_time_s": self.last_saved_time_s,
                 "stop_wall": self._stop_wall,
                 "planner": None if self.planner is None else self.planner.to_state()}
@@ -165,6 +180,7 @@ class CheckpointSchedule:
         self.step_times = [float(x) for x in d["step_times"]]
         self.ckpt_costs = [float(x) for x in d["ckpt_costs"]]
         self.restart_costs = [float(x) for x in d["restart_costs"]]
+        self.persist_costs = [float(x) for x in d.get("persist_costs", [])]
         self.last_saved_step = int(d["last_saved_step"])
         self.last_saved_time_s = float(d.get("last_saved_time_s", self.train_time_s))
         self._stop_wall = None if d.get("stop_wall") is None else float(d["stop_wall"])

@@ -1,0 +1,104 @@
+"""coci-submit: run a training script on Slurm, preemption-safe, through submitit.
+
+    coci-submit [OPTIONS] SCRIPT [SCRIPT ARGS...]
+    coci-submit --partition gpu --nodes 2 --time 4:00:00 train.py --lr 3e-4
+
+Options use sbatch's own spelling; everything after SCRIPT goes to the script untouched. Any other
+sbatch option: --sbatch-arg KEY[=VALUE] (repeatable). --dry-run prints the batch script and submits
+nothing.
+
+Exit codes: 0 submitted (or dry run printed), 2 bad usage (missing script, unknown partition, bad
+--time or other option), 3 Slurm unreachable or sbatch refused the job, 5 checkpoint directory not
+creatable or not writable.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from coci_hpc.cli.common import run_cli
+from coci_hpc.errors import UsageError
+from coci_hpc.planner.policies import POLICY_NAMES, make_policy
+from coci_hpc.submit import checks, executor
+from coci_hpc.submit.spec import build_spec
+
+PROG = "coci-submit"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # route argparse errors through run_cli's exit codes
+        raise UsageError(message, hint=f"see {PROG} --help")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = p.add_argument_group("sbatch options (sbatch's spelling)")
+    s.add_argument("--partition", "-p", help="partition (default: the cluster's default)")
+    s.add_argument("--nodes", "-N", type=int, default=1)
+    s.add_argument("--ntasks-per-node", type=int, default=1, help="ranks per node (default 1)")
+    s.add_argument("--gpus-per-node", type=int)
+    s.add_argument("--cpus-per-task", "-c", type=int)
+    s.add_argument("--mem", help="memory per node, Slurm's format (16G, 4000)")
+    s.add_argument("--time", "-t", help="time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS "
+                                          "(default: the partition's)")
+    s.add_argument("--account", "-A")
+    s.add_argument("--qos", "-q")
+    s.add_argument("--constraint", "-C")
+    s.add_argument("--job-name", "-J", help="default: the script's name")
+    s.add_argument("--array", "-a", help="N or 0-M, optionally %%K; each task checkpoints in <ckpt-dir>/task<ID>")
+    s.add_argument("--sbatch-arg", action="append", default=[], metavar="KEY[=VALUE]",
+                   help="any other sbatch option, repeatable: --sbatch-arg exclusive --sbatch-arg mail-type=END "
+                        "(with dashes: --sbatch-arg=--exclusive)")
+    c = p.add_argument_group("coci options")
+    c.add_argument("--output-dir", help="logs and submitit's job folder (default ./coci-runs/<job-name>)")
+    c.add_argument("--ckpt-dir", help="checkpoints and events.jsonl (default <output-dir>/ckpt)")
+    c.add_argument("--policy", default="coci", help="checkpoint policy: " + ", ".join(POLICY_NAMES))
+    c.add_argument("--signal-lead", type=int, default=90,
+                   help="seconds of warning before the time limit (--signal=USR2@N; default 90)")
+    c.add_argument("--max-requeues", type=int, default=10, help="give up after this many requeues (default 10)")
+    c.add_argument("--no-progress-limit", type=int, default=3,
+                   help="give up after this many restarts in a row from the same checkpoint (default 3)")
+    c.add_argument("--mpi", default="pmix", help="srun --mpi plugin that starts the ranks: pmix (default), pmi2, none")
+    c.add_argument("--python", default=shlex.quote(sys.executable), help="interpreter on the nodes (default: this one)")
+    c.add_argument("--dry-run", action="store_true", help="print the batch script; submit nothing")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments, passed untouched")
+    return p
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    a = _parser().parse_args(argv)
+    spec = build_spec(
+        script=a.script, script_args=a.script_args, cwd=Path.cwd(), python=a.python,
+        partition=a.partition, nodes=a.nodes, ntasks_per_node=a.ntasks_per_node, time=a.time,
+        job_name=a.job_name, output_dir=a.output_dir, ckpt_dir=a.ckpt_dir, policy=a.policy,
+        signal_lead=a.signal_lead, max_requeues=a.max_requeues, no_progress_limit=a.no_progress_limit,
+        mpi=a.mpi, gpus_per_node=a.gpus_per_node, cpus_per_task=a.cpus_per_task, mem=a.mem,
+        account=a.account, qos=a.qos, constraint=a.constraint, array=a.array,
+        sbatch_args=a.sbatch_arg, validate_policy=make_policy)
+    checks.run_all(spec, dry_run=a.dry_run)
+    if a.dry_run:
+        print(executor.render(spec), end="")
+        return 0
+    sub = executor.submit(spec)
+    ids = sub.job_id if len(sub.task_ids) == 1 else f"{sub.job_id} (array tasks {sub.task_ids[0]}..{sub.task_ids[-1]})"
+    print(f"submitted job {ids}: {spec.nodes} node(s) x {spec.ntasks_per_node} rank(s)"
+          f"{' on ' + spec.partition if spec.partition else ''}")
+    print(f"  batch script   {sub.batch_script}")
+    print(f"  rank 0 log     {sub.log_paths[0]}")
+    print(f"  rank 0 errors  {sub.log_paths[1]}   (rank N: ..._N_log.*)")
+    print(f"  checkpoints    {spec.ckpt_dir}")
+    print(f"  history        coci-status {shlex.quote(str(spec.ckpt_dir))}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(PROG, _main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

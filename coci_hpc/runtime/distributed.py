@@ -1,0 +1,81 @@
+"""torch.distributed set-up from the launcher's environment, as submitit's
+TorchDistributedEnvironment does: rank, world size, local rank and the rendezvous address.
+
+Precedence (first that applies): a process group already initialised; ``RANK``/``WORLD_SIZE``
+already set (torchrun, or the user); an MPI launch (mpiexec, ``srun --mpi=pmix``: rank 0 sends
+its host name and a free port over MPI, so nothing has to resolve node names); a Slurm step
+(``SLURM_PROCID``/``SLURM_NTASKS``, rendezvous on the first node of the job at a port derived
+from the job id); else one process. Backend: NCCL when CUDA is available, else gloo.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from coci_hpc.comm import Comm
+from coci_hpc.slurm.accounting import expand_hostlist
+from coci_hpc.slurm.env import JobEnvironment
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    source: str   # "initialized" | "env" | "mpi" | "slurm" | "single"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def rendezvous(comm: Comm | None = None, job: JobEnvironment | None = None,
+               environ: Mapping[str, str] | None = None) -> tuple[dict[str, str], str]:
+    """The env:// variables to use (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK) and their source.
+    Collective under MPI."""
+    env = os.environ if environ is None else environ
+    job = job if job is not None else JobEnvironment.from_env(env)
+    comm = comm if comm is not None else Comm.world()
+    if "RANK" in env and "WORLD_SIZE" in env:
+        keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+        return {k: env[k] for k in keys if k in env}, "env"
+    if comm.is_mpi:
+        mine = (socket.gethostname(), _free_port()) if comm.rank == 0 else None
+        host, port = comm.bcast(mine)
+        local = os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") or (str(job.localid) if job.localid is not None else "0")
+        return {"MASTER_ADDR": str(env.get("MASTER_ADDR", host)), "MASTER_PORT": str(env.get("MASTER_PORT", port)),
+                "RANK": str(comm.rank), "WORLD_SIZE": str(comm.size), "LOCAL_RANK": str(local)}, "mpi"
+    if job.in_slurm_job and job.procid is not None and job.ntasks is not None:
+        first = expand_hostlist(job.nodelist or "")[:1] or [socket.gethostname()]
+        port = 20000 + int("".join(c for c in (job.job_id or "0") if c.isdigit()) or 0) % 20000
+        return {"MASTER_ADDR": str(env.get("MASTER_ADDR", first[0])), "MASTER_PORT": str(env.get("MASTER_PORT", port)),
+                "RANK": str(job.procid), "WORLD_SIZE": str(job.ntasks),
+                "LOCAL_RANK": str(job.localid or 0)}, "slurm"
+    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, "single"
+
+
+def init_distributed(backend: str | None = None, comm: Comm | None = None) -> DistInfo:
+    """Initialise the default process group (also for one process, so DDP works unchanged)."""
+    if dist.is_initialized():
+        return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
+                        dist.get_backend(), "initialized")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    values, source = rendezvous(comm)
+    rank, world, local = int(values["RANK"]), int(values["WORLD_SIZE"]), int(values.get("LOCAL_RANK", 0))
+    if backend == "nccl":
+        torch.cuda.set_device(local % max(1, torch.cuda.device_count()))
+    if world == 1:
+        # No rendezvous for one process: an in-memory store, no port to pick.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://{values['MASTER_ADDR']}:{values['MASTER_PORT']}",
+                                rank=rank, world_size=world)
+    return DistInfo(rank, world, local, backend, source)

@@ -1,0 +1,387 @@
+"""The training session: what a user's loop touches to become preemption-safe.
+
+    session = coci_hpc.Session({"model": model, "optimizer": opt, "scheduler": sched, "loader": sampler},
+                               total_steps=10_000)
+    for step in session.steps():          # resumes from the latest checkpoint first
+        loss = train_step()
+        session.observe(loss)
+    # only reached when training completed (a stop exits the process cleanly, see below)
+
+What it does, on every rank, with nothing else written by the user:
+
+- restores the newest committed checkpoint (state in place, RNG, loader position, scheduler);
+- takes the checkpoint directory and policy from arguments, else coci-submit's ``COCI_*``
+  environment (:mod:`coci_hpc.runtime.config`);
+- chooses checkpoint steps with the planner (``fixed:N`` = every N steps), saves two-phase;
+- owns USR1, USR2 and SIGTERM while it runs (record-only handlers, previous ones restored after);
+  on a signal every rank stops at the next step boundary, saves, rank 0 requeues the job (with
+  retries) and the process exits with status 0 (``SystemExit(0)`` raised out of the loop);
+- writes ``<ckpt_dir>/events.jsonl`` (rank 0): attempts, how the previous one ended (from Slurm's
+  record and this log), checkpoints, losses, stops, restart latency;
+- gives up (``GaveUpError``, non-zero exit, no requeue) past ``max_requeues`` or when restarts
+  keep resuming from the same checkpoint.
+
+Cost per step: one MAX-allreduce of 3 doubles into preallocated buffers (:mod:`.runtime.stepsync`),
+a ``perf_counter`` and, on rank 0, one float stored into a preallocated loss buffer. No Slurm call,
+no I/O (losses are flushed with checkpoints, stops, and every ``LOSS_FLUSH_S`` seconds).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+import numpy as np
+
+from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.comm import Comm
+from coci_hpc.errors import CociError, GaveUpError, SlurmError, UsageError
+from coci_hpc.planner.failures import FailureModel, from_mtbf
+from coci_hpc.runtime import attempts as att
+from coci_hpc.runtime.config import SessionConfig, resolve
+from coci_hpc.runtime.events import FILENAME, EventLog, last_attempt, read_events
+from coci_hpc.runtime.preemption import SESSION_SIGNALS, SignalRecorder, requeue_with_retries
+from coci_hpc.runtime.schedule import CheckpointSchedule
+from coci_hpc.runtime.stepsync import StepSync
+from coci_hpc.slurm import commands
+from coci_hpc.slurm.accounting import expand_hostlist
+from coci_hpc.slurm.env import JobEnvironment
+
+STATE_KEY = "coci_session"
+LOSS_BUFFER = 4096          # losses kept between flushes (rank 0), preallocated
+LOSS_FLUSH_S = 5.0          # at most one losses record per this many seconds between checkpoints
+DEFAULT_MTBF_H = 70.0       # per-node MTBF when the partition's history cannot be read
+HISTORY_DAYS = 90
+
+
+class _SessionState:
+    """The session's own part of the checkpoint: the planner's measured costs and plan."""
+
+    def __init__(self, schedule: CheckpointSchedule | None) -> None:
+        self.schedule = schedule
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "schedule": None if self.schedule is None else self.schedule.state_dict()}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        if self.schedule is not None and d.get("schedule") is not None:
+            self.schedule.load_state_dict(dict(d["schedule"]))
+
+
+def _say(msg: str) -> None:
+    print(f"coci: {msg}", file=sys.stderr, flush=True)
+
+
+class Session:
+    """See the module docstring. Arguments left None come from the environment (coci-submit)."""
+
+    def __init__(self, state: Mapping[str, Any], total_steps: int | None = None, *,
+                 ckpt_dir: str | os.PathLike | None = None, policy: str | None = None,
+                 max_requeues: int | None = None, no_progress_limit: int | None = None,
+                 signal_lead_s: float | None = None, comm: Any = None, keep: int = 2,
+                 async_save: bool = True, failure_model: FailureModel | None = None,
+                 horizon_s: float = 24 * 3600.0, environ: Mapping[str, str] | None = None,
+                 runner: commands.Runner | None = None) -> None:
+        self._init_wall = time.time()
+        if STATE_KEY in state:
+            raise UsageError(f"the state key {STATE_KEY!r} is the session's own", hint="rename that entry")
+        self.job = JobEnvironment.from_env(environ)
+        explicit = {"ckpt_dir": None if ckpt_dir is None else os.fspath(ckpt_dir), "policy": policy,
+                    "max_requeues": max_requeues, "no_progress_limit": no_progress_limit,
+                    "signal_lead_s": signal_lead_s}
+        self.config: SessionConfig
+        self.config, conflicts = resolve({k: v for k, v in explicit.items() if v is not None}, environ, self.job)
+        self.comm = Comm.wrap(comm)
+        self.rank = self.comm.rank
+        self.total_steps = total_steps
+        self.async_save = async_save
+        self._runner = runner or commands.run_command
+        if self.rank == 0:
+            for c in conflicts:
+                _say(f"config conflict: {c}")
+        self.comm.run_step(lambda: self.config.ckpt_dir.mkdir(parents=True, exist_ok=True)
+                           if self.rank == 0 else None, f"creating {self.config.ckpt_dir}")
+        self.events_path = self.config.ckpt_dir / FILENAME
+        # Handlers first: a signal during the restore below must not kill the process.
+        self.recorder = SignalRecorder(SESSION_SIGNALS, chain=False).install()
+        self._every = self._fixed_every(self.config.policy)
+        self.schedule: CheckpointSchedule | None = None
+        if self._every is None:
+            fm = failure_model if failure_model is not None else self._failure_model()
+            self.schedule = CheckpointSchedule(self.config.policy, fm, nodes=self.job.num_nodes or self.comm.size,
+                                               horizon_s=horizon_s, comm=self.comm)
+        self._state = {**state, STATE_KEY: _SessionState(self.schedule)}
+        self.mgr = CheckpointManager(self.config.ckpt_dir, self.comm, keep=keep)
+        self.sync = StepSync(self.comm)
+        self.log = EventLog(self.events_path, attempt=1, job_id=self.job.job_id, enabled=self.rank == 0)
+        self.step = 0                      # steps completed
+        self._loss = math.nan
+        self._loss_steps = np.zeros(LOSS_BUFFER, dtype=np.int64)
+        self._loss_values = np.zeros(LOSS_BUFFER, dtype=np.float64)
+        self._loss_n = 0
+        self._last_flush = time.monotonic()
+        self._pending_ckpt: tuple[int, float] | None = None   # async save in flight: (step, blocking_s)
+        self._started = False
+
+    # -- the user's calls ----------------------------------------------------------------------------
+    def steps(self, total_steps: int | None = None) -> Iterator[int]:
+        """Yield the step indices still to run (from the restored step to ``total_steps - 1``)."""
+        total = total_steps if total_steps is not None else self.total_steps
+        if total is None or int(total) < 0:
+            raise UsageError("steps() needs total_steps", hint="Session(..., total_steps=N) or session.steps(N)")
+        if self._started:
+            raise UsageError("session.steps() can run once per session", hint="create a new Session")
+        self._started = True
+        total = int(total)
+        try:
+            step = self._begin()
+            t = time.perf_counter()
+            while step < total:
+                self._loss = math.nan
+                yield step
+                step += 1
+                now = time.perf_counter()
+                self._after_step(step, now - t, total)
+                t = now
+            self._finish(total)
+        finally:
+            self.recorder.uninstall()
+
+    def observe(self, loss: Any) -> None:
+        """The step's loss (a float or a 0-d tensor); rank 0 records it for the planner and the log."""
+        if self.rank == 0:
+            self._loss = float(loss)
+
+    @property
+    def stop_requested(self) -> bool:
+        """Local: a stop signal arrived on this rank (the loop stops at the next step boundary)."""
+        return bool(self.recorder.received)
+
+    # -- start of an attempt -------------------------------------------------------------------------
+    def _begin(self) -> int:
+        info = self._read_history() if self.rank == 0 else None
+        t0 = time.perf_counter()
+        resumed: int | None = None
+        if self.mgr.latest_step() is not None:
+            resumed = self.mgr.load_latest(self._state).step
+        restore_s = time.perf_counter() - t0
+        if resumed is not None and self.schedule is not None:
+            self.schedule.resumed(resumed)
+        self.step = resumed or 0
+        verdict = None
+        if self.rank == 0:
+            assert info is not None
+            verdict = self._record_start(info, resumed, restore_s)
+        verdict = self.comm.bcast(verdict)
+        if verdict is not None:
+            self.mgr.close()
+            raise GaveUpError(verdict, hint="fix the cause shown in the previous attempts' logs, then "
+                                            "resubmit (raise --max-requeues / COCI_NO_PROGRESS_LIMIT if "
+                                            "the restarts were expected)")
+        return self.step
+
+    def _read_history(self) -> dict[str, Any]:
+        events = read_events(self.events_path)
+        self.log.attempt = last_attempt(events) + 1
+        rows: list[att.SlurmAttempt] = []
+        sacct_error = None
+        jid = self.job.requeue_id
+        if jid is not None:
+            try:
+                rows = att.parse_job_attempts(self._runner(att.sacct_job_argv(jid)), jid)
+            except (SlurmError, OSError) as exc:
+                sacct_error = str(exc)
+        return {"events": events, "rows": rows, "sacct_error": sacct_error}
+
+    def _record_start(self, info: dict[str, Any], resumed: int | None, restore_s: float) -> str | None:
+        events, rows = info["events"], info["rows"]
+        prev = att.previous_records(events)
+        rc = self.job.restart_count
+        prev_slurm = rows[-2] if rc > 0 and len(rows) >= 2 else None
+        if rc > 0 and len(rows) < 2 and info["sacct_error"] is None:
+            info["sacct_error"] = f"sacct lists {len(rows)} attempt(s) of job {self.job.requeue_id}"
+        prev_end = att.classify_previous(prev, prev_slurm, restart_count=rc, sacct_error=info["sacct_error"])
+        lost = att.steps_lost(prev, resumed) if prev_end.reason != "none" else None
+        starts = [e for e in events if e.get("event") == "attempt_start"]
+        verdict = att.give_up_reason(starts, resumed, restart_count=rc, max_requeues=self.config.max_requeues,
+                                     no_progress_limit=self.config.no_progress_limit)
+        nodes = expand_hostlist(self.job.nodelist) if self.job.nodelist else []
+        self.log.write("attempt_start", nodes=nodes, ranks=self.comm.size, policy=self.config.policy,
+                       restart_count=rc, prev_end=prev_end.to_dict(), resumed_step=resumed, steps_lost=lost,
+                       config_sources=dict(self.config.sources))
+        _say(f"attempt {self.log.attempt} (job {self.job.job_id}, restart {rc}) on {nodes or 'this host'}, "
+             f"{self.comm.size} rank(s); previous end: {prev_end.reason} ({prev_end.detail}); "
+             f"resumed from step {resumed}; steps lost {lost}")
+        if verdict is not None:
+            self.log.write("end", step=resumed, status="gave_up", message=verdict)
+            _say(f"giving up: {verdict}")
+            return verdict
+        if resumed is not None:
+            cur = rows[-1] if rows and rows[-1].state == "RUNNING" else None
+            lat = att.latency_split(prev_end.end_wall, cur.start if cur else None, self._init_wall,
+                                    time.time(), restore_s)
+            self.log.write("resumed", step=resumed, restart_latency_s=lat)
+            _say(f"resumed from step {resumed}: restart latency {lat}")
+        return None
+
+    # -- the step boundary ---------------------------------------------------------------------------
+    def _after_step(self, step: int, dt: float, total: int) -> None:
+        self.step = step
+        save_local = False
+        if self.rank == 0:
+            self._record_loss(step)
+            if self._every is not None:
+                save_local = step % self._every == 0
+            else:
+                assert self.schedule is not None
+                self.schedule.observe(step, self._loss, dt)
+                save_local = self.schedule.decide(step)
+        elif self.schedule is not None:
+            self.schedule.observe(step, math.nan, dt)
+        in_flight = self.mgr.persist_in_flight
+        stop, save, busy = self.sync.exchange(bool(self.recorder.received), save_local,
+                                              in_flight and not _persist_done(self.mgr))
+        if in_flight and not busy:
+            self._commit_async()
+        if stop and step < total:      # a stop at the very end is just the end
+            self._stop(step)
+        if save and step < total:        # the last step gets the final save instead
+            self._save(step)
+
+    def _record_loss(self, step: int) -> None:
+        n = self._loss_n
+        self._loss_steps[n], self._loss_values[n] = step, self._loss
+        self._loss_n = n + 1
+        if self._loss_n == LOSS_BUFFER or time.monotonic() - self._last_flush > LOSS_FLUSH_S:
+            self._flush_losses()
+
+    def _flush_losses(self) -> None:
+        n = self._loss_n
+        if self.rank == 0 and n:
+            self.log.write("losses", steps=self._loss_steps[:n].tolist(), values=self._loss_values[:n].tolist())
+        self._loss_n = 0
+        self._last_flush = time.monotonic()
+
+    def _save(self, step: int, kind: str = "planned") -> None:
+        if self.mgr.persist_in_flight:
+            self._commit_async()
+        t0 = time.perf_counter()
+        if self.async_save and kind == "planned":
+            self.mgr.save_async(step, self._state)
+            blocking = time.perf_counter() - t0
+            self._pending_ckpt = (step, blocking)
+        else:
+            self.mgr.save(step, self._state)
+            blocking = time.perf_counter() - t0
+            self._flush_losses()
+            self.log.write("checkpoint", step=step, kind=kind, blocking_s=blocking, persist_s=None)
+        if self.schedule is not None:
+            self.schedule.saved(step, blocking)
+
+    def _commit_async(self) -> None:
+        self.mgr.wait()
+        if self._pending_ckpt is None:
+            return
+        step, blocking = self._pending_ckpt
+        self._pending_ckpt = None
+        persist = self.mgr.async_stats.get("persist_s")
+        if self.schedule is not None:
+            self.schedule.persisted(persist)
+        self._flush_losses()
+        self.log.write("checkpoint", step=step, kind="planned", blocking_s=blocking, persist_s=persist)
+
+    def _stop(self, step: int) -> None:
+        first = self.recorder.first
+        signame = first.name if first is not None else "?"
+        reason, detail = "preemption", ""
+        if self.rank == 0:
+            left: float | None = None
+            try:
+                left = commands.time_left_s(self.job.requeue_id or "", self._runner) if self.job.in_slurm_job else None
+                reason, detail = att.stop_reason(signame, left, self.config.signal_lead_s)
+            except (SlurmError, ValueError) as exc:
+                reason, detail = "preemption", f"{signame}; squeue failed ({exc}): assumed preemption"
+        if self.mgr.persist_in_flight:
+            self._commit_async()
+        if self.mgr.latest_step() != step:
+            if self.schedule is not None:
+                self.schedule.stopping()
+            self._save(step, kind="stop")
+        self._flush_losses()
+        rc, limit = self.job.restart_count, self.config.max_requeues
+        over = limit is not None and rc >= limit
+        requeue = self.job.in_slurm_job and not over
+        self.log.write("stop", step=step, reason=reason, signal=signame, requeued=requeue, detail=detail,
+                       restart_count=rc)
+        if over:
+            msg = (f"stopped at step {step} ({reason}) and NOT requeued: the job was already requeued {rc} "
+                   f"times (--max-requeues {limit})")
+            self.log.write("end", step=step, status="gave_up", message=msg)
+            self.mgr.close()
+            if self.rank == 0:
+                _say(msg)
+            raise GaveUpError(msg, hint=f"resubmit to continue from the checkpoint of step {step}")
+        if requeue:
+            def ask() -> None:
+                if self.rank == 0:
+                    requeue_with_retries(self.job.requeue_id or "", self._runner)
+            try:
+                self.comm.run_step(ask, "requeue")
+            except CociError as exc:
+                self.log.write("end", step=step, status="error", message=str(exc))
+                raise
+        self.mgr.close()
+        if self.rank == 0:
+            _say(f"stopped at step {step} ({reason}: {detail}): checkpoint saved"
+                 + (", job requeued" if requeue else "; run again with the same arguments to resume"))
+        raise SystemExit(0)
+
+    def _finish(self, total: int) -> None:
+        if self.mgr.persist_in_flight:
+            self._commit_async()
+        if self.mgr.latest_step() != total:
+            self._save(total, kind="final")
+        self._flush_losses()
+        self.mgr.close()
+        self.log.write("end", step=total, status="completed", message="")
+
+    # -- helpers -------------------------------------------------------------------------------------
+    @staticmethod
+    def _fixed_every(policy: str) -> int | None:
+        head, _, arg = policy.strip().lower().partition(":")
+        return int(arg) if head == "fixed" else None
+
+    def _failure_model(self) -> FailureModel:
+        """Rank 0 reads the partition's failure history once per attempt; a logged fallback otherwise."""
+        if self.rank != 0:
+            return from_mtbf(DEFAULT_MTBF_H * 3600)   # only rank 0 plans
+        part = self.job.partition
+        try:
+            try:
+                from coci_hpc.slurm.accounting import failure_model_from_cluster  # issue 7
+            except ImportError:
+                failure_model_from_cluster = None
+            since = (datetime.now() - timedelta(days=HISTORY_DAYS)).strftime("%Y-%m-%dT%H:%M:%S")
+            if failure_model_from_cluster is not None:
+                model, _summary = failure_model_from_cluster(part, since=since, runner=self._runner)
+                return model
+            from coci_hpc.planner.failures import estimate
+            from coci_hpc.slurm.accounting import from_cluster
+            ch = from_cluster(since, part, runner=self._runner)
+            exposure = (ch.window_end_s - ch.window_start_s) * max(1, len(ch.cluster_nodes))
+            return estimate(ch.history.failures(), exposure, basis=f"partition {part}, {HISTORY_DAYS} days")
+        except (CociError, OSError) as exc:
+            _say(f"failure history of partition {part} unavailable ({exc}); planning with a per-node "
+                 f"MTBF of {DEFAULT_MTBF_H:g} h")
+            return from_mtbf(DEFAULT_MTBF_H * 3600)
+
+
+def _persist_done(mgr: CheckpointManager) -> bool:
+    """Local: this rank's background persist finished writing (the commit itself is collective).
+    Reads the two-phase saver's job flag: the fold into the step's one allreduce replaces poll()."""
+    job = getattr(getattr(mgr, "_async", None), "_job", None)
+    return job is None or job.done.is_set()

@@ -1,0 +1,125 @@
+"""The callable coci-submit hands to submitit: run the user's script in this process, on every rank.
+
+submitit pickles a :class:`ScriptRunner`, and ``python -m submitit.core._submit`` runs it in each
+task that ``srun`` starts (again after every requeue: the script resumes from its checkpoint
+directory by itself). In-process (``runpy``), not a subprocess, so that the Session inside the
+script owns the signals Slurm sends to the task.
+
+submitit installs its own handlers before calling us: USR2 checkpoints and ``scontrol requeue``s
+inside the handler (guessing timeout vs preemption from elapsed time), SIGTERM/SIGCONT are logged and
+ignored. :class:`EarlySignals` replaces them with record-only handlers for the seconds before the
+script's Session installs its own, and hands a signal that came in that window on to the Session.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from types import FrameType
+from typing import Mapping
+
+# USR2 is the --signal coci-submit asks for (submitit's choice); USR1 for scripts and templates that
+# use it; SIGTERM comes when Slurm ends the job. SIGCONT keeps submitit's harmless logging handler.
+OWNED_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM)
+
+
+class EarlySignals:
+    """Record-only handlers for the gap between submitit's set-up and the Session's.
+
+    A signal received here is delivered again, once, to this process as soon as someone else (the
+    Session) has installed a handler for it, so a preemption a few seconds after start still stops
+    the run at its first step boundary. Without a Session the signal stays recorded and nothing
+    else happens (the script ends or Slurm ends it).
+    """
+
+    def __init__(self, signals: tuple[int, ...] = OWNED_SIGNALS, poll_s: float = 0.05) -> None:
+        self.signals = signals
+        self.poll_s = poll_s
+        self.received: list[int] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signal.getsignal(signum) != self._handle:
+            # Called by the Session's handler, which chains to the one it replaced: it has the signal.
+            return
+        # Only record: a signal handler runs between two bytecodes of whatever the script does.
+        print(f"coci-submit: {signal.Signals(signum).name} received while no training session runs; "
+              f"passing it on to the next one that starts", file=sys.stderr, flush=True)
+        with self._lock:
+            self.received.append(signum)
+            start = self._thread is None
+            if start:
+                self._thread = threading.Thread(target=self._forward, daemon=True,
+                                                name="coci-early-signals")
+        if start:
+            assert self._thread is not None
+            self._thread.start()
+
+    def install(self) -> "EarlySignals":
+        for s in self.signals:
+            signal.signal(s, self._handle)
+        return self
+
+    def _forward(self) -> None:
+        pending: list[int] = []
+        while True:
+            with self._lock:
+                pending.extend(self.received)
+                self.received.clear()
+            for s in list(pending):
+                handler = signal.getsignal(s)
+                if handler != self._handle and callable(handler):
+                    pending.remove(s)
+                    os.kill(os.getpid(), s)
+            if not pending and all(signal.getsignal(s) != self._handle for s in self.signals):
+                return  # everything handed on and the Session owns the signals: nothing left to do
+            time.sleep(self.poll_s)
+
+
+class ScriptRunner:
+    """``python SCRIPT ARGS...`` inside this process, with the COCI_* environment set."""
+
+    def __init__(self, script: str, args: tuple[str, ...], env: Mapping[str, str]) -> None:
+        self.script = script
+        self.args = tuple(args)
+        self.env = dict(env)
+
+    def __call__(self) -> int:
+        EarlySignals().install()
+        os.environ.update(self.env)
+        sys.argv = [self.script, *self.args]
+        sys.path.insert(0, str(Path(self.script).parent))
+        try:
+            runpy.run_path(self.script, run_name="__main__")
+        except SystemExit as exc:
+            if exc.code in (None, 0):
+                return 0
+            raise
+        except BaseException:
+            _abort_other_ranks()
+            raise
+        return 0
+
+    def __repr__(self) -> str:
+        return f"ScriptRunner({self.script!r}, args={list(self.args)!r})"
+
+
+def _abort_other_ranks() -> None:
+    """After an uncaught exception on one rank, end every rank instead of leaving them in a collective."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return
+    try:
+        world = mpi.COMM_WORLD  # type: ignore[attr-defined]
+        if mpi.Is_initialized() and not mpi.Is_finalized() and world.Get_size() > 1:  # type: ignore[attr-defined]
+            traceback.print_exc()
+            sys.stderr.flush()
+            world.Abort(1)
+    except Exception:  # the original exception matters more than a failed abort
+        pass

@@ -1,0 +1,247 @@
+"""What ``coci-submit`` was asked to do, validated into one frozen :class:`SubmitSpec`.
+
+Pure: strings in, a spec (or a :class:`~coci_hpc.errors.UsageError` naming the option) out. No
+filesystem, no Slurm; the checks that need them live in :mod:`coci_hpc.submit.checks`.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from coci_hpc.errors import UsageError
+
+# Slurm's --time formats (sbatch(1)): "minutes", "minutes:seconds", "hours:minutes:seconds",
+# "days-hours", "days-hours:minutes", "days-hours:minutes:seconds".
+_TIME_FORMATS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
+_UNLIMITED = ("INFINITE", "UNLIMITED")
+
+
+def parse_slurm_time(text: str) -> int | None:
+    """Slurm's ``--time`` value -> whole minutes (None = no limit).
+
+    Seconds are rounded up to the next minute, as slurmctld does (its limits are in minutes).
+    """
+    s = text.strip()
+    if s.upper() in _UNLIMITED:
+        return None
+    m = re.fullmatch(r"(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?", s)
+    if m:
+        days, hours, mins, secs = (int(g) if g is not None else 0 for g in m.groups())
+        if hours > 23 or mins > 59 or secs > 59:
+            raise _bad_time(text)
+    else:
+        parts = s.split(":")
+        if not all(p.isdigit() for p in parts) or len(parts) > 3:
+            raise _bad_time(text)
+        nums = [int(p) for p in parts]
+        days = 0
+        if len(nums) == 1:
+            hours, mins, secs = 0, nums[0], 0
+        elif len(nums) == 2:
+            hours, (mins, secs) = 0, nums
+            if secs > 59:
+                raise _bad_time(text)
+        else:
+            hours, mins, secs = nums
+            if mins > 59 or secs > 59:
+                raise _bad_time(text)
+    total_s = ((days * 24 + hours) * 60 + mins) * 60 + secs
+    if total_s <= 0:
+        raise UsageError(f"--time {text!r} is zero", hint=f"give a positive limit ({_TIME_FORMATS})")
+    return math.ceil(total_s / 60)
+
+
+def _bad_time(text: str) -> UsageError:
+    return UsageError(f"--time {text!r} is not a Slurm time",
+                      hint=f"use one of Slurm's formats: {_TIME_FORMATS} (e.g. --time 2:00:00)")
+
+
+def format_minutes(minutes: int) -> str:
+    """Whole minutes -> ``D-HH:MM:SS`` (how the history and dry run show a limit)."""
+    d, rem = divmod(minutes, 24 * 60)
+    h, m = divmod(rem, 60)
+    return f"{d}-{h:02d}:{m:02d}:00" if d else f"{h:02d}:{m:02d}:00"
+
+
+def parse_array(text: str) -> tuple[int, int | None]:
+    """``--array`` -> (number of tasks, max running at once or None).
+
+    submitit runs arrays as tasks 0..N-1 (its own pickles and ``%A_%a`` log names), so the forms it
+    can run are ``N`` (tasks 0..N-1) and ``0-M``, each with an optional ``%K`` throttle.
+    """
+    m = re.fullmatch(r"(?:(\d+)|0-(\d+))(?:%(\d+))?", text.strip())
+    if not m:
+        raise UsageError(f"--array {text!r} is not supported",
+                         hint="coci-submit runs array tasks 0..N-1: give --array N or --array 0-M, "
+                              "optionally with %K (at most K at once), e.g. --array 0-7%2")
+    count = int(m.group(1)) if m.group(1) is not None else int(m.group(2)) + 1
+    if count < 1:
+        raise UsageError(f"--array {text!r} has no tasks", hint="give at least one task: --array 1")
+    throttle = int(m.group(3)) if m.group(3) else None
+    if throttle is not None and throttle < 1:
+        raise UsageError(f"--array {text!r}: %0 runs nothing", hint="use %K with K >= 1")
+    return count, throttle
+
+
+_MEM_RE = re.compile(r"\d+[KMGT]?B?", re.IGNORECASE)
+_MPI_RE = re.compile(r"[a-z0-9_]+")
+
+# sbatch options that coci-submit sets itself, or that have a first-class option of their own:
+# a pass-through of them would silently fight the managed value.
+_MANAGED = {
+    "signal": "--signal-lead", "requeue": "(always on)", "no-requeue": "(coci-submit requeues)",
+    "output": "--output-dir", "error": "--output-dir", "open-mode": "(always append)",
+    "partition": "--partition", "nodes": "--nodes", "ntasks-per-node": "--ntasks-per-node",
+    "gpus-per-node": "--gpus-per-node", "cpus-per-task": "--cpus-per-task", "mem": "--mem",
+    "time": "--time", "account": "--account", "qos": "--qos", "constraint": "--constraint",
+    "job-name": "--job-name", "array": "--array", "wrap": "(the script is the job)",
+}
+
+
+def parse_sbatch_arg(text: str) -> tuple[str, str | bool]:
+    """One pass-through sbatch option: ``exclusive``, ``--exclusive``, ``mail-type=END`` -> (key, value)."""
+    s = text.strip().lstrip("-")
+    key, eq, value = s.partition("=")
+    key = key.strip().replace("_", "-")
+    if not re.fullmatch(r"[a-z][a-z0-9-]*", key):
+        raise UsageError(f"--sbatch-arg {text!r} is not an sbatch option",
+                         hint="spell it as sbatch does, without or with dashes: --sbatch-arg exclusive, "
+                              "--sbatch-arg mail-type=END")
+    if key in _MANAGED:
+        raise UsageError(f"--sbatch-arg {text!r} sets --{key}, which coci-submit manages",
+                         hint=f"use {_MANAGED[key]} instead")
+    return key, (value if eq else True)
+
+
+@dataclass(frozen=True)
+class SubmitSpec:
+    """Everything a submission needs, validated. Paths are absolute."""
+
+    script: Path
+    script_args: tuple[str, ...]
+    partition: str | None
+    nodes: int
+    ntasks_per_node: int
+    time_min: int | None
+    job_name: str
+    output_dir: Path
+    ckpt_dir: Path
+    policy: str
+    signal_lead_s: int
+    max_requeues: int
+    no_progress_limit: int
+    mpi: str
+    python: str
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    array: tuple[int, int | None] | None = None
+    sbatch_args: tuple[tuple[str, str | bool], ...] = field(default_factory=tuple)
+    time_unlimited: bool = False
+
+    @property
+    def log_dir(self) -> Path:
+        """submitit's job folder: the batch script, its pickles and one log pair per task."""
+        return self.output_dir / "logs"
+
+    def coci_env(self) -> dict[str, str]:
+        """The environment the Session reads (its contract with coci-submit)."""
+        return {
+            "COCI_CKPT_DIR": str(self.ckpt_dir),
+            "COCI_POLICY": self.policy,
+            "COCI_MAX_REQUEUES": str(self.max_requeues),
+            "COCI_NO_PROGRESS_LIMIT": str(self.no_progress_limit),
+            "COCI_SIGNAL_LEAD_S": str(self.signal_lead_s),
+        }
+
+
+def _positive(name: str, value: int | None, *, zero_ok: bool = False) -> None:
+    if value is not None and (value < 0 or (value == 0 and not zero_ok)):
+        raise UsageError(f"{name} {value} must be {'>= 0' if zero_ok else '> 0'}",
+                         hint=f"pass a {'non-negative' if zero_ok else 'positive'} integer to {name}")
+
+
+def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: str,
+               partition: str | None = None, nodes: int = 1, ntasks_per_node: int = 1,
+               time: str | None = None, job_name: str | None = None, output_dir: str | None = None,
+               ckpt_dir: str | None = None, policy: str = "coci", signal_lead: int = 90,
+               max_requeues: int = 10, no_progress_limit: int = 3, mpi: str = "pmix",
+               gpus_per_node: int | None = None, cpus_per_task: int | None = None,
+               mem: str | None = None, account: str | None = None, qos: str | None = None,
+               constraint: str | None = None, array: str | None = None,
+               sbatch_args: Sequence[str] = (), validate_policy=None) -> SubmitSpec:
+    """Validate the command line into a spec. Relative paths are taken from ``cwd``.
+
+    Defaults chosen so that submitting the same command again resumes the same run:
+    ``--output-dir`` is ``./coci-runs/<job-name>`` and ``--ckpt-dir`` is ``<output-dir>/ckpt``.
+    """
+    for name, v in (("--nodes", nodes), ("--ntasks-per-node", ntasks_per_node),
+                    ("--cpus-per-task", cpus_per_task), ("--signal-lead", signal_lead),
+                    ("--no-progress-limit", no_progress_limit)):
+        _positive(name, v)
+    _positive("--gpus-per-node", gpus_per_node, zero_ok=True)
+    _positive("--max-requeues", max_requeues, zero_ok=True)
+    if mem is not None and not _MEM_RE.fullmatch(mem):
+        raise UsageError(f"--mem {mem!r} is not a Slurm memory size",
+                         hint="give megabytes or a unit: --mem 4000, --mem 16G")
+    if not _MPI_RE.fullmatch(mpi):
+        raise UsageError(f"--mpi {mpi!r} is not an srun MPI plugin name",
+                         hint="use pmix (default), pmi2 or none (see `srun --mpi=list`)")
+    if validate_policy is not None:
+        validate_policy(policy)
+    time_min = parse_slurm_time(time) if time is not None else None
+    if time_min is not None and signal_lead * 2 > time_min * 60:
+        raise UsageError(f"--signal-lead {signal_lead}s is more than half of --time {time}",
+                         hint="lower --signal-lead or raise --time: the job must train between warnings")
+    script_path = (cwd / script).resolve() if not Path(script).is_absolute() else Path(script)
+    name = job_name or script_path.stem or "coci"
+    if not re.fullmatch(r"[\w.+-]+", name):
+        raise UsageError(f"--job-name {name!r} has characters Slurm or a path would mangle",
+                         hint="use letters, digits, '.', '_', '+' and '-'")
+    out = (cwd / (output_dir or f"coci-runs/{name}")).resolve()
+    ckpt = (cwd / ckpt_dir).resolve() if ckpt_dir else out / "ckpt"
+    return SubmitSpec(
+        script=script_path, script_args=tuple(script_args), partition=partition, nodes=nodes,
+        ntasks_per_node=ntasks_per_node, time_min=time_min, job_name=name, output_dir=out,
+        ckpt_dir=ckpt, policy=policy, signal_lead_s=signal_lead, max_requeues=max_requeues,
+        no_progress_limit=no_progress_limit, mpi=mpi, python=python, gpus_per_node=gpus_per_node,
+        cpus_per_task=cpus_per_task, mem=mem, account=account, qos=qos, constraint=constraint,
+        array=parse_array(array) if array is not None else None,
+        sbatch_args=tuple(parse_sbatch_arg(a) for a in sbatch_args),
+        time_unlimited=time is not None and time_min is None)
+
+
+def executor_parameters(spec: SubmitSpec, extra_env: Mapping[str, str] | None = None) -> dict:
+    """The keyword arguments for ``submitit.SlurmExecutor.update_parameters`` (its schema)."""
+    import shlex
+
+    env = {**spec.coci_env(), **(extra_env or {})}
+    params: dict = {
+        "job_name": spec.job_name,
+        "nodes": spec.nodes,
+        "ntasks_per_node": spec.ntasks_per_node,
+        # submitit turns this into --signal=USR2@<lead>: the Session's record-only handler gets it.
+        "signal_delay_s": spec.signal_lead_s,
+        "srun_args": [f"--mpi={spec.mpi}"],
+        # submitit stamps every job with --wckey=submitit; a site that enforces wckeys rejects it.
+        "wckey": None,
+        # The Session requeues itself at a step boundary after its save; Slurm requeues on node
+        # failure and preemption. Both need the job to be requeueable.
+        "additional_parameters": {"requeue": True, **dict(spec.sbatch_args)},
+        "setup": [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())],
+    }
+    # No --time: the partition's default limit (submitit would otherwise write its own 5 minutes).
+    params["time"] = "INFINITE" if spec.time_unlimited else spec.time_min
+    for key in ("partition", "gpus_per_node", "cpus_per_task", "mem", "account", "qos", "constraint"):
+        value = getattr(spec, key)
+        if value is not None:
+            params[key] = value
+    if spec.array is not None and spec.array[1] is not None:
+        params["array_parallelism"] = spec.array[1]
+    return params

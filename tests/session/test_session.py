@@ -1,0 +1,253 @@
+"""The Session in one process: one collective per step (counted with a fake comm), stop -> save ->
+clean exit -> bit-exact resume, giving up, handler ownership, requeue retries, rendezvous precedence."""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from coci_hpc.checkpoint import ResumableSampler
+from coci_hpc.comm import Comm
+from coci_hpc.errors import GaveUpError, SlurmError
+from coci_hpc.runtime.distributed import rendezvous
+from coci_hpc.runtime.events import read_events
+from coci_hpc.runtime.preemption import requeue_with_retries
+from coci_hpc.session import Session
+
+
+class CountingComm(Comm):
+    """A one-rank communicator that counts every collective the session makes."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.calls: list[str] = []
+
+    def _count(self, name: str) -> None:
+        self.calls.append(name)
+
+    def bcast(self, obj, root=0):  # type: ignore[override]
+        self._count("bcast")
+        return obj
+
+    def allgather(self, obj):  # type: ignore[override]
+        self._count("allgather")
+        return [obj]
+
+    def allreduce_max(self, value):  # type: ignore[override]
+        self._count("allreduce_max")
+        return value
+
+    def allreduce_min(self, value):  # type: ignore[override]
+        self._count("allreduce_min")
+        return value
+
+    def barrier(self) -> None:
+        self._count("barrier")
+
+    def allreduce_max_array(self, send: np.ndarray, recv: np.ndarray) -> None:
+        self._count("allreduce_max_array")
+        recv[:] = send
+
+
+def _training(seed: int = 0) -> tuple[dict[str, Any], Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 7, 0.5)
+    sampler = ResumableSampler(64, seed=seed)
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
+    y = x.sum(1, keepdim=True)
+
+    def step() -> torch.Tensor:
+        idx = torch.from_numpy(sampler.next_batch(8))
+        loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        return loss.detach()
+
+    return {"model": model, "optimizer": opt, "scheduler": sched, "loader": sampler}, step
+
+
+def _params(state: dict) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in state["model"].parameters()]
+
+
+NO_SLURM: dict[str, str] = {}
+
+
+@pytest.mark.parametrize("policy", ["fixed:1000", "young"])
+def test_one_collective_per_step(tmp_path: Path, policy: str) -> None:
+    comm = CountingComm()
+    state, train_step = _training()
+    s = Session(state, 60, ckpt_dir=tmp_path, policy=policy, comm=comm, environ=NO_SLURM,
+                failure_model=None if policy.startswith("fixed") else _mtbf())
+    per_step = []
+    for _ in s.steps():
+        before = len(comm.calls)
+        s.observe(train_step())
+        yield_gap_start = before
+        per_step.append(yield_gap_start)
+    # calls made between consecutive yields = the step boundary's work
+    marks = per_step + [len(comm.calls)]
+    boundary = [comm.calls[marks[i]:marks[i + 1]] for i in range(len(marks) - 1)]
+    plain = [b for b in boundary[:-1] if b == ["allreduce_max_array"]]
+    # every boundary that did not save is exactly one small allreduce; saves are rare
+    assert len(plain) >= 50, boundary
+    assert all(b[0] == "allreduce_max_array" and b.count("allreduce_max_array") == 1 for b in boundary[:-1])
+
+
+def _mtbf():
+    from coci_hpc.planner.failures import from_mtbf
+    return from_mtbf(3600.0)
+
+
+def _run_until_signal(tmp_path: Path, at: int, total: int) -> None:
+    state, train_step = _training()
+    s = Session(state, total, ckpt_dir=tmp_path, policy="fixed:10", environ=NO_SLURM)
+    with pytest.raises(SystemExit) as e:
+        for step in s.steps():
+            s.observe(train_step())
+            if step == at:
+                os.kill(os.getpid(), signal.SIGUSR2)   # arrives inside a step; acted on at its end
+    assert e.value.code == 0
+
+
+def test_stop_saves_at_the_boundary_and_resume_is_bit_exact(tmp_path: Path) -> None:
+    ref_state, ref_step = _training()
+    ref = Session(ref_state, 40, ckpt_dir=tmp_path / "ref", policy="fixed:10", environ=NO_SLURM)
+    for _ in ref.steps():
+        ref.observe(ref_step())
+
+    before = signal.getsignal(signal.SIGUSR2)
+    _run_until_signal(tmp_path / "run", at=22, total=40)
+    assert signal.getsignal(signal.SIGUSR2) == before            # handlers restored after the session
+    state, train_step = _training()
+    s = Session(state, 40, ckpt_dir=tmp_path / "run", policy="fixed:10", environ=NO_SLURM)
+    seen = []
+    for step in s.steps():
+        seen.append(step)
+        s.observe(train_step())
+    assert seen[0] == 23                                          # nothing repeated, nothing skipped
+    assert all(torch.equal(a, b) for a, b in zip(_params(state), _params(ref_state)))
+    ev = read_events(tmp_path / "run")
+    stop = [e for e in ev if e["event"] == "stop"]
+    assert stop and stop[0]["step"] == 23 and stop[0]["requeued"] is False and stop[0]["signal"] == "SIGUSR2"
+    start2 = [e for e in ev if e["event"] == "attempt_start"][1]
+    assert start2["prev_end"]["reason"] == "preemption" and start2["resumed_step"] == 23 and start2["steps_lost"] == 0
+    assert [e["kind"] for e in ev if e["event"] == "checkpoint"] == ["planned", "planned", "stop", "planned", "final"]
+    assert ev[-1]["event"] == "end" and ev[-1]["status"] == "completed"
+    losses = [s for e in ev if e["event"] == "losses" for s in e["steps"]]
+    assert losses == list(range(1, 41))                           # every step's loss, once
+
+
+def test_submitits_handler_does_not_run_while_the_session_owns_the_signal(tmp_path: Path) -> None:
+    called = []
+    old = signal.signal(signal.SIGUSR2, lambda s, f: called.append(s))
+    try:
+        _run_until_signal(tmp_path, at=3, total=20)
+        assert called == []
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert called == [signal.SIGUSR2]                        # and it is back afterwards
+    finally:
+        signal.signal(signal.SIGUSR2, old)
+
+
+def _slurm_env(restart: int, **extra: str) -> dict[str, str]:
+    return {"SLURM_JOB_ID": "99", "SLURM_RESTART_COUNT": str(restart), "SLURM_JOB_NODELIST": "n[1-2]",
+            "SLURM_JOB_PARTITION": "gpu", **extra}
+
+
+class FakeSlurm:
+    def __init__(self, rows: str, left: str = "9:00", fail_requeue: int = 0) -> None:
+        self.rows, self.left, self.fail_requeue, self.calls = rows, left, fail_requeue, []
+
+    def __call__(self, argv):
+        self.calls.append(list(argv))
+        if argv[0] == "sacct":
+            return self.rows
+        if argv[0] == "squeue":
+            return self.left + "\n"
+        if argv[:2] == ["scontrol", "requeue"]:
+            if self.fail_requeue:
+                self.fail_requeue -= 1
+                raise SlurmError("slurm_requeue error: Unable to contact slurm controller")
+            return ""
+        raise SlurmError(f"unexpected {argv}")
+
+
+def test_in_a_slurm_job_the_stop_requeues_and_the_next_attempt_is_classified(tmp_path: Path) -> None:
+    slurm = FakeSlurm("99|RUNNING|2026-11-22T10:00:00|Unknown|n[1-2]\n", left="8:00", fail_requeue=1)
+    state, train_step = _training()
+    s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", environ=_slurm_env(0, COCI_SIGNAL_LEAD_S="30"),
+                runner=slurm)
+    with pytest.raises(SystemExit):
+        for step in s.steps():
+            s.observe(train_step())
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGUSR2)
+    assert [c[:2] for c in slurm.calls].count(["scontrol", "requeue"]) == 2     # one transient failure, retried
+    stop = [e for e in read_events(tmp_path) if e["event"] == "stop"][0]
+    assert (stop["reason"], stop["requeued"]) == ("preemption", True)            # 480 s left >> 30 s lead
+
+    rows = ("99|REQUEUED|2026-11-22T10:00:00|2026-11-22T10:00:20|n[1-2]\n"
+            "99|RUNNING|2026-11-22T10:00:40|Unknown|n[1-2]\n")
+    state, train_step = _training()
+    s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", environ=_slurm_env(1), runner=FakeSlurm(rows))
+    for _ in s.steps():
+        s.observe(train_step())
+    start = [e for e in read_events(tmp_path) if e["event"] == "attempt_start"][-1]
+    assert start["prev_end"]["reason"] == "preemption" and start["prev_end"]["source"] == "session"
+    assert start["nodes"] == ["n1", "n2"] and start["restart_count"] == 1
+    resumed = [e for e in read_events(tmp_path) if e["event"] == "resumed"][-1]
+    assert set(resumed["restart_latency_s"]) == {"total", "slurm_requeue_s", "process_start_s", "restore_s"}
+
+
+def test_max_requeues_gives_up_without_training(tmp_path: Path) -> None:
+    state, train_step = _training()
+    rows = "99|REQUEUED|2026-11-22T10:00:00|2026-11-22T10:00:20|n1\n99|RUNNING|2026-11-22T10:00:40|Unknown|n1\n"
+    s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", environ=_slurm_env(3, COCI_MAX_REQUEUES="2"),
+                runner=FakeSlurm(rows))
+    with pytest.raises(GaveUpError, match="max-requeues 2"):
+        for _ in s.steps():
+            raise AssertionError("must not train")
+    end = read_events(tmp_path)[-1]
+    assert end["event"] == "end" and end["status"] == "gave_up" and "max-requeues" in end["message"]
+
+
+def test_no_progress_gives_up(tmp_path: Path) -> None:
+    for attempt in range(3):           # three attempts die before their first checkpoint
+        state, train_step = _training()
+        s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:100", no_progress_limit=2, environ=NO_SLURM)
+        it = s.steps()
+        if attempt < 2:
+            next(it)
+            it.close()                 # the process "crashed" inside step 1
+            continue
+        with pytest.raises(GaveUpError, match="no-progress"):
+            next(it)
+
+
+def test_requeue_retries_then_names_the_fix() -> None:
+    slurm = FakeSlurm("", fail_requeue=10)
+    sleeps: list[float] = []
+    with pytest.raises(SlurmError, match="failed 3 times") as e:
+        requeue_with_retries("5", slurm, tries=3, sleep=sleeps.append)
+    assert sleeps == [1.0, 2.0] and "scontrol requeue" in (e.value.hint or "")
+    assert requeue_with_retries("5", FakeSlurm("", fail_requeue=1), sleep=sleeps.append) == 2
+
+
+def test_rendezvous_precedence() -> None:
+    env = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "5"}
+    assert rendezvous(Comm.serial(), environ={**env, **_slurm_env(0, SLURM_PROCID="0", SLURM_NTASKS="2")}) == \
+        ({"MASTER_ADDR": "h", "MASTER_PORT": "5", "RANK": "1", "WORLD_SIZE": "4"}, "env")
+    vals, src = rendezvous(Comm.serial(), environ=_slurm_env(0, SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="0"))
+    assert src == "slurm" and vals == {"MASTER_ADDR": "n1", "MASTER_PORT": str(20000 + 99), "RANK": "1",
+                                       "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    assert rendezvous(Comm.serial(), environ={}) == ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, "single")

@@ -1,0 +1,111 @@
+"""The pure spec (Slurm time formats, arrays, pass-through options) and the in-process script runner."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from coci_hpc.errors import UsageError
+from coci_hpc.submit.spec import build_spec, executor_parameters, parse_array, parse_sbatch_arg, parse_slurm_time
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("text,minutes", [
+    ("30", 30), ("30:00", 30), ("0:30", 1), ("5:01", 6), ("2:00:00", 120), ("1-0", 1440), ("1-12", 2160),
+    ("1-2:30", 1590), ("1-02:30:30", 1591), ("90", 90), ("0:0:59", 1), (" 10 ", 10),
+])
+def test_slurm_time_formats(text: str, minutes: int) -> None:
+    assert parse_slurm_time(text) == minutes
+
+
+@pytest.mark.parametrize("text", ["INFINITE", "unlimited"])
+def test_unlimited_time(text: str) -> None:
+    assert parse_slurm_time(text) is None
+
+
+@pytest.mark.parametrize("text", ["", "1h", "1:2:3:4", "1-24", "1-1:60", "10:60", "1:60:00", "-1", "0", "0:00", "1.5"])
+def test_bad_slurm_time(text: str) -> None:
+    with pytest.raises(UsageError) as e:
+        parse_slurm_time(text)
+    assert e.value.hint and ("Slurm" in e.value.hint or "positive" in e.value.hint)
+
+
+def test_array_forms() -> None:
+    assert parse_array("4") == (4, None)
+    assert parse_array("0-7%2") == (8, 2)
+    for bad in ("1-3", "1,2", "0-3:2", "0", "3%0"):
+        with pytest.raises(UsageError):
+            parse_array(bad)
+
+
+def test_sbatch_arg_forms() -> None:
+    assert parse_sbatch_arg("exclusive") == ("exclusive", True)
+    assert parse_sbatch_arg("--mail_type=END") == ("mail-type", "END")
+    assert parse_sbatch_arg("comment=a=b") == ("comment", "a=b")
+    with pytest.raises(UsageError, match="manages"):
+        parse_sbatch_arg("--requeue")
+
+
+def test_unlimited_time_is_written_and_no_time_leaves_the_partition_default(tmp_path: Path) -> None:
+    common = dict(script="t.py", script_args=(), cwd=tmp_path, python="python")
+    assert executor_parameters(build_spec(**common))["time"] is None  # submitit writes no --time line
+    assert executor_parameters(build_spec(**common, time="UNLIMITED"))["time"] == "INFINITE"
+    spec = build_spec(**common, time="1-0", job_name="run1", output_dir="out", ckpt_dir="/abs/ck")
+    assert executor_parameters(spec)["time"] == 1440
+    assert spec.ckpt_dir == Path("/abs/ck") and spec.log_dir == tmp_path / "out/logs"
+    assert spec.coci_env()["COCI_CKPT_DIR"] == "/abs/ck"
+
+
+RUNNER_CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    from coci_hpc.submit.runner import ScriptRunner
+    # submitit's handler, installed before the runner: it must never run.
+    signal.signal(signal.SIGUSR2, lambda *a: (print("SUBMITIT HANDLER RAN", flush=True), sys.exit(9)))
+    rc = ScriptRunner(sys.argv[1], ("--lr", "3e-4", "--steps"), {"COCI_CKPT_DIR": "/x/ck"})()
+    print("runner returned", rc, flush=True)
+""")
+
+USER_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    print("argv", sys.argv[1:], "ckpt", os.environ["COCI_CKPT_DIR"], "name", __name__, flush=True)
+    os.kill(os.getpid(), signal.SIGUSR2)      # a preemption while the script is still importing
+    time.sleep(0.3)
+    got = []
+    prev = signal.getsignal(signal.SIGUSR2)
+    def session_handler(s, f):      # the Session records, then chains to the handler it replaced
+        got.append(s)
+        prev(s, f)
+    signal.signal(signal.SIGUSR2, session_handler)   # the Session takes over the signal
+    deadline = time.monotonic() + 5
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)                          # the hand-over happens once, not in a loop
+    print("session saw", [signal.Signals(s).name for s in got], flush=True)
+    sys.exit(0)
+""")
+
+
+def test_runner_runs_the_script_in_process_and_hands_an_early_signal_to_the_session(tmp_path: Path) -> None:
+    script = tmp_path / "user.py"
+    script.write_text(USER_SCRIPT)
+    p = subprocess.run([sys.executable, "-c", RUNNER_CHILD, str(script)], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "argv ['--lr', '3e-4', '--steps'] ckpt /x/ck name __main__" in p.stdout
+    assert "session saw ['SIGUSR2']" in p.stdout, p.stdout + p.stderr
+    assert "SUBMITIT HANDLER RAN" not in p.stdout
+    assert "runner returned 0" in p.stdout
+    assert p.stderr.count("SIGUSR2 received while no training session runs") == 1, p.stderr
+
+
+def test_runner_propagates_a_failing_exit_code(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text("import sys; sys.exit(3)\n")
+    p = subprocess.run([sys.executable, "-c", RUNNER_CHILD, str(script)], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert "runner returned" not in p.stdout
