@@ -377,3 +377,36 @@ def overhead_adaptive(planners: dict[str, Replanner], traces: Sequence[np.ndarra
     return {name: np.array([run_adaptive(pl, work_s, tr, costs, trace_until_s, a).overhead_s
                             for tr, a in zip(traces, ages)])
             for name, pl in planners.items()}
+
+
+SIM_RUNS = 300
+SIM_SEED = 20250101
+
+
+def expected_overhead(plans: dict[str, Sequence[float]], job_rate: float, horizon_s: float,
+                      costs: Costs, curve: Curve | None = None, *, seed: int = SIM_SEED,
+                      max_runs: int = SIM_RUNS) -> tuple[dict, dict]:
+    """Every plan (checkpoint times relative to now) on the same simulated traces, for jobs that
+    complete the horizon and for exploratory jobs stopped early. Returns (per plan, info)."""
+    info: dict = {"seed": seed, "exploratory_stop": "log-uniform in [2%, 100%] of the horizon"}
+    if job_rate * (costs.ckpt_s + costs.restart_s) > 0.5:
+        note = (f"job MTBF {1 / job_rate:.3g} s is not much longer than Ts + Tr = "
+                f"{costs.ckpt_s + costs.restart_s:.3g} s: the job can hardly make progress under "
+                "any schedule; simulation skipped")
+        info.update(runs=0, note=note)
+        return ({n: {"time_s": None, "time_fraction": None, "progress_loss": None,
+                     "n_checkpoints": len(p), "note": note} for n, p in plans.items()}, info)
+    # Bound the work: about 2e5 simulated failures in all, at least 20 runs.
+    runs = int(min(max_runs, max(20, 2e5 / max(1.0, job_rate * horizon_s))))
+    info["runs"] = runs
+    overhead: dict = {}
+    for term in ("complete", "exploratory"):
+        sc = make_scenario(job_rate, horizon_s, runs, seed, termination=term)
+        for n, s in evaluate(plans, sc, costs, curve).items():
+            overhead.setdefault(n, {})[term] = s.to_dict()
+    return ({n: {"time_s": o["complete"]["overhead_s"],
+                 "time_fraction": o["complete"]["overhead_fraction"],
+                 "progress_loss": o["complete"]["overhead_progress"],
+                 "n_checkpoints": len(plans[n]),
+                 "complete": o["complete"], "exploratory": o["exploratory"]}
+             for n, o in overhead.items()}, info)
