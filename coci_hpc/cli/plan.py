@@ -1,16 +1,25 @@
-"""coci-plan: a checkpoint schedule from the job's convergence curve and the cluster's failures.
+"""coci-plan: a checkpoint schedule from the cluster's failure history and the job's costs.
 
-Profile JSON (``--profile``), as the runtime records it; every key but ``samples`` optional::
+The default policy `coci` plans Daly's period from the declustered rate of unannounced
+failures, the blocking save cost Tb (bounded below by the persist time P of an asynchronous
+save), cuts the remaining horizon into equal chunks, and front-loads checkpoints after a restart
+when the history's failures have a decreasing hazard. The profile's loss curve predicts the
+horizon (--plateau-loss) and drives the plot.
+
+Profile JSON (``--profile``), as the runtime records it (coci_hpc.planner.profile.Profile);
+every key but ``samples`` optional::
 
     {
       "samples": [{"step": 100, "time_s": 52.0, "loss": 2.11}, ...],
-      "ckpt_cost_s": 12.5,        # Ts: blocking time of one checkpoint (measured)
+      "ckpt_cost_s": 12.5,        # Tb: blocking time of one save (measured)
+      "persist_s": 40.0,          # P: background persist of an asynchronous save (measured)
       "restart_cost_s": 140.0,    # Tr: requeue latency + restore (measured)
-      "step_time_s": 0.52         # seconds per step (else derived from the samples)
+      "step_time_s": 0.52,        # seconds per step (else derived from the samples)
+      "total_steps": 20000        # the run's last step (sets the horizon)
     }
 
 ``time_s`` is training time since the job started (checkpoint stalls excluded). Plans start at
-the last sample and cover ``--horizon`` of training time.
+the last sample and cover the horizon: --horizon, else total_steps, else 24h.
 """
 from __future__ import annotations
 
@@ -28,16 +37,16 @@ from coci_hpc.errors import InputFormatError, PlannerError, UsageError
 from coci_hpc.planner import failures as fmod
 from coci_hpc.planner import simulator as sim
 from coci_hpc.planner.convergence import CurveFit, FitOutcome, fit_curve
-from coci_hpc.planner.costs import Costs
+from coci_hpc.planner.costs import DEFAULT_RESTART_S, Costs
 from coci_hpc.planner.policies import POLICY_NAMES, PlanContext, make_policy
+from coci_hpc.planner.profile import Profile
 from coci_hpc.slurm import accounting as acct
+from coci_hpc.slurm.commands import parse_duration as slurm_duration
 
 PROG = "coci-plan"
 DEFAULT_CKPT_COST_S = 30.0      # used only without a profile or --ckpt-cost, and said so
-DEFAULT_RESTART_COST_S = 150.0  # Slurm's 120 s requeue credential lifetime + 30 s restore
-COMPARED = ("coci", "young", "daly", "checkfreq")
-SIM_RUNS = 300
-SIM_SEED = 20250101
+DEFAULT_HORIZON_S = 86400.0
+COMPARED = ("coci", "young", "daly", "checkfreq", "coci-paper")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,67 +78,39 @@ def _parser() -> argparse.ArgumentParser:
                      "the defaults: " + ", ".join(acct.DEFAULT_MAINTENANCE_PATTERNS) + ")")
     p.add_argument("--nodes", type=int, default=1, help="nodes the job runs on (default 1)")
     p.add_argument("--profile", help="PROFILE.json: loss samples and measured costs")
-    p.add_argument("--ckpt-cost", type=float, help="Ts seconds (overrides the profile)")
+    p.add_argument("--ckpt-cost", type=float, help="Tb: blocking seconds of one save "
+                   "(overrides the profile)")
+    p.add_argument("--persist", type=float, help="P: background persist seconds of an "
+                   "asynchronous save (overrides the profile; default 0)")
     p.add_argument("--restart-cost", type=float, help="Tr seconds (overrides the profile)")
     p.add_argument("--step-time", type=float, help="seconds per step (overrides the profile)")
     p.add_argument("--policy", default="coci", help="one of: " + ", ".join(POLICY_NAMES))
-    p.add_argument("--horizon", default="24h", help="training time to plan for: 3600, 90m, 24h, 2d")
+    p.add_argument("--horizon", help="training time left: 3600, 90m, 24h, 2d or Slurm's "
+                   "[D-]HH:MM:SS (default: the profile's total_steps, else 24h)")
+    p.add_argument("--plateau-loss", type=float, help="stop planning where the fitted loss curve "
+                   "reaches this loss (a shorter horizon, when the fit says it comes sooner)")
+    p.add_argument("--time-since-failure", help="wall time since the failure that restarted the "
+                   "job (with a decreasing hazard, checkpoints come sooner after it)")
     p.add_argument("--confidence", type=float, default=0.9, help="interval level (default 0.9)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="write loss curve + overhead comparison")
     return p
 
 
-def parse_duration(text: str) -> float:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*", str(text))
-    if not m:
-        raise UsageError(f"bad duration {text!r}", hint="e.g. 3600, 90m, 24h, 2d")
-    v = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+def parse_duration(text: str, flag: str = "--horizon") -> float:
+    """3600, 90m, 24h, 2d, or Slurm's [D-]HH:MM:SS (one parser for both, the Slurm one)."""
+    t = str(text).strip()
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([smhd]?)", t)
+    try:
+        v = (float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+             if m else slurm_duration(t))
+    except ValueError:
+        v = None
+    if v is None or not math.isfinite(v):
+        raise UsageError(f"bad duration {text!r} for {flag}", hint="e.g. 3600, 90m, 24h, 2d, 1-12:00:00")
     if v <= 0:
-        raise UsageError(f"duration must be > 0, got {text!r}", hint="e.g. --horizon 24h")
+        raise UsageError(f"{flag} must be > 0, got {text!r}", hint=f"e.g. {flag} 24h")
     return v
-
-
-def load_profile(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise UsageError(f"cannot read profile {path}: {exc.strerror}",
-                         hint="check the --profile path") from exc
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputFormatError(f"not JSON: {exc.msg}", line=exc.lineno, source=path,
-                               hint="see the profile schema in coci-plan --help") from exc
-    if not isinstance(d, dict) or not isinstance(d.get("samples", []), list):
-        raise InputFormatError("expected an object with a 'samples' list", source=path,
-                               hint="see the profile schema in coci-plan --help")
-    steps, times, losses = [], [], []
-    for i, smp in enumerate(d.get("samples", [])):
-        try:
-            times.append(float(smp["time_s"]))
-            losses.append(float(smp["loss"]) if smp["loss"] is not None else math.nan)
-            steps.append(int(smp["step"]) if smp.get("step") is not None else None)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InputFormatError(f"samples[{i}] needs numeric time_s and loss ({exc})",
-                                   source=path, hint='e.g. {"step": 10, "time_s": 5.2, "loss": 2.1}')
-    for key in ("ckpt_cost_s", "restart_cost_s", "step_time_s"):
-        if d.get(key) is not None and not isinstance(d[key], (int, float)):
-            raise InputFormatError(f"{key} must be a number", source=path,
-                                   hint="seconds, e.g. 12.5")
-    return {"steps": steps, "times": times, "losses": losses, "ckpt_cost_s": d.get("ckpt_cost_s"),
-            "restart_cost_s": d.get("restart_cost_s"), "step_time_s": d.get("step_time_s")}
-
-
-def _step_time_from(prof: dict) -> float | None:
-    pairs = [(s, t) for s, t in zip(prof["steps"], prof["times"]) if s is not None]
-    if len(pairs) < 2:
-        return None
-    s, t = np.array(pairs, dtype=float).T
-    ds, dt = np.diff(s), np.diff(t)
-    ok = ds > 0
-    return float(np.median(dt[ok] / ds[ok])) if ok.any() else None
 
 
 def build_failure_model(a, now: float) -> tuple[fmod.FailureModel, dict]:
@@ -209,37 +190,42 @@ def _main(argv: Sequence[str] | None) -> int:
             need = "a positive" if strict else "a non-negative"
             raise UsageError(f"{flag} {value:g}: must be {need} number of seconds",
                              hint=f"e.g. {flag} 12 (measured by the runtime; see --profile)")
-    horizon = parse_duration(a.horizon)
+    if a.persist is not None and not (math.isfinite(a.persist) and a.persist >= 0):
+        raise UsageError(f"--persist {a.persist:g}: must be a non-negative number of seconds",
+                         hint="e.g. --persist 40 (0 for synchronous saves)")
     policy = make_policy(a.policy)
+    since_failure = (None if a.time_since_failure is None
+                     else parse_duration(a.time_since_failure, "--time-since-failure"))
     now = time.time()
     model, fsrc = build_failure_model(a, now)
 
-    prof = load_profile(a.profile) if a.profile else None
+    prof = Profile.load(a.profile) if a.profile else Profile()
     assumed = []
-    ts = a.ckpt_cost if a.ckpt_cost is not None else (prof or {}).get("ckpt_cost_s")
-    tr = a.restart_cost if a.restart_cost is not None else (prof or {}).get("restart_cost_s")
-    st = a.step_time if a.step_time is not None else (prof or {}).get("step_time_s")
+    pick = lambda flag, key: flag if flag is not None else getattr(prof, key)  # noqa: E731
+    ts, tr = pick(a.ckpt_cost, "ckpt_cost_s"), pick(a.restart_cost, "restart_cost_s")
+    tp, st = pick(a.persist, "persist_s"), pick(a.step_time, "step_time_s")
     if ts is None:
         ts = DEFAULT_CKPT_COST_S
         assumed.append("ckpt_cost_s")
     if tr is None:
-        tr = DEFAULT_RESTART_COST_S
+        tr = DEFAULT_RESTART_S
         assumed.append("restart_cost_s")
-    if st is None and prof:
-        st = _step_time_from(prof)
-    costs = Costs(float(ts), float(tr), None if st is None else float(st))
+    if st is None:
+        st = prof.measured_step_time()
+    costs = Costs(float(ts), float(tr), None if st is None else float(st),
+                  persist_s=float(tp or 0.0))
 
-    if prof and prof["times"]:
-        outcome = fit_curve(prof["times"], prof["losses"])
-        finite_t = [t for t in prof["times"] if math.isfinite(t)]
-        t_now = max(finite_t) if finite_t else 0.0
-        steps = [s for s in prof["steps"] if s is not None]
-        step_now = max(steps) if steps else 0
+    if prof.samples:
+        outcome = fit_curve(prof.times, prof.losses)
+        t_now, step_now = prof.t_now(), prof.step_now()
     else:
         outcome = FitOutcome(None, "no loss samples (give --profile)")
         t_now, step_now = 0.0, 0
+    horizon, horizon_src = _horizon(a, prof, outcome.fit, costs, t_now, step_now)
+    shape = model.weibull_shape if model.distribution == "weibull" else None
     ctx = PlanContext(costs, model.job_rate(a.nodes), horizon, t_now, step_now,
-                      outcome.fit, outcome.reason)
+                      outcome.fit, outcome.reason, nodes=a.nodes, weibull_shape=shape,
+                      time_since_failure_s=since_failure)
 
     names = list(dict.fromkeys([policy.name] + list(COMPARED)))
     policies = {n: (policy if n == policy.name else make_policy(n)) for n in names}
@@ -247,7 +233,9 @@ def _main(argv: Sequence[str] | None) -> int:
     plan = plans[policy.name]
 
     curve = _Shifted(outcome.fit, t_now) if outcome.fit is not None else None
-    expected, sim_info = _expected_overhead(plans, ctx, costs, curve, horizon, t_now)
+    expected, sim_info = sim.expected_overhead(
+        {n: [t - t_now for t in p.times] for n, p in plans.items()}, ctx.job_rate, horizon,
+        costs, curve)
 
     lo, hi = model.job_mtbf_interval_s(a.nodes)
     out = {
@@ -262,7 +250,8 @@ def _main(argv: Sequence[str] | None) -> int:
         "failures": {**model.to_dict(a.nodes), **fsrc},
         "fit": outcome.to_dict(),
         "costs": {**costs.to_dict(), "assumed": assumed},
-        "horizon_s": horizon, "t_now": t_now, "step_now": step_now,
+        "horizon_s": horizon, "horizon_source": horizon_src, "t_now": t_now,
+        "step_now": step_now,
         "simulation": sim_info,
         "plans": {n: {"effective_policy": p.effective_policy, "interval_s": p.interval_s,
                       "n_checkpoints": len(p.checkpoints), "fallback": p.fallback,
@@ -270,7 +259,8 @@ def _main(argv: Sequence[str] | None) -> int:
                   for n, p in plans.items()},
     }
     if a.plot:
-        _plot(a.plot, plans, outcome, prof, t_now, horizon, expected, out)
+        _plot(a.plot, plans, outcome, prof if prof.samples else None, t_now, horizon, expected,
+              out)
         out["plot"] = a.plot
     if a.json:
         print(json.dumps(out, indent=1, allow_nan=False, default=_nan_none))
@@ -279,34 +269,29 @@ def _main(argv: Sequence[str] | None) -> int:
     return 0
 
 
-def _expected_overhead(plans: dict, ctx: PlanContext, costs: Costs, curve, horizon: float,
-                       t_now: float) -> tuple[dict, dict]:
-    """Every plan on the same simulated traces, for complete and for exploratory jobs."""
-    rate = ctx.job_rate
-    info = {"seed": SIM_SEED, "exploratory_stop": "log-uniform in [2%, 100%] of the horizon"}
-    if rate * (costs.ckpt_s + costs.restart_s) > 0.5:
-        note = (f"job MTBF {1 / rate:.3g} s is not much longer than Ts + Tr = "
-                f"{costs.ckpt_s + costs.restart_s:.3g} s: the job can hardly make progress under "
-                "any schedule; simulation skipped")
-        info.update(runs=0, note=note)
-        return ({n: {"time_s": None, "time_fraction": None, "progress_loss": None,
-                     "n_checkpoints": len(p.checkpoints), "note": note}
-                 for n, p in plans.items()}, info)
-    # Bound the work: about 2e5 simulated failures in all, at least 20 runs.
-    runs = int(min(SIM_RUNS, max(20, 2e5 / max(1.0, rate * horizon))))
-    info["runs"] = runs
-    rel = {n: [t - t_now for t in p.times] for n, p in plans.items()}
-    overhead: dict = {}
-    for term in ("complete", "exploratory"):
-        sc = sim.make_scenario(rate, horizon, runs, SIM_SEED, termination=term)
-        for n, s in sim.evaluate(rel, sc, costs, curve).items():
-            overhead.setdefault(n, {})[term] = s.to_dict()
-    return ({n: {"time_s": o["complete"]["overhead_s"],
-                 "time_fraction": o["complete"]["overhead_fraction"],
-                 "progress_loss": o["complete"]["overhead_progress"],
-                 "n_checkpoints": len(plans[n].checkpoints),
-                 "complete": o["complete"], "exploratory": o["exploratory"]}
-             for n, o in overhead.items()}, info)
+def _horizon(a, prof: Profile, fit: CurveFit | None, costs: Costs, t_now: float,
+             step_now: int) -> tuple[float, str]:
+    """Training time left: --horizon, else the profile's total_steps, else 24 h; shortened to
+    where the fitted curve reaches --plateau-loss when that comes first."""
+    if a.horizon is not None:
+        h, src = parse_duration(a.horizon), "--horizon"
+    elif prof.total_steps is not None and costs.step_time_s and prof.total_steps > step_now:
+        h, src = (prof.total_steps - step_now) * costs.step_time_s, "profile total_steps"
+    else:
+        h, src = DEFAULT_HORIZON_S, "default 24h"
+    if a.plateau_loss is not None:
+        if fit is None:
+            raise UsageError("--plateau-loss needs a loss curve", hint="give --profile with samples")
+        t = fit.time_at_loss(a.plateau_loss)
+        if math.isfinite(t) and t_now < t < t_now + h:
+            h, src = t - t_now, f"fitted curve reaches loss {a.plateau_loss:g}"
+    return h, src
+
+
+def _counts(d: dict, top: int = 8) -> str:
+    items = list(d.items())
+    text = ", ".join(f"{k}: {v}" for k, v in items[:top])
+    return (text + (f", ... ({len(items) - top} more)" if len(items) > top else "")) or "none"
 
 
 def _nan_none(o):
@@ -327,12 +312,15 @@ def _summary(out: dict, model, outcome: FitOutcome, plans: dict, a) -> None:
     if f.get("source") == "--mtbf-hours":
         w(f"failure rate: given, per-node MTBF {1 / model.per_node_rate / 3600:.4g} h")
     else:
-        w(f"failures: {model.n_failures} in window"
-          + (f" {f.get('window_start')} .. {f.get('window_end')}" if f.get("window_start") else "")
-          + f" ({model.note})")
-    for e in model.events[:10]:
-        w(f"  {time.strftime('%Y-%m-%dT%H:%M:%S', time.localtime(e.time_s))} "
-          f"{','.join(e.nodes)} {e.state or ''} {e.reason!r} [{e.source}]")
+        w(f"failure history {f.get('window_start')} .. {f.get('window_end')}: "
+          f"{f.get('records', model.n_failures)} failure record(s) -> {model.n_failures} "
+          f"incident(s) after declustering, over {f.get('exposure_node_hours', 0):.4g} node-hours "
+          f"({f.get('exposure_basis', '')})")
+        w("  by node:   " + _counts(f.get("by_node", {})))
+        w("  by reason: " + _counts(f.get("by_reason", {})))
+        ann = {k: v for k, v in f.get("announced_not_counted", {}).items() if v}
+        if ann:
+            w("  announced, not failures (a signal came first): " + _counts(ann))
     if f.get("skipped_lines"):
         w(f"  skipped {f['skipped_lines']} malformed line(s)")
     if f.get("filtered_maintenance"):
@@ -346,7 +334,7 @@ def _summary(out: dict, model, outcome: FitOutcome, plans: dict, a) -> None:
     w("curve: " + (outcome.fit.describe() if outcome.fit else f"none ({outcome.reason})"))
     c = out["costs"]
     step = "?" if c["step_time_s"] is None else f"{c['step_time_s']:.4g} s"
-    w(f"costs: Ts {c['ckpt_s']:g} s, Tr {c['restart_s']:g} s, step {step}"
+    w(f"costs: Tb {c['ckpt_s']:g} s, P {c['persist_s']:g} s, Tr {c['restart_s']:g} s, step {step}"
       + (f"  (assumed: {', '.join(c['assumed'])})" if c["assumed"] else ""))
     plan = plans[out["policy"]]
     w(f"policy {out['policy']}" + (f" -> {plan.effective_policy}: {plan.fallback}"
@@ -373,7 +361,7 @@ def _summary(out: dict, model, outcome: FitOutcome, plans: dict, a) -> None:
     w("  (progress = loss drop lost to checkpoints, recomputation and restarts)")
 
 
-def _plot(path: str, plans: dict, outcome: FitOutcome, prof: dict | None, t_now: float,
+def _plot(path: str, plans: dict, outcome: FitOutcome, prof: Profile | None, t_now: float,
           horizon: float, expected: dict, out: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -382,8 +370,8 @@ def _plot(path: str, plans: dict, outcome: FitOutcome, prof: dict | None, t_now:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [2, 1]})
     t_end = t_now + horizon
     fit = outcome.fit
-    if prof and prof["times"]:
-        ax.plot(np.asarray(prof["times"]) / 3600, prof["losses"], ".", color="0.5", ms=3,
+    if prof is not None:
+        ax.plot(np.asarray(prof.times) / 3600, prof.losses, ".", color="0.5", ms=3,
                 label="observed loss")
     if fit is not None:
         grid = np.linspace(0, t_end, 400)

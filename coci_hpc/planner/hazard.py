@@ -1,11 +1,17 @@
 """Decreasing hazard: checkpoint more often right after a restart, less later.
 
 With per-node Weibull failures of shape k < 1 (fitted from the cluster's history), a node that
-has just failed and come back is more likely to fail again soon. For a job on n nodes restarted
-after a failure, the failed node is fresh (age a) and the other n-1 are at unknown, stationary
-ages, so the job's cumulative hazard a time a after the restart is
+has just failed and come back is more likely to fail again soon, and a node of unknown age that
+has been seen to survive for a while is less likely to fail than the average. For a job on n
+nodes, a time a after the restart that followed a failure, the failed node is fresh and the
+other n-1 were at unknown (stationary) ages when it restarted, so the job's cumulative hazard is
 
-    H(a) = (a / s)^k + (n - 1) * r * a,     r = per-node rate, s = 1 / (r * Gamma(1 + 1/k)).
+    H(a) = (a / s)^k + (n - 1) * He(a),    He(a) = -log Q(1/k, (a / s)^k),
+
+with r the per-node rate, s = 1 / (r * Gamma(1 + 1/k)) the Weibull scale and Q the regularized
+upper incomplete gamma function (He is the cumulative hazard of a stationary renewal process's
+residual life: its density is S(x) r). On a fresh start (no failure known) all n nodes are of
+unknown age: H(a) = n * He(a). For k = 1 both reduce to n * r * a.
 
 The first-order optimal interval under a time-varying hazard is tau = sqrt(2*Tb / h), with h the
 mean hazard over the interval: :meth:`JobHazard.next_interval` solves tau = f(Tb, 1 / h(a, tau)),
@@ -19,12 +25,15 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from scipy.special import gammaincc
+
 
 @dataclass(frozen=True)
 class JobHazard:
     per_node_rate: float
     shape: float
     nodes: int
+    fresh_node: bool = True          # a node came back from a failure at age 0
 
     @property
     def scale_s(self) -> float:
@@ -33,7 +42,12 @@ class JobHazard:
     def cumulative(self, age_s: float) -> float:
         """H(age) since the restart; the fresh node's Weibull term plus the others' constant rate."""
         a = max(age_s, 0.0)
-        return (a / self.scale_s) ** self.shape + (self.nodes - 1) * self.per_node_rate * a
+        x = (a / self.scale_s) ** self.shape
+        q = float(gammaincc(1.0 / self.shape, x))
+        residual = -math.log(max(q, 1e-300))
+        if self.fresh_node:
+            return x + (self.nodes - 1) * residual
+        return self.nodes * residual
 
     def mean_rate(self, age_s: float, span_s: float) -> float:
         return (self.cumulative(age_s + span_s) - self.cumulative(age_s)) / span_s

@@ -279,14 +279,37 @@ class CociDefault(Policy):
        optimum, it only bounds it below) nor below one step.
     2. The remaining horizon is cut into the optimal number of equal chunks (Bougeret et al.,
        :mod:`coci_hpc.planner.horizon`), so no checkpoint lands just before the end unused.
-    3. Hazard layer: after a restart (``time_since_failure_s`` known) with a per-node Weibull
-       shape < 1, intervals follow Daly's rule at the mean hazard h(age) over the interval (:mod:`coci_hpc.planner.hazard`),
+    3. Hazard layer: with a per-node Weibull shape < 1, intervals follow Daly's rule at the mean
+       hazard over the interval, from the time since the failure that restarted the job
+       (``time_since_failure_s``; the failed node is fresh) or, without one, since ``t_now`` (:mod:`coci_hpc.planner.hazard`),
        and the last stretch is cut into equal chunks again at its mean hazard.
     The convergence fit does not move checkpoints; it predicts the horizon (coci-plan).
     """
 
     name = "coci"
     max_gap_factor = 20.0            # the hazard layer never leaves more than 20 Daly periods
+
+    def __init__(self) -> None:
+        # hazard walks depend on (hazard, age, costs) only, not on where the job stands: a
+        # simulation or a long job re-plans from the same age after every restart
+        self._walks: dict[tuple, list[float]] = {}
+
+    def _walk(self, hz: JobHazard, age0: float, tb: float, lo: float, hi: float, base: float,
+              span: float) -> list[float]:
+        """Checkpoint offsets from the age ``age0`` on, at least up to ``span``."""
+        key = (hz, round(age0, 3), tb, lo, hi)
+        offs = self._walks.get(key)
+        if offs is None:
+            if len(self._walks) > 256:
+                self._walks.clear()
+            offs = self._walks[key] = []
+        t = offs[-1] if offs else 0.0
+        tau = (offs[-1] - offs[-2]) if len(offs) > 1 else (offs[-1] if offs else base)
+        while t < span and len(offs) < MAX_CHECKPOINTS:
+            tau = hz.next_interval(age0 + t, tb, tau, lo, hi, daly_interval)
+            t += tau
+            offs.append(t)
+        return offs
 
     def plan(self, ctx: PlanContext) -> Plan:
         c = ctx.costs
@@ -295,7 +318,7 @@ class CociDefault(Policy):
         daly = daly_interval(tb, 1.0 / lam)
         base = max(daly, lo)
         shape = ctx.weibull_shape
-        hazard = (shape is not None and 0 < shape < 1 and ctx.time_since_failure_s is not None)
+        hazard = shape is not None and 0 < shape < 1
         params = {"daly_s": daly, "min_interval_s": lo, "persist_s": c.persist_s}
         if not hazard:
             if w / base > MAX_CHECKPOINTS:
@@ -308,17 +331,13 @@ class CociDefault(Policy):
             params.update(mode="exponential", chunks=k)
             return Plan(self.name, self.name, _checkpoints(ctx, times), iv, w, ctx.t_now,
                         ctx.step_now, lam, c, ctx.fit, None, params)
-        hz = JobHazard(lam / max(ctx.nodes, 1), float(shape), max(ctx.nodes, 1))
-        age0 = float(ctx.time_since_failure_s)
+        fresh = ctx.time_since_failure_s is not None
+        hz = JobHazard(lam / max(ctx.nodes, 1), float(shape), max(ctx.nodes, 1), fresh)
+        # without a known failure, every node is of unknown age, seen to survive from t_now
+        age0 = float(ctx.time_since_failure_s) if fresh else 0.0
         end = ctx.t_now + w
-        t, times, tau = ctx.t_now, [], base
-        while len(times) < MAX_CHECKPOINTS:
-            tau = hz.next_interval(age0 + t - ctx.t_now, tb, tau, lo, self.max_gap_factor * base,
-                                   daly_interval)
-            if t + tau >= end:
-                break
-            t += tau
-            times.append(t)
+        offsets = self._walk(hz, age0, tb, lo, self.max_gap_factor * base, base, w)
+        times = [ctx.t_now + x for x in offsets if x < w]
         # end game: the last stretch (from the second-to-last checkpoint) in equal chunks
         s0 = times[-2] if len(times) >= 2 else ctx.t_now
         kept = times[:-1] if len(times) >= 2 else []
@@ -326,8 +345,8 @@ class CociDefault(Policy):
         lam_end = hz.mean_rate(age0 + s0 - ctx.t_now, span)
         k = endgame.chunks(lam_end, span, tb, c.restart_s, lo)
         times = kept + [s0 + span / k * i for i in range(1, k)]
-        params.update(mode="hazard", weibull_shape=shape, time_since_failure_s=age0,
-                      end_chunks=k)
+        params.update(mode="hazard", weibull_shape=shape,
+                      time_since_failure_s=ctx.time_since_failure_s, end_chunks=k)
         return Plan(self.name, self.name, _checkpoints(ctx, times), None, w, ctx.t_now,
                     ctx.step_now, lam, c, ctx.fit, None, params)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 from scipy.special import gamma as gamma_fn
@@ -281,3 +281,132 @@ def ratio(a: Summary, b: Summary, metric: str = "progress") -> float:
     if metric == "progress":
         return a.overhead_progress / b.overhead_progress if b.overhead_progress else math.nan
     return a.overhead_s / b.overhead_s if b.overhead_s else math.nan
+
+
+# -- re-planning runs: asynchronous saves, time since failure, node-level traces ------------------
+
+Replanner = Callable[[float, float, "float | None"], Sequence[float]]
+"""(progress now, work left, wall time since the last failure or None) -> checkpoint targets
+(absolute progress values, sorted). Called at the start and after every restart."""
+
+
+def run_adaptive(planner: Replanner, work_s: float, failures: np.ndarray, costs: Costs,
+                 trace_until_s: float = math.inf, age0_s: float | None = None) -> RunResult:
+    """One job that re-plans after every restart, with asynchronous saves.
+
+    A save blocks training for Tb (``costs.ckpt_s``), then persists for P (``persist_s``) in the
+    background: only a persisted save can be restored, and the next save waits for the previous
+    one to persist (the wait is a stall). A failure costs Tr of restart (again if it fails during
+    the restart) and rolls back to the last persisted save. ``age0_s``: time since the last
+    failure at the job's start (None: unknown, stationary)."""
+    tb, tp, tr = costs.ckpt_s, costs.persist_s, costs.restart_s
+    w = p = safe = 0.0
+    pend: float | None = None                    # progress of a save still persisting
+    pend_done = 0.0                              # ... and the wall time it is persisted
+    fi, nfail_total = 0, failures.size
+    ck = lost = rs = 0.0
+    nf = ncomp = 0
+    plan = [x for x in planner(0.0, work_s, age0_s) if 0.0 < x < work_s]
+    k = 0
+    while True:
+        f = failures[fi] if fi < nfail_total else math.inf
+        target = plan[k] if k < len(plan) else work_s
+        reach = w + (target - p)
+        if f < reach:                                     # failed while computing
+            if pend is not None and pend_done <= f:
+                safe = pend
+            lost += p + (f - w) - safe
+        else:
+            w, p = reach, target
+            if target >= work_s:
+                break
+            start = max(w, pend_done) if pend is not None else w
+            if f >= start + tb:                           # the save's blocking part completes
+                if pend is not None:
+                    safe = pend
+                ck += start + tb - w
+                w = start + tb
+                ncomp += 1
+                if tp > 0:
+                    pend, pend_done = p, w + tp
+                else:
+                    safe, pend = p, None
+                k += 1
+                continue
+            ck += f - w                                   # failed waiting for it or during it
+            if pend is not None and pend_done <= f:
+                safe = pend
+            lost += p - safe
+        # the failure at f: restart (again if it fails during the restart), roll back
+        nf += 1
+        fi += 1
+        w = f + tr
+        last = f
+        while fi < nfail_total and failures[fi] < w:
+            nf += 1
+            last = failures[fi]
+            w = last + tr
+            fi += 1
+        rs += w - f
+        p, pend = safe, None
+        plan = [x for x in planner(p, work_s - p, w - last) if p < x < work_s]
+        k = 0
+    return RunResult(w, work_s, ck, lost, rs, nf, ncomp, 0.0, 0.0, 0.0, w <= trace_until_s)
+
+
+def node_traces(rng: np.random.Generator, per_node_rate: float, nodes: int, until_s: float,
+                weibull_shape: float | None = None) -> np.ndarray:
+    """Failure times a job on ``nodes`` nodes sees: the superposition of one renewal process per
+    node (exponential or Weibull gaps of mean 1/per_node_rate), each observed from a random
+    point of its stationary life (a burn-in of 30 mean gaps), so that a node that just failed
+    is fresh and the others are not."""
+    mean = 1.0 / per_node_rate
+    burn = 30.0 * mean
+    out = []
+    for _ in range(nodes):
+        t = sample_trace(rng, per_node_rate, burn + until_s, weibull_shape) - burn
+        out.append(t[t > 0])
+    return np.sort(np.concatenate(out)) if out else np.empty(0)
+
+
+def overhead_adaptive(planners: dict[str, Replanner], traces: Sequence[np.ndarray],
+                      work_s: float, costs: Costs, trace_until_s: float = math.inf,
+                      ages: Sequence[float | None] | None = None) -> dict[str, np.ndarray]:
+    """Wall-time overhead (wall - work) of every planner on every trace (the same traces)."""
+    ages = list(ages) if ages is not None else [None] * len(traces)
+    return {name: np.array([run_adaptive(pl, work_s, tr, costs, trace_until_s, a).overhead_s
+                            for tr, a in zip(traces, ages)])
+            for name, pl in planners.items()}
+
+
+SIM_RUNS = 300
+SIM_SEED = 20250101
+
+
+def expected_overhead(plans: dict[str, Sequence[float]], job_rate: float, horizon_s: float,
+                      costs: Costs, curve: Curve | None = None, *, seed: int = SIM_SEED,
+                      max_runs: int = SIM_RUNS) -> tuple[dict, dict]:
+    """Every plan (checkpoint times relative to now) on the same simulated traces, for jobs that
+    complete the horizon and for exploratory jobs stopped early. Returns (per plan, info)."""
+    info: dict = {"seed": seed, "exploratory_stop": "log-uniform in [2%, 100%] of the horizon"}
+    if job_rate * (costs.ckpt_s + costs.restart_s) > 0.5:
+        note = (f"job MTBF {1 / job_rate:.3g} s is not much longer than Ts + Tr = "
+                f"{costs.ckpt_s + costs.restart_s:.3g} s: the job can hardly make progress under "
+                "any schedule; simulation skipped")
+        info.update(runs=0, note=note)
+        return ({n: {"time_s": None, "time_fraction": None, "progress_loss": None,
+                     "n_checkpoints": len(p), "note": note} for n, p in plans.items()}, info)
+    # Bound the work: about 2e5 simulated failures in all, at least 20 runs.
+    runs = int(min(max_runs, max(20, 2e5 / max(1.0, job_rate * horizon_s))))
+    info["runs"] = runs
+    overhead: dict = {}
+    for term in ("complete", "exploratory"):
+        sc = make_scenario(job_rate, horizon_s, runs, seed, termination=term)
+        for n, s in evaluate(plans, sc, costs, curve).items():
+            overhead.setdefault(n, {})[term] = s.to_dict()
+    return ({n: {"time_s": o["complete"]["overhead_s"],
+                 "time_fraction": o["complete"]["overhead_fraction"],
+                 "progress_loss": o["complete"]["overhead_progress"],
+                 "n_checkpoints": len(plans[n]),
+                 "complete": o["complete"], "exploratory": o["exploratory"]}
+             for n, o in overhead.items()}, info)

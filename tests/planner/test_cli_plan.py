@@ -214,3 +214,31 @@ def test_non_positive_mtbf_is_a_usage_error_naming_the_flag(value, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert "--mtbf-hours" in err and "positive number of hours" in err
+
+
+def test_summary_counts_failures_by_node_and_reason_not_one_line_each(capsys):
+    assert cli.main(["--events-file", os.path.join(FIX, "events_edge.txt"), "--cluster-nodes", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "incident(s) after declustering" in out
+    assert "by node:" in out and "by reason:" in out
+    assert "'ECC error | bank 3'" not in out            # no per-failure lines
+
+
+def test_horizon_from_total_steps_and_plateau(capsys, tmp_path):
+    p = tmp_path / "p.json"
+    samples = [{"step": i * 10, "time_s": i * 5.0, "loss": 2.0 * math.exp(-i * 5.0 / 600) + 0.5}
+               for i in range(1, 80)]
+    p.write_text(json.dumps({"samples": samples, "ckpt_cost_s": 2.0, "step_time_s": 0.5,
+                             "total_steps": 10790}))
+    d = run_json(capsys, "--mtbf-hours", "4", "--profile", str(p))
+    assert d["horizon_source"] == "profile total_steps"
+    assert d["horizon_s"] == pytest.approx((10790 - 790) * 0.5)
+    d = run_json(capsys, "--mtbf-hours", "4", "--profile", str(p), "--plateau-loss", "0.6")
+    assert d["horizon_source"].startswith("fitted curve reaches")
+    assert d["horizon_s"] < (10790 - 790) * 0.5
+
+
+@pytest.mark.parametrize("text,seconds", [("90m", 5400), ("2d", 172800), ("1-00:00:00", 86400),
+                                          ("12:00:00", 43200)])
+def test_one_duration_parser(text, seconds):
+    assert cli.parse_duration(text) == seconds

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -51,5 +52,50 @@ def test_failed_node_appears_in_plan(slurm_cluster):
     assert n2[0]["source"] == "event" and "DOWN" in n2[0]["state"].upper()
     assert out["mtbf_hours"] > 0
     assert out["checkpoints"] and out["checkpoints"][0]["time_s"] > 0
-    assert out["interval_s"] is not None          # coci without a profile plans as young
-    assert "profile" in out["fallback"]
+    assert out["interval_s"] is not None          # the default needs no profile
+    assert out["fallback"] is None
+
+
+def test_from_cluster_counts_the_node_failure_not_the_preemption(slurm_cluster):
+    """A `gpu` job preempted by an `urgent` one (sacct: PREEMPTED) and a `devcluster fail n2`
+    (node DOWN event): coci-plan --from-cluster counts one failure, on n2, and reports the
+    preemption as announced, not counted."""
+    env = slurm_cluster.env
+    dev = str(slurm_cluster.devcluster)
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 1))
+    victim = slurm_cluster.sbatch("-p", "gpu", "-N", "1", "-w", "n1", "--requeue", "-o", os.devnull,
+                                  "--wrap", '[ "${SLURM_RESTART_COUNT:-0}" -ge 1 ] && exit 0; '
+                                  'sleep 600')
+    slurm_cluster.wait_state(victim, ("RUNNING",), timeout=60)
+    urgent = slurm_cluster.sbatch("-p", "urgent", "-N", "1", "-w", "n1", "-o", os.devnull,
+                                  "--wrap", "sleep 1")
+    rows = slurm_cluster.wait_gone(victim, timeout=180)
+    assert rows[0]["State"] == "PREEMPTED", rows
+    slurm_cluster.wait_gone(urgent, timeout=60)
+    subprocess.run([dev, "fail", "n2"], check=True, env=env, timeout=120,
+                   capture_output=True, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _down_events_since(env, since, "n2"):
+            if time.monotonic() > deadline:
+                pytest.fail("sacctmgr show event never listed n2 DOWN after devcluster fail n2")
+            time.sleep(1)
+    finally:
+        subprocess.run([dev, "recover", "n2"], check=True, env=env, timeout=120,
+                       capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "coci_hpc.cli.plan", "--from-cluster",
+                        "--since", since, "--nodes", "2", "--json"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    f = json.loads(p.stdout)["failures"]
+    print(json.dumps({k: f[k] for k in ("records", "incidents", "by_node", "by_reason",
+                                        "announced_not_counted")}))
+    assert f["n_failures"] == f["incidents"] == 1
+    assert f["by_node"] == {"n2": 1}                       # n1 was preempted, never failed
+    assert f["announced_not_counted"]["PREEMPTED"] >= 1
+    # and the summary (no --json) says so
+    p = subprocess.run([sys.executable, "-m", "coci_hpc.cli.plan", "--from-cluster",
+                        "--since", since, "--nodes", "2"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "n2: 1" in p.stdout and "PREEMPTED" in p.stdout
