@@ -86,7 +86,9 @@ def main() -> int:
         ok = bool(torch.all(target["w"] == float(loaded)))
         extra = sorted(p.name for p in root.iterdir() if not p.name.startswith(".coci-writer.lock"))
         mgr.close()
-        result(comm, outcome=outcome, steps=steps, loaded=loaded, intact=ok, entries=extra)
+        # Short fields: two ranks' long lines could interleave in mpiexec's output.
+        result(comm, outcome=outcome[:40], names_option="on_no_space='retire_oldest'" in outcome,
+               steps=steps, loaded=loaded, intact=ok, entries=extra)
         return 0
     if mode == "hold":
         mgr = CheckpointManager(root, comm=comm)
@@ -117,7 +119,7 @@ def main() -> int:
                     time.sleep(0.05)
             result(comm, error=None)
         except CociError as exc:
-            result(comm, error=str(exc), failed=sorted(getattr(exc, "failed_ranks", {})),
+            result(comm, error=str(exc)[:300], failed=sorted(getattr(exc, "failed_ranks", {})),
                    seconds=round(time.monotonic() - t0, 1), latest=mgr.latest_step(),
                    step2=mf.step_dir(root, 2).exists())
         return 0
