@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from coci_hpc.checkpoint import engine, exitguard, h5_parallel, recovery, retire
+from coci_hpc.checkpoint import engine, exitguard, h5_parallel, perms, recovery, retire
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.launch import check_launch
 from coci_hpc.checkpoint.lock import CheckpointLocked, DirectoryLock
@@ -71,12 +71,16 @@ class CheckpointManager:
     "retire_oldest" (delete abandoned and all but the newest committed checkpoints, retry once).
     ``timeout_s``: a save (or the wait for a background one) that has not finished after this
     many seconds on some rank is reported naming that rank and not committed (None: no limit).
+    ``access``: who may read what is created: "private" (directories 0700, files 0600, the
+    default, whatever the umask), "group-read" (0750/0640) or "group-write" (0770/0660); see
+    :mod:`.perms`.
     """
 
     def __init__(self, directory: str | os.PathLike, comm: Any = None, *, keep: int = 2,
                  backend: str = "auto", lustre: LustrePolicy | None = None, on_busy: str = "wait",
                  overlap: bool = True, rng: bool = True, lock: bool = True,
-                 on_no_space: str = "raise", timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
+                 on_no_space: str = "raise", timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                 access: str = "private") -> None:
         if not isinstance(keep, numbers.Integral) or keep < 1:
             raise UsageError(f"keep={keep!r} must be an integer of at least 1", hint="keep=2 keeps the last two")
         if on_no_space not in ON_NO_SPACE:
@@ -86,6 +90,8 @@ class CheckpointManager:
                                       or not timeout_s > 0):
             raise UsageError(f"timeout_s={timeout_s!r} must be a positive number of seconds or None",
                              hint=f"the default is {DEFAULT_TIMEOUT_S:g}")
+        perms.dir_mode(access)  # refuses an unknown access= now, not at the first save
+        self.access = access
         self.root = Path(directory)
         self.comm = Comm.wrap(comm)
         check_launch(self.comm)
@@ -116,6 +122,7 @@ class CheckpointManager:
         held = None
         if self.comm.rank == 0:
             try:
+                perms.make_dirs(self.root, perms.dir_mode(self.access))  # the mode of access=, not the umask
                 held = DirectoryLock.acquire(self.root)
             except CheckpointLocked as exc:
                 outcome = (exc.message, exc.hint)
@@ -130,7 +137,7 @@ class CheckpointManager:
     def tuning(self) -> IOTuning:
         """Filesystem decisions (Lustre or not), made once on rank 0 and shared."""
         if self._tuning is None:
-            local = tuning_for(self.root, self.lustre, self.comm.size) if self.comm.rank == 0 else None
+            local = tuning_for(self.root, self.lustre, self.comm.size, self.access) if self.comm.rank == 0 else None
             self._tuning = self.comm.bcast(local)
         return self._tuning
 

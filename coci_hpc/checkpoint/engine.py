@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import perms
 from coci_hpc.checkpoint.h5file import DatasetReader
 from coci_hpc.checkpoint.lustre import IOTuning, apply_setstripe
 from coci_hpc.checkpoint.plan import LeafDesc, Plan, make_plan
@@ -98,8 +99,8 @@ def make_step_dir(comm: Comm, root: Path, step: int, tuning: IOTuning) -> Path:
                                   hint="save under a new step number, or delete that checkpoint first")
         if directory.exists():  # leftover of a writer that died before commit
             shutil.rmtree(directory)
-        root.mkdir(parents=True, exist_ok=True)
-        directory.mkdir()
+        perms.make_dirs(root, tuning.dir_mode)   # modes from access=, not the umask
+        perms.make_dir(directory, tuning.dir_mode)
         # The new entry must survive a crash before the manifest's own directory fsync: without
         # it a power loss could keep the manifest's inode but lose the step directory's name.
         mf.fsync_dir(root)

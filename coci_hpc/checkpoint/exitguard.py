@@ -30,7 +30,8 @@ class _Closable(Protocol):
     def closed(self) -> bool: ...
 
 
-_managers: weakref.WeakSet[Any] = weakref.WeakSet()
+# Creation order, the same on every rank: closing at exit runs collectives manager by manager.
+_managers: list[weakref.ref[Any]] = []
 _failed = False
 _installed = False
 _previous_hook = sys.excepthook
@@ -39,7 +40,8 @@ _previous_hook = sys.excepthook
 def register(mgr: _Closable) -> None:
     """Track ``mgr``; install the process-wide hooks on first use."""
     global _installed, _previous_hook
-    _managers.add(mgr)
+    _managers[:] = [r for r in _managers if r() is not None]
+    _managers.append(weakref.ref(mgr))
     if _installed:
         return
     _installed = True
@@ -66,7 +68,7 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
     global _failed
     _failed = True
     _previous_hook(exc_type, exc, tb)
-    multi = [m for m in list(_managers) if not m.closed and m.comm.size > 1]
+    multi = [m for m in _live() if not m.closed and m.comm.size > 1]
     if multi:
         comm = multi[0].comm
         print(f"coci_hpc: uncaught {exc_type.__name__} on rank {comm.rank}: aborting all "
@@ -78,6 +80,10 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
 def _at_shutdown() -> None:
     if exception_seen():
         return
-    for mgr in list(_managers):
+    for mgr in _live():
         if not mgr.closed:
             mgr._close_at_exit()
+
+
+def _live() -> list[Any]:
+    return [m for m in (r() for r in list(_managers)) if m is not None]

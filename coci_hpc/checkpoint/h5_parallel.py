@@ -21,6 +21,7 @@ import h5py
 from coci_hpc.checkpoint.h5file import create_datasets, file_kwargs
 from coci_hpc.checkpoint.lustre import IOTuning, mpi_info
 from coci_hpc.checkpoint.manifest import DATA_FILE
+from coci_hpc.checkpoint.perms import set_file
 from coci_hpc.checkpoint.plan import Plan
 from coci_hpc.checkpoint.rawio import WriteItem, write_mpiio
 from coci_hpc.comm import Comm
@@ -50,7 +51,11 @@ class ParallelH5Writer:
                                info=info, **file_kwargs(tuning.align, tuning.align_threshold)) as f:
                     return create_datasets(f, plan)
 
-            return self.comm.run_step(make, "creating the checkpoint file (mpio)")
+            offsets = self.comm.run_step(make, "creating the checkpoint file (mpio)")
+            # h5py created it under the umask; the directory's mode decides (rank 0, then agree).
+            self.comm.run_step(lambda: set_file(directory / DATA_FILE, tuning.dir_mode)
+                               if self.comm.rank == 0 else None, "setting the checkpoint file's mode")
+            return offsets
         finally:
             if tuning.mpi_hints:
                 info.Free()

@@ -14,6 +14,7 @@ import h5py
 from coci_hpc.checkpoint.h5file import create_datasets, file_kwargs
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.manifest import DATA_FILE
+from coci_hpc.checkpoint.perms import set_file
 from coci_hpc.checkpoint.plan import Plan
 from coci_hpc.checkpoint.rawio import WriteItem, write_posix
 from coci_hpc.comm import Comm
@@ -32,7 +33,9 @@ class SerialH5Writer:
                 return None
             with h5py.File(directory / DATA_FILE, "w",
                            **file_kwargs(tuning.align, tuning.align_threshold)) as f:
-                return create_datasets(f, plan)
+                offsets = create_datasets(f, plan)
+            set_file(directory / DATA_FILE, tuning.dir_mode)  # not the umask's mode
+            return offsets
 
         offsets = self.comm.run_step(make, "creating the checkpoint file")
         return self.comm.bcast(offsets)

@@ -68,27 +68,25 @@ def file_kwargs(align: int, threshold: int) -> dict[str, Any]:
 
 
 # What h5py raises on damaged metadata (a flipped byte in an object header, a truncated B-tree).
-_H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError, IndexError, OverflowError)
+_H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError, IndexError, OverflowError,
+              SystemError)
 
 
 def _hard_links_only(h5: h5py.File, path: Path) -> list[str]:
     """Every dataset path in the file; CheckpointCorrupt if any link is soft or external."""
-    datasets: list[str] = []
-    bad: list[str] = []
+    links: list[tuple[str, type]] = []
 
     def visit(name: str, link: h5py.HardLink | h5py.SoftLink | h5py.ExternalLink) -> None:
-        if not isinstance(link, h5py.HardLink):
-            bad.append(f"{name!r} is a {type(link).__name__}")
-        elif isinstance(h5.get(name), h5py.Dataset):
-            datasets.append(name)
+        links.append((name, type(link)))  # no HDF5 call in here: h5py mangles errors raised inside
 
     h5.visititems_links(visit)
+    bad = [f"{name!r} is a {kind.__name__}" for name, kind in links if kind is not h5py.HardLink]
     if bad:
         raise CheckpointCorrupt(f"{path}: {bad[0]} (coci checkpoints hold only hard links; a link "
                                 f"could make the loader read another file)",
                                 hint="this file was not written by coci_hpc or was tampered with; "
                                      "load an older step")
-    return datasets
+    return [name for name, _ in links if isinstance(h5.get(name), h5py.Dataset)]
 
 
 class DatasetReader:

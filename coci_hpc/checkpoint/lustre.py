@@ -63,6 +63,7 @@ class IOTuning:
     align_threshold: int
     setstripe: list[str] | None           # argv to run on the new directory, or None
     mpi_hints: dict[str, str] = field(default_factory=dict)
+    dir_mode: int = 0o700                 # new directories; files get it minus x (see perms)
 
 
 def decide(lustre: bool, policy: LustrePolicy, world_size: int, lfs_path: str | None) -> IOTuning:
@@ -85,12 +86,19 @@ def decide(lustre: bool, policy: LustrePolicy, world_size: int, lfs_path: str | 
     return IOTuning(True, policy.stripe_size, policy.stripe_size, argv, hints)
 
 
-def tuning_for(directory: str | os.PathLike, policy: LustrePolicy, world_size: int) -> IOTuning:
-    """Detect the filesystem of ``directory`` (or its nearest existing parent) and decide."""
+def tuning_for(directory: str | os.PathLike, policy: LustrePolicy, world_size: int,
+               access: str = "private") -> IOTuning:
+    """Detect the filesystem of ``directory`` (or its nearest existing parent) and decide;
+    ``access`` picks the modes of what is created (:mod:`~coci_hpc.checkpoint.perms`)."""
+    from dataclasses import replace
+
+    from coci_hpc.checkpoint.perms import dir_mode
+
     probe = Path(directory)
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    return decide(is_lustre(probe), policy, world_size, shutil.which("lfs"))
+    return replace(decide(is_lustre(probe), policy, world_size, shutil.which("lfs")),
+                   dir_mode=dir_mode(access))
 
 
 def apply_setstripe(tuning: IOTuning, directory: str | os.PathLike) -> bool:

@@ -157,11 +157,14 @@ def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteIte
             # write) so the others do not hang; the error is raised after the last round.
             if i < len(chunks) and short is None:
                 off, mv = chunks[i]
-                fh.Write_at_all(off, [mv, MPI.BYTE], status)
-                got = status.Get_count(MPI.BYTE)
+                try:
+                    fh.Write_at_all(off, [mv, MPI.BYTE], status)
+                    got = status.Get_count(MPI.BYTE)
+                except MPI.Exception as exc:  # this rank only: keep joining the rounds
+                    got, why = -1, f"MPI-IO write failed at offset {off} of {path}: {exc}"
                 if got != len(mv):
-                    short = (f"MPI-IO wrote {got} of {len(mv)} bytes at offset {off} of {path} "
-                             f"(disk full or quota exceeded?)")
+                    short = why if got < 0 else (f"MPI-IO wrote {got} of {len(mv)} bytes at offset "
+                                                 f"{off} of {path} (disk full or quota exceeded?)")
             else:
                 fh.Write_at_all(0, [empty, MPI.BYTE])
         # MPI_File_sync is collective: every rank must agree whether to call it.

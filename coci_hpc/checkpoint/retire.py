@@ -24,7 +24,8 @@ from coci_hpc.checkpoint import manifest as mf
 
 ABANDONED = "abandoned"
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded", "errno = 28", "errno 28")
+_NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded", "errno = 28", "errno 28",
+                  "disk full")  # rawio reports short writes as "(disk full?)"
 
 
 def retire_abandoned(root: Path, base: int) -> list[int]:

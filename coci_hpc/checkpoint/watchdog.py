@@ -44,8 +44,9 @@ class Watchdog:
         """Name the current phase; a phase that only waits for other ranks gets the grace time."""
         with self._cond:
             self.phase = phase
-            if waiting_for_others and self.timeout_s is not None:
-                self._deadline = self._t0 + self.timeout_s + self.grace_s
+            if self.timeout_s is not None:
+                self._deadline = self._t0 + self.timeout_s + (self.grace_s if waiting_for_others else 0.0)
+                self._cond.notify_all()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

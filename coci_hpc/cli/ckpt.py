@@ -85,8 +85,6 @@ def verify_step(root: Path, step: int) -> list[str]:
     readers: dict[str, DatasetReader] = {}
     try:
         for s in m["shards"]:
-            where = (f"step {step} shard {s['file']}:{s['dataset']} bytes [{s['start']}, {s['stop']}) "
-                     f"written by rank {s['rank']}")
             if s["file"] not in readers:
                 try:
                     readers[s["file"]] = DatasetReader(d / s["file"], m)
@@ -95,8 +93,8 @@ def verify_step(root: Path, step: int) -> list[str]:
                     break
             try:
                 readers[s["file"]].read_bytes(by_dataset[s["dataset"]], s["start"], s["stop"])
-            except CheckpointCorrupt as exc:  # the reader checks the shard's checksum
-                problems.append(f"{where}: {exc.message}")
+            except CheckpointCorrupt as exc:  # the reader checks the shard's checksum and names it
+                problems.append(f"step {step}: {exc.message}")
     finally:
         for r in readers.values():
             r.close()

@@ -45,17 +45,14 @@ def record_figure() -> Callable[..., None]:
 
 
 def format_figures(figures: dict[str, dict[str, int | float | str]]) -> list[str]:
-    """The figures as text table lines: one row per name, one column per key (union, first-seen order)."""
+    """The figures as text lines: the scenario, then its figures as ``key=value`` (scenarios
+    have different figures, so one column per key would be mostly empty)."""
     if not figures:
         return []
-    keys: list[str] = []
-    for row in figures.values():
-        keys += [k for k in row if k not in keys]
-    head = ["scenario", *keys]
-    rows = [[name, *(str(row.get(k, "")) for k in keys)] for name, row in figures.items()]
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-    return [fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)]
+    width = max(len(name) for name in figures)
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    return [f"{name:<{width}}  " + "  ".join(f"{k}={fmt(v)}" for k, v in row.items())
+            for name, row in figures.items()]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ANN001
