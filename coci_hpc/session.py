@@ -97,7 +97,7 @@ class Session:
                     "signal_lead_s": signal_lead_s}
         self.config: SessionConfig
         self.config, conflicts = resolve({k: v for k, v in explicit.items() if v is not None}, environ, self.job)
-        self.comm = Comm.wrap(comm)
+        self.comm = _default_comm() if comm is None else Comm.wrap(comm)
         self.rank = self.comm.rank
         self.total_steps = total_steps
         self.async_save = async_save
@@ -399,6 +399,16 @@ class Session:
             _say(f"failure history of partition {part} unavailable ({exc}); planning with a per-node "
                  f"MTBF of {DEFAULT_MTBF_H:g} h")
             return from_mtbf(DEFAULT_MTBF_H * 3600)
+
+
+def _default_comm() -> Comm:
+    """MPI's world when launched by MPI; else a torch.distributed group of 2+ ranks (DDP without
+    MPI); else one process."""
+    world = Comm.world()
+    if world.is_mpi:
+        return world
+    from coci_hpc.comm_torch import TorchComm
+    return TorchComm.if_distributed() or world
 
 
 def _persist_done(mgr: CheckpointManager) -> bool:
