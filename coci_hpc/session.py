@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -52,6 +53,7 @@ from coci_hpc.slurm.accounting import expand_hostlist
 from coci_hpc.slurm.env import JobEnvironment
 
 STATE_KEY = "coci_session"
+LEAVE, STOP = 1, 2          # stop levels exchanged at the step boundary (MAX over ranks)
 LOSS_BUFFER = 4096          # losses kept between flushes (rank 0), preallocated
 LOSS_FLUSH_S = 5.0          # at most one losses record per this many seconds between checkpoints
 DEFAULT_MTBF_H = 70.0       # per-node MTBF when the partition's history cannot be read
@@ -95,7 +97,7 @@ class Session:
                     "signal_lead_s": signal_lead_s}
         self.config: SessionConfig
         self.config, conflicts = resolve({k: v for k, v in explicit.items() if v is not None}, environ, self.job)
-        self.comm = Comm.wrap(comm)
+        self.comm = _default_comm() if comm is None else Comm.wrap(comm)
         self.rank = self.comm.rank
         self.total_steps = total_steps
         self.async_save = async_save
@@ -243,14 +245,33 @@ class Session:
         elif self.schedule is not None:
             self.schedule.observe(step, math.nan, dt)
         in_flight = self.mgr.persist_in_flight
-        stop, save, busy = self.sync.exchange(bool(self.recorder.received), save_local,
-                                              in_flight and not _persist_done(self.mgr))
+        level, save, busy = self.sync.exchange(self._stop_level() if self.recorder.received else 0,
+                                               save_local, in_flight and not _persist_done(self.mgr))
         if in_flight and not busy:
             self._commit_async()
-        if stop and step < total:      # a stop at the very end is just the end
+        if level >= STOP and step < total:      # a stop at the very end is just the end
             self._stop(step)
+        if level == LEAVE and step < total:
+            self._leave(step)
         if save and step < total:        # the last step gets the final save instead
             self._save(step)
+
+    def _stop_level(self) -> int:
+        """USR1/USR2 (the job's --signal: time limit or preemption) ask for a stop-save-requeue.
+        SIGTERM alone means Slurm or a person is ending this attempt (scontrol requeue, scancel, a
+        node going down, preemption without grace time): Slurm requeues it if it should, so the
+        session neither saves nor requeues, and writes no stop record (a requeue by hand must read as
+        one in the next attempt); it leaves at the step boundary with status 143."""
+        return STOP if any(r.signum != signal.SIGTERM for r in self.recorder.received) else LEAVE
+
+    def _leave(self, step: int) -> None:
+        if self.mgr.persist_in_flight:     # a planned save already written is worth its commit
+            self._commit_async()
+        self._flush_losses()               # so the next attempt knows how far this one got
+        if self.rank == 0:
+            _say(f"SIGTERM at step {step} without a stop signal first: this attempt is being ended "
+                 f"from outside; leaving without a checkpoint (the next run resumes from the latest one)")
+        raise SystemExit(143)
 
     def _record_loss(self, step: int) -> None:
         n = self._loss_n
@@ -378,6 +399,16 @@ class Session:
             _say(f"failure history of partition {part} unavailable ({exc}); planning with a per-node "
                  f"MTBF of {DEFAULT_MTBF_H:g} h")
             return from_mtbf(DEFAULT_MTBF_H * 3600)
+
+
+def _default_comm() -> Comm:
+    """MPI's world when launched by MPI; else a torch.distributed group of 2+ ranks (DDP without
+    MPI); else one process."""
+    world = Comm.world()
+    if world.is_mpi:
+        return world
+    from coci_hpc.comm_torch import TorchComm
+    return TorchComm.if_distributed() or world
 
 
 def _persist_done(mgr: CheckpointManager) -> bool:

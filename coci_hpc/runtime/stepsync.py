@@ -1,7 +1,8 @@
 """The session's one collective per step: stop flag, checkpoint decision and persist state in one
 MAX-allreduce of three numbers, into buffers allocated once.
 
-- ``stop``: this rank received a stop signal (any rank's signal stops every rank at this step);
+- ``stop``: the stop level this rank's signals ask for (0 none, 1 leave, 2 stop-save-requeue; the
+  MAX means any rank's signal stops every rank at this step);
 - ``save``: rank 0's planner decided to checkpoint after this step (other ranks send 0);
 - ``busy``: this rank's background persist is still writing (the commit waits for the slowest).
 
@@ -28,7 +29,7 @@ class StepSync:
 
             self._mpi_max = MPI.MAX
 
-    def exchange(self, stop: bool, save: bool, busy: bool) -> tuple[bool, bool, bool]:
+    def exchange(self, stop: int, save: bool, busy: bool) -> tuple[int, bool, bool]:
         send, recv = self._send, self._recv
         send[0], send[1], send[2] = stop, save, busy
         reduce = getattr(self.comm, "allreduce_max_array", None)
@@ -38,4 +39,4 @@ class StepSync:
             self.comm.mpi_comm.Allreduce(send, recv, op=self._mpi_max)
         else:
             recv[:] = send
-        return bool(recv[0] > 0), bool(recv[1] > 0), bool(recv[2] > 0)
+        return int(recv[0]), bool(recv[1] > 0), bool(recv[2] > 0)

@@ -50,7 +50,7 @@ class EarlySignals:
             return
         # Only record: a signal handler runs between two bytecodes of whatever the script does.
         print(f"coci-submit: {signal.Signals(signum).name} received while no training session runs; "
-              f"passing it on to the next one that starts", file=sys.stderr, flush=True)
+              f"held for the session if one starts", file=sys.stderr, flush=True)
         with self._lock:
             self.received.append(signum)
             start = self._thread is None

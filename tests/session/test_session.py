@@ -251,3 +251,28 @@ def test_rendezvous_precedence() -> None:
     assert src == "slurm" and vals == {"MASTER_ADDR": "n1", "MASTER_PORT": str(20000 + 99), "RANK": "1",
                                        "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     assert rendezvous(Comm.serial(), environ={}) == ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, "single")
+
+
+def test_sigterm_alone_leaves_without_saving_requeueing_or_a_stop_record(tmp_path: Path) -> None:
+    slurm = FakeSlurm("99|RUNNING|2026-11-22T10:00:00|Unknown|n1\n")
+    state, train_step = _training()
+    s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", environ=_slurm_env(0), runner=slurm)
+    with pytest.raises(SystemExit) as e:
+        for step in s.steps():
+            s.observe(train_step())
+            if step == 13:
+                os.kill(os.getpid(), signal.SIGTERM)     # scontrol requeue / scancel / node going down
+    assert e.value.code == 143
+    assert not any(c[:2] == ["scontrol", "requeue"] for c in slurm.calls)
+    ev = read_events(tmp_path)
+    assert not [x for x in ev if x["event"] == "stop"]
+    assert [x["step"] for x in ev if x["event"] == "checkpoint"] == [10]
+    assert max(n for x in ev if x["event"] == "losses" for n in x["steps"]) == 14   # flushed on the way out
+    rows = "99|REQUEUED|2026-11-22T10:00:00|2026-11-22T10:00:20|n1\n99|RUNNING|2026-11-22T10:00:40|Unknown|n1\n"
+    state, train_step = _training()
+    s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", environ=_slurm_env(1), runner=FakeSlurm(rows))
+    it = s.steps()
+    assert next(it) == 10
+    start = [x for x in read_events(tmp_path) if x["event"] == "attempt_start"][-1]
+    assert start["prev_end"]["reason"] == "requeue_by_hand" and start["steps_lost"] == 4
+    it.close()

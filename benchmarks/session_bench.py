@@ -1,0 +1,131 @@
+"""Cost of the Session inside the training loop: steps/s with the session vs the bare DDP loop.
+
+    python benchmarks/session_bench.py                     # 1 and 2 ranks (mpiexec), JSON + table
+    python benchmarks/session_bench.py --ranks 1 --hidden 512 --steps 200 --rounds 3
+
+Each worker trains the examples/train.py model (wider: --hidden, --batch set the step time) with
+DDP on gloo, and alternates rounds of the bare loop and of the same loop under ``Session`` (policy
+``fixed:N`` with N past the end: the per-step cost only; checkpoints are the planner's business and
+are measured by benchmarks/checkpoint_bench.py). Each round times --steps steps after --warmup
+steps; the ratio is session steps/s over bare steps/s, the median over rounds (the rounds alternate
+so that load from other processes on the machine hits both sides alike).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def worker(a: argparse.Namespace) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import coci_hpc
+    from coci_hpc.checkpoint import ResumableSampler
+
+    torch.set_num_threads(1)
+    dist = coci_hpc.init_distributed()
+    torch.manual_seed(0)
+    d_in, n = 16, 4096
+    model = torch.nn.Sequential(torch.nn.Linear(d_in, a.hidden), torch.nn.ReLU(), torch.nn.Linear(a.hidden, a.hidden),
+                                torch.nn.ReLU(), torch.nn.Linear(a.hidden, 1))
+    ddp = DDP(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(n, d_in), torch.randn(n, 1)
+    sampler = ResumableSampler(n, seed=0, rank=dist.rank, world_size=dist.world_size)
+
+    def train_step() -> torch.Tensor:
+        idx = torch.from_numpy(sampler.next_batch(a.batch))
+        loss = F.mse_loss(ddp(x[idx]), y[idx])
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    total = a.warmup + a.steps
+
+    def bare() -> float:
+        for step in range(total + 1):
+            if step == a.warmup:
+                t0 = time.perf_counter()
+            if step == total:
+                return a.steps / (time.perf_counter() - t0)
+            train_step()
+        raise AssertionError
+
+    def with_session(r: int) -> float:
+        ckpt = Path(a.tmp) / f"round{r}"
+        s = coci_hpc.Session({"model": model, "optimizer": opt, "loader": sampler}, total + 1, ckpt_dir=ckpt,
+                             policy=f"fixed:{10 * total}", environ={})
+        rate = 0.0
+        for step in s.steps():
+            if step == a.warmup:
+                t0 = time.perf_counter()
+            if step == total:
+                rate = a.steps / (time.perf_counter() - t0)
+            s.observe(train_step())
+        return rate
+
+    rounds = []
+    for r in range(a.rounds):
+        b, s = bare(), with_session(r)
+        rounds.append({"bare_steps_s": b, "session_steps_s": s, "ratio": s / b})
+    if dist.rank == 0:
+        print(json.dumps({"ranks": dist.world_size, "hidden": a.hidden, "batch": a.batch, "rounds": rounds,
+                          "step_time_ms": 1000 / statistics.median(x["bare_steps_s"] for x in rounds),
+                          "ratio": statistics.median(x["ratio"] for x in rounds)}), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tmp", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        worker(a)
+        return 0
+    results = []
+    for n in a.ranks:
+        tmp = tempfile.mkdtemp(prefix="coci-session-bench-")
+        try:
+            args = [sys.executable, "-m", "mpi4py", __file__, "--worker", "--tmp", tmp, "--hidden", str(a.hidden),
+                    "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
+                    "--rounds", str(a.rounds)]
+            cmd = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", str(n), *args]
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+            if p.returncode != 0:
+                print(p.stdout, p.stderr, file=sys.stderr)
+                return 1
+            results.append(json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1]))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps({"benchmark": "session_overhead", "results": results}, indent=1))
+    print(f"\n{'ranks':>5} {'step ms':>8} {'bare steps/s':>13} {'session steps/s':>16} {'ratio':>7}  (median of rounds)")
+    for r in results:
+        b = statistics.median(x["bare_steps_s"] for x in r["rounds"])
+        s = statistics.median(x["session_steps_s"] for x in r["rounds"])
+        print(f"{r['ranks']:>5} {r['step_time_ms']:>8.1f} {b:>13.1f} {s:>16.1f} {r['ratio']:>7.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""coci-status: what happened to a run (attempts, why each ended, checkpoints, steps lost, restart latency).
+
+    coci-status CKPT_DIR [--png loss.png] [--json] [--no-sacct]
+
+Reads <CKPT_DIR>/events.jsonl (written by the Session) and asks sacct about the run's jobs. Writes
+a PNG of the loss curve with checkpoints and interruptions marked (default <CKPT_DIR>/history.png).
+
+Exit codes: 0 shown, 2 no event log there (or bad usage).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from coci_hpc import history
+from coci_hpc.cli.common import run_cli
+from coci_hpc.errors import UsageError
+
+PROG = "coci-status"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # route argparse errors through run_cli's exit codes
+        raise UsageError(message, hint=f"see {PROG} --help")
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("ckpt_dir", help="the run's checkpoint directory (coci-submit --ckpt-dir)")
+    p.add_argument("--png", help="where to write the loss plot (default <ckpt_dir>/history.png)")
+    p.add_argument("--no-png", action="store_true", help="write no plot")
+    p.add_argument("--json", action="store_true", help="print the history as JSON instead of a table")
+    p.add_argument("--no-sacct", action="store_true", help="do not ask Slurm (the event log alone)")
+    a = p.parse_args(argv)
+    h = history.load(a.ckpt_dir, use_sacct=not a.no_sacct)
+    png = None if a.no_png else history.plot(h, a.png or Path(a.ckpt_dir) / "history.png")
+    if a.json:
+        d = h.to_dict()
+        d["png"] = str(png) if png else None
+        print(json.dumps(d, indent=2))
+    else:
+        print(history.render_text(h))
+        if png:
+            print(f"loss plot: {png}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(PROG, _main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""A :class:`~coci_hpc.comm.Comm` on torch.distributed, for DDP jobs started without MPI (torchrun,
+``srun`` without ``--mpi``, submitit's TorchDistributedEnvironment).
+
+Without it, every process of such a job would see a one-rank world and all of them would write
+the same checkpoint as "rank 0". The collectives run on a gloo group of their own (object
+collectives need CPU tensors, which NCCL does not take), so they never interleave with the
+training's NCCL collectives. The checkpoint store then uses its serial HDF5 writer (rank 0 creates
+the file, every rank ``pwrite``s its pieces), the same file format as the MPI-IO writer.
+"""
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from coci_hpc.comm import Comm, PendingMin
+from coci_hpc.errors import UsageError
+
+T = TypeVar("T")
+
+
+class TorchComm(Comm):
+    def __init__(self, group: Any = None) -> None:
+        if not dist.is_initialized():
+            raise UsageError("TorchComm needs an initialised torch.distributed process group",
+                             hint="call coci_hpc.init_distributed() (or init_process_group) first")
+        super().__init__(None)
+        self.group = group if group is not None else (
+            dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None)
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self._buf = torch.zeros(3, dtype=torch.float64)
+        self._view = self._buf.numpy()   # shares memory: no allocation per step
+
+    @classmethod
+    def if_distributed(cls) -> "TorchComm | None":
+        """A TorchComm when a process group of more than one rank exists, else None."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return cls()
+        return None
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def bcast(self, obj: T, root: int = 0) -> T:
+        box = [obj]
+        dist.broadcast_object_list(box, src=root, group=self.group)
+        return box[0]
+
+    def allgather(self, obj: T) -> list[T]:
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def gather(self, obj: T, root: int = 0) -> list[T] | None:
+        everyone = self.allgather(obj)
+        return everyone if self.rank == root else None
+
+    def _reduce(self, value: float, op: Any) -> float:
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        dist.all_reduce(t, op=op, group=self.group)
+        return float(t[0])
+
+    def allreduce_min(self, value: float) -> float:
+        return self._reduce(value, dist.ReduceOp.MIN)
+
+    def allreduce_max(self, value: float) -> float:
+        return self._reduce(value, dist.ReduceOp.MAX)
+
+    def iallreduce_min(self, value: float) -> PendingMin:
+        # Completed at once: the two-phase saver only needs the result by its next call.
+        return PendingMin(None, self.allreduce_min(value))
+
+    def allreduce_max_array(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """The session's per-step allreduce, into a tensor allocated once (3 doubles)."""
+        self._view[:] = send
+        dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group)
+        recv[:] = self._view

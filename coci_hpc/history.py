@@ -1,0 +1,260 @@
+"""A run's history: attempts, how each ended, checkpoints, steps lost, restart latency, the loss curve.
+
+Built from the Session's event log (``<ckpt_dir>/events.jsonl``, see docs/session.md) and, where
+Slurm is reachable, ``sacct``'s row for each attempt. :func:`build` is pure (records in, a
+:class:`RunHistory` out); :func:`load` does the reading; :func:`render_text`, :meth:`RunHistory.to_dict`
+and :func:`plot` present it. ``coci-status`` is the command.
+"""
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from coci_hpc.errors import SlurmError, UsageError
+from coci_hpc.runtime.attempts import SlurmAttempt, parse_job_attempts, sacct_job_argv
+from coci_hpc.runtime.events import FILENAME, read_events
+from coci_hpc.slurm import commands
+
+
+@dataclass
+class Attempt:
+    attempt: int
+    job_id: str | None
+    nodes: list[str]
+    ranks: int | None
+    start_wall: float | None
+    resumed_step: int | None
+    steps_lost: int | None
+    prev_end: dict[str, Any]                 # how the attempt BEFORE this one ended (Session's record)
+    restart_latency_s: dict[str, Any] | None  # from the `resumed` record
+    ended: str = "running"                   # how THIS attempt ended: a prev_end reason, or end status
+    ended_source: str = ""
+    last_step: int | None = None
+    checkpoints: list[int] = field(default_factory=list)
+    sacct_state: str | None = None
+
+
+@dataclass
+class RunHistory:
+    ckpt_dir: str
+    attempts: list[Attempt]
+    checkpoints: list[dict[str, Any]]        # step, kind, attempt, blocking_s, persist_s
+    loss_steps: list[int]
+    loss_values: list[float]
+    loss_attempts: list[int]
+    status: str                              # completed|gave_up|error|running|stopped
+    final_step: int | None
+    message: str
+    sacct_note: str | None = None            # why Slurm's record is missing, when it is
+
+    @property
+    def steps_lost_total(self) -> int:
+        return sum(a.steps_lost or 0 for a in self.attempts)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["steps_lost_total"] = self.steps_lost_total
+        d["losses"] = {"steps": d.pop("loss_steps"), "values": d.pop("loss_values"),
+                       "attempts": d.pop("loss_attempts")}
+        return d
+
+
+def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
+          sacct: dict[str, list[SlurmAttempt]] | None = None, sacct_note: str | None = None) -> RunHistory:
+    """The history from the event records (oldest first) and sacct's attempts per job id.
+
+    An attempt's end is what the NEXT attempt recorded about it (classified from Slurm's record),
+    else its own ``stop``/``end`` record, else it is still running (or died without a trace yet).
+    sacct rows of a job are matched to that job's attempts in order.
+    """
+    attempts: dict[int, Attempt] = {}
+    checkpoints: list[dict[str, Any]] = []
+    loss_pts: list[tuple[int, float, int]] = []
+    status, final_step, message = "running", None, ""
+    stops: dict[int, dict[str, Any]] = {}
+    for e in events:
+        n, ev = int(e.get("attempt") or 0), e.get("event")
+        if ev == "attempt_start":
+            attempts[n] = Attempt(
+                attempt=n, job_id=e.get("job_id"), nodes=list(e.get("nodes") or []), ranks=e.get("ranks"),
+                start_wall=e.get("wall"), resumed_step=e.get("resumed_step"), steps_lost=e.get("steps_lost"),
+                prev_end=dict(e.get("prev_end") or {}), restart_latency_s=None)
+            continue
+        a = attempts.get(n)
+        if ev == "resumed" and a is not None:
+            a.restart_latency_s = e.get("restart_latency_s")
+        elif ev == "checkpoint":
+            checkpoints.append({"step": e.get("step"), "kind": e.get("kind"), "attempt": n,
+                                "blocking_s": e.get("blocking_s"), "persist_s": e.get("persist_s")})
+            if a is not None and e.get("step") is not None:
+                a.checkpoints.append(int(e["step"]))
+        elif ev == "losses":
+            for s, v in zip(e.get("steps") or [], e.get("values") or []):
+                loss_pts.append((int(s), v, n))
+        elif ev == "stop":
+            stops[n] = e
+        elif ev == "end":
+            status, final_step, message = str(e.get("status")), e.get("step"), str(e.get("message") or "")
+            if a is not None:
+                a.ended, a.ended_source = status, "session"
+    ordered = [attempts[k] for k in sorted(attempts)]
+    for prev, nxt in zip(ordered, ordered[1:]):
+        reason = nxt.prev_end.get("reason")
+        if reason:
+            prev.ended, prev.ended_source = str(reason), str(nxt.prev_end.get("source") or "")
+    for a in ordered:
+        if a.ended == "running" and a.attempt in stops:
+            s = stops[a.attempt]
+            a.ended = f"{s.get('reason')} (stopped{', requeued' if s.get('requeued') else ''})"
+            a.ended_source = "session"
+    for a in ordered:
+        pts = [s for s, _, n in loss_pts if n == a.attempt]
+        a.last_step = max(pts) if pts else (a.checkpoints[-1] if a.checkpoints else a.resumed_step)
+    if status == "running" and ordered and ordered[-1].attempt in stops:
+        status = "stopped"
+    if sacct:
+        by_job: dict[str, list[Attempt]] = {}
+        for a in ordered:
+            if a.job_id:
+                by_job.setdefault(str(a.job_id), []).append(a)
+        for job, rows in sacct.items():
+            for a, row in zip(by_job.get(job, []), rows):
+                a.sacct_state = row.state
+    loss_pts.sort(key=lambda p: (p[2], p[0]))
+    return RunHistory(
+        ckpt_dir=ckpt_dir, attempts=ordered, checkpoints=checkpoints,
+        loss_steps=[p[0] for p in loss_pts], loss_values=[p[1] for p in loss_pts],
+        loss_attempts=[p[2] for p in loss_pts], status=status, final_step=final_step, message=message,
+        sacct_note=sacct_note)
+
+
+def load(ckpt_dir: str | Path, *, use_sacct: bool = True, runner: commands.Runner | None = None) -> RunHistory:
+    """Read the event log under ``ckpt_dir`` and ask sacct about each job id it names."""
+    run = runner or commands.run_command
+    root = Path(ckpt_dir)
+    if not (root / FILENAME).is_file():
+        tasks = sorted(p.parent.name for p in root.glob(f"task*/{FILENAME}"))
+        hint = (f"this is an array run: pass one task's directory, e.g. {root / tasks[0]}" if tasks else
+                "pass the --ckpt-dir the run used (coci-submit prints it); the log appears when the "
+                "Session starts")
+        raise UsageError(f"no event log {root / FILENAME}", hint=hint)
+    events = read_events(root / FILENAME)
+    sacct: dict[str, list[SlurmAttempt]] = {}
+    note = None if use_sacct else "not asked (--no-sacct)"
+    if use_sacct:
+        for job in dict.fromkeys(str(e["job_id"]) for e in events if e.get("job_id")):
+            try:
+                sacct[job] = parse_job_attempts(run(sacct_job_argv(job)), job)
+            except SlurmError as exc:
+                note = f"sacct unavailable: {exc.message}"
+                break
+    return build(events, str(root), sacct, note)
+
+
+def _clock(wall: float | None) -> str:
+    return "-" if wall is None else dt.datetime.fromtimestamp(wall).strftime("%H:%M:%S")
+
+
+def _i(x: Any) -> str:
+    return "-" if x is None else str(x)
+
+
+def _s(x: Any) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def render_text(h: RunHistory) -> str:
+    """The human summary: one row per attempt, then checkpoints and totals."""
+    jobs = sorted({str(a.job_id) for a in h.attempts if a.job_id})
+    lines = [f"run {h.ckpt_dir}: {len(h.attempts)} attempt(s), job(s) {', '.join(jobs) or '(outside Slurm)'}, "
+             f"status {h.status}" + (f" at step {h.final_step}" if h.final_step is not None else "")
+             + (f": {h.message}" if h.message and h.status != "completed" else "")]
+    # Left to right in time: the attempt starts (resumed from, steps the restart lost, how long the
+    # restart took and where that went), trains up to a step, and ends for a reason.
+    head = (f"{'att':>3} {'job':>7} {'nodes':<10} {'start':>8} {'from':>6} {'lost':>5} {'restart s':>9} "
+            f"{'= requeue':>9} {'+ start':>7} {'+ restore':>9} {'to':>6}  {'ended':<28} sacct")
+    lines += ["", head]
+    for a in h.attempts:
+        lat = a.restart_latency_s or {}
+        lines.append(
+            f"{a.attempt:>3} {str(a.job_id or '-'):>7} {','.join(a.nodes)[:10]:<10} {_clock(a.start_wall):>8} "
+            f"{_i(a.resumed_step if a.resumed_step is not None else 0):>6} {_i(a.steps_lost):>5} "
+            f"{_s(lat.get('total')):>9} {_s(lat.get('slurm_requeue_s')):>9} {_s(lat.get('process_start_s')):>7} "
+            f"{_s(lat.get('restore_s')):>9} {_i(a.last_step):>6}  "
+            f"{(a.ended + (' [' + a.ended_source + ']' if a.ended_source else ''))[:28]:<28} {a.sacct_state or '-'}")
+    kinds: dict[str, int] = {}
+    for c in h.checkpoints:
+        kinds[str(c["kind"])] = kinds.get(str(c["kind"]), 0) + 1
+    steps = ", ".join(str(c["step"]) for c in h.checkpoints[:20]) + (" ..." if len(h.checkpoints) > 20 else "")
+    blocking = [c["blocking_s"] for c in h.checkpoints if c.get("blocking_s") is not None]
+    lines += ["", f"checkpoints: {len(h.checkpoints)} ("
+              + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + f"): steps {steps or '-'}"
+              + (f"; save stall mean {sum(blocking) / len(blocking):.3f}s" if blocking else "")]
+    lines.append(f"steps lost in total: {h.steps_lost_total}")
+    if h.sacct_note:
+        lines.append(f"sacct: {h.sacct_note}")
+    return "\n".join(lines)
+
+
+# Attempts in cool colours, interruptions in warm ones, so the two never look alike.
+_ATTEMPT_COLOURS = ("tab:blue", "tab:cyan", "tab:green", "tab:olive", "tab:gray", "navy", "teal")
+# Colours for why an attempt ended (interruptions on the plot).
+_REASON_COLOURS = {"preemption": "tab:red", "time_limit": "tab:orange", "node_failure": "tab:purple",
+                   "requeue_by_hand": "tab:brown", "crash": "black"}
+
+
+def plot(h: RunHistory, path: str | Path) -> Path:
+    """PNG of the loss curve, one colour per attempt, with checkpoints and interruptions marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 5.5), dpi=110)
+    by_attempt: dict[int, tuple[list[int], list[float]]] = {}
+    for s, v, n in zip(h.loss_steps, h.loss_values, h.loss_attempts):
+        if v is not None:
+            by_attempt.setdefault(n, ([], []))[0].append(s)
+            by_attempt[n][1].append(v)
+    for n, (xs, ys) in sorted(by_attempt.items()):
+        ax.plot(xs, ys, lw=1.4, color=_ATTEMPT_COLOURS[(n - 1) % len(_ATTEMPT_COLOURS)], label=f"attempt {n}")
+    ymin, ymax = ax.get_ylim()
+    # Checkpoints: markers along the bottom axis (planned hollow, stop-time saves filled, final a star).
+    ck: dict[str, list[int]] = {}
+    for c in h.checkpoints:
+        if c.get("step") is not None:
+            ck.setdefault(str(c["kind"]), []).append(int(c["step"]))
+    for kind, xs in ck.items():
+        marker, size, face = {"planned": ("^", 6, "none"), "stop": ("^", 8, "black"),
+                              "final": ("*", 12, "gold")}.get(kind, ("^", 6, "none"))
+        ax.plot(xs, [ymin] * len(xs), marker, ms=size, mfc=face, mec="black", ls="none",
+                clip_on=False, zorder=5, label=f"checkpoint ({kind})")
+    seen: set[str] = set()
+    for a, nxt in zip(h.attempts, h.attempts[1:]):
+        reason = a.ended.split(" ")[0]
+        x = a.last_step if a.last_step is not None else nxt.resumed_step
+        if x is None:
+            continue
+        colour = _REASON_COLOURS.get(reason, "black")
+        ax.axvline(x, color=colour, ls="--", lw=1.2, label=None if reason in seen else f"interrupted: {reason}")
+        seen.add(reason)
+        if nxt.resumed_step is not None and nxt.resumed_step < x:
+            ax.axvspan(nxt.resumed_step, x, color=colour, alpha=0.12, lw=0)
+        ax.annotate(f"{reason}\n{nxt.steps_lost or 0} lost", (x, ymax), xytext=(3, -4),
+                    textcoords="offset points", va="top", fontsize=8, color=colour)
+    ax.set_ylim(ymin, ymax)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    lat = [a.restart_latency_s.get("total") for a in h.attempts
+           if a.restart_latency_s and a.restart_latency_s.get("total") is not None]
+    ax.set_title(f"{Path(h.ckpt_dir).parent.name}/{Path(h.ckpt_dir).name}: {len(h.attempts)} attempts, {h.status}, "
+                 f"{h.steps_lost_total} steps lost"
+                 + (f", restart latency mean {sum(lat) / len(lat):.0f}s" if lat else ""), fontsize=11)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

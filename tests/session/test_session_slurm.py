@@ -1,0 +1,158 @@
+"""Acceptance on the local Slurm cluster, through the sbatch templates and examples/train.py.
+
+One 2-node job lives through the whole story: preempted a few seconds after it starts, then loses
+a node, then runs into its time limit, then finishes; it must end with the parameters of an
+uninterrupted `mpiexec -n 2` run, and its event log must classify each interruption. Two small
+jobs that cannot succeed are stopped by --max-requeues and by the no-progress guard; the array
+template runs two tasks.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from coci_hpc.runtime.events import read_events
+from tests.conftest import ROOT, SlurmCluster, run_ranks
+
+pytestmark = pytest.mark.slurm
+
+TRAIN = ROOT / "examples" / "train.py"
+TEMPLATE = ROOT / "slurm" / "templates" / "train_preemptible.sbatch"
+ARRAY = ROOT / "slurm" / "templates" / "train_array.sbatch"
+STEPS, EVERY, LEAD = 2000, 50, 30
+
+
+def _hash(text: str) -> str:
+    found = re.findall(r"final_params_sha256=([0-9a-f]{64})", text)
+    assert found, text[-3000:]
+    return found[-1]
+
+
+def _wait(what: str, cond, timeout: float, info=lambda: "") -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}: {info()}")
+
+
+def _starts(ckpt: Path) -> list[dict]:
+    return [e for e in read_events(ckpt) if e["event"] == "attempt_start"]
+
+
+def _submit(cluster: SlurmCluster, *args: str, env: str = "") -> str:
+    return cluster.sbatch(f"--export=ALL,COCI_SIGNAL_LEAD_S={LEAD}{env}", *args)
+
+
+def _preempt(cluster: SlurmCluster) -> str:
+    return cluster.sbatch("-p", "urgent", "-N", "1", "-o", os.devnull, "--wrap", "sleep 1")
+
+
+def test_preemption_node_failure_and_time_limit_end_bit_exact(slurm_cluster: SlurmCluster) -> None:
+    wd = slurm_cluster.workdir / "story"
+    wd.mkdir()
+    ref = _hash(run_ranks(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--ckpt-dir", str(wd / "ref"),
+                          "--policy", f"fixed:{EVERY}", timeout=600).stdout)
+    ckpt, log = wd / "run", wd / "job-%j.out"
+    job = _submit(slurm_cluster, "--time=3", f"--signal=USR2@{LEAD}", "-o", str(log), str(TEMPLATE),
+                  sys.executable, str(TRAIN), "--steps", str(STEPS), "--ckpt-dir", str(ckpt),
+                  "--policy", f"fixed:{EVERY}", "--step-time", "0.1")
+    logfile = Path(str(log).replace("%j", job))
+    text = lambda: logfile.read_text() if logfile.exists() else ""  # noqa: E731
+    try:
+        # 1. preempted a few seconds after it started training
+        _wait("the first step", lambda: "step=1 " in text(), 180, text)
+        time.sleep(3)
+        urgent = _preempt(slurm_cluster)
+        # 2. after the requeue, a node fails once a checkpoint past the resumed step is committed
+        _wait("attempt 2", lambda: len(_starts(ckpt)) >= 2, 180, text)
+        resumed2 = _starts(ckpt)[1]["resumed_step"]
+        _wait("a checkpoint in attempt 2", lambda: any(e["event"] == "checkpoint" and e["attempt"] == 2
+                                                        for e in read_events(ckpt)), 120, text)
+        time.sleep(2)
+        slurm_cluster.run(str(slurm_cluster.devcluster), "fail", "n2", "--reason", "session test node failure")
+        slurm_cluster.wait_state(job, ("PENDING",), timeout=120)
+        slurm_cluster.run(str(slurm_cluster.devcluster), "recover", "n2")
+        # 3. attempt 3 runs into its time limit, 4 (or more) finishes
+        rows = slurm_cluster.wait_gone(job, timeout=600)
+    finally:
+        slurm_cluster.run(str(slurm_cluster.devcluster), "recover", "n2", check=False)
+    out = text()
+    events = read_events(ckpt)
+    print(out[-4000:], rows, *[e for e in events if e["event"] != "losses"], sep="\n")
+    assert _hash(out) == ref                                        # bit-exact after all of it
+    states = [r["State"] for r in rows]
+    assert states[-1] == "COMPLETED" and "NODE_FAIL" in states and len(rows) >= 4, rows   # sacct shows them
+    starts = _starts(ckpt)
+    reasons = [s["prev_end"]["reason"] for s in starts]
+    assert reasons[:4] == ["none", "preemption", "node_failure", "time_limit"], reasons
+    assert all(r == "time_limit" for r in reasons[4:]), reasons     # a slow machine may need another
+    stops = {e["attempt"]: e for e in events if e["event"] == "stop"}
+    assert stops[1]["reason"] == "preemption" and stops[3]["reason"] == "time_limit", stops
+    for a in (1, 3):                      # preemption and time limit repeat nothing (at most one step)
+        nxt = starts[a]
+        assert nxt["resumed_step"] == stops[a]["step"] and nxt["steps_lost"] == 0, nxt
+        k = stops[a]["step"]
+        assert [len(re.findall(rf"^step={n} ", out, re.M)) for n in (k, k + 1)] == [1, 1], k
+    # node failure: resumed from the newest checkpoint committed before it; lost only what came after
+    ckpts2 = [e["step"] for e in events if e["event"] == "checkpoint" and e["attempt"] == 2]
+    assert starts[2]["resumed_step"] == max(ckpts2) > resumed2
+    assert starts[2]["steps_lost"] is not None and starts[2]["steps_lost"] <= EVERY + 60, starts[2]
+    for r in (e for e in events if e["event"] == "resumed"):
+        lat = r["restart_latency_s"]
+        assert lat["total"] is not None and lat["slurm_requeue_s"] is not None and lat["restore_s"] >= 0, r
+    assert [e for e in events if e["event"] == "end"][-1]["status"] == "completed"
+    assert slurm_cluster.wait_gone(urgent, timeout=60)[-1]["State"] == "COMPLETED"
+
+
+def test_max_requeues_and_no_progress_stop_a_job_with_a_message(slurm_cluster: SlurmCluster) -> None:
+    wd = slurm_cluster.workdir / "giveup"
+    wd.mkdir()
+    common = ["-N", "1", "--time=5", str(TEMPLATE), sys.executable, str(TRAIN), "--steps", "100000",
+              "--step-time", "0.05"]
+    a = _submit(slurm_cluster, "-o", str(wd / "a.out"), *common, "--ckpt-dir", str(wd / "a"), "--policy", "fixed:10",
+                env=",COCI_MAX_REQUEUES=1")
+    b = _submit(slurm_cluster, "-o", str(wd / "b.out"), *common, "--ckpt-dir", str(wd / "b"),
+                "--policy", "fixed:1000000", env=",COCI_NO_PROGRESS_LIMIT=1")
+    # requeue by hand: A twice (after it checkpointed each time), B once (it never checkpoints)
+    for n in (1, 2):
+        _wait(f"A attempt {n} checkpoint", lambda: any(e["event"] == "checkpoint" and e["attempt"] == n
+                                                       for e in read_events(wd / "a")), 180)
+        if n == 1:
+            _wait("B attempt 1", lambda: _starts(wd / "b"), 180)
+            slurm_cluster.run("scontrol", "requeue", b)
+        slurm_cluster.run("scontrol", "requeue", a)
+    rows_a = slurm_cluster.wait_gone(a, timeout=240)
+    rows_b = slurm_cluster.wait_gone(b, timeout=240)
+    print(rows_a, rows_b, (wd / "a.out").read_text()[-1500:], (wd / "b.out").read_text()[-1500:], sep="\n")
+    assert rows_a[-1]["State"] == "FAILED" and rows_b[-1]["State"] == "FAILED"   # non-zero, not requeued
+    end_a, end_b = read_events(wd / "a")[-1], read_events(wd / "b")[-1]
+    assert end_a["event"] == "end" and end_a["status"] == "gave_up" and "--max-requeues 1" in end_a["message"]
+    assert end_b["event"] == "end" and end_b["status"] == "gave_up" and "no-progress" in end_b["message"]
+    assert [s["prev_end"]["reason"] for s in _starts(wd / "a")] == ["none", "requeue_by_hand", "requeue_by_hand"]
+    assert "giving up: the job was requeued 2 times" in (wd / "a.out").read_text()
+    assert "giving up: 2 attempts in a row started from step 0" in (wd / "b.out").read_text()
+
+
+def test_array_template_runs_each_task_in_its_own_directory(slurm_cluster: SlurmCluster) -> None:
+    wd = slurm_cluster.workdir / "array"
+    wd.mkdir()
+    ref = _hash(run_ranks(0, str(TRAIN), "--steps", "60", "--ckpt-dir", str(wd / "ref"), "--policy", "fixed:20",
+                          "--seed", "1").stdout)
+    job = _submit(slurm_cluster, "--array=0-1", "-o", str(wd / "%A_%a.out"), str(ARRAY), sys.executable, str(TRAIN),
+                  "--steps", "60", "--ckpt-dir", str(wd / "sweep"), "--policy", "fixed:20", "--seed", "%a")
+    for task in (0, 1):
+        rows = slurm_cluster.wait_gone(f"{job}_{task}", timeout=240)
+        assert rows[-1]["State"] == "COMPLETED", rows
+        ev = read_events(wd / "sweep" / f"task{task}")
+        assert ev[0]["job_id"] and ev[-1]["event"] == "end" and ev[-1]["status"] == "completed"
+    out0, out1 = ((wd / f"{job}_{t}.out").read_text() for t in (0, 1))
+    assert f"array job {job} task 1" in out1
+    assert _hash(out1) == ref and _hash(out0) != ref            # %a became the seed of each task

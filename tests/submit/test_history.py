@@ -1,0 +1,129 @@
+"""coci-status on a made-up event log (the contract's records) and a fake sacct: text, JSON, PNG."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from coci_hpc import history
+from coci_hpc.cli.status import main
+
+T0 = 1_795_000_000.0
+
+
+def _rec(event: str, attempt: int, wall: float, job: str | None = "77", **kw) -> dict:
+    return {"v": 1, "event": event, "wall": T0 + wall, "attempt": attempt, "job_id": job, **kw}
+
+
+def _losses(a: int, wall: float, lo: int, hi: int) -> dict:
+    steps = list(range(lo + 1, hi + 1))  # the Session logs the number of steps done
+    return _rec("losses", a, wall, steps=steps, values=[2.0 * math.exp(-s / 150) + 0.1 for s in steps])
+
+
+def story() -> list[dict]:
+    """Preempted at 120 (saved), node failure at 260 (last checkpoint 250), time limit at 330, done at 400."""
+    none = {"reason": "none", "source": "none", "detail": "first attempt"}
+    lat = lambda tot, rq, ps, rs: {"total": tot, "slurm_requeue_s": rq, "process_start_s": ps, "restore_s": rs}
+    return [
+        _rec("attempt_start", 1, 0, nodes=["n1", "n2"], ranks=2, policy="fixed:50", restart_count=0,
+             prev_end=none, resumed_step=None, steps_lost=None),
+        _rec("checkpoint", 1, 10, step=50, kind="planned", blocking_s=0.02, persist_s=0.1),
+        _rec("checkpoint", 1, 20, step=100, kind="planned", blocking_s=0.02, persist_s=0.1),
+        _losses(1, 25, 0, 120),
+        _rec("checkpoint", 1, 25, step=120, kind="stop", blocking_s=0.03, persist_s=None),
+        _rec("stop", 1, 25, step=120, reason="preemption", signal="SIGUSR2", requeued=True, detail=""),
+        _rec("attempt_start", 2, 50, nodes=["n1", "n2"], ranks=2, policy="fixed:50", restart_count=1,
+             prev_end={"reason": "preemption", "source": "session", "detail": "stopped at step 120"},
+             resumed_step=120, steps_lost=0),
+        _rec("resumed", 2, 53, step=120, restart_latency_s=lat(28.0, 22.0, 4.5, 1.5)),
+        _rec("checkpoint", 2, 60, step=150, kind="planned", blocking_s=0.02, persist_s=0.1),
+        _rec("checkpoint", 2, 70, step=200, kind="planned", blocking_s=0.02, persist_s=0.1),
+        _rec("checkpoint", 2, 80, step=250, kind="planned", blocking_s=0.02, persist_s=0.1),
+        _losses(2, 80, 120, 260),
+        _rec("attempt_start", 3, 120, nodes=["n1", "n3"], ranks=2, policy="fixed:50", restart_count=2,
+             prev_end={"reason": "node_failure", "source": "sacct", "detail": "NODE_FAIL"},
+             resumed_step=250, steps_lost=10),
+        _rec("resumed", 3, 124, step=250, restart_latency_s=lat(40.0, 35.0, 3.5, 1.5)),
+        _losses(3, 140, 250, 330),
+        _rec("checkpoint", 3, 140, step=330, kind="stop", blocking_s=0.03, persist_s=None),
+        _rec("stop", 3, 140, step=330, reason="time_limit", signal="SIGUSR2", requeued=True, detail=""),
+        _rec("attempt_start", 4, 170, nodes=["n1", "n2"], ranks=2, policy="fixed:50", restart_count=3,
+             prev_end={"reason": "time_limit", "source": "session", "detail": "stopped at step 330"},
+             resumed_step=330, steps_lost=0),
+        _rec("resumed", 4, 173, step=330, restart_latency_s=lat(30.0, 25.0, 3.0, 2.0)),
+        _losses(4, 190, 330, 400),
+        _rec("checkpoint", 4, 190, step=400, kind="final", blocking_s=0.03, persist_s=0.1),
+        _rec("end", 4, 190, step=400, status="completed", message="done"),
+    ]
+
+
+SACCT = "\n".join([
+    "77|PREEMPTED|2026-11-22T10:00:00|2026-11-22T10:00:25|n[1-2]",
+    "77|NODE_FAIL|2026-11-22T10:00:50|2026-11-22T10:01:40|n[1-2]",
+    "77|TIMEOUT|2026-11-22T10:02:00|2026-11-22T10:02:20|n[1,3]",
+    "77|COMPLETED|2026-11-22T10:02:50|2026-11-22T10:03:10|n[1-2]",
+]) + "\n"
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    text = "".join(json.dumps(r) + "\n" for r in story())
+    (d / "events.jsonl").write_text(text + '{"v": 1, "event": "loss')   # a torn last line is skipped
+    return d
+
+
+def test_build_classifies_each_attempt_end(run_dir: Path) -> None:
+    seen = []
+    h = history.load(run_dir, runner=lambda argv: seen.append(argv) or SACCT)
+    assert seen and seen[0][0] == "sacct" and "77" in seen[0]
+    assert [a.ended for a in h.attempts] == ["preemption", "node_failure", "time_limit", "completed"]
+    assert [a.sacct_state for a in h.attempts] == ["PREEMPTED", "NODE_FAIL", "TIMEOUT", "COMPLETED"]
+    assert [a.steps_lost for a in h.attempts] == [None, 0, 10, 0] and h.steps_lost_total == 10
+    assert [a.last_step for a in h.attempts] == [120, 260, 330, 400]
+    assert h.status == "completed" and h.final_step == 400
+    assert [c["kind"] for c in h.checkpoints].count("stop") == 2
+    assert h.attempts[2].restart_latency_s == {"total": 40.0, "slurm_requeue_s": 35.0,
+                                               "process_start_s": 3.5, "restore_s": 1.5}
+
+
+def test_text_json_and_png(run_dir: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(history.commands, "run_command", lambda argv, timeout=60.0: SACCT)
+    png = run_dir / "h.png"
+    assert main([str(run_dir), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "4 attempt(s), job(s) 77, status completed at step 400" in out
+    rows = [ln for ln in out.splitlines() if ln[:3].strip().isdigit()]
+    assert len(rows) == 4
+    assert "node_failure [sacct]" in rows[1] and "NODE_FAIL" in rows[1]
+    assert rows[2].split()[4:11] == ["250", "10", "40.0", "35.0", "3.5", "1.5", "330"]
+    assert "checkpoints: 8 (final 1, planned 5, stop 2)" in out and "steps lost in total: 10" in out
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    assert main([str(run_dir), "--json", "--no-png"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [a["ended"] for a in d["attempts"]] == ["preemption", "node_failure", "time_limit", "completed"]
+    assert d["steps_lost_total"] == 10 and len(d["losses"]["steps"]) == 400 + 10
+    assert d["png"] is None
+
+
+def test_sacct_unavailable_is_said(run_dir: Path) -> None:
+    from coci_hpc.errors import SlurmError
+
+    def down(argv):
+        raise SlurmError("`sacct` not found on PATH")
+    h = history.load(run_dir, runner=down)
+    assert h.sacct_note == "sacct unavailable: `sacct` not found on PATH"
+    assert [a.ended for a in h.attempts] == ["preemption", "node_failure", "time_limit", "completed"]
+    assert "sacct: sacct unavailable" in history.render_text(h)
+
+
+def test_no_event_log(tmp_path: Path, capsys) -> None:
+    (tmp_path / "task3").mkdir()
+    (tmp_path / "task3" / "events.jsonl").write_text("")
+    assert main([str(tmp_path), "--no-sacct"]) == 2
+    err = capsys.readouterr().err
+    assert "no event log" in err and "array run" in err and "task3" in err
