@@ -36,7 +36,6 @@ from dataclasses import replace
 
 import numpy as np
 
-from coci_hpc.planner import failures as fmod
 from coci_hpc.planner import simulator as sim
 from coci_hpc.planner.convergence import fit_curve
 from coci_hpc.planner.costs import Costs

@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from coci_hpc.cli.common import run_cli
-from coci_hpc.errors import InputFormatError, PlannerError, UsageError
+from coci_hpc.errors import PlannerError, UsageError
 from coci_hpc.planner import failures as fmod
 from coci_hpc.planner import simulator as sim
 from coci_hpc.planner.convergence import CurveFit, FitOutcome, fit_curve

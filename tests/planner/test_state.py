@@ -60,3 +60,22 @@ def test_state_version_checked():
     st["version"] = 99
     with pytest.raises(ValueError):
         OnlinePlanner.from_state(st)
+
+
+def test_online_planner_passes_hazard_and_time_since_failure_and_keeps_it():
+    from dataclasses import replace
+    model = replace(from_mtbf(24 * 3600), distribution="weibull", weibull_shape=0.5)
+    fresh = OnlinePlanner("coci", model, 1, Costs(30.0, 150.0), 86400.0)
+    restarted = OnlinePlanner("coci", model, 1, Costs(30.0, 150.0), 86400.0,
+                              time_since_failure_s=150.0)
+    assert restarted.plan.params["mode"] == "hazard"
+    assert restarted.plan.params["time_since_failure_s"] == 150.0
+    assert restarted.plan.times[0] < fresh.plan.times[0]      # sooner right after a failure
+    state = json.loads(json.dumps(restarted.to_state()))
+    back = OnlinePlanner.from_state(state)
+    assert back.time_since_failure_s == 150.0 and back.plan == restarted.plan
+    # a re-plan later in the run sees the failure further in the past
+    later = back.replan(1000, 3600.0)
+    assert later.params["time_since_failure_s"] == 3750.0
+    del state["time_since_failure_s"]                         # states written before this field
+    assert OnlinePlanner.from_state(state).time_since_failure_s is None
