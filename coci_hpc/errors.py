@@ -74,6 +74,10 @@ class CheckpointCorrupt(CheckpointError):
     exit_code = 7
 
 
+class CheckpointLocked(CheckpointError):
+    """Another live writer holds the checkpoint directory (its lock file names it)."""
+
+
 class CommError(CociError):
     """One or more ranks failed in a collective step; raised on every rank, naming the failed ones."""
 

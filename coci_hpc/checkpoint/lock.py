@@ -31,14 +31,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from coci_hpc.errors import CheckpointError
+from coci_hpc.errors import CheckpointLocked
 from coci_hpc.slurm.env import JobEnvironment
 
 LOCK_FILE = ".coci-writer.lock"
-
-
-class CheckpointLocked(CheckpointError):
-    """Another live writer holds the checkpoint directory."""
+__all__ = ["LOCK_FILE", "CheckpointLocked", "DirectoryLock", "Holder", "is_stale"]
 
 
 @dataclass(frozen=True)

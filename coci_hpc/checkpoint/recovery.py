@@ -53,8 +53,13 @@ def is_damage(exc: BaseException) -> bool:
 
 
 def warn(message: str) -> None:
-    """Loud on purpose: a fallback loses training progress and the user must know why."""
-    log.warning(message)
+    """Loud on purpose: a fallback loses training progress and the user must know why.
+
+    Always on stderr; also to ``logging`` when the application configured a handler (without
+    one, logging's last-resort handler would print the same line to stderr a second time).
+    """
+    if log.hasHandlers():
+        log.warning(message)
     print(f"coci_hpc: WARNING: {message}", file=sys.stderr, flush=True)
 
 

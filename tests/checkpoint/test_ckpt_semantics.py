@@ -17,7 +17,7 @@ from coci_hpc.checkpoint.lock import LOCK_FILE, CheckpointLocked, DirectoryLock,
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointError, CommError, UsageError
 from coci_hpc.slurm.env import JobEnvironment
-from tests.checkpoint.helpers import canonical, empty_state, full_state
+from tests.checkpoint.helpers import canonical, full_state
 
 pytestmark = pytest.mark.timeout(120)
 
