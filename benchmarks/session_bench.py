@@ -102,7 +102,10 @@ def worker(a: argparse.Namespace) -> None:
 
     rounds = []
     for r in range(a.rounds):
-        (b, bm), (s, sm) = bare(), with_session(r)
+        if r % 2:   # alternate which side goes first, so that drift hits both alike
+            (s, sm), (b, bm) = with_session(r), bare()
+        else:
+            (b, bm), (s, sm) = bare(), with_session(r)
         rounds.append({"bare_steps_s": b, "session_steps_s": s, "ratio": s / b,
                        "bare_median_step_ms": 1000 * bm, "session_median_step_ms": 1000 * sm,
                        "median_step_ratio": bm / sm})
