@@ -30,8 +30,7 @@ class TorchComm(Comm):
         self.group = group if group is not None else (
             dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None)
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        self._buf = torch.zeros(3, dtype=torch.float64)
-        self._view = self._buf.numpy()   # shares memory: no allocation per step
+        self._views: dict[int, torch.Tensor] = {}
 
     @classmethod
     def if_distributed(cls) -> "TorchComm | None":
@@ -72,8 +71,11 @@ class TorchComm(Comm):
         # Completed at once: the two-phase saver only needs the result by its next call.
         return PendingMin(None, self.allreduce_min(value))
 
-    def allreduce_max_array(self, send: np.ndarray, recv: np.ndarray) -> None:
-        """The session's per-step allreduce, into a tensor allocated once (3 doubles)."""
-        self._view[:] = send
-        dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group)
-        recv[:] = self._view
+    def iallreduce_max_array(self, send: np.ndarray, recv: np.ndarray) -> Any:
+        """The session's per-step allreduce, started now and completed by the handle's ``wait()``
+        into ``recv`` (a tensor view of it is made once per buffer: no allocation per step)."""
+        view = self._views.get(id(recv))
+        if view is None:
+            view = self._views[id(recv)] = torch.from_numpy(recv)
+        recv[:] = send
+        return dist.all_reduce(view, op=dist.ReduceOp.MAX, group=self.group, async_op=True)

@@ -161,8 +161,8 @@ def _i(x: Any) -> str:
     return "-" if x is None else str(x)
 
 
-def _s(x: Any) -> str:
-    return "-" if x is None else f"{x:.1f}"
+def _s(x: Any, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def render_text(h: RunHistory) -> str:
@@ -182,7 +182,7 @@ def render_text(h: RunHistory) -> str:
             f"{a.attempt:>3} {str(a.job_id or '-'):>7} {','.join(a.nodes)[:10]:<10} {_clock(a.start_wall):>8} "
             f"{_i(a.resumed_step if a.resumed_step is not None else 0):>6} {_i(a.steps_lost):>5} "
             f"{_s(lat.get('total')):>9} {_s(lat.get('slurm_requeue_s')):>9} {_s(lat.get('process_start_s')):>7} "
-            f"{_s(lat.get('restore_s')):>9} {_i(a.last_step):>6}  "
+            f"{_s(lat.get('restore_s'), 2):>9} {_i(a.last_step):>6}  "
             f"{(a.ended + (' [' + a.ended_source + ']' if a.ended_source else ''))[:28]:<28} {a.sacct_state or '-'}")
     kinds: dict[str, int] = {}
     for c in h.checkpoints:
@@ -208,6 +208,7 @@ _REASON_COLOURS = {"preemption": "tab:red", "time_limit": "tab:orange", "node_fa
 def plot(h: RunHistory, path: str | Path) -> Path:
     """PNG of the loss curve, one colour per attempt, with checkpoints and interruptions marked."""
     import matplotlib
+    import numpy as np
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -217,8 +218,16 @@ def plot(h: RunHistory, path: str | Path) -> Path:
         if v is not None:
             by_attempt.setdefault(n, ([], []))[0].append(s)
             by_attempt[n][1].append(v)
+    total = sum(len(xs) for xs, _ in by_attempt.values())
+    window = max(1, total // 80)   # a real loss is noisy: the raw curve faint, a running mean on top
     for n, (xs, ys) in sorted(by_attempt.items()):
-        ax.plot(xs, ys, lw=1.4, color=_ATTEMPT_COLOURS[(n - 1) % len(_ATTEMPT_COLOURS)], label=f"attempt {n}")
+        colour = _ATTEMPT_COLOURS[(n - 1) % len(_ATTEMPT_COLOURS)]
+        if window > 1 and len(ys) >= window:
+            ax.plot(xs, ys, lw=0.6, alpha=0.3, color=colour)
+            mean = np.convolve(ys, np.ones(window) / window, mode="valid")
+            ax.plot(xs[window - 1:], mean, lw=1.8, color=colour, label=f"attempt {n}")
+        else:
+            ax.plot(xs, ys, lw=1.4, color=colour, label=f"attempt {n}")
     ymin, ymax = ax.get_ylim()
     # Checkpoints: markers along the bottom axis (planned hollow, stop-time saves filled, final a star).
     ck: dict[str, list[int]] = {}
@@ -231,6 +240,7 @@ def plot(h: RunHistory, path: str | Path) -> Path:
         ax.plot(xs, [ymin] * len(xs), marker, ms=size, mfc=face, mec="black", ls="none",
                 clip_on=False, zorder=5, label=f"checkpoint ({kind})")
     seen: set[str] = set()
+    labels: list[str] = []
     for a, nxt in zip(h.attempts, h.attempts[1:]):
         reason = a.ended.split(" ")[0]
         x = a.last_step if a.last_step is not None else nxt.resumed_step
@@ -241,8 +251,11 @@ def plot(h: RunHistory, path: str | Path) -> Path:
         seen.add(reason)
         if nxt.resumed_step is not None and nxt.resumed_step < x:
             ax.axvspan(nxt.resumed_step, x, color=colour, alpha=0.12, lw=0)
-        ax.annotate(f"{reason}\n{nxt.steps_lost or 0} lost", (x, ymax), xytext=(3, -4),
-                    textcoords="offset points", va="top", fontsize=8, color=colour)
+        # Interruptions close together would print over each other: step the labels down.
+        ax.annotate(f"{reason}\n{nxt.steps_lost or 0} lost", (x, ymax), xytext=(3, -4 - 26 * (len(labels) % 3)),
+                    textcoords="offset points", va="top", fontsize=8, color=colour,
+                    bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8})
+        labels.append(reason)
     ax.set_ylim(ymin, ymax)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")

@@ -184,6 +184,8 @@ class Session:
             raise GaveUpError(verdict, hint="fix the cause shown in the previous attempts' logs, then "
                                             "resubmit (raise --max-requeues / COCI_NO_PROGRESS_LIMIT if "
                                             "the restarts were expected)")
+        # The first boundary's agreement is sent now (the pipeline is one step deep).
+        self.sync.send(self._stop_level() if self.recorder.received else 0, self._decide(self.step + 1), False)
         return self.step
 
     def _read_history(self) -> dict[str, Any]:
@@ -233,28 +235,32 @@ class Session:
     # -- the step boundary ---------------------------------------------------------------------------
     def _after_step(self, step: int, dt: float, total: int) -> None:
         self.step = step
-        save_local = False
         if self.rank == 0:
             self._record_loss(step)
-            if self._every is not None:
-                save_local = step % self._every == 0
-            else:
-                assert self.schedule is not None
-                self.schedule.observe(step, self._loss, dt)
-                save_local = self.schedule.decide(step)
-        elif self.schedule is not None:
-            self.schedule.observe(step, math.nan, dt)
-        in_flight = self.mgr.persist_in_flight
-        level, save, busy = self.sync.exchange(self._stop_level() if self.recorder.received else 0,
-                                               save_local, in_flight and not _persist_done(self.mgr))
-        if in_flight and not busy:
+        if self.schedule is not None:
+            self.schedule.observe(step, self._loss if self.rank == 0 else math.nan, dt)
+        # What every rank agreed on at the previous boundary (the one collective, pipelined).
+        level, save, busy = self.sync.receive()
+        if self.mgr.persist_in_flight and not busy:
             self._commit_async()
         if level >= STOP and step < total:      # a stop at the very end is just the end
             self._stop(step)
         if level == LEAVE and step < total:
             self._leave(step)
-        if save and step < total:        # the last step gets the final save instead
+        if save and step < total:               # the last step gets the final save instead
             self._save(step)
+        self.sync.send(self._stop_level() if self.recorder.received else 0,
+                       self._decide(step + 1) if step + 1 < total else False,
+                       self.mgr.persist_in_flight and not _persist_done(self.mgr))
+
+    def _decide(self, step: int) -> bool:
+        """Rank 0: whether to checkpoint after ``step`` (other ranks send False)."""
+        if self.rank != 0:
+            return False
+        if self._every is not None:
+            return step % self._every == 0
+        assert self.schedule is not None
+        return self.schedule.decide(step)
 
     def _stop_level(self) -> int:
         """USR1/USR2 (the job's --signal: time limit or preemption) ask for a stop-save-requeue.
@@ -362,6 +368,7 @@ class Session:
         raise SystemExit(0)
 
     def _finish(self, total: int) -> None:
+        self.sync.receive()                # complete the last boundary's allreduce on every rank
         if self.mgr.persist_in_flight:
             self._commit_async()
         if self.mgr.latest_step() != total:

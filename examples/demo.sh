@@ -1,47 +1,99 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine: set up, bring up the local Slurm cluster, then
-#   1. a 2-node MPI job writes one parallel HDF5 file through MPI-IO (and says where it is);
-#   2. a 2-node data-parallel training job is preempted by an `urgent` job, checkpoints at the next
-#      step boundary, requeues itself, resumes from the newest committed checkpoint, and ends with
-#      the same parameter hash as an uninterrupted run of the same training.
+# The user's whole story on a fresh machine, through coci-submit:
+#   set up, bring up the local Slurm cluster, then examples/train.py on 2 nodes of `gpu` is
+#   1. preempted by an `urgent` job   -> stops at the next step boundary, saves, requeues itself;
+#   2. loses a node (devcluster fail)  -> Slurm requeues it (NODE_FAIL); it resumes from the last checkpoint;
+#   3. runs out of time once           -> its limit is cut (scontrol update TimeLimit); warned
+#                                         --signal-lead seconds before it, saves, requeues;
+#   4. finishes.
+# Then it prints the run's history (coci-status), checks the final parameters against an uninterrupted
+# `mpiexec -n 2` run of the same seed, and writes the loss plot (PNG).
+#
+# Knobs (environment): COCI_DEMO_DIR (output, default out/demo), COCI_DEMO_STEPS (default 1500),
+# COCI_DEVCLUSTER_DIR (the cluster's state directory). A cluster this script started is stopped at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 bash slurm/setup
+was_up=0; slurm/devcluster status >/dev/null 2>&1 && was_up=1
 slurm/devcluster up
-PY=$PWD/.venv/bin/python
-OUT=${COCI_DEMO_DIR:-$PWD/out/demo}
+eval "$(slurm/devcluster env)"
+PY=$ROOT/.venv/bin/python
+OUT=${COCI_DEMO_DIR:-$ROOT/out/demo}
+STEPS=${COCI_DEMO_STEPS:-1500}
+SEED=7
 rm -rf "$OUT" && mkdir -p "$OUT"
-wait_gone() { while [ -n "$(squeue -h -j "$1" 2>/dev/null)" ]; do sleep 1; done; sleep 1; }
+say() { echo "[demo $(date +%H:%M:%S)] $*"; }
+cleanup() {
+  [ -n "${failed_node:-}" ] && slurm/devcluster recover "$failed_node" || true
+  [ -n "${job:-}" ] && scancel "$job" 2>/dev/null || true
+  [ "$was_up" = 1 ] || slurm/devcluster down >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
+# n-th event of a kind in the run's event log (the Session writes it; rank 0, one JSON line each)
+count() { if [ -f "$OUT/ckpt/events.jsonl" ]; then grep -c "\"event\":\"$1\"" "$OUT/ckpt/events.jsonl" || true; else echo 0; fi; }
+wait_for() {  # wait_for EVENT N WHAT: until the log has N records of EVENT
+  local t=0
+  until [ "$(count "$1")" -ge "$2" ]; do
+    sleep 0.5; t=$((t + 1))
+    [ "$t" -lt 600 ] || { say "timed out waiting for $3"; exit 1; }
+  done
+}
 
-job=$(sbatch --parsable -N 2 --ntasks-per-node=1 -o "$OUT/mpi-%j.out" \
-  --wrap "srun --mpi=pmix $PY $PWD/examples/mpi_hdf5_hello.py $OUT/hello.h5")
-echo "[demo] 1. submitted job $job (2 nodes, 2 MPI ranks, srun --mpi=pmix)"
-wait_gone "$job"
-cat "$OUT/mpi-$job.out"
-state=$(sacct -X -n -P -j "$job" --format=State | tail -1)
-echo "[demo] sacct says job $job: $state"
-[ "$state" = COMPLETED ] || exit 1
-echo "[demo] parallel HDF5 file written by 2 ranks on 2 nodes: $OUT/hello.h5"
-
-STEPS=400
-TRAIN="$PWD/examples/train_resumable.py --steps $STEPS --ckpt-every 100"
-echo "[demo] 2. uninterrupted reference run (mpiexec -n 2)"
+say "0. uninterrupted reference: mpiexec -n 2 python examples/train.py --steps $STEPS --seed $SEED"
 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpiexec --allow-run-as-root --oversubscribe -n 2 \
-  "$PY" -m mpi4py $TRAIN --ckpt-dir "$OUT/ckpt-ref" > "$OUT/reference.out"
-ref=$(grep -o 'PARAM_HASH [0-9a-f]*' "$OUT/reference.out")
-job=$(sbatch --parsable --time=10 -o "$OUT/train-%j.out" slurm/templates/train_preemptible.sbatch \
-  "$PY" $TRAIN --ckpt-dir "$OUT/ckpt" --preemptible --signal-lead 60 --step-sleep 0.05)
-echo "[demo] submitted preemptible training job $job to partition gpu"
-until grep -q "saved step 100" "$OUT/train-$job.out" 2>/dev/null; do sleep 0.5; done
-sleep 2
-urgent=$(sbatch --parsable -p urgent -N 1 -o /dev/null --wrap "sleep 2")
-echo "[demo] submitted urgent job $urgent: it preempts job $job"
-wait_gone "$job"
-cat "$OUT/train-$job.out"
-sacct -X -D -P -j "$job" --format=JobID,State,Start,End,NodeList
-got=$(grep -o 'PARAM_HASH [0-9a-f]*' "$OUT/train-$job.out")
-echo "[demo] reference: $ref"
-echo "[demo] preempted: $got"
-[ "$ref" = "$got" ] || { echo "[demo] MISMATCH"; exit 1; }
-"$PY" -m coci_hpc.cli.ckpt list "$OUT/ckpt"
-echo "[demo] the preempted, requeued job ended bit-identical to the uninterrupted run; checkpoints in $OUT/ckpt"
+  "$PY" -m mpi4py examples/train.py --steps "$STEPS" --seed "$SEED" --policy fixed:50 --ckpt-dir "$OUT/ckpt-ref" \
+  > "$OUT/reference.out"
+ref=$(grep -o 'final_params_sha256=[0-9a-f]*' "$OUT/reference.out" | tail -1)
+say "reference: $ref"
+
+say "submitting: coci-submit --partition gpu --nodes 2 --time 10 --signal-lead 60 --policy fixed:50 examples/train.py ..."
+"$ROOT/.venv/bin/coci-submit" --partition gpu --nodes 2 --time 10 --signal-lead 60 --policy fixed:50 \
+  --job-name demo --output-dir "$OUT/run" --ckpt-dir "$OUT/ckpt" \
+  examples/train.py --steps "$STEPS" --seed "$SEED" --step-time 0.05 | tee "$OUT/submit.out"
+job=$(grep -o 'submitted job [0-9]*' "$OUT/submit.out" | grep -o '[0-9]*$')
+
+# Spread the three interruptions over the run so that the loss plot shows each one apart.
+wait_for checkpoint 4 "the fourth checkpoint"
+say "1. an urgent job needs a node: Slurm preempts job $job"
+sbatch -p urgent -N 1 -o /dev/null --wrap "sleep 2" >/dev/null
+wait_for resumed 1 "the job to resume after the preemption"
+
+ckpts=$(count checkpoint)
+wait_for checkpoint $((ckpts + 4)) "four checkpoints in the second attempt"
+sleep 1.5
+failed_node=n2
+say "2. node $failed_node fails under job $job (slurm/devcluster fail $failed_node)"
+slurm/devcluster fail "$failed_node" --reason "demo: node failure"
+until [ "$(squeue -h -j "$job" -o %T)" = PENDING ]; do sleep 0.5; done
+sleep 3
+slurm/devcluster recover "$failed_node"
+failed_node=
+wait_for resumed 2 "the job to resume after the node failure"
+
+sleep 8
+# Cut this attempt's limit to 30-90 s from now: the --signal-lead warning (60 s) comes at once or soon.
+run=$(scontrol show job -o "$job" | grep -o 'RunTime=[0-9:-]*' | cut -d= -f2)
+secs=$(echo "$run" | awk -F: '{ print (NF == 3) ? $1 * 3600 + $2 * 60 + $3 : $1 * 60 + $2 }')
+limit=$(( (secs + 30) / 60 + 1 ))
+say "3. the attempt has run ${secs}s; its time limit is cut to ${limit} min (scontrol update TimeLimit=$limit)"
+scontrol update jobid="$job" TimeLimit="$limit"
+wait_for stop 2 "the time-limit stop"
+scontrol update jobid="$job" TimeLimit=10   # the requeued attempt gets its 10 minutes back
+wait_for resumed 3 "the job to resume after the time limit"
+
+say "4. letting it finish"
+while [ -n "$(squeue -h -j "$job" 2>/dev/null)" ]; do sleep 1; done
+sleep 1
+job_done=$job; job=
+sacct -X -D -P -j "$job_done" --format=JobID,State,Start,End,NodeList,ExitCode
+
+echo
+"$ROOT/.venv/bin/coci-status" "$OUT/ckpt" --png "$OUT/history.png"
+echo
+got=$(grep -o 'final_params_sha256=[0-9a-f]*' "$OUT/run/logs/${job_done}_0_log.out" | tail -1)
+say "reference:   $ref"
+say "coci-submit: $got"
+[ -n "$got" ] && [ "$ref" = "$got" ] || { say "MISMATCH"; exit 1; }
+say "preempted, lost a node, hit its time limit once, and still ended bit-identical to the uninterrupted run"
+say "loss plot: $OUT/history.png; logs: $OUT/run/logs; checkpoints: $OUT/ckpt"

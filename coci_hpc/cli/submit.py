@@ -91,8 +91,12 @@ def _main(argv: Sequence[str] | None) -> int:
     print(f"  batch script   {sub.batch_script}")
     print(f"  rank 0 log     {sub.log_paths[0]}")
     print(f"  rank 0 errors  {sub.log_paths[1]}   (rank N: ..._N_log.*)")
-    print(f"  checkpoints    {spec.ckpt_dir}")
-    print(f"  history        coci-status {shlex.quote(str(spec.ckpt_dir))}")
+    if spec.array is None:
+        print(f"  checkpoints    {spec.ckpt_dir}")
+        print(f"  history        coci-status {shlex.quote(str(spec.ckpt_dir))}")
+    else:  # the Session gives each array task its own directory
+        print(f"  checkpoints    {spec.ckpt_dir}/task<ID>  (ID 0..{spec.array[0] - 1})")
+        print(f"  history        coci-status {shlex.quote(str(spec.ckpt_dir / 'task0'))}  (one per task)")
     return 0
 
 

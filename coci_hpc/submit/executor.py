@@ -6,11 +6,13 @@ the exact text :func:`submit` hands to ``sbatch`` (a test compares the two throu
 """
 from __future__ import annotations
 
+import shlex
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from coci_hpc.errors import SlurmError
+from coci_hpc.errors import SlurmError, UsageError
 from coci_hpc.submit.runner import ScriptRunner
 from coci_hpc.submit.spec import SubmitSpec, executor_parameters
 
@@ -34,6 +36,10 @@ def _executor(spec: SubmitSpec):
     if shutil.which("srun") is None:
         raise SlurmError("`srun` not found on PATH: coci-submit needs Slurm's client commands",
                          hint="run on a login node of the cluster (for the local one: `slurm/devcluster up`)")
+    if spec.array is not None and spec.python != shlex.quote(sys.executable):
+        # submitit's array path builds a second executor without our `python` (submitit 1.5.4).
+        raise UsageError("--python cannot be combined with --array",
+                         hint="run coci-submit with the interpreter the nodes should use: /path/to/python -m coci_hpc.cli.submit ...")
     ex = submitit.SlurmExecutor(folder=str(spec.log_dir), python=spec.python)
     ex.update_parameters(**executor_parameters(spec))
     if spec.array is not None:

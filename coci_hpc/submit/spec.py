@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from coci_hpc.errors import UsageError
 
@@ -175,7 +176,8 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
                gpus_per_node: int | None = None, cpus_per_task: int | None = None,
                mem: str | None = None, account: str | None = None, qos: str | None = None,
                constraint: str | None = None, array: str | None = None,
-               sbatch_args: Sequence[str] = (), validate_policy=None) -> SubmitSpec:
+               sbatch_args: Sequence[str] = (),
+               validate_policy: Callable[[str], object] | None = None) -> SubmitSpec:
     """Validate the command line into a spec. Relative paths are taken from ``cwd``.
 
     Defaults chosen so that submitting the same command again resumes the same run:
@@ -219,8 +221,6 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
 
 def executor_parameters(spec: SubmitSpec, extra_env: Mapping[str, str] | None = None) -> dict:
     """The keyword arguments for ``submitit.SlurmExecutor.update_parameters`` (its schema)."""
-    import shlex
-
     env = {**spec.coci_env(), **(extra_env or {})}
     params: dict = {
         "job_name": spec.job_name,

@@ -99,7 +99,7 @@ def test_text_json_and_png(run_dir: Path, capsys, monkeypatch: pytest.MonkeyPatc
     rows = [ln for ln in out.splitlines() if ln[:3].strip().isdigit()]
     assert len(rows) == 4
     assert "node_failure [sacct]" in rows[1] and "NODE_FAIL" in rows[1]
-    assert rows[2].split()[4:11] == ["250", "10", "40.0", "35.0", "3.5", "1.5", "330"]
+    assert rows[2].split()[4:11] == ["250", "10", "40.0", "35.0", "3.5", "1.50", "330"]
     assert "checkpoints: 8 (final 1, planned 5, stop 2)" in out and "steps lost in total: 10" in out
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

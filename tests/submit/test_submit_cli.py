@@ -65,11 +65,22 @@ def test_dry_run_is_exactly_what_is_submitted(fake_slurm, capsys) -> None:
     assert re.search(r"rank 0 log\s+\S+/4242_0_log.out", out), out
 
 
-def test_array_dry_run(fake_slurm, capsys) -> None:
-    rc, out, err = _run(capsys, "--dry-run", "--array", "0-3%2", "train.py")
+def test_array_dry_run_is_what_is_submitted(fake_slurm, capsys) -> None:
+    rc, dry, err = _run(capsys, "--dry-run", "--array", "0-3%2", "train.py")
     assert rc == 0, err
-    assert "#SBATCH --array=0-3%2" in out
-    assert "%A_%a_0_log.out" in out
+    assert "#SBATCH --array=0-3%2" in dry
+    assert "%A_%a_0_log.out" in dry
+    rc, out, err = _run(capsys, "--array", "0-3%2", "train.py")
+    assert rc == 0, err
+    assert fake_slurm.sbatch_calls() == [dry]
+    assert "array tasks 4242_0..4242_3" in out and "ckpt/task<ID>  (ID 0..3)" in out
+    # submitit's array path: one pickle per task, each running the same script
+    assert len(list((Path.cwd() / "coci-runs/train/logs").glob("4242_*_submitted.pkl"))) == 4
+
+
+def test_array_with_another_python_is_refused(fake_slurm, capsys) -> None:
+    _assert_refused(fake_slurm, capsys, 2, r"--python cannot be combined with --array",
+                    "--array", "2", "--python", "/opt/py/bin/python", "train.py")
 
 
 def _assert_refused(fake_slurm, capsys, code: int, pattern: str, *argv: str) -> str:
