@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from coci_hpc.checkpoint import CheckpointManager, ResumableSampler
 from coci_hpc.comm import Comm
 from coci_hpc.planner.failures import from_mtbf
+from coci_hpc.planner.profile import Profile
 from coci_hpc.runtime.preemption import PreemptionGuard
 from coci_hpc.runtime.schedule import CheckpointSchedule
 
@@ -178,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     if comm.rank == 0:
         print(f"PARAM_HASH {digest} step {step}", flush=True)
         if args.profile_out:
-            prof = {"samples": samples, "ckpt_cost_s": float(np.mean(ckpt_costs)) if ckpt_costs else None,
-                    "restart_cost_s": None,
-                    "step_time_s": float(np.median(step_times)) if step_times else None}
-            Path(args.profile_out).write_text(json.dumps(prof, indent=1))
+            Profile.from_dict({"samples": samples, "total_steps": args.steps,
+                               "ckpt_cost_s": float(np.mean(ckpt_costs)) if ckpt_costs else None,
+                               "step_time_s": float(np.median(step_times)) if step_times else None}
+                              ).save(args.profile_out)
     return 0
 
 
