@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     sampler = ResumableSampler(args.samples, seed=args.seed, rank=comm.rank, world_size=comm.size)
     planner: dict | CheckpointSchedule = {"ckpt_every": args.ckpt_every}
     if args.plan:
+        # A one-hour horizon: the example runs for minutes.
         planner = CheckpointSchedule(args.plan, from_mtbf(args.mtbf_hours * 3600), nodes=comm.size,
-                                     horizon_s=24 * 3600, comm=comm, warmup_steps=args.plan_warmup)
+                                     horizon_s=3600, comm=comm, warmup_steps=args.plan_warmup)
     schedule = planner if isinstance(planner, CheckpointSchedule) else None
     extras: dict = {}
     state = {"model": model, "optimizer": opt, "scheduler": sched, "loader": sampler,
