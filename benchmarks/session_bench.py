@@ -2,6 +2,7 @@
 
     python benchmarks/session_bench.py                     # 1 and 2 ranks (mpiexec), JSON + table
     python benchmarks/session_bench.py --ranks 1 --hidden 512 --steps 200 --rounds 3
+    python benchmarks/session_bench.py --latency CKPT_DIR    # restart latency split from an event log
 
 Each worker trains the examples/train.py model (wider: --hidden, --batch set the step time) with
 DDP on gloo, and alternates rounds of the bare loop and of the same loop under ``Session`` (policy
@@ -120,6 +121,27 @@ def worker(a: argparse.Namespace) -> None:
               flush=True)
 
 
+def latency(ckpt_dir: str) -> int:
+    """Every restart in a run's event log: how the previous attempt ended and the latency split."""
+    from coci_hpc.runtime.events import read_events
+
+    events = read_events(ckpt_dir)
+    starts = {e["attempt"]: e for e in events if e["event"] == "attempt_start"}
+    rows = []
+    for e in events:
+        if e["event"] == "resumed":
+            lat, prev = e["restart_latency_s"], starts.get(e["attempt"], {}).get("prev_end", {})
+            rows.append({"attempt": e["attempt"], "prev_end": prev.get("reason"), "step": e["step"], **lat})
+    print(json.dumps({"benchmark": "restart_latency", "ckpt_dir": ckpt_dir, "restarts": rows}, indent=1))
+    print(f"\n{'attempt':>7} {'previous end':>15} {'total s':>8} {'slurm requeue s':>16} {'process start s':>16} "
+          f"{'restore s':>10}")
+    f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    for r in rows:
+        print(f"{r['attempt']:>7} {r['prev_end'] or '?':>15} {f(r['total']):>8} {f(r['slurm_requeue_s']):>16} "
+              f"{f(r['process_start_s']):>16} {f(r['restore_s']):>10}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
@@ -128,12 +150,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--latency", metavar="CKPT_DIR", help="print the restart latency split from CKPT_DIR/events.jsonl")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         worker(a)
         return 0
+    if a.latency:
+        return latency(a.latency)
     results = []
     for n in a.ranks:
         tmp = tempfile.mkdtemp(prefix="coci-session-bench-")

@@ -110,6 +110,14 @@ class Session:
         self.events_path = self.config.ckpt_dir / FILENAME
         # Handlers first: a signal during the restore below must not kill the process.
         self.recorder = SignalRecorder(SESSION_SIGNALS, chain=False).install()
+        try:
+            self._setup(state, failure_model, horizon_s, keep)
+        except BaseException:
+            self.recorder.uninstall()      # a session that failed to start must not keep the signals
+            raise
+
+    def _setup(self, state: Mapping[str, Any], failure_model: FailureModel | None, horizon_s: float,
+               keep: int) -> None:
         self._every = self._fixed_every(self.config.policy)
         self.schedule: CheckpointSchedule | None = None
         if self._every is None:

@@ -62,21 +62,23 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     dist = coci_hpc.init_distributed()          # gloo here, NCCL on GPUs; from MPI or Slurm's env
+    # NCCL (chosen when CUDA is there) needs the model on this rank's GPU; gloo trains on the CPU.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.backend == "nccl" else torch.device("cpu")
     torch.manual_seed(args.seed)                # same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                                torch.nn.Linear(HIDDEN, 1))
-    ddp = DDP(model)
+                                torch.nn.Linear(HIDDEN, 1)).to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=40, gamma=0.7)
-    torch.manual_seed(args.seed * 1000 + 1 + dist.rank)   # per-rank dropout streams
-    x, y = make_data()
+    torch.manual_seed(args.seed * 1000 + 1 + dist.rank)   # per-rank dropout streams (CUDA's too)
+    x, y = (t.to(device) for t in make_data())
     sampler = ResumableSampler(SAMPLES, seed=args.seed, rank=dist.rank, world_size=dist.world_size)
 
     session = coci_hpc.Session({"model": model, "optimizer": opt, "scheduler": sched, "loader": sampler},
                                total_steps=args.steps, ckpt_dir=args.ckpt_dir, policy=args.policy)
     for step in session.steps():
-        idx = torch.from_numpy(sampler.next_batch(BATCH))
+        idx = torch.from_numpy(sampler.next_batch(BATCH)).to(device)
         loss = F.mse_loss(ddp(x[idx]), y[idx])
         opt.zero_grad(set_to_none=False)
         loss.backward()

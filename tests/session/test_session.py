@@ -282,3 +282,13 @@ def test_sigterm_alone_leaves_without_saving_requeueing_or_a_stop_record(tmp_pat
     start = [x for x in read_events(tmp_path) if x["event"] == "attempt_start"][-1]
     assert start["prev_end"]["reason"] == "requeue_by_hand" and start["steps_lost"] == 5
     it.close()
+
+
+def test_a_session_that_fails_to_start_gives_the_signals_back(tmp_path: Path) -> None:
+    from coci_hpc.errors import UsageError
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)}
+    state, _ = _training()
+    with pytest.raises(UsageError, match="keep"):
+        Session(state, 10, ckpt_dir=tmp_path, policy="fixed:5", keep=0, environ=NO_SLURM)
+    assert {s: signal.getsignal(s) for s in before} == before
