@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from coci_hpc.errors import CheckpointCorrupt
+from coci_hpc.errors import CheckpointCorrupt, CheckpointError
 
 try:  # the hardware CRC; a pure-software fallback keeps old environments able to READ.
     import crc32c as _crc32c_mod
@@ -32,8 +32,9 @@ except ImportError:  # pragma: no cover - pyproject requires crc32c
     HARDWARE_CRC32C = False
 
     def _crc32c(buf: memoryview, value: int) -> int:
-        raise CheckpointCorrupt("CRC-32C checksums need the `crc32c` package",
-                                hint="pip install crc32c (it is a dependency of coci_hpc)")
+        # Not "damage": load_latest must not skip every checkpoint for a missing package.
+        raise CheckpointError("CRC-32C checksums need the `crc32c` package",
+                              hint="pip install crc32c (it is a dependency of coci_hpc)")
 
 CHECKSUM = "crc32c"                 # what new checkpoints use
 SHARD_KEY = {"crc32c": "crc32c", "crc32": "crc32"}  # per-shard field holding the value
