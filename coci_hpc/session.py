@@ -47,6 +47,7 @@ from coci_hpc.runtime.config import SessionConfig, resolve
 from coci_hpc.runtime.events import FILENAME, EventLog, last_attempt, read_events
 from coci_hpc.runtime.preemption import SESSION_SIGNALS, SignalRecorder, requeue_with_retries
 from coci_hpc.runtime.schedule import CheckpointSchedule
+from coci_hpc.slurm.accounting import failure_model_from_cluster
 from coci_hpc.runtime.stepsync import StepSync
 from coci_hpc.slurm import commands
 from coci_hpc.slurm.accounting import expand_hostlist
@@ -218,6 +219,8 @@ class Session:
             info["sacct_error"] = f"sacct lists {len(rows)} attempt(s) of job {self.job.requeue_id}"
         prev_end = att.classify_previous(prev, prev_slurm, restart_count=rc, sacct_error=info["sacct_error"])
         lost = att.steps_lost(prev, resumed) if prev_end.reason != "none" else None
+        if self.schedule is not None and prev_end.reason in ("node_failure", "crash") and prev_end.end_wall:
+            self.schedule.after_failure(time.time() - prev_end.end_wall)
         starts = [e for e in events if e.get("event") == "attempt_start"]
         verdict = att.give_up_reason(starts, resumed, restart_count=rc, max_requeues=self.config.max_requeues,
                                      no_progress_limit=self.config.no_progress_limit)
@@ -397,19 +400,11 @@ class Session:
             return from_mtbf(DEFAULT_MTBF_H * 3600)   # only rank 0 plans
         part = self.job.partition
         try:
-            try:
-                from coci_hpc.slurm.accounting import failure_model_from_cluster  # issue 7
-            except ImportError:
-                failure_model_from_cluster = None
             since = (datetime.now() - timedelta(days=HISTORY_DAYS)).strftime("%Y-%m-%dT%H:%M:%S")
-            if failure_model_from_cluster is not None:
-                model, _summary = failure_model_from_cluster(part, since=since, runner=self._runner)
-                return model
-            from coci_hpc.planner.failures import estimate
-            from coci_hpc.slurm.accounting import from_cluster
-            ch = from_cluster(since, part, runner=self._runner)
-            exposure = (ch.window_end_s - ch.window_start_s) * max(1, len(ch.cluster_nodes))
-            return estimate(ch.history.failures(), exposure, basis=f"partition {part}, {HISTORY_DAYS} days")
+            model, summary = failure_model_from_cluster(part, since=since, runner=self._runner)
+            _say(f"failure history of partition {part}: {summary.get('records')} unannounced end(s), "
+                 f"{summary.get('incidents')} incident(s) after declustering over {HISTORY_DAYS} days")
+            return model
         except (CociError, OSError) as exc:
             _say(f"failure history of partition {part} unavailable ({exc}); planning with a per-node "
                  f"MTBF of {DEFAULT_MTBF_H:g} h")

@@ -30,7 +30,6 @@ It is a stateful object (``state_dict``/``load_state_dict``), so put it in the c
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 import time
@@ -38,15 +37,14 @@ from typing import Any
 
 from coci_hpc.comm import Comm
 from coci_hpc.errors import UsageError
-from coci_hpc.planner.costs import Costs
+from coci_hpc.planner.costs import DEFAULT_RESTART_S, Costs
 from coci_hpc.planner.failures import FailureModel
 from coci_hpc.planner.online import OnlinePlanner
 from coci_hpc.planner.policies import make_policy
 
-# Before any restart was seen, Tr is assumed (requeue latency of a default Slurm: credential
-# lifetime 120 s, plus start-up); replaced by the measured value after the first requeue.
-ASSUMED_RESTART_S = 150.0
-_COSTS_FIELDS = {f.name for f in dataclasses.fields(Costs)}
+# Before any restart was seen, Tr is the planner's one default; replaced by the measured value
+# after the first requeue.
+ASSUMED_RESTART_S = DEFAULT_RESTART_S
 
 
 class CheckpointSchedule:
@@ -71,6 +69,7 @@ class CheckpointSchedule:
         self.observe_every_s = float(observe_every_s)
         self._pending = (0.0, 0, -float("inf"))  # loss sum, count, train time of the last observation
         self._stop_wall: float | None = None   # set in the state of a stop-save only
+        self._since_failure_s: float | None = None  # this attempt follows an unannounced failure
 
     # -- the loop's calls --------------------------------------------------------------------------
     def observe(self, step: int, loss: float, step_seconds: float) -> None:
@@ -119,6 +118,19 @@ class CheckpointSchedule:
         """Call right before the stop-save (preemption or time limit): Tr is measured from here."""
         self._stop_wall = time.time()
 
+    def after_failure(self, seconds_since_failure: float) -> None:
+        """Rank 0: this attempt restarted after an unannounced failure that long ago (wall time).
+
+        With a decreasing hazard (Weibull shape < 1) the default policy checkpoints more often
+        right after a failure; the planner ages that offset along its training-time axis."""
+        if self.comm.rank != 0 or not math.isfinite(seconds_since_failure):
+            return
+        self._since_failure_s = max(0.0, float(seconds_since_failure)) - self.train_time_s
+        if self.planner is not None:
+            self.planner.time_since_failure_s = self._since_failure_s
+            if self.ckpt_costs:
+                self._replan()
+
     def resumed(self, step: int) -> float | None:
         """Collective; call once state is restored from the checkpoint of ``step``.
 
@@ -140,9 +152,8 @@ class CheckpointSchedule:
         ts = statistics.median(self.ckpt_costs) if self.ckpt_costs else 0.0
         tr = statistics.median(self.restart_costs) if self.restart_costs else ASSUMED_RESTART_S
         st = statistics.median(self.step_times) if self.step_times else None
-        if self.persist_costs and "persist_s" in _COSTS_FIELDS:  # Costs gains persist_s in issue 7
-            return Costs(max(ts, 1e-3), tr, st, persist_s=statistics.median(self.persist_costs))  # type: ignore[call-arg]
-        return Costs(max(ts, 1e-3), tr, st)
+        persist = statistics.median(self.persist_costs) if self.persist_costs else 0.0
+        return Costs(max(ts, 1e-3), tr, st, persist_s=persist)
 
     def _replan(self) -> None:
         """Plan from the last checkpoint, not from now: a re-plan must not postpone protection."""
@@ -150,7 +161,8 @@ class CheckpointSchedule:
             return
         if self.planner is None:
             self.planner = OnlinePlanner(self.policy, self.failure_model, self.nodes, self.costs(),
-                                         self.horizon_s, refit_every=self.refit_every)
+                                         self.horizon_s, refit_every=self.refit_every,
+                                         time_since_failure_s=self._since_failure_s)
         self.planner.replan(self.last_saved_step, self.last_saved_time_s, self.costs())
 
     def next_step(self) -> int | None:

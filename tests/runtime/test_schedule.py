@@ -91,3 +91,23 @@ def test_a_replan_after_a_curve_fit_does_not_postpone_the_next_checkpoint() -> N
     expected = young_interval(0.2, 60.0) / STEP_S
     assert sched.planner is not None and sched.planner.replans >= 2
     assert all(abs((b - a) - expected) <= 2 for a, b in zip(saved[1:], saved[2:])), saved
+
+
+def test_a_restart_after_a_failure_front_loads_checkpoints_under_a_decreasing_hazard() -> None:
+    """Weibull shape 0.5: right after a failure the hazard is high, so the default policy's first
+    gaps after after_failure() are shorter than on a fresh start from the same state."""
+    import dataclasses
+
+    fm = dataclasses.replace(from_mtbf(600.0), distribution="weibull", weibull_shape=0.5,
+                             weibull_scale_s=600.0 / math.gamma(1 + 1 / 0.5))
+
+    def first_gap(after_failure: bool) -> int:
+        sched = CheckpointSchedule("coci", fm, nodes=1, horizon_s=7200, comm=Comm.serial(), warmup_steps=20)
+        _run(sched, 0, 20, 0.2)                 # the Ts-measuring checkpoint creates the plan
+        if after_failure:
+            sched.after_failure(5.0)
+        saved = _run(sched, 20, 4000, 0.2)
+        return saved[0] - 20
+
+    fresh, failed = first_gap(False), first_gap(True)
+    assert failed < fresh, (failed, fresh)
