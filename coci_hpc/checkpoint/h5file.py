@@ -242,8 +242,10 @@ class DatasetReader:
 
     def _read_checking(self, flat: np.ndarray, file_off: int, start: int,
                        whole: list[tuple[Any, list[int]]]) -> None:
-        """Read ``got`` in chunks; the CRCs of chunk k run in a helper thread while chunk k+1 is
-        read (both release the GIL), so checking costs little beyond the read itself."""
+        """Read ``flat`` in chunks; the CRCs of chunk k run in a helper thread while chunk k+1 is
+        read (both release the GIL). On the 2-core dev machine this did not measurably beat
+        checking after the read (benchmarks/verify_cost_bench.py); it cannot be slower by more
+        than one chunk's CRC, and leaves room where reads wait on a parallel filesystem."""
         algorithm = self._algorithm
         assert algorithm is not None
         got = memoryview(flat)
