@@ -27,7 +27,7 @@ import numpy as np
 
 from coci_hpc.checkpoint.integrity import checksum
 from coci_hpc.checkpoint.plan import Plan
-from coci_hpc.checkpoint.rawio import pread_into
+from coci_hpc.checkpoint.rawio import background, pread_into
 from coci_hpc.checkpoint.state import storage_dtype
 from coci_hpc.errors import CheckpointCorrupt
 
@@ -66,6 +66,8 @@ def create_datasets(f: h5py.File, plan: Plan) -> dict[int, int]:
 def file_kwargs(align: int, threshold: int) -> dict[str, Any]:
     return {"alignment_threshold": threshold, "alignment_interval": align}
 
+
+_READ_CHUNK = 32 << 20  # bytes per read while checking: the CRC of one overlaps the next read
 
 # What h5py raises on damaged metadata (a flipped byte in an object header, a truncated B-tree).
 _H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError, IndexError, OverflowError,
@@ -217,15 +219,66 @@ class DatasetReader:
             raise CheckpointCorrupt(f"{self.path}: read past the end of {meta['dataset']!r}",
                                     hint="manifest and request disagree")
         off = self.offset(meta)
+        got = memoryview(dest.reshape(-1).view(np.uint8))
+        whole = [] if self._algorithm is None else self._whole_shards(meta, start, start + len(got))
         try:
-            pread_into(self._fd, dest, off + start)
+            if whole:
+                self._read_checking(dest.reshape(-1).view(np.uint8), off + start, start, whole)
+            else:
+                pread_into(self._fd, dest, off + start)
         except (OSError, EOFError) as exc:
             raise CheckpointCorrupt(f"{self.path}: reading {meta['dataset']!r} failed: {exc}",
                                     hint="the shard file is damaged or truncated; load an older step") from exc
+        for sh, crc in whole:
+            self._check(meta, sh, crc[0])
         if self._algorithm is not None:
-            self._verify(meta, memoryview(dest.reshape(-1).view(np.uint8)), start, off)
+            self._verify(meta, got, start, off)  # shards the read covers only in part
+
+    def _whole_shards(self, meta: Mapping[str, Any], start: int, stop: int) -> list[tuple[Any, list[int]]]:
+        """Unverified shards lying wholly inside [start, stop), each with a running CRC."""
+        return [(sh, [0]) for sh in self._shards.get(meta["dataset"], ())
+                if start <= sh["start"] and sh["stop"] <= stop and sh["stop"] > sh["start"]
+                and (meta["dataset"], sh["start"]) not in self._verified]
+
+    def _read_checking(self, flat: np.ndarray, file_off: int, start: int,
+                       whole: list[tuple[Any, list[int]]]) -> None:
+        """Read ``flat`` in chunks; the CRCs of chunk k run in a helper thread while chunk k+1 is
+        read (both release the GIL). On the 2-core dev machine this did not measurably beat
+        checking after the read (benchmarks/verify_cost_bench.py); it cannot be slower by more
+        than one chunk's CRC, and leaves room where reads wait on a parallel filesystem."""
+        algorithm = self._algorithm
+        assert algorithm is not None
+        got = memoryview(flat)
+
+        def feed(c0: int, c1: int) -> None:
+            for sh, crc in whole:  # one worker thread: each shard's chunks arrive in order
+                a, b = max(sh["start"] - start, c0), min(sh["stop"] - start, c1)
+                if a < b:
+                    crc[0] = checksum(got[a:b], algorithm, crc[0])
+
+        pending = None
+        try:
+            for c0 in range(0, len(got), _READ_CHUNK):
+                c1 = min(len(got), c0 + _READ_CHUNK)
+                pread_into(self._fd, flat[c0:c1], file_off + c0)
+                if pending is not None:
+                    pending.result()
+                pending = background().submit(feed, c0, c1)
+        finally:
+            if pending is not None:
+                pending.result()
+
+    def _check(self, meta: Mapping[str, Any], sh: Mapping[str, Any], crc: int) -> None:
+        if crc != sh["crc"]:
+            raise CheckpointCorrupt(
+                f"{self.path}: shard {meta['dataset']!r} bytes [{sh['start']}, {sh['stop']}) written "
+                f"by rank {sh['rank']} fails its checksum ({self._algorithm} {crc:08x}, manifest "
+                f"{sh['crc']:08x})", hint="the data file is damaged; load an older step "
+                                          "(load_latest falls back by itself)")
+        self._verified.add((meta["dataset"], sh["start"]))
 
     def _verify(self, meta: Mapping[str, Any], got: memoryview, start: int, off: int) -> None:
+        assert self._algorithm is not None
         stop = start + len(got)
         for sh in self._shards.get(meta["dataset"], ()):
             key = (meta["dataset"], sh["start"])
@@ -240,14 +293,7 @@ class DatasetReader:
                 except (OSError, EOFError) as exc:
                     raise CheckpointCorrupt(f"{self.path}: reading {meta['dataset']!r} failed: {exc}",
                                             hint="the shard file is damaged; load an older step") from exc
-            crc = checksum(data, self._algorithm)
-            if crc != sh["crc"]:
-                raise CheckpointCorrupt(
-                    f"{self.path}: shard {meta['dataset']!r} bytes [{sh['start']}, {sh['stop']}) written "
-                    f"by rank {sh['rank']} fails its checksum ({self._algorithm} {crc:08x}, manifest "
-                    f"{sh['crc']:08x})", hint="the data file is damaged; load an older step "
-                                              "(load_latest falls back by itself)")
-            self._verified.add(key)
+            self._check(meta, sh, checksum(data, self._algorithm))
 
     def read_bytes(self, meta: Mapping[str, Any], start: int, stop: int) -> np.ndarray:
         self.offset(meta)  # the dataset lies inside the file: no allocation from a crafted size

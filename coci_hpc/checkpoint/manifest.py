@@ -10,8 +10,9 @@ highest step. A step directory that is a symlink is ignored (a checkpoint never 
 its root). The manifest carries a CRC-32C of its own bytes (format 2, see
 :mod:`~coci_hpc.checkpoint.integrity`); format-1 manifests (zlib CRC-32, no own checksum) are
 still read. Files are created with the mode of their step directory minus the execute bits
-(0600 under the default 0700 directories; see :mod:`~coci_hpc.checkpoint.perms`). Retention keeps the newest ``keep`` committed checkpoints and deletes older ones
-(and uncommitted leftovers older than the newest commit) only after a newer one has committed.
+(0600 under the default 0700 directories; see :mod:`~coci_hpc.checkpoint.perms`).
+Retention keeps the newest ``keep`` committed checkpoints and deletes older ones (and
+uncommitted leftovers older than the newest commit) only after a newer one has committed.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coci_hpc.checkpoint import integrity
+from coci_hpc.checkpoint import integrity, perms
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 
 FORMAT = "coci-ckpt"
@@ -100,11 +101,6 @@ def build(*, step: int, world_size: int, tensors: dict[str, Any], shards: list[d
     }
 
 
-def file_mode(directory: str | os.PathLike) -> int:
-    """Mode for a file created in ``directory``: the directory's read/write bits (0700 -> 0600)."""
-    return os.stat(directory).st_mode & 0o666
-
-
 def commit(directory: str | os.PathLike, manifest: dict[str, Any]) -> Path:
     """Seal the manifest with its own checksum and write it atomically: temp name, fsync,
     rename, fsync of the directory. Its mode follows the step directory's (not the umask)."""
@@ -112,7 +108,7 @@ def commit(directory: str | os.PathLike, manifest: dict[str, Any]) -> Path:
     final = directory / MANIFEST
     tmp = directory / f".{MANIFEST}.tmp.{os.getpid()}"
     data = json.dumps(integrity.seal(manifest), separators=(",", ":")).encode()
-    mode = file_mode(directory)
+    mode = perms.file_mode(os.stat(directory).st_mode)  # the step directory's, minus x
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
     try:
         os.fchmod(fd, mode)  # O_CREAT's mode is masked by the umask; the directory decides

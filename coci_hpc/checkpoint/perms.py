@@ -36,6 +36,7 @@ def dir_mode(access: str) -> int:
 
 
 def file_mode(dmode: int) -> int:
+    """A file's mode from its directory's: the read/write bits (0700 -> 0600, 0750 -> 0640)."""
     return dmode & 0o666
 
 

@@ -37,5 +37,5 @@ class StorageWriter(Protocol):
         ...
 
     def write(self, path: Path, items: Sequence[WriteItem], tuning: IOTuning) -> list[int]:
-        """Write this rank's items and fsync; return their CRC-32s (see ``collective_write``)."""
+        """Write this rank's items and fsync; return their CRC-32Cs (see ``collective_write``)."""
         ...

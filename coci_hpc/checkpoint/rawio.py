@@ -53,6 +53,11 @@ def lower_thread_priority(nice: int = 10) -> None:
         pass
 
 
+def background() -> ThreadPoolExecutor:
+    """The one helper thread for checksums (writes and checked reads), at a lower priority."""
+    return _crc_pool()
+
+
 def _crc_pool() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:

@@ -10,7 +10,7 @@ call and no HDF5 call: it copies the snapshot and writes its pieces into the alr
 datasets with plain ``pwrite`` at their fixed offsets, then ``fsync``. So the training loop's own
 collectives (allreduce of gradients, ...) can never interleave with ours inside MPI, there is no
 need for ``MPI_THREAD_MULTIPLE``, and no lock is shared with the training thread except the GIL,
-which ``pwrite``, ``fsync``, ``zlib.crc32`` and numpy copies release. (The alternative, MPI-IO
+which ``pwrite``, ``fsync``, the CRC-32C and numpy copies release. (The alternative, MPI-IO
 from the thread on a duplicated communicator, depends on the MPI library's thread level and on
 h5py holding the GIL during I/O; rejected.)
 
@@ -28,7 +28,7 @@ Phases
      installs it as a ``step`` pre-hook on every optimizer in the state, so ``optimizer.step()``
      waits for the copy automatically (CheckFreq: "only the weight update waits").
   4. the background thread persists (pwrite, O_DIRECT for whole aligned pages, + fsync +
-     CRC-32 per piece) at a lower CPU priority (nice 10) than the training threads.
+     CRC-32C per piece) at a lower CPU priority (nice 10) than the training threads.
 
 A second ``start`` while a persist is in flight does what ``on_busy`` says:
   * ``"wait"`` (default): block until the persist finishes, commit it, then start the new one;

@@ -290,3 +290,26 @@ def test_flipped_bytes_in_hdf5_metadata_never_crash_or_load_wrong_data(pristine,
     record_figure("HDF5 metadata byte flips (1 rank)", tried=len(spots), detected=detected,
                   harmless=len(spots) - detected - len(wrong), wrong_or_crash=len(wrong))
     assert not wrong, wrong
+
+
+def test_checked_reads_in_chunks_catch_a_flip_in_any_chunk(pristine, tmp_path, monkeypatch):
+    """Large reads are checked chunk by chunk (the CRC of one chunk overlaps the next read):
+    with chunks far smaller than a tensor, an intact checkpoint still loads and a flip in the
+    first, a middle or the last chunk is caught."""
+    from coci_hpc.checkpoint import h5file
+
+    monkeypatch.setattr(h5file, "_READ_CHUNK", 1000)  # not a divisor of anything: odd boundaries
+    target = empty_state()
+    assert CheckpointManager(pristine, comm=None, lock=False).load(2, target).step == 2
+    assert canonical(target) == canonical(full_state(2))
+    t = _weight_meta(_manifest(pristine))
+    for pos in (0, 999, 1000, t["nbytes"] // 2, t["nbytes"] - 1):
+        root = tmp_path / f"chunk{pos}"
+        shutil.copytree(pristine, root)
+        _flip(mf.step_dir(root, 2) / mf.DATA_FILE, t["offset"] + pos)
+        with pytest.raises(CheckpointCorrupt, match="fc1.weight"):
+            CheckpointManager(root, comm=None).load(2, empty_state())
+
+
+def _weight_meta(m: dict) -> dict:
+    return next(t for t in m["tensors"] if t["dataset"] == "replicated/model/fc1.weight")
