@@ -5,10 +5,11 @@ position matter), on 1 rank and data-parallel on 2 ranks, with sync and async sa
 """
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
+
+from coci_hpc.planner.profile import Profile
 
 from tests.checkpoint.conftest import ROOT, run_ranks
 
@@ -35,10 +36,9 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path, ranks, mode):
     assert f"resumed from step {K}" in p.stdout
     assert half != whole
     assert _hash(p) == whole
-    prof = json.loads((tmp_path / "prof.json").read_text())
-    assert set(prof) == {"samples", "ckpt_cost_s", "restart_cost_s", "step_time_s"}
-    assert [s["step"] for s in prof["samples"]] == list(range(K + 1, 2 * K + 1))
-    assert prof["ckpt_cost_s"] > 0 and prof["step_time_s"] > 0 and prof["restart_cost_s"] is None
+    prof = Profile.load(str(tmp_path / "prof.json"))   # the planner's one profile format
+    assert prof.steps == list(range(K + 1, 2 * K + 1)) and prof.total_steps == 2 * K
+    assert prof.ckpt_cost_s > 0 and prof.step_time_s > 0 and prof.restart_cost_s is None
 
 
 def test_resume_without_rng_restore_would_differ(tmp_path):
