@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+
+from coci_hpc.checkpoint import CheckpointManager
+from tests.checkpoint.helpers import full_state
 
 # name -> {key: value}; module-level because pytest_terminal_summary sees the config, not fixtures.
 _FIGURES: dict[str, dict[str, int | float | str]] = {}
@@ -62,3 +66,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
     terminalreporter.section("fault-injection figures")
     for line in lines:
         terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    """Committed steps 1 and 2 of the full test state; each test module damages its own copy."""
+    root = tmp_path_factory.mktemp("pristine")
+    mgr = CheckpointManager(root, comm=None, keep=3)
+    mgr.save(1, full_state(1))
+    mgr.save(2, full_state(2))
+    mgr.close()
+    return root

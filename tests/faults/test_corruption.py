@@ -29,15 +29,6 @@ from tests.checkpoint.helpers import canonical, empty_state, full_state
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("pristine")
-    mgr = CheckpointManager(root, comm=None, keep=3)
-    mgr.save(1, full_state(1))
-    mgr.save(2, full_state(2))
-    mgr.close()
-    return root
-
 
 def _manifest(root: Path) -> dict:
     return json.loads((mf.step_dir(root, 2) / mf.MANIFEST).read_text())

@@ -22,27 +22,37 @@ def _down_events_since(env: dict, since: str, node: str) -> list[str]:
     return [ln for ln in lines if ln.split("|")[0] == node and "DOWN" in ln.split("|")[3].upper()]
 
 
+def _fail_and_recover(dev: str, env: dict, since: str, node: str) -> None:
+    """`devcluster fail NODE`, wait until sacctmgr lists its DOWN event, then recover it."""
+    subprocess.run([dev, "fail", node], check=True, env=env, timeout=120,
+                   capture_output=True, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _down_events_since(env, since, node):
+            if time.monotonic() > deadline:
+                pytest.fail(f"sacctmgr show event never listed {node} DOWN after devcluster fail {node}")
+            time.sleep(1)
+    finally:
+        subprocess.run([dev, "recover", node], check=True, env=env, timeout=120,
+                       capture_output=True, text=True)
+
+
+def _plan_from_cluster(env: dict, since: str, *extra: str) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, "-m", "coci_hpc.cli.plan", "--from-cluster",
+                        "--since", since, "--nodes", "2", *extra],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return p
+
+
 def test_failed_node_appears_in_plan(slurm_cluster):
     env = slurm_cluster.env
     dev = str(slurm_cluster.devcluster)
     # one second of slack: Slurm stamps events to the second
     since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 1))
-    subprocess.run([dev, "fail", "n2"], check=True, env=env, timeout=120,
-                   capture_output=True, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not _down_events_since(env, since, "n2"):
-            if time.monotonic() > deadline:
-                pytest.fail("sacctmgr show event never listed n2 DOWN after devcluster fail n2")
-            time.sleep(1)
-    finally:
-        subprocess.run([dev, "recover", "n2"], check=True, env=env, timeout=120,
-                       capture_output=True, text=True)
+    _fail_and_recover(dev, env, since, "n2")
 
-    p = subprocess.run([sys.executable, "-m", "coci_hpc.cli.plan", "--from-cluster",
-                        "--since", since, "--nodes", "2", "--json"],
-                       capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, p.stderr
+    p = _plan_from_cluster(env, since, "--json")
     out = json.loads(p.stdout)
     f = out["failures"]
     assert f["source"] == "cluster"
@@ -72,21 +82,8 @@ def test_from_cluster_counts_the_node_failure_not_the_preemption(slurm_cluster):
     rows = slurm_cluster.wait_gone(victim, timeout=180)
     assert rows[0]["State"] == "PREEMPTED", rows
     slurm_cluster.wait_gone(urgent, timeout=60)
-    subprocess.run([dev, "fail", "n2"], check=True, env=env, timeout=120,
-                   capture_output=True, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not _down_events_since(env, since, "n2"):
-            if time.monotonic() > deadline:
-                pytest.fail("sacctmgr show event never listed n2 DOWN after devcluster fail n2")
-            time.sleep(1)
-    finally:
-        subprocess.run([dev, "recover", "n2"], check=True, env=env, timeout=120,
-                       capture_output=True, text=True)
-    p = subprocess.run([sys.executable, "-m", "coci_hpc.cli.plan", "--from-cluster",
-                        "--since", since, "--nodes", "2", "--json"],
-                       capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, p.stderr
+    _fail_and_recover(dev, env, since, "n2")
+    p = _plan_from_cluster(env, since, "--json")
     f = json.loads(p.stdout)["failures"]
     print(json.dumps({k: f[k] for k in ("records", "incidents", "by_node", "by_reason",
                                         "announced_not_counted")}))
@@ -94,8 +91,5 @@ def test_from_cluster_counts_the_node_failure_not_the_preemption(slurm_cluster):
     assert f["by_node"] == {"n2": 1}                       # n1 was preempted, never failed
     assert f["announced_not_counted"]["PREEMPTED"] >= 1
     # and the summary (no --json) says so
-    p = subprocess.run([sys.executable, "-m", "coci_hpc.cli.plan", "--from-cluster",
-                        "--since", since, "--nodes", "2"],
-                       capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, p.stderr
+    p = _plan_from_cluster(env, since)
     assert "n2: 1" in p.stdout and "PREEMPTED" in p.stdout
