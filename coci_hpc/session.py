@@ -33,7 +33,6 @@ import signal
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from datetime import datetime, timedelta
 from typing import Any
 
 import numpy as np
@@ -42,15 +41,15 @@ from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CociError, GaveUpError, SlurmError, UsageError
 from coci_hpc.planner.failures import FailureModel, from_mtbf
+from coci_hpc.planner.policies import Fixed, make_policy
 from coci_hpc.runtime import attempts as att
 from coci_hpc.runtime.config import SessionConfig, resolve
 from coci_hpc.runtime.events import FILENAME, EventLog, last_attempt, read_events
-from coci_hpc.runtime.preemption import SESSION_SIGNALS, SignalRecorder, requeue_with_retries
+from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, requeue_with_retries
 from coci_hpc.runtime.schedule import CheckpointSchedule
-from coci_hpc.slurm.accounting import failure_model_from_cluster
 from coci_hpc.runtime.stepsync import StepSync
 from coci_hpc.slurm import commands
-from coci_hpc.slurm.accounting import expand_hostlist
+from coci_hpc.slurm.accounting import expand_hostlist, failure_model_from_cluster
 from coci_hpc.slurm.env import JobEnvironment
 
 STATE_KEY = "coci_session"
@@ -110,7 +109,7 @@ class Session:
                            if self.rank == 0 else None, f"creating {self.config.ckpt_dir}")
         self.events_path = self.config.ckpt_dir / FILENAME
         # Handlers first: a signal during the restore below must not kill the process.
-        self.recorder = SignalRecorder(SESSION_SIGNALS, chain=False).install()
+        self.recorder = SignalRecorder(DEFAULT_SIGNALS, chain=False).install()
         try:
             self._setup(state, failure_model, horizon_s, keep)
         except BaseException:
@@ -262,7 +261,7 @@ class Session:
             self._save(step)
         self.sync.send(self._stop_level() if self.recorder.received else 0,
                        self._decide(step + 1) if step + 1 < total else False,
-                       self.mgr.persist_in_flight and not _persist_done(self.mgr))
+                       self.mgr.persist_in_flight and not self.mgr.persist_done)
 
     def _decide(self, step: int) -> bool:
         """Rank 0: whether to checkpoint after ``step`` (other ranks send False)."""
@@ -391,8 +390,8 @@ class Session:
     # -- helpers -------------------------------------------------------------------------------------
     @staticmethod
     def _fixed_every(policy: str) -> int | None:
-        head, _, arg = policy.strip().lower().partition(":")
-        return int(arg) if head == "fixed" else None
+        p = make_policy(policy)
+        return p.n if isinstance(p, Fixed) else None
 
     def _failure_model(self) -> FailureModel:
         """Rank 0 reads the partition's failure history once per attempt; a logged fallback otherwise."""
@@ -400,8 +399,7 @@ class Session:
             return from_mtbf(DEFAULT_MTBF_H * 3600)   # only rank 0 plans
         part = self.job.partition
         try:
-            since = (datetime.now() - timedelta(days=HISTORY_DAYS)).strftime("%Y-%m-%dT%H:%M:%S")
-            model, summary = failure_model_from_cluster(part, since=since, runner=self._runner)
+            model, summary = failure_model_from_cluster(part, window_days=HISTORY_DAYS, runner=self._runner)
             _say(f"failure history of partition {part}: {summary.get('records')} unannounced end(s), "
                  f"{summary.get('incidents')} incident(s) after declustering over {HISTORY_DAYS} days")
             return model
@@ -419,10 +417,3 @@ def _default_comm() -> Comm:
         return world
     from coci_hpc.comm_torch import TorchComm
     return TorchComm.if_distributed() or world
-
-
-def _persist_done(mgr: CheckpointManager) -> bool:
-    """Local: this rank's background persist finished writing (the commit itself is collective).
-    Reads the two-phase saver's job flag: the fold into the step's one allreduce replaces poll()."""
-    job = getattr(getattr(mgr, "_async", None), "_job", None)
-    return job is None or job.done.is_set()

@@ -309,6 +309,11 @@ class CheckpointManager:
     def persist_in_flight(self) -> bool:
         return self._async.in_flight
 
+    @property
+    def persist_done(self) -> bool:
+        """Local, no communication: this rank's part of the in-flight background save is written."""
+        return self._async.persist_done
+
     # ------------------------------------------------------------------------- loading
     def load(self, step: int, state: Mapping[str, Any]) -> engine.LoadResult:
         """Collective: load ``step`` into ``state`` in place (any world size can load it).

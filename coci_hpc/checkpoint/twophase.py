@@ -164,6 +164,12 @@ class TwoPhaseSaver:
     def in_flight(self) -> bool:
         return self._job is not None
 
+    @property
+    def persist_done(self) -> bool:
+        """Local: this rank's background write of the in-flight save has finished (True when none
+        is in flight); committing it is still collective."""
+        return self._job is None or self._job.done.is_set()
+
     # ------------------------------------------------------------------ collective calls
     def make_room(self) -> bool:
         """Collective: settle the persist in flight as ``on_busy`` says; False: skip the new save."""
@@ -177,14 +183,16 @@ class TwoPhaseSaver:
 
     def start(self, step: int, state: Mapping[str, Any], guarded: frozenset[int] = frozenset(),
               ) -> str:
-        """Collective. Returns "started" or "skipped" (only with on_busy="skip").
+        """Collective; returns "started". The caller has settled the previous save first
+        (:meth:`make_room` returned True: ``CheckpointManager.save_async`` does it before deciding
+        on rollback and retention, which need that save committed).
 
         ``guarded``: data pointers of tensors that may be copied in the background (only an
         optimizer step with the snapshot pre-hook changes them); all others are copied now.
         """
         t0 = time.perf_counter()
-        if not self.make_room():
-            return "skipped"
+        if self._job is not None:
+            raise RuntimeError("TwoPhaseSaver.start with a save in flight: call make_room() first")
         skeletons, leaves = collect(state, rng=self.rng, defer_device=True, guarded=guarded)
         prepared = engine.prepare(self.comm, self.root, step, skeletons, leaves, self.writer, self.tuning())
         # Snapshot only the bytes this rank writes: 1/N of the replicated state plus its own.

@@ -35,10 +35,9 @@ from coci_hpc.errors import SlurmError
 from coci_hpc.slurm import commands
 from coci_hpc.slurm.env import JobEnvironment
 
+# What the runtime owns while a loop runs: submitit and coci-submit ask Slurm for USR2, scripts and
+# templates for USR1 or USR2, and SIGTERM comes at the end of the grace time / on scancel.
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
-# What the Session owns while it runs: submitit asks Slurm for USR2, the plain templates for USR1
-# or USR2, and SIGTERM comes at the end of the grace time / on scancel.
-SESSION_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 REQUEUE_TRIES = 4
 REQUEUE_BACKOFF_S = 1.0
 

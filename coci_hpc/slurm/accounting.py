@@ -437,16 +437,17 @@ def failure_model_from_cluster(partition: str | None, *, since: str | None = Non
                                runner: Runner | None = None, confidence: float = 0.9,
                                skip_bad_lines: bool = False,
                                maintenance_patterns: Sequence[str] = DEFAULT_MAINTENANCE_PATTERNS,
-                               now_s: float | None = None) -> tuple[FailureModel, dict]:
+                               now_s: float | None = None,
+                               window_days: float = DEFAULT_WINDOW_DAYS) -> tuple[FailureModel, dict]:
     """The partition's failure model from this cluster's accounting, for a job about to plan.
 
     Called once per job attempt on rank 0 (and by ``coci-plan --from-cluster``). ``since``
-    defaults to DEFAULT_WINDOW_DAYS before now. Raises :class:`~coci_hpc.errors.SlurmError` when
+    defaults to ``window_days`` before now. Raises :class:`~coci_hpc.errors.SlurmError` when
     sacct/sacctmgr/sinfo is missing or fails: the caller falls back (and logs why)."""
     now = time.time() if now_s is None else now_s
     if since is None:
         since = time.strftime("%Y-%m-%dT%H:%M:%S",
-                              time.localtime(now - DEFAULT_WINDOW_DAYS * 86400.0))
+                              time.localtime(now - window_days * 86400.0))
     ch = from_cluster(since, partition, runner=runner, skip_bad_lines=skip_bad_lines,
                       maintenance_patterns=maintenance_patterns, now_s=now)
     n_cluster = len(ch.cluster_nodes) or len(ch.history.nodes_seen)

@@ -23,9 +23,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Mapping
 
-# USR2 is the --signal coci-submit asks for (submitit's choice); USR1 for scripts and templates that
-# use it; SIGTERM comes when Slurm ends the job. SIGCONT keeps submitit's harmless logging handler.
-OWNED_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM)
+from coci_hpc.runtime.preemption import DEFAULT_SIGNALS
+
+# The signals the Session owns (USR2: coci-submit's --signal, USR1, SIGTERM), held until it starts.
+# SIGCONT keeps submitit's harmless logging handler.
+OWNED_SIGNALS = DEFAULT_SIGNALS
 
 
 class EarlySignals:
