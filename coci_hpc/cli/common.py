@@ -1,10 +1,18 @@
 """The single place where coci_hpc errors become messages and exit codes."""
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Callable, Sequence
 
-from coci_hpc.errors import CociError
+from coci_hpc.errors import CociError, UsageError
+
+
+class UsageArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are UsageErrors, so run_cli gives them the usage exit code (2)."""
+
+    def error(self, message: str):
+        raise UsageError(message, hint=f"see {self.prog} --help")
 
 
 def run_cli(prog: str, body: Callable[[Sequence[str] | None], int | None],

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from coci_hpc.cli.common import run_cli
+from coci_hpc.cli.common import UsageArgumentParser, run_cli
 from coci_hpc.errors import PlannerError, UsageError
 from coci_hpc.planner import failures as fmod
 from coci_hpc.planner import simulator as sim
@@ -49,13 +49,8 @@ DEFAULT_HORIZON_S = 86400.0
 COMPARED = ("coci", "young", "daly", "checkfreq", "coci-paper")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # route argparse errors through run_cli's exit codes
-        raise UsageError(message, hint=f"see {PROG} --help")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+    p = UsageArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="Profile schema:\n" + __doc__.split("Profile JSON")[1])
     src = p.add_argument_group("failure history (one of these, or --mtbf-hours)")
@@ -222,7 +217,7 @@ def _main(argv: Sequence[str] | None) -> int:
         outcome = FitOutcome(None, "no loss samples (give --profile)")
         t_now, step_now = 0.0, 0
     horizon, horizon_src = _horizon(a, prof, outcome.fit, costs, t_now, step_now)
-    shape = model.weibull_shape if model.distribution == "weibull" else None
+    shape = model.hazard_shape
     ctx = PlanContext(costs, model.job_rate(a.nodes), horizon, t_now, step_now,
                       outcome.fit, outcome.reason, nodes=a.nodes, weibull_shape=shape,
                       time_since_failure_s=since_failure)

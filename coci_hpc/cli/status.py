@@ -16,19 +16,13 @@ from pathlib import Path
 from typing import Sequence
 
 from coci_hpc import history
-from coci_hpc.cli.common import run_cli
-from coci_hpc.errors import UsageError
+from coci_hpc.cli.common import UsageArgumentParser, run_cli
 
 PROG = "coci-status"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # route argparse errors through run_cli's exit codes
-        raise UsageError(message, hint=f"see {PROG} --help")
-
-
 def _main(argv: Sequence[str] | None) -> int:
-    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+    p = UsageArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("ckpt_dir", help="the run's checkpoint directory (coci-submit --ckpt-dir)")
     p.add_argument("--png", help="where to write the loss plot (default <ckpt_dir>/history.png)")

@@ -19,8 +19,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from coci_hpc.cli.common import run_cli
-from coci_hpc.errors import UsageError
+from coci_hpc.cli.common import UsageArgumentParser, run_cli
 from coci_hpc.planner.policies import POLICY_NAMES, make_policy
 from coci_hpc.submit import checks, executor
 from coci_hpc.submit.spec import build_spec
@@ -28,13 +27,8 @@ from coci_hpc.submit.spec import build_spec
 PROG = "coci-submit"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # route argparse errors through run_cli's exit codes
-        raise UsageError(message, hint=f"see {PROG} --help")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+    p = UsageArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     s = p.add_argument_group("sbatch options (sbatch's spelling)")
     s.add_argument("--partition", "-p", help="partition (default: the cluster's default)")
