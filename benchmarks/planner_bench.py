@@ -38,11 +38,11 @@ import numpy as np
 
 from coci_hpc.planner import simulator as sim
 from coci_hpc.planner.convergence import fit_curve
+from coci_hpc.planner.costs import DEFAULT_RESTART_S as RESTART_S
 from coci_hpc.planner.costs import Costs
 from coci_hpc.planner.policies import PlanContext, make_policy
 from coci_hpc.slurm import accounting as acct
 
-RESTART_S = 150.0
 HERE = os.path.dirname(os.path.abspath(__file__))
 LANL = [("lanl_system2_events.txt", 49), ("lanl_system16_events.txt", 16),
         ("lanl_system23_events.txt", 5)]          # nodes in each system (the data's README)
@@ -154,8 +154,8 @@ def replay_file(path: str, n_cluster: int | None, runs: int, seed: int) -> list[
     # learn from the first half: Daly counts records, the default incidents (+ Weibull shape)
     learn = [e for e in recs if e.time_s < mid]
     raw_rate = len(learn) / (n_cluster * (mid - t0))
-    model, summary = acct.build_model(hist, t0, mid, cluster_nodes=n_cluster, have_events=True)
-    shape = model.weibull_shape if model.distribution == "weibull" else None
+    model, _ = acct.build_model(hist, t0, mid, cluster_nodes=n_cluster, have_events=True)
+    shape = model.hazard_shape
     # the second half, per node: record start times
     node_ids = sorted(hist.nodes_seen)
     pool = node_ids + [f"spare{i}" for i in range(max(0, n_cluster - len(node_ids)))]
@@ -187,10 +187,10 @@ def replay_file(path: str, n_cluster: int | None, runs: int, seed: int) -> list[
                     last = max(last, float(before[-1]))
             traces.append(np.sort(np.concatenate(ft)))
             ages.append(None if not math.isfinite(last) else start - last)
-        res = {"coci": np.array([sim.run_adaptive(replanner("coci", ctx_c), w, tr, costs, horizon,
-                                                  a).overhead_s for tr, a in zip(traces, ages)]),
-               "daly": np.array([sim.run_adaptive(replanner("daly", ctx_d), w, tr, costs, horizon,
-                                                  None).overhead_s for tr in traces])}
+        # Daly has no hazard layer: it ignores the time since the last failure
+        res = sim.overhead_adaptive({"coci": replanner("coci", ctx_c),
+                                     "daly": replanner("daly", ctx_d, use_age=False)},
+                                    traces, w, costs, horizon, ages)
         rows.append({"file": os.path.basename(path), "cluster_nodes": n_cluster, "nodes": nodes,
                      "records_first_half": len(learn), "incidents_first_half": model.n_failures,
                      "weibull_shape": shape, "coci_s": res["coci"].mean(),

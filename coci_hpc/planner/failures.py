@@ -188,6 +188,11 @@ class FailureModel:
     n_records: int | None = None          # failure records before declustering (None: not counted)
     weibull_scale_s: float | None = None  # per-node Weibull scale, with weibull_shape
 
+    @property
+    def hazard_shape(self) -> float | None:
+        """The Weibull shape when the history chose Weibull over the exponential, else None."""
+        return self.weibull_shape if self.distribution == "weibull" else None
+
     def job_rate(self, nodes: int) -> float:
         return nodes * self.per_node_rate
 

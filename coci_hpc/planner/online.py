@@ -33,7 +33,7 @@ class OnlinePlanner:
     def _make_plan(self, t_now: float, step_now: int) -> Plan:
         o = self.tracker.outcome
         fm = self.failure_model
-        shape = fm.weibull_shape if fm.distribution == "weibull" else None
+        shape = fm.hazard_shape
         age = None if self.time_since_failure_s is None else self.time_since_failure_s + t_now
         ctx = PlanContext(self.costs, fm.job_rate(self.nodes), self.horizon_s,
                           t_now, step_now, o.fit, o.reason, nodes=self.nodes,
