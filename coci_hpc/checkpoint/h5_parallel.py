@@ -49,13 +49,14 @@ class ParallelH5Writer:
             def make() -> dict[int, int]:
                 with h5py.File(directory / DATA_FILE, "w", driver="mpio", comm=self.comm.mpi_comm,
                                info=info, **file_kwargs(tuning.align, tuning.align_threshold)) as f:
-                    return create_datasets(f, plan)
+                    offsets = create_datasets(f, plan)
+                # h5py created it under the umask; the directory's mode decides. Inside the same
+                # step, so its error agreement covers it without a second collective per save.
+                if self.comm.rank == 0:
+                    set_file(directory / DATA_FILE, tuning.dir_mode)
+                return offsets
 
-            offsets = self.comm.run_step(make, "creating the checkpoint file (mpio)")
-            # h5py created it under the umask; the directory's mode decides (rank 0, then agree).
-            self.comm.run_step(lambda: set_file(directory / DATA_FILE, tuning.dir_mode)
-                               if self.comm.rank == 0 else None, "setting the checkpoint file's mode")
-            return offsets
+            return self.comm.run_step(make, "creating the checkpoint file (mpio)")
         finally:
             if tuning.mpi_hints:
                 info.Free()

@@ -55,10 +55,6 @@ def lower_thread_priority(nice: int = 10) -> None:
 
 def background() -> ThreadPoolExecutor:
     """The one helper thread for checksums (writes and checked reads), at a lower priority."""
-    return _crc_pool()
-
-
-def _crc_pool() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(1, thread_name_prefix="coci-crc", initializer=lower_thread_priority)
@@ -108,7 +104,7 @@ def write_posix(path: str | os.PathLike, items: Sequence[WriteItem], *, fsync: b
     which matters when training runs beside the writer); tails and unaligned items go through
     the page cache. Falls back to buffered writes where O_DIRECT is refused.
     """
-    fut = _crc_pool().submit(_crcs, items)
+    fut = background().submit(_crcs, items)
     fd = os.open(path, os.O_WRONLY)
     dfd = _open_direct(path) if direct else None
     try:
@@ -145,7 +141,7 @@ def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteIte
     """
     from mpi4py import MPI
 
-    fut = _crc_pool().submit(_crcs, items)
+    fut = background().submit(_crcs, items)
     chunks: list[tuple[int, memoryview]] = []
     for it in items:
         mv = memoryview(it.buf).cast("B")

@@ -49,11 +49,11 @@ def retire_abandoned(root: Path, base: int) -> list[int]:
     return moved
 
 
-def remove_partial(root: Path, keep_step: int | None = None) -> list[int]:
-    """Delete uncommitted step directories (saves that never committed), except ``keep_step``."""
+def remove_partial(root: Path) -> list[int]:
+    """Delete uncommitted step directories (saves that never committed)."""
     removed = []
     for c in mf.scan(root):
-        if not c.committed and c.step != keep_step:
+        if not c.committed:
             shutil.rmtree(c.path, ignore_errors=True)
             removed.append(c.step)
     return removed

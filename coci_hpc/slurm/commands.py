@@ -55,11 +55,12 @@ def parse_duration(text: str) -> float | None:
     if not text or text.upper() in ("UNLIMITED", "INVALID", "NOT_SET"):
         return None
     days = 0
+    parts = [float(x) for x in text.split("-", 1)[-1].split(":")]
     if "-" in text:
-        d, text = text.split("-", 1)
-        days = int(d)
-    parts = [float(x) for x in text.split(":")]
-    while len(parts) < 3:
+        days = int(text.split("-", 1)[0])
+        while len(parts) < 3:       # days-hours[:minutes[:seconds]]: the fields after the day are hours first
+            parts.append(0.0)
+    while len(parts) < 3:           # [[hours:]minutes:]seconds, as squeue prints %L
         parts.insert(0, 0.0)
     h, m, s = parts[-3:]
     return days * 86400 + h * 3600 + m * 60 + s

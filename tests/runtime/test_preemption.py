@@ -24,6 +24,7 @@ def test_job_environment_reads_the_table_and_types_values() -> None:
 
 
 @pytest.mark.parametrize("text,seconds", [("1-02:03:04", 93784), ("02:03:04", 7384), ("3:04", 184),
+                                          ("1-12", 129600), ("1-12:30", 131400),  # D-HH, D-HH:MM
                                           ("UNLIMITED", None), ("", None)])
 def test_parse_duration(text: str, seconds: float | None) -> None:
     assert parse_duration(text) == seconds
