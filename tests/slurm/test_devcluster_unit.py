@@ -82,3 +82,13 @@ def test_status_without_a_cluster_says_so_and_fails(tmp_path: Path) -> None:
     p = subprocess.run([str(DEVCLUSTER), "status"], capture_output=True, text=True, env=env)
     assert p.returncode == 1
     assert "run `slurm/devcluster up`" in p.stdout
+
+
+def test_user_signal_setting_is_rendered_and_read_back(dc) -> None:
+    on, off = dc.render_slurm_conf(2, "h"), dc.render_slurm_conf(2, "h", user_signal=False)
+    assert "SlurmctldParameters=preempt_send_user_signal" in on
+    assert "SlurmctldParameters" not in off.replace("# No preempt_send_user_signal", "")
+    assert dc.configured_user_signal() is True              # no config yet: the default
+    dc.ETC.mkdir(parents=True, exist_ok=True)
+    dc.SLURM_CONF.write_text(off)
+    assert dc.configured_user_signal() is False and dc.configured_nodes() == 2
