@@ -22,8 +22,17 @@ from coci_hpc.checkpoint.lustre import IOTuning, apply_setstripe
 from coci_hpc.checkpoint.plan import LeafDesc, Plan, make_plan
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, write_posix
-from coci_hpc.checkpoint.state import (Leaf, PerRank, Sharded, apply, check_skeleton, current_trees,
-                                      empty_like_leaf, is_stateful, iter_targets)
+from coci_hpc.checkpoint.state import (
+    Leaf,
+    PerRank,
+    Sharded,
+    apply,
+    check_skeleton,
+    current_trees,
+    empty_like_leaf,
+    is_stateful,
+    iter_targets,
+)
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointError, CheckpointNotFound, CociError, UsageError
 
@@ -54,6 +63,7 @@ class Prepared:
         out = []
         for p in self.my_pieces(rank):
             src = arrays[p.leaf] if arrays is not None else self.leaves[p.leaf].array
+            assert src is not None  # a device leaf (array None) is written from its snapshot only
             b = src.view(np.uint8)
             out.append(WriteItem(self.offsets[p.dataset] + p.start,
                                  b[p.src_start:p.src_start + (p.stop - p.start)]))
@@ -80,8 +90,11 @@ def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves
     try:
         offsets = writer.create(directory, plan, tuning)
     except BaseException:  # raised on every rank (the writers agree): leave no partial directory
-        comm.run_step(lambda: comm.rank != 0 or shutil.rmtree(directory, ignore_errors=True),
-                      f"removing the failed step {step}")
+        def remove() -> None:
+            if comm.rank == 0:
+                shutil.rmtree(directory, ignore_errors=True)
+
+        comm.run_step(remove, f"removing the failed step {step}")
         raise
     return Prepared(step, directory, plan, offsets, {l.name: l for l in leaves}, skeletons, tuning,
                     writer.name)
@@ -256,7 +269,8 @@ def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, An
                 raise CheckpointError(f"sharded {name!r} has {shape[0] if shape else 0} rows in the "
                                       f"checkpoint but the ranks hold {total}",
                                       hint="size the local parts so they add up to the saved rows")
-            tgt, shape = tgt.local, (tgt.local.shape[0],) + shape[1:]
+            local = tgt.local
+            tgt, shape = local, (local.shape[0],) + shape[1:]
         elif isinstance(tgt, Sharded):
             raise CheckpointError(f"{name!r} is Sharded(...) in the state passed to load but "
                                   f"{meta['kind']} in checkpoint step {step}", hint=hint)

@@ -160,13 +160,13 @@ class DirectoryLock:
                     return cls(root, mine)
                 except FileExistsError:
                     pass
-                holder = _read(path)
-                if holder is None:
+                found = _read(path)
+                if found is None:
                     continue  # released meanwhile: try again
-                if not is_stale(holder, mine, alive, job_active) and not same_process(holder, mine):
+                if not is_stale(found, mine, alive, job_active) and not same_process(found, mine):
                     raise CheckpointLocked(
                         f"checkpoint directory {root} is in use by another writer: "
-                        f"{holder.describe()}",
+                        f"{found.describe()}",
                         hint=f"point this run at another directory, wait for that run to end, or, "
                              f"if it is certainly gone, delete {path}")
                 grave = root / f".coci-writer.lock.stale-{mine.token}"
@@ -174,7 +174,7 @@ class DirectoryLock:
                     os.rename(path, grave)
                 except FileNotFoundError:
                     continue
-                if _read(grave) != holder:
+                if _read(grave) != found:
                     # Another taker was quicker and this is ITS fresh lock: give it back.
                     try:
                         os.link(grave, path)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from coci_hpc.cli.common import UsageArgumentParser, run_cli
 from coci_hpc.planner.policies import POLICY_NAMES, make_policy

@@ -6,8 +6,9 @@ commands once per attempt; these functions only decide, so they are tested witho
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from coci_hpc.slurm.accounting import parse_time
 

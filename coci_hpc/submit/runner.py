@@ -19,9 +19,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
-from typing import Mapping
 
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS
 
@@ -63,7 +63,7 @@ class EarlySignals:
             assert self._thread is not None
             self._thread.start()
 
-    def install(self) -> "EarlySignals":
+    def install(self) -> EarlySignals:
         for s in self.signals:
             signal.signal(s, self._handle)
         return self

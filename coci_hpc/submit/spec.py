@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 import re
 import shlex
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 from coci_hpc.errors import UsageError
 
