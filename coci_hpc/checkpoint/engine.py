@@ -19,7 +19,7 @@ from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint import perms
 from coci_hpc.checkpoint.h5file import DatasetReader
 from coci_hpc.checkpoint.lustre import IOTuning, apply_setstripe
-from coci_hpc.checkpoint.plan import LeafDesc, Plan, make_plan
+from coci_hpc.checkpoint.layout import LeafDesc, Layout, make_layout
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, write_posix
 from coci_hpc.checkpoint.state import (
@@ -43,7 +43,7 @@ class Prepared:
 
     step: int
     directory: Path
-    plan: Plan
+    layout: Layout
     offsets: dict[int, int]
     leaves: dict[str, Leaf]
     skeletons: dict[str, Any]
@@ -56,7 +56,7 @@ class Prepared:
         return self.directory / mf.DATA_FILE
 
     def my_pieces(self, rank: int):
-        return [p for p in self.plan.pieces if p.rank == rank]
+        return [p for p in self.layout.pieces if p.rank == rank]
 
     def items(self, rank: int, arrays: Mapping[str, np.ndarray] | None = None) -> list[WriteItem]:
         """(file offset, bytes) of this rank's pieces, from ``arrays`` (snapshot) or the live leaves."""
@@ -80,15 +80,15 @@ def check_step(step: Any) -> int:
 
 def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves: Sequence[Leaf],
             writer: StorageWriter, tuning: IOTuning) -> Prepared:
-    """Collective: agree on the plan, make the step directory and the file with all datasets."""
+    """Collective: agree on the layout, make the step directory and the file with all datasets."""
     step = check_step(step)
     descs = [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in leaves]
     all_descs = comm.allgather(descs)
-    plan = comm.run_step(lambda: make_plan(all_descs, align=tuning.align), "planning the checkpoint")
+    layout = comm.run_step(lambda: make_layout(all_descs, align=tuning.align), "planning the checkpoint")
     directory = mf.step_dir(root, step)
     make_step_dir(comm, root, step, tuning)
     try:
-        offsets = writer.create(directory, plan, tuning)
+        offsets = writer.create(directory, layout, tuning)
     except BaseException:  # raised on every rank (the writers agree): leave no partial directory
         def remove() -> None:
             if comm.rank == 0:
@@ -96,7 +96,7 @@ def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves
 
         comm.run_step(remove, f"removing the failed step {step}")
         raise
-    return Prepared(step, directory, plan, offsets, {l.name: l for l in leaves}, skeletons, tuning,
+    return Prepared(step, directory, layout, offsets, {l.name: l for l in leaves}, skeletons, tuning,
                     writer.name)
 
 
@@ -126,7 +126,7 @@ def make_step_dir(comm: Comm, root: Path, step: int, tuning: IOTuning) -> Path:
 def recreate(comm: Comm, prepared: Prepared, writer: StorageWriter) -> None:
     """Collective: make the directory and file of a failed save again, for a retry of its items."""
     make_step_dir(comm, prepared.directory.parent, prepared.step, prepared.tuning)
-    offsets = writer.create(prepared.directory, prepared.plan, prepared.tuning)
+    offsets = writer.create(prepared.directory, prepared.layout, prepared.tuning)
     if offsets != prepared.offsets:
         raise CheckpointError(f"retrying step {prepared.step}: the datasets landed at other offsets",
                               hint="report this; save again under a new step")
@@ -166,16 +166,16 @@ def commit(comm: Comm, prepared: Prepared, crcs: list[int] | None, error: BaseEx
         if comm.rank != 0:
             return []
         assert gathered is not None
-        plan = prepared.plan
+        layout = prepared.layout
         tensors = []
-        for i, d in enumerate(plan.datasets):
+        for i, d in enumerate(layout.datasets):
             tensors.append({"name": d.name, "dataset": d.path, "file": mf.DATA_FILE, "dtype": d.dtype,
                             "shape": list(d.shape), "kind": d.kind, "rank": d.rank,
                             "nbytes": d.nbytes, "offset": prepared.offsets.get(i)})
         shards = []
         for r, g in enumerate(gathered):
-            for p, crc in zip([p for p in plan.pieces if p.rank == r], g["crcs"]):
-                shards.append({"file": mf.DATA_FILE, "dataset": plan.datasets[p.dataset].path,
+            for p, crc in zip(layout.pieces_of(r), g["crcs"]):
+                shards.append({"file": mf.DATA_FILE, "dataset": layout.datasets[p.dataset].path,
                                "rank": r, "start": p.start, "stop": p.stop, "crc32c": crc})
         skel = {"replicated": prepared.skeletons["replicated"],
                 "per_rank": {str(r): g["per_rank"] for r, g in enumerate(gathered)}}
