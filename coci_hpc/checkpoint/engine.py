@@ -18,8 +18,8 @@ import torch
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint import perms
 from coci_hpc.checkpoint.h5file import DatasetReader
+from coci_hpc.checkpoint.layout import Layout, LeafDesc, make_layout
 from coci_hpc.checkpoint.lustre import IOTuning, apply_setstripe
-from coci_hpc.checkpoint.layout import LeafDesc, Layout, make_layout
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, write_posix
 from coci_hpc.checkpoint.state import (

@@ -118,8 +118,8 @@ def _abort_other_ranks() -> None:
     if mpi is None:
         return
     try:
-        world = mpi.COMM_WORLD  # type: ignore[attr-defined]
-        if mpi.Is_initialized() and not mpi.Is_finalized() and world.Get_size() > 1:  # type: ignore[attr-defined]
+        world = mpi.COMM_WORLD
+        if mpi.Is_initialized() and not mpi.Is_finalized() and world.Get_size() > 1:
             traceback.print_exc()
             sys.stderr.flush()
             world.Abort(1)
