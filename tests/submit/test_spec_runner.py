@@ -48,6 +48,43 @@ def test_sbatch_arg_forms() -> None:
     assert parse_sbatch_arg("comment=a=b") == ("comment", "a=b")
     with pytest.raises(UsageError, match="manages"):
         parse_sbatch_arg("--requeue")
+    assert parse_sbatch_arg("-wn1") == ("nodelist", "n1")        # a short option, value attached
+    assert parse_sbatch_arg("--time-min=10") == ("time-min", "10")  # an option, not a prefix of --time
+    assert parse_sbatch_arg("--mail-t=ALL") == ("mail-type", "ALL")  # sbatch's unique-prefix rule
+
+
+@pytest.mark.parametrize("text,managed", [
+    ("-t=10", "time"), ("-t10", "time"), ("--t", "time"), ("t=10", "time"), ("sig=USR1@60", "signal"),
+    ("--sig=B:USR1@60", "signal"), ("-p=gpu", "partition"), ("-pgpu", "partition"), ("--out=x", "output"),
+    ("-n4", "ntasks"), ("ntasks=4", "ntasks"), ("--n=4", "ntasks"), ("-N2", "nodes"), ("--requ", "requeue"),
+    ("-J", "job-name"), ("--arr=0-3", "array"), ("--acco=x", "account"),
+])
+def test_sbatch_arg_refuses_a_managed_option_whatever_the_spelling(text: str, managed: str) -> None:
+    with pytest.raises(UsageError, match=f"sets --{managed}, which coci-submit manages"):
+        parse_sbatch_arg(text)
+
+
+@pytest.mark.parametrize("text", ["par=gpu", "--ti=5", "--me=4G"])
+def test_sbatch_arg_refuses_a_prefix_that_may_mean_a_managed_option(text: str) -> None:
+    with pytest.raises(UsageError, match="ambiguous") as e:
+        parse_sbatch_arg(text)
+    assert "managed by coci-submit" in (e.value.hint or "")
+
+
+@pytest.mark.parametrize("own,passed,clash", [
+    ({"gpus_per_node": 2}, "gres=gpu:2", "--gpus-per-node"),
+    ({"gpus_per_node": 2}, "--gpus=4", "--gpus-per-node"),
+    ({"gpus_per_node": 2}, "-G4", "--gpus-per-node"),
+    ({"mem": "16G"}, "mem-per-cpu=2G", "--mem"),
+    ({"mem": "16G"}, "--mem-per-gpu=8G", "--mem"),
+    ({"cpus_per_task": 4}, "cpus-per-gpu=2", "--cpus-per-task"),
+])
+def test_sbatch_arg_refuses_what_conflicts_with_coci_submits_options(tmp_path: Path, own, passed, clash) -> None:
+    with pytest.raises(UsageError, match=f"conflicts with coci-submit's {clash}"):
+        build_spec(script="t.py", script_args=(), cwd=tmp_path, python="python", sbatch_args=[passed], **own)
+    # without coci-submit's own option the same pass-through is fine
+    spec = build_spec(script="t.py", script_args=(), cwd=tmp_path, python="python", sbatch_args=[passed])
+    assert len(spec.sbatch_args) == 1
 
 
 def test_unlimited_time_is_written_and_no_time_leaves_the_partition_default(tmp_path: Path) -> None:
