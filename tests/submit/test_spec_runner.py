@@ -1,6 +1,7 @@
 """The pure spec (Slurm time formats, arrays, pass-through options) and the in-process script runner."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -137,6 +138,21 @@ def test_runner_runs_the_script_in_process_and_hands_an_early_signal_to_the_sess
     assert "SUBMITIT HANDLER RAN" not in p.stdout
     assert "runner returned 0" in p.stdout
     assert p.stderr.count("SIGUSR2 received while no training session runs") == 1, p.stderr
+
+
+def test_runner_substitutes_the_array_task_id_in_the_arguments(tmp_path: Path) -> None:
+    script = tmp_path / "user.py"
+    script.write_text("import sys; print('argv', sys.argv[1:], flush=True)\n")
+    child = RUNNER_CHILD.replace('("--lr", "3e-4", "--steps")', '("--seed", "%a", "--out=run%a/x")')
+    env = {**os.environ, "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "3", "SLURM_JOB_ID": "43"}
+    p = subprocess.run([sys.executable, "-c", child, str(script)], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "argv ['--seed', '3', '--out=run3/x']" in p.stdout
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_ARRAY")}  # not an array task
+    p = subprocess.run([sys.executable, "-c", child, str(script)], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT, env=env)
+    assert "argv ['--seed', '%a', '--out=run%a/x']" in p.stdout, p.stdout + p.stderr
 
 
 def test_runner_propagates_a_failing_exit_code(tmp_path: Path) -> None:
