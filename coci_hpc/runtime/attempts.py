@@ -6,9 +6,13 @@ commands once per attempt; these functions only decide, so they are tested witho
 """
 from __future__ import annotations
 
+<<<<<<< HEAD
 import math
+=======
+from collections.abc import Sequence
+>>>>>>> main
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from coci_hpc.slurm.accounting import parse_time
 from coci_hpc.slurm.scontrol import JobState

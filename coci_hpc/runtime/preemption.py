@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Iterable
+from typing import Any
 
 from coci_hpc.comm import Comm
 from coci_hpc.errors import SlurmError
@@ -72,7 +73,7 @@ class SignalRecorder:
         if self.chain and callable(prev):
             prev(signum, frame)
 
-    def install(self) -> "SignalRecorder":
+    def install(self) -> SignalRecorder:
         for s in self.signals:
             if s not in self._previous:
                 self._previous[s] = signal.signal(s, self._handle)
@@ -105,7 +106,7 @@ class PreemptionGuard:
         self._runner = runner
         self._stopping = False
 
-    def __enter__(self) -> "PreemptionGuard":
+    def __enter__(self) -> PreemptionGuard:
         self.recorder.install()
         return self
 

@@ -123,7 +123,7 @@ def test_max_requeues_and_no_progress_stop_a_job_with_a_message(slurm_cluster: S
                 "--policy", "fixed:1000000", env=",COCI_NO_PROGRESS_LIMIT=1")
     # requeue by hand: A twice (after it checkpointed each time), B once (it never checkpoints)
     for n in (1, 2):
-        _wait(f"A attempt {n} checkpoint", lambda: any(e["event"] == "checkpoint" and e["attempt"] == n
+        _wait(f"A attempt {n} checkpoint", lambda: any(e["event"] == "checkpoint" and e["attempt"] == n  # noqa: B023 - called before n changes
                                                        for e in read_events(wd / "a")), 180)
         if n == 1:
             _wait("B attempt 1", lambda: _starts(wd / "b"), 180)
