@@ -6,11 +6,8 @@ commands once per attempt; these functions only decide, so they are tested witho
 """
 from __future__ import annotations
 
-<<<<<<< HEAD
 import math
-=======
 from collections.abc import Sequence
->>>>>>> main
 from dataclasses import dataclass
 from typing import Any
 

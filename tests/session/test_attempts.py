@@ -1,9 +1,9 @@
 """Pure attempt logic: how the previous attempt ended, the stop reason at the signal, giving up."""
 from __future__ import annotations
 
-import pytest
-
 from pathlib import Path
+
+import pytest
 
 from coci_hpc.runtime import attempts as att
 from coci_hpc.slurm import scontrol
