@@ -24,8 +24,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from coci_hpc.checkpoint.layout import (Layout, LeafDesc, RankLayout, check_pieces, layout_from_manifest,
-                                        make_layout, signature)
+from coci_hpc.checkpoint.layout import (
+    Layout,
+    LeafDesc,
+    RankLayout,
+    check_pieces,
+    layout_from_manifest,
+    make_layout,
+    signature,
+)
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointError, CociError
 
@@ -121,7 +128,8 @@ def _from_manifest(comm: Comm, sig: str, descs: Sequence[LeafDesc], align: int, 
                     prior = None
         except (CociError, OSError, KeyError, TypeError, ValueError):
             prior = None  # an unreadable or old manifest: plan from the state instead
-    saved = comm.scatter(list(prior.signatures) if prior is not None else [None] * comm.size)
+    sigs: list[str | None] = list(prior.signatures) if prior is not None else [None] * comm.size
+    saved = comm.scatter(sigs)
     if comm.allreduce_min(1.0 if saved == sig else 0.0) < 1.0:
         return None
     mine = comm.scatter([prior.for_rank(r, with_datasets) for r in range(comm.size)]

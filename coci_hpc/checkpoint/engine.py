@@ -17,14 +17,23 @@ import torch
 
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint import perms
-from coci_hpc.checkpoint.h5file import DatasetReader
-from coci_hpc.checkpoint.lustre import IOTuning, apply_setstripe
 from coci_hpc.checkpoint.coordinator import LayoutCache, agree
+from coci_hpc.checkpoint.h5file import DatasetReader
 from coci_hpc.checkpoint.layout import DatasetSpec, Layout, LeafDesc, Piece, RankLayout
+from coci_hpc.checkpoint.lustre import IOTuning, apply_setstripe
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, write_posix
-from coci_hpc.checkpoint.state import (Leaf, PerRank, Sharded, apply, check_skeleton, current_trees,
-                                      empty_like_leaf, is_stateful, iter_targets)
+from coci_hpc.checkpoint.state import (
+    Leaf,
+    PerRank,
+    Sharded,
+    apply,
+    check_skeleton,
+    current_trees,
+    empty_like_leaf,
+    is_stateful,
+    iter_targets,
+)
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointError, CheckpointNotFound, CociError, UsageError
 
@@ -56,6 +65,7 @@ class Prepared:
         out = []
         for p in self.layout.pieces:
             src = arrays[p.leaf] if arrays is not None else self.leaves[p.leaf].array
+            assert src is not None  # a device leaf (array None) is written from its snapshot only
             b = src.view(np.uint8)
             out.append(WriteItem(self.offsets[p.dataset] + p.start,
                                  b[p.src_start:p.src_start + (p.stop - p.start)]))
@@ -88,8 +98,11 @@ def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves
         created = writer.create(directory, _to_create(writer, mine, full), tuning)
         offsets = _share_offsets(comm, writer, cache, created)
     except BaseException:  # raised on every rank (the writers agree): leave no partial directory
-        comm.run_step(lambda: comm.rank != 0 or shutil.rmtree(directory, ignore_errors=True),
-                      f"removing the failed step {step}")
+        def remove() -> None:
+            if comm.rank == 0:
+                shutil.rmtree(directory, ignore_errors=True)
+
+        comm.run_step(remove, f"removing the failed step {step}")
         raise
     return Prepared(step, directory, mine, full, offsets, {l.name: l for l in leaves}, skeletons, tuning,
                     writer.name, dict(cache.last))
@@ -125,10 +138,7 @@ def _share_offsets(comm: Comm, writer: StorageWriter, cache: LayoutCache, create
                 for r in range(comm.size)]
 
     got = comm.scatter(parts() if comm.rank == 0 else None)
-    if comm.rank == 0:
-        offsets = created
-    else:
-        offsets = cache.offsets if got is None else got
+    offsets = created if comm.rank == 0 else (cache.offsets if got is None else got)
     assert offsets is not None
     cache.offsets = offsets
     return offsets
@@ -208,7 +218,7 @@ def commit(comm: Comm, prepared: Prepared, crcs: list[int] | None, error: BaseEx
         layout = prepared.full
         tensors = []
         for i, d in enumerate(layout.datasets):
-            entry = {"name": d.name, "dataset": d.path, "file": mf.DATA_FILE, "dtype": d.dtype,
+            entry: dict[str, Any] = {"name": d.name, "dataset": d.path, "file": mf.DATA_FILE, "dtype": d.dtype,
                      "shape": list(d.shape), "kind": d.kind, "rank": None,
                      "nbytes": d.nbytes, "offset": prepared.offsets.get(i)}
             if d.kind == "per_rank":
@@ -329,7 +339,8 @@ def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, An
                 raise CheckpointError(f"sharded {name!r} has {shape[0] if shape else 0} rows in the "
                                       f"checkpoint but the ranks hold {total}",
                                       hint="size the local parts so they add up to the saved rows")
-            tgt, shape = tgt.local, (tgt.local.shape[0],) + shape[1:]
+            local = tgt.local
+            tgt, shape = local, (local.shape[0],) + shape[1:]
         elif isinstance(tgt, Sharded):
             raise CheckpointError(f"{name!r} is Sharded(...) in the state passed to load but "
                                   f"{meta['kind']} in checkpoint step {step}", hint=hint)

@@ -19,10 +19,10 @@ from pathlib import Path
 import h5py
 
 from coci_hpc.checkpoint.h5file import create_datasets, file_kwargs
+from coci_hpc.checkpoint.layout import DatasetSpec
 from coci_hpc.checkpoint.lustre import IOTuning, mpi_info
 from coci_hpc.checkpoint.manifest import DATA_FILE
 from coci_hpc.checkpoint.perms import set_file
-from coci_hpc.checkpoint.layout import DatasetSpec
 from coci_hpc.checkpoint.rawio import WriteItem, write_mpiio
 from coci_hpc.comm import Comm
 

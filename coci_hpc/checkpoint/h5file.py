@@ -219,7 +219,7 @@ class DatasetReader:
             raise CheckpointCorrupt(f"{self.path}: read past the end of {meta['dataset']!r}",
                                     hint="manifest and request disagree")
         off = self.offset(meta)
-        got = memoryview(dest.reshape(-1).view(np.uint8))
+        got = memoryview(dest.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy types its buffer protocol for Python >= 3.12 only
         whole = [] if self._algorithm is None else self._whole_shards(meta, start, start + len(got))
         try:
             if whole:
@@ -248,7 +248,7 @@ class DatasetReader:
         than one chunk's CRC, and leaves room where reads wait on a parallel filesystem."""
         algorithm = self._algorithm
         assert algorithm is not None
-        got = memoryview(flat)
+        got = memoryview(flat)  # type: ignore[arg-type]  # numpy types its buffer protocol for Python >= 3.12 only
 
         def feed(c0: int, c1: int) -> None:
             for sh, crc in whole:  # one worker thread: each shard's chunks arrive in order

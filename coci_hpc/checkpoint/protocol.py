@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.layout import DatasetSpec
+from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.rawio import WriteItem
 
 
