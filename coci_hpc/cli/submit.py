@@ -55,7 +55,11 @@ def _parser() -> argparse.ArgumentParser:
                         "(with dashes: --sbatch-arg=--exclusive)")
     c = p.add_argument_group("coci options")
     c.add_argument("--output-dir", help="logs and submitit's job folder (default ./coci-runs/<job-name>)")
-    c.add_argument("--ckpt-dir", help="checkpoints and events.jsonl (default <output-dir>/ckpt)")
+    c.add_argument("--ckpt-dir", help="checkpoints and events.jsonl (default <output-dir>/ckpt-<digest of script "
+                                      "and arguments>: the same command resumes, another gets its own)")
+    c.add_argument("--resume-from-other-run", action="store_true",
+                   help="let this command continue from the checkpoint of another command's run in --ckpt-dir "
+                        "(refused otherwise: one run, one directory)")
     c.add_argument("--policy", default="coci", help="checkpoint policy: " + ", ".join(POLICY_NAMES))
     c.add_argument("--signal-lead", type=int, default=None,
                    help="seconds of warning before the time limit (--signal=USR2@N; default 90)")
@@ -83,7 +87,7 @@ def _main(argv: Sequence[str] | None) -> int:
         signal_lead=lead, max_requeues=a.max_requeues, no_progress_limit=a.no_progress_limit,
         mpi=a.mpi, gpus_per_node=a.gpus_per_node, cpus_per_task=a.cpus_per_task, mem=a.mem,
         account=a.account, qos=a.qos, constraint=a.constraint, array=a.array,
-        sbatch_args=a.sbatch_arg, validate_policy=make_policy)
+        sbatch_args=a.sbatch_arg, resume_from_other_run=a.resume_from_other_run, validate_policy=make_policy)
     checks.run_all(spec, dry_run=a.dry_run)
     if a.dry_run:
         print(executor.render(spec), end="")
