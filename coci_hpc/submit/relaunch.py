@@ -154,6 +154,8 @@ class Relauncher:
                 time.sleep(self.settle_s)
             held = commands.job_nodes(job.job_id) if rc != 0 else list(nodes)
             bad = commands.unhealthy_nodes(held) if rc != 0 else {}
+            # A node Slurm already took out of the job (--no-kill shrinks it) is lost too.
+            bad.update({n: "left the job" for n in nodes if rc != 0 and n not in held})
             d = decide(rc=rc, signaled=bool(sig.received), held=held, unhealthy=bad, needed=self.nodes,
                        restarts_done=restarts, max_restarts=self.max_restarts)
             decided = time.time()
