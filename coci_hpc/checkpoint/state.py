@@ -504,7 +504,7 @@ def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mappi
         raise
     if fill is not None:
         fill()
-    for key, inner, tree in pending:
+    for _key, inner, tree in pending:
         if is_stateful(inner) and not isinstance(inner, torch.nn.Module):
             continue
         if is_stateful(inner):
