@@ -11,7 +11,7 @@ the next collective forever.
 
 Subclassing: a communicator over another transport (e.g. torch.distributed for DDP-only jobs)
 subclasses :class:`Comm`, sets ``rank``/``size`` and overrides the collectives (``barrier``,
-``bcast``, ``allgather``, ``gather``, ``allreduce_min``/``max``, ``iallreduce_min``, ``abort``);
+``bcast``, ``allgather``, ``gather``, ``scatter``, ``allreduce_min``/``max``, ``iallreduce_min``, ``abort``);
 ``is_mpi`` stays False unless ``mpi_comm`` is an mpi4py communicator. Everything else
 (``check``, ``run_step``) is built on those methods.
 """
@@ -83,9 +83,11 @@ class Comm:
         if self.mpi_comm is not None:
             self.mpi_comm.Barrier()
 
-    def bcast(self, obj: T, root: int = 0) -> T:
+    def bcast(self, obj: T | None, root: int = 0) -> T:
+        # Typed for the usual call, ``bcast(value if rank == root else None)``: every rank gets
+        # root's value; a root that sends None gets None, which callers check for themselves.
         if self.mpi_comm is None:
-            return obj
+            return obj  # type: ignore[return-value]
         return self.mpi_comm.bcast(obj, root=root)
 
     def allgather(self, obj: T) -> list[T]:
@@ -97,6 +99,13 @@ class Comm:
         if self.mpi_comm is None:
             return [obj]
         return self.mpi_comm.gather(obj, root=root)
+
+    def scatter(self, objs: list[T] | None, root: int = 0) -> T:
+        """Rank ``root`` passes one object per rank; each rank gets only its own."""
+        if self.mpi_comm is None:
+            assert objs is not None
+            return objs[0]
+        return self.mpi_comm.scatter(objs, root=root)
 
     def allreduce_min(self, value: float) -> float:
         if self.mpi_comm is None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 import uuid
@@ -105,5 +106,43 @@ def test_job_on_failed_node_ends_node_fail_is_requeued_and_completes(slurm_clust
         slurm_cluster.run(str(slurm_cluster.devcluster), "recover", "n2")
     rows = slurm_cluster.wait_gone(job, timeout=120)
     print(Path(str(log).replace("%j", job)).read_text(), rows)
+    states = [r["State"] for r in rows]
+    assert states[0] == "NODE_FAIL" and states[-1] == "COMPLETED", states
+
+
+def test_hard_node_failure_kills_tasks_first_then_node_fail_and_requeue(slurm_cluster: SlurmCluster) -> None:
+    """`fail --hard`: the node's tasks die at once by SIGKILL while the job is still RUNNING (the
+    survivor on the other node lives on, nothing told it); only after --delay is the node marked
+    DOWN, the job ends NODE_FAIL and is requeued."""
+    wd = slurm_cluster.workdir / f"hard-{uuid.uuid4().hex[:6]}"
+    wd.mkdir()
+    log = wd / "out-%j.txt"
+    script = ('[ "${SLURM_RESTART_COUNT:-0}" -ge 1 ] && exit 0; '
+              f'srun -N2 --ntasks-per-node=1 sh -c \'echo $$ > {wd}/pid-$SLURMD_NODENAME; exec sleep 600\'')
+    job = slurm_cluster.sbatch("-N", "2", "--requeue", "--open-mode=append", "-o", str(log), "--wrap", script)
+    slurm_cluster.wait_state(job, ("RUNNING",), timeout=60)
+    deadline = time.monotonic() + 30
+    while not ((wd / "pid-n1").exists() and (wd / "pid-n2").exists()):
+        assert time.monotonic() < deadline, "the tasks did not start"
+        time.sleep(0.3)
+    pid1, pid2 = int((wd / "pid-n1").read_text()), int((wd / "pid-n2").read_text())
+    proc = subprocess.Popen([str(slurm_cluster.devcluster), "fail", "n2", "--hard", "--delay", "4"],
+                            env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 3
+        while Path(f"/proc/{pid2}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{pid2}").exists(), "the n2 task survived `fail --hard`"
+        assert Path(f"/proc/{pid1}").exists(), "the survivor on n1 died with n2"
+        assert slurm_cluster.queue_state(job) == "RUNNING"   # Slurm has not noticed yet
+        out, _ = proc.communicate(timeout=30)
+        print(out)
+        assert proc.returncode == 0 and "n2 marked DOWN" in out
+        slurm_cluster.wait_state(job, ("PENDING",), timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.wait(30)
+        slurm_cluster.run(str(slurm_cluster.devcluster), "recover", "n2")
+    rows = slurm_cluster.wait_gone(job, timeout=120)
     states = [r["State"] for r in rows]
     assert states[0] == "NODE_FAIL" and states[-1] == "COMPLETED", states

@@ -82,3 +82,37 @@ def test_status_without_a_cluster_says_so_and_fails(tmp_path: Path) -> None:
     p = subprocess.run([str(DEVCLUSTER), "status"], capture_output=True, text=True, env=env)
     assert p.returncode == 1
     assert "run `slurm/devcluster up`" in p.stdout
+
+
+def test_user_signal_setting_is_rendered_and_read_back(dc) -> None:
+    on, off = dc.render_slurm_conf(2, "h"), dc.render_slurm_conf(2, "h", user_signal=False)
+    assert "SlurmctldParameters=preempt_send_user_signal" in on
+    assert "SlurmctldParameters" not in off.replace("# No preempt_send_user_signal", "")
+    assert dc.configured_user_signal() is True              # no config yet: the default
+    dc.ETC.mkdir(parents=True, exist_ok=True)
+    dc.SLURM_CONF.write_text(off)
+    assert dc.configured_user_signal() is False and dc.configured_nodes() == 2
+
+
+def test_kill_tasks_kills_only_that_nodes_job_processes(dc) -> None:
+    """`fail --hard` finds a node's job processes by the SLURMD_NODENAME + SLURM_JOB_ID that
+    slurmstepd gives every task (and its children inherit); other nodes' tasks and daemons live on."""
+    dc.ETC.mkdir(parents=True)
+    dc.SLURM_CONF.write_text(dc.render_slurm_conf(2, "localhost"))  # not write_config: it links /etc/slurm
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    task = subprocess.Popen(["sleep", "60"], env={**base, "SLURMD_NODENAME": "n2", "SLURM_JOB_ID": "7"})
+    other = subprocess.Popen(["sleep", "60"], env={**base, "SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "7"})
+    daemon = subprocess.Popen(["sleep", "60"], env={**base, "SLURMD_NODENAME": "n2"})
+    try:
+        assert task.pid in dc.job_processes("n2")
+        assert other.pid not in dc.job_processes("n2") and daemon.pid not in dc.job_processes("n2")
+        killed = dc.cmd_kill_tasks("n2")
+        assert task.pid in killed
+        assert task.wait(5) == -9                      # SIGKILL: nothing it could act on
+        assert other.poll() is None and daemon.poll() is None
+        with pytest.raises(dc.DevclusterError, match="no node 'n9'"):
+            dc.cmd_kill_tasks("n9")
+    finally:
+        for p in (task, other, daemon):
+            p.kill()
+            p.wait()
