@@ -65,8 +65,8 @@ class PlanContext:
                                hint="e.g. --horizon 24h")
 
     @classmethod
-    def from_model(cls, model: "FailureModel", costs: Costs, horizon_s: float, nodes: int,
-                   **kw) -> "PlanContext":
+    def from_model(cls, model: FailureModel, costs: Costs, horizon_s: float, nodes: int,
+                   **kw) -> PlanContext:
         """The context a failure model gives a job on ``nodes`` nodes: the declustered rate,
         the Weibull shape when the history chose it, and how much history that rests on."""
         learned = model.exposure_node_s > 0 and model.n_records is not None
