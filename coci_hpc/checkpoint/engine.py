@@ -17,8 +17,9 @@ import torch
 
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint import perms
+from coci_hpc.checkpoint.coordinator import LayoutCache, agree
 from coci_hpc.checkpoint.h5file import DatasetReader
-from coci_hpc.checkpoint.layout import Layout, LeafDesc, make_layout
+from coci_hpc.checkpoint.layout import DatasetSpec, Layout, LeafDesc, Piece, RankLayout
 from coci_hpc.checkpoint.lustre import IOTuning, apply_setstripe
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, write_posix
@@ -43,25 +44,26 @@ class Prepared:
 
     step: int
     directory: Path
-    layout: Layout
-    offsets: dict[int, int]
+    layout: RankLayout            # this rank's pieces (and the dataset list where creation is collective)
+    full: Layout | None           # the whole layout: rank 0 only (it writes the manifest)
+    offsets: dict[int, int]       # file offset of each dataset this rank writes (rank 0: of all)
     leaves: dict[str, Leaf]
     skeletons: dict[str, Any]
     tuning: IOTuning
     backend: str
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
 
     @property
     def data_path(self) -> Path:
         return self.directory / mf.DATA_FILE
 
-    def my_pieces(self, rank: int):
-        return [p for p in self.layout.pieces if p.rank == rank]
+    def my_pieces(self, rank: int | None = None) -> list[Piece]:
+        return list(self.layout.pieces)
 
     def items(self, rank: int, arrays: Mapping[str, np.ndarray] | None = None) -> list[WriteItem]:
         """(file offset, bytes) of this rank's pieces, from ``arrays`` (snapshot) or the live leaves."""
         out = []
-        for p in self.my_pieces(rank):
+        for p in self.layout.pieces:
             src = arrays[p.leaf] if arrays is not None else self.leaves[p.leaf].array
             assert src is not None  # a device leaf (array None) is written from its snapshot only
             b = src.view(np.uint8)
@@ -79,16 +81,22 @@ def check_step(step: Any) -> int:
 
 
 def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves: Sequence[Leaf],
-            writer: StorageWriter, tuning: IOTuning) -> Prepared:
-    """Collective: agree on the layout, make the step directory and the file with all datasets."""
+            writer: StorageWriter, tuning: IOTuning, layouts: LayoutCache | None = None) -> Prepared:
+    """Collective: agree on the layout, make the step directory and the file with all datasets.
+
+    ``layouts``: the manager's cache of the last layout (:mod:`.coordinator`); without one the
+    layout is planned again (or taken from the last manifest) every time.
+    """
     step = check_step(step)
+    cache = layouts if layouts is not None else LayoutCache()
     descs = [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in leaves]
-    all_descs = comm.allgather(descs)
-    layout = comm.run_step(lambda: make_layout(all_descs, align=tuning.align), "planning the checkpoint")
+    mine, full = agree(comm, descs, tuning.align, cache, with_datasets=writer.collective_create,
+                       last_manifest=lambda: _last_manifest(root))
     directory = mf.step_dir(root, step)
     make_step_dir(comm, root, step, tuning)
     try:
-        offsets = writer.create(directory, layout, tuning)
+        created = writer.create(directory, _to_create(writer, mine, full), tuning)
+        offsets = _share_offsets(comm, writer, cache, created)
     except BaseException:  # raised on every rank (the writers agree): leave no partial directory
         def remove() -> None:
             if comm.rank == 0:
@@ -96,8 +104,44 @@ def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves
 
         comm.run_step(remove, f"removing the failed step {step}")
         raise
-    return Prepared(step, directory, layout, offsets, {l.name: l for l in leaves}, skeletons, tuning,
-                    writer.name)
+    return Prepared(step, directory, mine, full, offsets, {l.name: l for l in leaves}, skeletons, tuning,
+                    writer.name, dict(cache.last))
+
+
+def _last_manifest(root: Path) -> dict[str, Any] | None:
+    """Rank 0, first save of a manager: the newest manifest, whose layout may be reused."""
+    step = mf.latest_step(root)
+    return None if step is None else mf.read(mf.step_dir(root, step))
+
+
+def _to_create(writer: StorageWriter, mine: RankLayout, full: Layout | None) -> tuple[DatasetSpec, ...] | None:
+    """The datasets this rank creates: all of them where creation is collective, else rank 0 alone."""
+    if writer.collective_create:
+        return mine.datasets
+    return None if full is None else full.datasets
+
+
+def _share_offsets(comm: Comm, writer: StorageWriter, cache: LayoutCache, created: dict[int, int]
+                   ) -> dict[int, int]:
+    """Each rank's dataset offsets. Collective creation computed them everywhere; otherwise rank
+    0 scatters each rank the offsets of its own datasets, or nothing when they are unchanged."""
+    if writer.collective_create:
+        cache.offsets = created
+        return created
+
+    def parts() -> list[dict[int, int] | None]:
+        full = cache.full
+        assert full is not None
+        if cache.offsets == created:
+            return [None] * comm.size
+        return [{p.dataset: created[p.dataset] for p in full.pieces_of(r) if p.dataset in created}
+                for r in range(comm.size)]
+
+    got = comm.scatter(parts() if comm.rank == 0 else None)
+    offsets = created if comm.rank == 0 else (cache.offsets if got is None else got)
+    assert offsets is not None
+    cache.offsets = offsets
+    return offsets
 
 
 def make_step_dir(comm: Comm, root: Path, step: int, tuning: IOTuning) -> Path:
@@ -126,10 +170,15 @@ def make_step_dir(comm: Comm, root: Path, step: int, tuning: IOTuning) -> Path:
 def recreate(comm: Comm, prepared: Prepared, writer: StorageWriter) -> None:
     """Collective: make the directory and file of a failed save again, for a retry of its items."""
     make_step_dir(comm, prepared.directory.parent, prepared.step, prepared.tuning)
-    offsets = writer.create(prepared.directory, prepared.layout, prepared.tuning)
-    if offsets != prepared.offsets:
-        raise CheckpointError(f"retrying step {prepared.step}: the datasets landed at other offsets",
-                              hint="report this; save again under a new step")
+    created = writer.create(prepared.directory, _to_create(writer, prepared.layout, prepared.full),
+                            prepared.tuning)
+
+    def same() -> None:
+        if created and any(created.get(i) != off for i, off in prepared.offsets.items()):
+            raise CheckpointError(f"retrying step {prepared.step}: the datasets landed at other offsets",
+                                  hint="report this; save again under a new step")
+
+    comm.run_step(same, f"recreating the file of step {prepared.step}")
 
 
 def discard(comm: Comm, prepared: Prepared) -> None:
@@ -165,13 +214,16 @@ def commit(comm: Comm, prepared: Prepared, crcs: list[int] | None, error: BaseEx
     def write_manifest() -> list[int]:
         if comm.rank != 0:
             return []
-        assert gathered is not None
-        layout = prepared.layout
+        assert gathered is not None and prepared.full is not None
+        layout = prepared.full
         tensors = []
         for i, d in enumerate(layout.datasets):
-            tensors.append({"name": d.name, "dataset": d.path, "file": mf.DATA_FILE, "dtype": d.dtype,
-                            "shape": list(d.shape), "kind": d.kind, "rank": d.rank,
-                            "nbytes": d.nbytes, "offset": prepared.offsets.get(i)})
+            entry: dict[str, Any] = {"name": d.name, "dataset": d.path, "file": mf.DATA_FILE, "dtype": d.dtype,
+                     "shape": list(d.shape), "kind": d.kind, "rank": None,
+                     "nbytes": d.nbytes, "offset": prepared.offsets.get(i)}
+            if d.kind == "per_rank":
+                entry["parts"] = [[p.rank, p.start, list(p.shape), p.nbytes] for p in layout.parts[i]]
+            tensors.append(entry)
         shards = []
         for r, g in enumerate(gathered):
             for p, crc in zip(layout.pieces_of(r), g["crcs"]):
@@ -181,7 +233,9 @@ def commit(comm: Comm, prepared: Prepared, crcs: list[int] | None, error: BaseEx
                 "per_rank": {str(r): g["per_rank"] for r, g in enumerate(gathered)}}
         m = mf.build(step=prepared.step, world_size=comm.size, tensors=tensors, shards=shards,
                      skeletons=skel, files=[mf.DATA_FILE], backend=prepared.backend,
-                     extra={"lustre": prepared.tuning.lustre, "align": prepared.tuning.align})
+                     extra={"lustre": prepared.tuning.lustre, "align": prepared.tuning.align,
+                            "layout": {"align": prepared.tuning.align,
+                                       "signatures": list(layout.signatures)}})
         mf.commit(prepared.directory, m)
         return mf.apply_retention(prepared.directory.parent, keep)
 
@@ -247,7 +301,23 @@ def _dtype_of(obj: Any) -> str:
 
 
 def _my_tensors(m: Mapping[str, Any], rank: int) -> list[dict[str, Any]]:
-    return [t for t in m["tensors"] if t["kind"] != "per_rank" or t["rank"] == rank]
+    """The tensor entries ``rank`` loads. A packed per-rank dataset (format 3) comes back as its
+    entry plus ``"part"``: [start byte, this rank's shape]; a format-2 per-rank dataset
+    (``rank00003/...``) only for its rank."""
+    out = []
+    for t in m["tensors"]:
+        if t["kind"] != "per_rank":
+            out.append(t)
+        elif t["rank"] is not None:
+            if t["rank"] == rank:
+                out.append(t)
+        else:
+            parts = t["parts"]
+            p = parts[rank] if rank < len(parts) and parts[rank][0] == rank else \
+                next((q for q in parts if q[0] == rank), None)
+            if p is not None:
+                out.append({**t, "part": (p[1], tuple(p[2]))})
+    return out
 
 
 def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, Any],
@@ -257,7 +327,7 @@ def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, An
     step = m["step"]
     hint = "load into a state built like the one that was saved (same model, dtypes and sizes)"
     for meta in _my_tensors(m, rank):
-        name, shape = meta["name"], tuple(meta["shape"])
+        name, shape = meta["name"], tuple(meta["part"][1] if "part" in meta else meta["shape"])
         tgt = targets.get(name)
         if meta["kind"] == "sharded":
             if not isinstance(tgt, Sharded):
@@ -333,7 +403,9 @@ def _read_all(comm: Comm, m: dict[str, Any], reader: DatasetReader,
     for meta in _my_tensors(m, rank):
         shape = tuple(meta["shape"])
         start = 0
-        if meta["kind"] == "sharded":
+        if "part" in meta:  # this rank's leaf inside a packed per-rank dataset
+            start, shape = meta["part"]
+        elif meta["kind"] == "sharded":
             tgt = targets[meta["name"]]
             before = sum(rows.get(meta["name"], 0) for rows in all_rows[:rank])
             row_bytes = meta["nbytes"] // shape[0] if shape[0] else 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import h5py
 import numpy as np
 
 from coci_hpc.checkpoint.integrity import checksum
-from coci_hpc.checkpoint.layout import Layout
+from coci_hpc.checkpoint.layout import DatasetSpec
 from coci_hpc.checkpoint.rawio import background, pread_into
 from coci_hpc.checkpoint.state import storage_dtype
 from coci_hpc.errors import CheckpointCorrupt
@@ -48,14 +48,14 @@ def h5_shape(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
     return tuple(shape) if len(shape) else (1,)
 
 
-def create_datasets(f: h5py.File, layout: Layout) -> dict[int, int]:
-    """Create every dataset of ``layout`` in ``f``; return {dataset index: byte offset in the file}.
+def create_datasets(f: h5py.File, datasets: Sequence[DatasetSpec]) -> dict[int, int]:
+    """Create ``datasets`` in ``f``; return {dataset index: byte offset in the file}.
 
-    With the mpio driver this must run on every rank with the same layout (it is collective).
+    With the mpio driver this must run on every rank with the same datasets (it is collective).
     """
     dcpl = _dcpl()
     offsets: dict[int, int] = {}
-    for i, d in enumerate(layout.datasets):
+    for i, d in enumerate(datasets):
         ds = f.create_dataset(d.path, shape=h5_shape(d.shape), dtype=storage_dtype(d.dtype), dcpl=dcpl)
         off = ds.id.get_offset()
         if off is not None:
