@@ -48,6 +48,9 @@ class RunHistory:
     final_step: int | None
     message: str
     sacct_note: str | None = None            # why Slurm's record is missing, when it is
+    # A peer rank lost mid-run: attempt, step saved by the survivors (or why not), seconds from
+    # the failure to the commit, the lost ranks, the steps the next attempt repeated.
+    peer_losses: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def steps_lost_total(self) -> int:
@@ -74,6 +77,7 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
     loss_pts: list[tuple[int, float, int]] = []
     status, final_step, message = "running", None, ""
     stops: dict[int, dict[str, Any]] = {}
+    peer_losses: list[dict[str, Any]] = []
     for e in events:
         n, ev = int(e.get("attempt") or 0), e.get("event")
         if ev == "attempt_start":
@@ -95,6 +99,17 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
                 loss_pts.append((int(s), v, n))
         elif ev == "stop":
             stops[n] = e
+        elif ev == "peer_lost":
+            fail, commit = e.get("failure_wall"), e.get("commit_wall")
+            peer_losses.append({"attempt": n, "step": e.get("step"), "committed": bool(e.get("committed")),
+                                "after_failure_s": (commit - fail) if commit and fail else None,
+                                "lost_ranks": e.get("lost_ranks"), "reason": e.get("reason") or "",
+                                "fallback_step": e.get("fallback_step"), "steps_lost": None})
+            if e.get("committed"):
+                checkpoints.append({"step": e.get("step"), "kind": "survivors", "attempt": n,
+                                    "blocking_s": None, "persist_s": e.get("save_s")})
+                if a is not None and e.get("step") is not None:
+                    a.checkpoints.append(int(e["step"]))
         elif ev == "end":
             status, final_step, message = str(e.get("status")), e.get("step"), str(e.get("message") or "")
             if a is not None:
@@ -123,11 +138,14 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
             for a, row in zip(by_job.get(job, []), rows):
                 a.sacct_state = row.state
     loss_pts.sort(key=lambda p: (p[2], p[0]))
+    for pl in peer_losses:
+        nxt = next((a for a in ordered if a.attempt == pl["attempt"] + 1), None)
+        pl["steps_lost"] = nxt.steps_lost if nxt is not None else None
     return RunHistory(
         ckpt_dir=ckpt_dir, attempts=ordered, checkpoints=checkpoints,
         loss_steps=[p[0] for p in loss_pts], loss_values=[p[1] for p in loss_pts],
         loss_attempts=[p[2] for p in loss_pts], status=status, final_step=final_step, message=message,
-        sacct_note=sacct_note)
+        sacct_note=sacct_note, peer_losses=peer_losses)
 
 
 def load(ckpt_dir: str | Path, *, use_sacct: bool = True, runner: commands.Runner | None = None) -> RunHistory:
@@ -192,6 +210,15 @@ def render_text(h: RunHistory) -> str:
     lines += ["", f"checkpoints: {len(h.checkpoints)} ("
               + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + f"): steps {steps or '-'}"
               + (f"; save stall mean {sum(blocking) / len(blocking):.3f}s" if blocking else "")]
+    for pl in h.peer_losses:
+        if pl["committed"]:
+            lines.append(f"attempt {pl['attempt']}: rank(s) {pl['lost_ranks']} lost; survivors' checkpoint of step "
+                         f"{pl['step']} committed {_s(pl['after_failure_s'])}s after the failure; "
+                         f"steps lost {_i(pl['steps_lost'])}")
+        else:
+            lines.append(f"attempt {pl['attempt']}: a rank was lost after step {pl['step']}; no survivors' "
+                         f"checkpoint ({pl['reason']}); fell back to step {_i(pl['fallback_step'])}; "
+                         f"steps lost {_i(pl['steps_lost'])}")
     lines.append(f"steps lost in total: {h.steps_lost_total}")
     if h.sacct_note:
         lines.append(f"sacct: {h.sacct_note}")
@@ -202,7 +229,8 @@ def render_text(h: RunHistory) -> str:
 _ATTEMPT_COLOURS = ("tab:blue", "tab:cyan", "tab:green", "tab:olive", "tab:gray", "navy", "teal")
 # Colours for why an attempt ended (interruptions on the plot).
 _REASON_COLOURS = {"preemption": "tab:red", "time_limit": "tab:orange", "node_failure": "tab:purple",
-                   "requeue_by_hand": "tab:brown", "crash": "black"}
+                   "requeue_by_hand": "tab:brown", "crash": "black",
+                   "rank_failure": "tab:pink"}
 
 
 def plot(h: RunHistory, path: str | Path) -> Path:
