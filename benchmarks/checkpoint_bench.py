@@ -71,7 +71,7 @@ def build(size_mb: int, threads: int, comm=None):
     width = int((n_params / layers) ** 0.5)
     torch.manual_seed(0)
     mods = []
-    for i in range(layers):
+    for _ in range(layers):
         mods += [torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Dropout(0.1)]
     model = torch.nn.Sequential(*mods[:-2])
     opt = torch.optim.Adam(model.parameters(), lr=1e-5)

@@ -83,9 +83,11 @@ class Comm:
         if self.mpi_comm is not None:
             self.mpi_comm.Barrier()
 
-    def bcast(self, obj: T, root: int = 0) -> T:
+    def bcast(self, obj: T | None, root: int = 0) -> T:
+        # Typed for the usual call, ``bcast(value if rank == root else None)``: every rank gets
+        # root's value; a root that sends None gets None, which callers check for themselves.
         if self.mpi_comm is None:
-            return obj
+            return obj  # type: ignore[return-value]
         return self.mpi_comm.bcast(obj, root=root)
 
     def allgather(self, obj: T) -> list[T]:

@@ -33,7 +33,7 @@ class TorchComm(Comm):
         self._views: dict[int, torch.Tensor] = {}
 
     @classmethod
-    def if_distributed(cls) -> "TorchComm | None":
+    def if_distributed(cls) -> TorchComm | None:
         """A TorchComm when a process group of more than one rank exists, else None."""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             return cls()
@@ -42,10 +42,10 @@ class TorchComm(Comm):
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
-    def bcast(self, obj: T, root: int = 0) -> T:
+    def bcast(self, obj: T | None, root: int = 0) -> T:
         box = [obj]
         dist.broadcast_object_list(box, src=root, group=self.group)
-        return box[0]
+        return box[0]  # type: ignore[return-value]  # root's value (see Comm.bcast)
 
     def allgather(self, obj: T) -> list[T]:
         out: list[Any] = [None] * self.size

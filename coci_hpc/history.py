@@ -8,9 +8,10 @@ and :func:`plot` present it. ``coci-status`` is the command.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from coci_hpc.errors import SlurmError, UsageError
 from coci_hpc.runtime.attempts import SlurmAttempt, parse_job_attempts, sacct_job_argv
@@ -287,7 +288,7 @@ def plot(h: RunHistory, path: str | Path) -> Path:
     ax.set_ylim(ymin, ymax)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    lat = [a.restart_latency_s.get("total") for a in h.attempts
+    lat = [float(a.restart_latency_s["total"]) for a in h.attempts
            if a.restart_latency_s and a.restart_latency_s.get("total") is not None]
     ax.set_title(f"{Path(h.ckpt_dir).parent.name}/{Path(h.ckpt_dir).name}: {len(h.attempts)} attempts, {h.status}, "
                  f"{h.steps_lost_total} steps lost"

@@ -31,12 +31,12 @@ import torch
 
 from coci_hpc.checkpoint import engine, exitguard, h5_parallel, perms, recovery, retire
 from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint.h5_serial import SerialH5Writer
 from coci_hpc.checkpoint.launch import check_launch
 from coci_hpc.checkpoint.lock import CheckpointLocked, DirectoryLock
-from coci_hpc.checkpoint.rawio import WriteItem
-from coci_hpc.checkpoint.h5_serial import SerialH5Writer
 from coci_hpc.checkpoint.lustre import IOTuning, LustrePolicy, tuning_for
 from coci_hpc.checkpoint.protocol import StorageWriter
+from coci_hpc.checkpoint.rawio import WriteItem
 from coci_hpc.checkpoint.state import collect, find_optimizers, guarded_ptrs
 from coci_hpc.checkpoint.twophase import TwoPhaseSaver
 from coci_hpc.checkpoint.watchdog import Watchdog
@@ -91,24 +91,24 @@ class CheckpointManager:
             raise UsageError(f"timeout_s={timeout_s!r} must be a positive number of seconds or None",
                              hint=f"the default is {DEFAULT_TIMEOUT_S:g}")
         perms.dir_mode(access)  # refuses an unknown access= now, not at the first save
-        self.access = access
-        self.root = Path(directory)
-        self.comm = Comm.wrap(comm)
+        self.access: str = access
+        self.root: Path = Path(directory)
+        self.comm: Comm = Comm.wrap(comm)
         check_launch(self.comm)
-        self.keep = keep
-        self.rng = rng
-        self.on_no_space = on_no_space
-        self.timeout_s = None if timeout_s is None else float(timeout_s)
-        self.lustre = lustre or LustrePolicy()
-        self.writer = make_writer(self.comm, backend)
+        self.keep: int = keep
+        self.rng: bool = rng
+        self.on_no_space: str = on_no_space
+        self.timeout_s: float | None = None if timeout_s is None else float(timeout_s)
+        self.lustre: LustrePolicy = lustre or LustrePolicy()
+        self.writer: StorageWriter = make_writer(self.comm, backend)
         self._tuning: IOTuning | None = None
-        self._async = TwoPhaseSaver(self.comm, self.root, self.writer, self.tuning, keep=keep,
+        self._async: TwoPhaseSaver = TwoPhaseSaver(self.comm, self.root, self.writer, self.tuning, keep=keep,
                                     on_busy=on_busy, overlap=overlap, rng=rng, timeout_s=self.timeout_s,
                                     on_failure=self._async_failed)
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._base: int | None = None   # the step loaded last: the next save retires newer ones
         self.stats: dict[str, float] = {}
-        self._closed = False
+        self._closed: bool = False
         self._lock: DirectoryLock | None = self._take_lock() if lock else None
         exitguard.register(self)
 

@@ -18,12 +18,21 @@ import torch
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint import perms
 from coci_hpc.checkpoint.h5file import DatasetReader
+from coci_hpc.checkpoint.layout import Layout, LeafDesc, make_layout
 from coci_hpc.checkpoint.lustre import IOTuning, apply_setstripe
-from coci_hpc.checkpoint.plan import LeafDesc, Plan, make_plan
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, write_posix
-from coci_hpc.checkpoint.state import (Leaf, PerRank, Sharded, apply, check_skeleton, current_trees,
-                                      empty_like_leaf, is_stateful, iter_targets)
+from coci_hpc.checkpoint.state import (
+    Leaf,
+    PerRank,
+    Sharded,
+    apply,
+    check_skeleton,
+    current_trees,
+    empty_like_leaf,
+    is_stateful,
+    iter_targets,
+)
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointError, CheckpointNotFound, CociError, UsageError
 
@@ -34,7 +43,7 @@ class Prepared:
 
     step: int
     directory: Path
-    plan: Plan
+    layout: Layout
     offsets: dict[int, int]
     leaves: dict[str, Leaf]
     skeletons: dict[str, Any]
@@ -47,13 +56,14 @@ class Prepared:
         return self.directory / mf.DATA_FILE
 
     def my_pieces(self, rank: int):
-        return [p for p in self.plan.pieces if p.rank == rank]
+        return [p for p in self.layout.pieces if p.rank == rank]
 
     def items(self, rank: int, arrays: Mapping[str, np.ndarray] | None = None) -> list[WriteItem]:
         """(file offset, bytes) of this rank's pieces, from ``arrays`` (snapshot) or the live leaves."""
         out = []
         for p in self.my_pieces(rank):
             src = arrays[p.leaf] if arrays is not None else self.leaves[p.leaf].array
+            assert src is not None  # a device leaf (array None) is written from its snapshot only
             b = src.view(np.uint8)
             out.append(WriteItem(self.offsets[p.dataset] + p.start,
                                  b[p.src_start:p.src_start + (p.stop - p.start)]))
@@ -70,20 +80,23 @@ def check_step(step: Any) -> int:
 
 def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves: Sequence[Leaf],
             writer: StorageWriter, tuning: IOTuning) -> Prepared:
-    """Collective: agree on the plan, make the step directory and the file with all datasets."""
+    """Collective: agree on the layout, make the step directory and the file with all datasets."""
     step = check_step(step)
     descs = [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in leaves]
     all_descs = comm.allgather(descs)
-    plan = comm.run_step(lambda: make_plan(all_descs, align=tuning.align), "planning the checkpoint")
+    layout = comm.run_step(lambda: make_layout(all_descs, align=tuning.align), "planning the checkpoint")
     directory = mf.step_dir(root, step)
     make_step_dir(comm, root, step, tuning)
     try:
-        offsets = writer.create(directory, plan, tuning)
+        offsets = writer.create(directory, layout, tuning)
     except BaseException:  # raised on every rank (the writers agree): leave no partial directory
-        comm.run_step(lambda: comm.rank != 0 or shutil.rmtree(directory, ignore_errors=True),
-                      f"removing the failed step {step}")
+        def remove() -> None:
+            if comm.rank == 0:
+                shutil.rmtree(directory, ignore_errors=True)
+
+        comm.run_step(remove, f"removing the failed step {step}")
         raise
-    return Prepared(step, directory, plan, offsets, {l.name: l for l in leaves}, skeletons, tuning,
+    return Prepared(step, directory, layout, offsets, {l.name: l for l in leaves}, skeletons, tuning,
                     writer.name)
 
 
@@ -113,7 +126,7 @@ def make_step_dir(comm: Comm, root: Path, step: int, tuning: IOTuning) -> Path:
 def recreate(comm: Comm, prepared: Prepared, writer: StorageWriter) -> None:
     """Collective: make the directory and file of a failed save again, for a retry of its items."""
     make_step_dir(comm, prepared.directory.parent, prepared.step, prepared.tuning)
-    offsets = writer.create(prepared.directory, prepared.plan, prepared.tuning)
+    offsets = writer.create(prepared.directory, prepared.layout, prepared.tuning)
     if offsets != prepared.offsets:
         raise CheckpointError(f"retrying step {prepared.step}: the datasets landed at other offsets",
                               hint="report this; save again under a new step")
@@ -153,16 +166,16 @@ def commit(comm: Comm, prepared: Prepared, crcs: list[int] | None, error: BaseEx
         if comm.rank != 0:
             return []
         assert gathered is not None
-        plan = prepared.plan
+        layout = prepared.layout
         tensors = []
-        for i, d in enumerate(plan.datasets):
+        for i, d in enumerate(layout.datasets):
             tensors.append({"name": d.name, "dataset": d.path, "file": mf.DATA_FILE, "dtype": d.dtype,
                             "shape": list(d.shape), "kind": d.kind, "rank": d.rank,
                             "nbytes": d.nbytes, "offset": prepared.offsets.get(i)})
         shards = []
         for r, g in enumerate(gathered):
-            for p, crc in zip([p for p in plan.pieces if p.rank == r], g["crcs"]):
-                shards.append({"file": mf.DATA_FILE, "dataset": plan.datasets[p.dataset].path,
+            for p, crc in zip(layout.pieces_of(r), g["crcs"]):
+                shards.append({"file": mf.DATA_FILE, "dataset": layout.datasets[p.dataset].path,
                                "rank": r, "start": p.start, "stop": p.stop, "crc32c": crc})
         skel = {"replicated": prepared.skeletons["replicated"],
                 "per_rank": {str(r): g["per_rank"] for r, g in enumerate(gathered)}}
@@ -256,7 +269,8 @@ def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, An
                 raise CheckpointError(f"sharded {name!r} has {shape[0] if shape else 0} rows in the "
                                       f"checkpoint but the ranks hold {total}",
                                       hint="size the local parts so they add up to the saved rows")
-            tgt, shape = tgt.local, (tgt.local.shape[0],) + shape[1:]
+            local = tgt.local
+            tgt, shape = local, (local.shape[0],) + shape[1:]
         elif isinstance(tgt, Sharded):
             raise CheckpointError(f"{name!r} is Sharded(...) in the state passed to load but "
                                   f"{meta['kind']} in checkpoint step {step}", hint=hint)

@@ -19,10 +19,10 @@ from pathlib import Path
 import h5py
 
 from coci_hpc.checkpoint.h5file import create_datasets, file_kwargs
+from coci_hpc.checkpoint.layout import Layout
 from coci_hpc.checkpoint.lustre import IOTuning, mpi_info
 from coci_hpc.checkpoint.manifest import DATA_FILE
 from coci_hpc.checkpoint.perms import set_file
-from coci_hpc.checkpoint.plan import Plan
 from coci_hpc.checkpoint.rawio import WriteItem, write_mpiio
 from coci_hpc.comm import Comm
 
@@ -43,13 +43,13 @@ class ParallelH5Writer:
                                   hint="use backend='serial' or install h5py with HDF5_MPI=ON")
         self.comm = comm
 
-    def create(self, directory: Path, plan: Plan, tuning: IOTuning) -> dict[int, int]:
+    def create(self, directory: Path, layout: Layout, tuning: IOTuning) -> dict[int, int]:
         info = mpi_info(tuning.mpi_hints)
         try:
             def make() -> dict[int, int]:
                 with h5py.File(directory / DATA_FILE, "w", driver="mpio", comm=self.comm.mpi_comm,
                                info=info, **file_kwargs(tuning.align, tuning.align_threshold)) as f:
-                    offsets = create_datasets(f, plan)
+                    offsets = create_datasets(f, layout)
                 # h5py created it under the umask; the directory's mode decides. Inside the same
                 # step, so its error agreement covers it without a second collective per save.
                 if self.comm.rank == 0:

@@ -12,10 +12,10 @@ from pathlib import Path
 import h5py
 
 from coci_hpc.checkpoint.h5file import create_datasets, file_kwargs
+from coci_hpc.checkpoint.layout import Layout
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.manifest import DATA_FILE
 from coci_hpc.checkpoint.perms import set_file
-from coci_hpc.checkpoint.plan import Plan
 from coci_hpc.checkpoint.rawio import WriteItem, write_posix
 from coci_hpc.comm import Comm
 
@@ -27,13 +27,13 @@ class SerialH5Writer:
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
 
-    def create(self, directory: Path, plan: Plan, tuning: IOTuning) -> dict[int, int]:
+    def create(self, directory: Path, layout: Layout, tuning: IOTuning) -> dict[int, int]:
         def make() -> dict[int, int] | None:
             if self.comm.rank != 0:
                 return None
             with h5py.File(directory / DATA_FILE, "w",
                            **file_kwargs(tuning.align, tuning.align_threshold)) as f:
-                offsets = create_datasets(f, plan)
+                offsets = create_datasets(f, layout)
             set_file(directory / DATA_FILE, tuning.dir_mode)  # not the umask's mode
             return offsets
 

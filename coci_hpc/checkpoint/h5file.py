@@ -26,7 +26,7 @@ import h5py
 import numpy as np
 
 from coci_hpc.checkpoint.integrity import checksum
-from coci_hpc.checkpoint.plan import Plan
+from coci_hpc.checkpoint.layout import Layout
 from coci_hpc.checkpoint.rawio import background, pread_into
 from coci_hpc.checkpoint.state import storage_dtype
 from coci_hpc.errors import CheckpointCorrupt
@@ -48,14 +48,14 @@ def h5_shape(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
     return tuple(shape) if len(shape) else (1,)
 
 
-def create_datasets(f: h5py.File, plan: Plan) -> dict[int, int]:
-    """Create every dataset of ``plan`` in ``f``; return {dataset index: byte offset in the file}.
+def create_datasets(f: h5py.File, layout: Layout) -> dict[int, int]:
+    """Create every dataset of ``layout`` in ``f``; return {dataset index: byte offset in the file}.
 
-    With the mpio driver this must run on every rank with the same plan (it is collective).
+    With the mpio driver this must run on every rank with the same layout (it is collective).
     """
     dcpl = _dcpl()
     offsets: dict[int, int] = {}
-    for i, d in enumerate(plan.datasets):
+    for i, d in enumerate(layout.datasets):
         ds = f.create_dataset(d.path, shape=h5_shape(d.shape), dtype=storage_dtype(d.dtype), dcpl=dcpl)
         off = ds.id.get_offset()
         if off is not None:
@@ -219,7 +219,7 @@ class DatasetReader:
             raise CheckpointCorrupt(f"{self.path}: read past the end of {meta['dataset']!r}",
                                     hint="manifest and request disagree")
         off = self.offset(meta)
-        got = memoryview(dest.reshape(-1).view(np.uint8))
+        got = memoryview(dest.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy types its buffer protocol for Python >= 3.12 only
         whole = [] if self._algorithm is None else self._whole_shards(meta, start, start + len(got))
         try:
             if whole:
@@ -248,7 +248,7 @@ class DatasetReader:
         than one chunk's CRC, and leaves room where reads wait on a parallel filesystem."""
         algorithm = self._algorithm
         assert algorithm is not None
-        got = memoryview(flat)
+        got = memoryview(flat)  # type: ignore[arg-type]  # numpy types its buffer protocol for Python >= 3.12 only
 
         def feed(c0: int, c1: int) -> None:
             for sh, crc in whole:  # one worker thread: each shard's chunks arrive in order

@@ -28,7 +28,7 @@ try:  # the hardware CRC; a pure-software fallback keeps old environments able t
 
     HARDWARE_CRC32C = bool(getattr(_crc32c_mod, "hardware_based", False))
 except ImportError:  # pragma: no cover - pyproject requires crc32c
-    _crc32c_mod = None
+    _crc32c_mod = None  # type: ignore[assignment]
     HARDWARE_CRC32C = False
 
     def _crc32c(buf: memoryview, value: int) -> int:
@@ -55,7 +55,7 @@ def checksum(buf: np.ndarray | memoryview | bytes, algorithm: str = CHECKSUM, va
     if fn is None:
         raise CheckpointCorrupt(f"unknown checksum algorithm {algorithm!r}",
                                 hint=f"known: {sorted(_FUNCS)}; the manifest may be damaged")
-    mv = memoryview(buf).cast("B") if not isinstance(buf, bytes) else memoryview(buf)
+    mv = memoryview(buf).cast("B") if not isinstance(buf, bytes) else memoryview(buf)  # type: ignore[arg-type]  # numpy types its buffer protocol for Python >= 3.12 only
     for i in range(0, len(mv), _CHUNK):
         value = fn(mv[i:i + _CHUNK], value)
     return value & 0xFFFFFFFF

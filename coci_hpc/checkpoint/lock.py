@@ -6,14 +6,20 @@ the holder (Slurm job id when there is one, host, pid and the pid's start time, 
 and a second live writer is refused up front with an error naming that holder. Readers
 (``coci-ckpt list/verify``, ``CheckpointManager(..., lock=False)``) take no lock.
 
-A lock is *stale*, and taken over, when (:func:`is_stale`, pure):
+A lock is *stale*, and taken over, only when its holder's process is gone (:func:`is_stale`, pure):
 
-* it carries the same Slurm job id as ours: a requeued job runs again under its own job id
-  (array tasks each have their own ``SLURM_JOB_ID``), and its previous attempt is gone;
 * its holder ran on this host and that process is gone (or the pid now belongs to another
-  process: the start time differs);
-* its holder's Slurm job is known to Slurm as no longer running (asked with ``squeue``, only
-  for a holder on another host; if Slurm cannot answer, the lock counts as live).
+  process: the start time differs). The same Slurm job id is not enough: two ``srun &`` in one
+  allocation, or two shells under ``salloc``, are two live writers of one job;
+* its holder ran on another host under the same job id in an earlier attempt (a smaller
+  ``SLURM_RESTART_COUNT``): Slurm starts a requeued job only after every process of the previous
+  attempt ended;
+* its holder ran on another host in a step of this same attempt that ``squeue --steps`` no
+  longer lists;
+* its holder's Slurm job (another one) is known to Slurm as no longer running (asked with
+  ``squeue``, only for a holder on another host).
+
+If Slurm cannot answer, a holder on another host counts as live.
 
 Acquisition is atomic without relying on ``flock`` (not available on every Lustre or NFS
 mount): the holder record is written to a temporary file and hard-linked to the lock name,
@@ -46,6 +52,8 @@ class Holder:
     job_id: str | None
     since: float
     token: str
+    restart_count: int | None = None  # SLURM_RESTART_COUNT of the holder's attempt
+    step_id: str | None = None        # its SLURM_STEP_ID
 
     def describe(self) -> str:
         who = f"Slurm job {self.job_id} " if self.job_id else ""
@@ -77,19 +85,24 @@ def pid_alive(pid: int, start: str | None) -> bool:
 def me(job: JobEnvironment | None = None) -> Holder:
     job = job if job is not None else JobEnvironment.from_env()
     pid = os.getpid()
-    return Holder(socket.gethostname(), pid, process_start(pid), job.job_id, time.time(), uuid.uuid4().hex)
+    return Holder(socket.gethostname(), pid, process_start(pid), job.job_id, time.time(), uuid.uuid4().hex,
+                  job.restart_count if job.job_id is not None else None, job.step_id)
 
 
 def is_stale(holder: Holder, mine: Holder, alive: Callable[[int, str | None], bool],
-             job_active: Callable[[str], bool | None]) -> bool:
+             job_active: Callable[[str], bool | None],
+             step_active: Callable[[str, str], bool | None] = lambda job, step: None) -> bool:
     """Whether the lock of ``holder`` may be taken over by ``mine`` (see the module doc)."""
-    if holder.job_id is not None and holder.job_id == mine.job_id:
-        return True
     if holder.host == mine.host:
         return not alive(holder.pid, holder.pid_start)
-    if holder.job_id is not None:
-        return job_active(holder.job_id) is False
-    return False
+    if holder.job_id is None:
+        return False
+    if holder.job_id == mine.job_id:
+        if holder.restart_count is not None and mine.restart_count is not None \
+                and holder.restart_count < mine.restart_count:
+            return True
+        return holder.step_id is not None and step_active(holder.job_id, holder.step_id) is False
+    return job_active(holder.job_id) is False
 
 
 def same_process(holder: Holder, mine: Holder) -> bool:
@@ -105,11 +118,22 @@ def _slurm_job_active(job_id: str) -> bool | None:
         return None
 
 
+def _slurm_step_active(job_id: str, step_id: str) -> bool | None:
+    from coci_hpc.slurm.commands import step_active
+
+    try:
+        return step_active(job_id, step_id)
+    except Exception:  # noqa: BLE001 - no Slurm here: unknown, so the lock counts as live
+        return None
+
+
 def _read(path: Path) -> Holder | None:
     try:
         raw = json.loads(path.read_text())
+        restarts = raw.get("restart_count")
         return Holder(str(raw["host"]), int(raw["pid"]), raw.get("pid_start"), raw.get("job_id"),
-                      float(raw["since"]), str(raw["token"]))
+                      float(raw["since"]), str(raw["token"]),
+                      None if restarts is None else int(restarts), raw.get("step_id"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
@@ -133,7 +157,8 @@ class DirectoryLock:
     @classmethod
     def acquire(cls, root: str | os.PathLike, *, job: JobEnvironment | None = None,
                 alive: Callable[[int, str | None], bool] = pid_alive,
-                job_active: Callable[[str], bool | None] = _slurm_job_active) -> DirectoryLock:
+                job_active: Callable[[str], bool | None] = _slurm_job_active,
+                step_active: Callable[[str, str], bool | None] = _slurm_step_active) -> DirectoryLock:
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
         key = root.resolve()
@@ -160,13 +185,13 @@ class DirectoryLock:
                     return cls(root, mine)
                 except FileExistsError:
                     pass
-                holder = _read(path)
-                if holder is None:
+                found = _read(path)
+                if found is None:
                     continue  # released meanwhile: try again
-                if not is_stale(holder, mine, alive, job_active) and not same_process(holder, mine):
+                if not is_stale(found, mine, alive, job_active, step_active) and not same_process(found, mine):
                     raise CheckpointLocked(
                         f"checkpoint directory {root} is in use by another writer: "
-                        f"{holder.describe()}",
+                        f"{found.describe()}",
                         hint=f"point this run at another directory, wait for that run to end, or, "
                              f"if it is certainly gone, delete {path}")
                 grave = root / f".coci-writer.lock.stale-{mine.token}"
@@ -174,7 +199,7 @@ class DirectoryLock:
                     os.rename(path, grave)
                 except FileNotFoundError:
                     continue
-                if _read(grave) != holder:
+                if _read(grave) != found:
                     # Another taker was quicker and this is ITS fresh lock: give it back.
                     try:
                         os.link(grave, path)

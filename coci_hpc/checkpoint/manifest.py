@@ -82,7 +82,7 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def build(*, step: int, world_size: int, tensors: dict[str, Any], shards: list[dict[str, Any]],
+def build(*, step: int, world_size: int, tensors: list[dict[str, Any]], shards: list[dict[str, Any]],
           skeletons: dict[str, Any], files: list[str], backend: str, extra: dict[str, Any] | None = None,
           ) -> dict[str, Any]:
     return {

@@ -4,7 +4,7 @@ Call sequence for one save, and which rank makes each call (like torch.distribut
 ``StorageWriter``)::
 
     1. plan            ALL ranks, main thread: allgather leaf descriptions, build the same
-                       :class:`~coci_hpc.checkpoint.plan.Plan` everywhere (pure).
+                       :class:`~coci_hpc.checkpoint.layout.Layout` everywhere (pure).
     2. writer.create   ALL ranks, main thread, collective: make the step directory (Lustre
                        striping), create the data file and every dataset with identical
                        arguments; returns {dataset index: byte offset}, the same on every rank.
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from coci_hpc.checkpoint.layout import Layout
 from coci_hpc.checkpoint.lustre import IOTuning
-from coci_hpc.checkpoint.plan import Plan
 from coci_hpc.checkpoint.rawio import WriteItem
 
 
@@ -32,7 +32,7 @@ class StorageWriter(Protocol):
     name: str
     collective_write: bool
 
-    def create(self, directory: Path, plan: Plan, tuning: IOTuning) -> dict[int, int]:
+    def create(self, directory: Path, layout: Layout, tuning: IOTuning) -> dict[int, int]:
         """ALL ranks, collective: create the data file and datasets; return dataset offsets."""
         ...
 

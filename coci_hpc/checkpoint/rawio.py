@@ -63,7 +63,7 @@ def background() -> ThreadPoolExecutor:
 
 def pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
     """Write all of ``buf`` at ``offset``: a short write is retried, one that writes nothing fails."""
-    mv = memoryview(buf).cast("B")
+    mv = memoryview(buf).cast("B")  # type: ignore[arg-type]  # numpy types its buffer protocol for Python >= 3.12 only
     done = 0
     while done < len(mv):
         n = os.pwrite(fd, mv[done:done + _CHUNK], offset + done)
@@ -144,7 +144,7 @@ def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteIte
     fut = background().submit(_crcs, items)
     chunks: list[tuple[int, memoryview]] = []
     for it in items:
-        mv = memoryview(it.buf).cast("B")
+        mv = memoryview(it.buf).cast("B")  # type: ignore[arg-type]  # numpy types its buffer protocol for Python >= 3.12 only
         for i in range(0, len(mv), _CHUNK):
             chunks.append((it.offset + i, mv[i:i + _CHUNK]))
     rounds = mpi_comm.allreduce(len(chunks), op=MPI.MAX)
@@ -184,7 +184,7 @@ def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteIte
 def pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
     if buf.nbytes >= _CHUNK:
         os.posix_fadvise(fd, offset, buf.nbytes, os.POSIX_FADV_SEQUENTIAL)
-    mv = memoryview(buf).cast("B")
+    mv = memoryview(buf).cast("B")  # type: ignore[arg-type]  # numpy types its buffer protocol for Python >= 3.12 only
     done = 0
     while done < len(mv):
         n = os.preadv(fd, [mv[done:done + _CHUNK]], offset + done)

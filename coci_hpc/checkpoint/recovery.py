@@ -36,7 +36,7 @@ _DAMAGE = (CheckpointCorrupt, OSError, EOFError)
 _RESCANS = 3  # a concurrent writer's retention may retire steps while we look at them
 
 
-def is_damage(exc: BaseException) -> bool:
+def is_damage(exc: BaseException | None) -> bool:
     """True when ``exc`` (or the local error behind a CommError) says a checkpoint is damaged."""
     seen = 0
     while exc is not None and seen < 8:

@@ -499,7 +499,7 @@ def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mappi
             if before is not None and key in before:
                 inner.load_state_dict(before[key])
         raise
-    for key, inner, tree in pending:
+    for _key, inner, tree in pending:
         if is_stateful(inner) and not isinstance(inner, torch.nn.Module):
             continue
         if is_stateful(inner):

@@ -28,7 +28,7 @@ import json
 import math
 import re
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

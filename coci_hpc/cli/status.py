@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from coci_hpc import history
 from coci_hpc.cli.common import UsageArgumentParser, run_cli

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from coci_hpc.cli.common import UsageArgumentParser, run_cli
 from coci_hpc.planner.policies import POLICY_NAMES, make_policy
@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--qos", "-q")
     s.add_argument("--constraint", "-C")
     s.add_argument("--job-name", "-J", help="default: the script's name")
-    s.add_argument("--array", "-a", help="N or 0-M, optionally %%K; each task checkpoints in <ckpt-dir>/task<ID>")
+    s.add_argument("--array", "-a", help="N or 0-M, optionally %%K; each task checkpoints in <ckpt-dir>/task<ID>, "
+                                         "and %%a in the script's arguments becomes its ID (--seed %%a)")
     s.add_argument("--sbatch-arg", action="append", default=[], metavar="KEY[=VALUE]",
                    help="any other sbatch option, repeatable: --sbatch-arg exclusive --sbatch-arg mail-type=END "
                         "(with dashes: --sbatch-arg=--exclusive)")

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 from scipy.optimize import OptimizeWarning, curve_fit
@@ -64,7 +64,7 @@ class CurveFit:
                 "floor": self.floor, "rss": self.rss, "r2": self.r2, "n": self.n}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CurveFit":
+    def from_dict(cls, d: dict) -> CurveFit:
         return cls(kind=str(d["kind"]), theta1=float(d["theta1"]), theta2=float(d["theta2"]),
                    floor=float(d["floor"]), rss=float(d["rss"]), r2=float(d["r2"]), n=int(d["n"]))
 
@@ -87,7 +87,7 @@ class FitOutcome:
                 "candidates": self.candidates, "n_dropped": self.n_dropped}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "FitOutcome":
+    def from_dict(cls, d: dict) -> FitOutcome:
         return cls(fit=None if d.get("fit") is None else CurveFit.from_dict(d["fit"]),
                    reason=d.get("reason"), candidates=dict(d.get("candidates") or {}),
                    n_dropped=int(d.get("n_dropped", 0)))
@@ -99,7 +99,7 @@ def _aicc(rss: float, n: int, k: int) -> float:
     return n * math.log(rss / n) + penalty
 
 
-def fit_curve(times: Sequence[float], losses: Sequence[float], *, min_points: int = MIN_POINTS,
+def fit_curve(times: Sequence[float] | np.ndarray, losses: Sequence[float] | np.ndarray, *, min_points: int = MIN_POINTS,
               min_r2: float = MIN_R2) -> FitOutcome:
     """Fit both shapes and return the better one, or a fallback outcome with a reason."""
     t = np.asarray(times, dtype=float).ravel()
@@ -294,7 +294,7 @@ class ConvergenceTracker:
                 "since_refit": self._since_refit}
 
     @classmethod
-    def from_state(cls, state: dict) -> "ConvergenceTracker":
+    def from_state(cls, state: dict) -> ConvergenceTracker:
         tr = cls(refit_every=state["refit_every"], drift_tol=state["drift_tol"],
                  min_points=state["min_points"], max_samples=state.get("max_samples", 4096))
         tr.samples = [(int(s), float(t), math.nan if l is None else float(l))

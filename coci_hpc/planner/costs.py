@@ -6,7 +6,6 @@ from dataclasses import asdict, dataclass
 
 from coci_hpc.errors import PlannerError
 
-
 # Tr before any restart was measured: Slurm's 120 s requeue credential lifetime + 30 s restore.
 # The one default (coci-plan without a measurement uses it and says so).
 DEFAULT_RESTART_S = 150.0
@@ -46,7 +45,7 @@ class Costs:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Costs":
+    def from_dict(cls, d: dict) -> Costs:
         return cls(ckpt_s=float(d["ckpt_s"]), restart_s=float(d["restart_s"]),
                    step_time_s=None if d.get("step_time_s") is None else float(d["step_time_s"]),
                    persist_s=float(d.get("persist_s") or 0.0))

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 from scipy import stats
@@ -216,7 +216,7 @@ class FailureModel:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "FailureModel":
+    def from_dict(cls, d: dict) -> FailureModel:
         evs = tuple(FailureEvent(nodes=tuple(e["nodes"]), time_s=float(e["time_s"]),
                                  reason=e.get("reason", ""), source=e.get("source", ""),
                                  state=e.get("state", ""), job_id=e.get("job_id"),

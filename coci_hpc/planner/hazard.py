@@ -22,8 +22,8 @@ Daly's. From 8 nodes up the (n-1)*r term dominates and it is.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from scipy.special import gammaincc
 

@@ -51,5 +51,8 @@ def chunks(rate: float, work_s: float, ckpt_s: float, restart_s: float = 0.0,
     shorter than ``min_chunk_s`` (an asynchronous save must finish persisting first)."""
     k0 = bougeret_k(rate, work_s, ckpt_s, restart_s)
     kmax = max(1, int(work_s // min_chunk_s)) if min_chunk_s > 0 else None
-    cands = [k for k in range(max(1, k0 - 2), k0 + 3) if kmax is None or k <= kmax] or [kmax]
+    cands = [k for k in range(max(1, k0 - 2), k0 + 3) if kmax is None or k <= kmax]
+    if not cands:  # every candidate is above kmax, so kmax is set
+        assert kmax is not None
+        cands = [kmax]
     return min(cands, key=lambda k: (makespan_no_final(k, rate, work_s, ckpt_s, restart_s), k))

@@ -82,7 +82,7 @@ class OnlinePlanner:
                 "time_since_failure_s": self.time_since_failure_s}
 
     @classmethod
-    def from_state(cls, state: dict) -> "OnlinePlanner":
+    def from_state(cls, state: dict) -> OnlinePlanner:
         if state.get("version") != 1:
             raise ValueError(f"unknown planner state version {state.get('version')!r}")
         obj = cls.__new__(cls)

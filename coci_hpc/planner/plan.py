@@ -78,7 +78,7 @@ class Plan:
         return json.dumps(self.to_dict(), **kw)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Plan":
+    def from_dict(cls, d: dict) -> Plan:
         return cls(policy=d["policy"], effective_policy=d["effective_policy"],
                    checkpoints=tuple(Checkpoint(float(c["time_s"]), c["step"])
                                      for c in d["checkpoints"]),

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-
+from typing import Any
 
 from coci_hpc.errors import PlannerError, UsageError
 from coci_hpc.planner import horizon as endgame
@@ -319,7 +319,7 @@ class CociDefault(Policy):
         base = max(daly, lo)
         shape = ctx.weibull_shape
         hazard = shape is not None and 0 < shape < 1
-        params = {"daly_s": daly, "min_interval_s": lo, "persist_s": c.persist_s}
+        params: dict[str, Any] = {"daly_s": daly, "min_interval_s": lo, "persist_s": c.persist_s}
         if not hazard:
             if w / base > MAX_CHECKPOINTS:
                 raise PlannerError(f"interval {base:.3g} s gives over {MAX_CHECKPOINTS} "
@@ -331,10 +331,12 @@ class CociDefault(Policy):
             params.update(mode="exponential", chunks=k)
             return Plan(self.name, self.name, _checkpoints(ctx, times), iv, w, ctx.t_now,
                         ctx.step_now, lam, c, ctx.fit, None, params)
-        fresh = ctx.time_since_failure_s is not None
+        assert shape is not None  # hazard implies a shape
+        since = ctx.time_since_failure_s
+        fresh = since is not None
         hz = JobHazard(lam / max(ctx.nodes, 1), float(shape), max(ctx.nodes, 1), fresh)
         # without a known failure, every node is of unknown age, seen to survive from t_now
-        age0 = float(ctx.time_since_failure_s) if fresh else 0.0
+        age0 = float(since) if since is not None else 0.0
         end = ctx.t_now + w
         offsets = self._walk(hz, age0, tb, lo, self.max_gap_factor * base, base, w)
         times = [ctx.t_now + x for x in offsets if x < w]

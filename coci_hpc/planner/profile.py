@@ -89,7 +89,7 @@ class Profile:
         return d
 
     @classmethod
-    def from_dict(cls, d: object, source: str = "profile") -> "Profile":
+    def from_dict(cls, d: object, source: str = "profile") -> Profile:
         hint = "see the profile schema in coci-plan --help"
         if not isinstance(d, dict) or not isinstance(d.get("samples", []), list):
             raise InputFormatError("expected an object with a 'samples' list", source=source,
@@ -119,7 +119,7 @@ class Profile:
         return cls(tuple(samples), total_steps=ts, extra=extra, **nums)
 
     @classmethod
-    def load(cls, path: str) -> "Profile":
+    def load(cls, path: str) -> Profile:
         try:
             with open(path, encoding="utf-8") as fh:
                 text = fh.read()

@@ -16,8 +16,9 @@ each failure, L(last checkpoint) - L(failure point), plus the loss drop forgone 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 from scipy.special import gamma as gamma_fn
@@ -238,8 +239,8 @@ class Summary:
     n_ckpts: float
     n_failures: float
     unfinished: int
-    per_run_s: np.ndarray = field(repr=False, compare=False, default=None)
-    per_run_progress: np.ndarray = field(repr=False, compare=False, default=None)
+    per_run_s: np.ndarray | None = field(repr=False, compare=False, default=None)
+    per_run_progress: np.ndarray | None = field(repr=False, compare=False, default=None)
 
     def to_dict(self) -> dict:
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -254,8 +255,8 @@ def evaluate(plans: dict[str, Sequence[float]], scenario: Scenario, costs: Costs
     if curve is not None:
         achieved = float(np.mean([float(curve.loss(0.0)) - float(curve.loss(s))
                                   for s in scenario.stops]))
-    for name, times in plans.items():
-        times = np.sort(np.asarray(times, dtype=float))
+    for name, plan_times in plans.items():
+        times = np.sort(np.asarray(plan_times, dtype=float))
         rr = [run_one(times, float(s), tr, costs, curve, scenario.trace_until_s)
               for s, tr in zip(scenario.stops, scenario.traces)]
         ov = np.array([r.overhead_s for r in rr])

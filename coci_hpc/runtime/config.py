@@ -9,9 +9,10 @@ tasks of one array share the submitted directory but never a checkpoint.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from coci_hpc.errors import UsageError
 from coci_hpc.planner.policies import make_policy

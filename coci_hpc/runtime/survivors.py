@@ -41,7 +41,7 @@ from coci_hpc.checkpoint.engine import make_step_dir
 from coci_hpc.checkpoint.h5file import create_datasets, file_kwargs
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.perms import set_file
-from coci_hpc.checkpoint.plan import LeafDesc, make_plan
+from coci_hpc.checkpoint.layout import LeafDesc, make_layout
 from coci_hpc.checkpoint.rawio import WriteItem, pread_into, write_posix
 from coci_hpc.checkpoint.state import PerRank, collect, empty_like_leaf, is_stateful, restore_rng, unflatten
 from coci_hpc.comm import Comm
@@ -172,7 +172,7 @@ def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: 
     descs_repl = [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in repl]
     all_descs = [descs_repl + [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in per_rank[r].leaves]
                  for r in range(size)]
-    plan = make_plan(all_descs, align=tuning.align)
+    plan = make_layout(all_descs, align=tuning.align)
     directory = make_step_dir(Comm.serial(), root, step, tuning)
     data = directory / mf.DATA_FILE
     with h5py.File(data, "w", **file_kwargs(tuning.align, tuning.align_threshold)) as f:

@@ -43,6 +43,23 @@ def job_active(job_id: str, runner: Runner = run_command) -> bool:
                                      for s in out.split())
 
 
+def step_active(job_id: str, step_id: str, runner: Runner = run_command) -> bool | None:
+    """Whether step ``job_id.step_id`` still runs (``squeue --steps``); None when Slurm cannot say.
+
+    squeue lists the srun steps of running jobs; whether it lists the batch and extern steps
+    depends on the Slurm version (22.05 does), so an unlisted one of those is unknown (None).
+    """
+    try:
+        out = runner(["squeue", "-h", "--steps", "-j", job_id, "-o", "%i"])
+    except SlurmError as exc:
+        if "Invalid job id" in str(exc):
+            return False
+        raise
+    if f"{job_id}.{step_id}" in out.split():
+        return True
+    return False if step_id.isdigit() else None
+
+
 def time_left_s(job_id: str, runner: Runner = run_command) -> float | None:
     """Seconds until the job's time limit, from Slurm (``squeue %L``); None when unlimited or unknown."""
     out = runner(["squeue", "-h", "-j", job_id, "-o", "%L"]).strip()

@@ -23,6 +23,7 @@ _TABLE: dict[str, tuple[str, type]] = {
     "step_num_tasks": ("SLURM_STEP_NUM_TASKS", int),  # tasks of this srun step (unset in the batch script)
     "localid": ("SLURM_LOCALID", int),
     "restart_count": ("SLURM_RESTART_COUNT", int),
+    "step_id": ("SLURM_STEP_ID", str),  # "0", "1", ... under srun; "batch" in the batch script
     "submit_dir": ("SLURM_SUBMIT_DIR", str),
 }
 
@@ -42,6 +43,7 @@ class JobEnvironment:
     step_num_tasks: int | None = None
     localid: int | None = None
     restart_count: int = 0
+    step_id: str | None = None
     submit_dir: str | None = None
 
     @classmethod

@@ -19,11 +19,12 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
-from typing import Mapping
 
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS
+from coci_hpc.slurm.env import JobEnvironment
 
 # The signals the Session owns (USR2: coci-submit's --signal, USR1, SIGTERM), held until it starts.
 # SIGCONT keeps submitit's harmless logging handler.
@@ -63,7 +64,7 @@ class EarlySignals:
             assert self._thread is not None
             self._thread.start()
 
-    def install(self) -> "EarlySignals":
+    def install(self) -> EarlySignals:
         for s in self.signals:
             signal.signal(s, self._handle)
         return self
@@ -84,8 +85,25 @@ class EarlySignals:
             time.sleep(self.poll_s)
 
 
+ARRAY_TASK = "%a"
+
+
+def task_arguments(args: tuple[str, ...], job: JobEnvironment) -> tuple[str, ...]:
+    """The script's arguments for this array task: every ``%a`` becomes its task id.
+
+    As in Slurm's file names and ``slurm/templates/train_array.sbatch``; outside an array job the
+    arguments pass untouched (a literal ``%a`` included).
+    """
+    if job.array_task_id is None:
+        return args
+    return tuple(a.replace(ARRAY_TASK, job.array_task_id) for a in args)
+
+
 class ScriptRunner:
-    """``python SCRIPT ARGS...`` inside this process, with the COCI_* environment set."""
+    """``python SCRIPT ARGS...`` inside this process, with the COCI_* environment set.
+
+    In an array job every ``%a`` in ARGS is replaced by the task id (:func:`task_arguments`).
+    """
 
     def __init__(self, script: str, args: tuple[str, ...], env: Mapping[str, str]) -> None:
         self.script = script
@@ -95,7 +113,7 @@ class ScriptRunner:
     def __call__(self) -> int:
         EarlySignals().install()
         os.environ.update(self.env)
-        sys.argv = [self.script, *self.args]
+        sys.argv = [self.script, *task_arguments(self.args, JobEnvironment.from_env())]
         sys.path.insert(0, str(Path(self.script).parent))
         try:
             runpy.run_path(self.script, run_name="__main__")
@@ -118,8 +136,8 @@ def _abort_other_ranks() -> None:
     if mpi is None:
         return
     try:
-        world = mpi.COMM_WORLD  # type: ignore[attr-defined]
-        if mpi.Is_initialized() and not mpi.Is_finalized() and world.Get_size() > 1:  # type: ignore[attr-defined]
+        world = mpi.COMM_WORLD
+        if mpi.Is_initialized() and not mpi.Is_finalized() and world.Get_size() > 1:
             traceback.print_exc()
             sys.stderr.flush()
             world.Abort(1)

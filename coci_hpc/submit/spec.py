@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 import re
 import shlex
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 from coci_hpc.errors import UsageError
 
@@ -99,22 +99,102 @@ _MANAGED = {
     "gpus-per-node": "--gpus-per-node", "cpus-per-task": "--cpus-per-task", "mem": "--mem",
     "time": "--time", "account": "--account", "qos": "--qos", "constraint": "--constraint",
     "job-name": "--job-name", "array": "--array", "wrap": "(the script is the job)",
+    # coci-submit starts nodes x ntasks-per-node ranks; a task count of its own would contradict it.
+    "ntasks": "--nodes and --ntasks-per-node",
+}
+
+# sbatch's long options (sbatch(1), Slurm 22.05 to 24.x). sbatch takes any unambiguous prefix of
+# one (getopt_long), so `--sig=USR1@60` is --signal: the pass-through check resolves prefixes the
+# same way instead of trusting the spelling.
+SBATCH_LONG_OPTIONS = frozenset("""
+    account acctg-freq array batch bb bbf begin chdir cluster-constraint clusters comment constraint
+    container contiguous core-spec cores-per-socket cpu-freq cpus-per-gpu cpus-per-task deadline
+    delay-boot dependency distribution error exclude exclusive export export-file extra-node-info
+    get-user-env gid gpu-bind gpu-freq gpus gpus-per-node gpus-per-socket gpus-per-task gres
+    gres-flags hint hold ignore-pbs input job-name kill-on-invalid-dep licenses mail-type mail-user
+    mcs-label mem mem-bind mem-per-cpu mem-per-gpu mincpus network nice no-kill no-requeue nodefile
+    nodelist nodes ntasks ntasks-per-core ntasks-per-gpu ntasks-per-node ntasks-per-socket open-mode
+    output overcommit oversubscribe parsable partition power prefer priority profile propagate qos
+    quiet reboot requeue reservation signal sockets-per-node spread-job switches test-only
+    thread-spec threads-per-core time time-min tmp tres-per-task uid use-min-nodes verbose wait
+    wait-all-nodes wckey wrap
+""".split())
+
+# sbatch's short options, case-sensitive (-N nodes, -n ntasks).
+SBATCH_SHORT_OPTIONS = {
+    "a": "array", "A": "account", "b": "begin", "B": "extra-node-info", "c": "cpus-per-task",
+    "C": "constraint", "d": "dependency", "D": "chdir", "e": "error", "F": "nodefile", "G": "gpus",
+    "H": "hold", "i": "input", "J": "job-name", "k": "no-kill", "L": "licenses", "m": "distribution",
+    "M": "clusters", "n": "ntasks", "N": "nodes", "o": "output", "O": "overcommit", "p": "partition",
+    "q": "qos", "Q": "quiet", "s": "oversubscribe", "S": "core-spec", "t": "time", "v": "verbose",
+    "W": "wait", "w": "nodelist", "x": "exclude",
 }
 
 
+def _sbatch_option(text: str, given: str) -> str:
+    """The sbatch long option that ``given`` (as typed, dashes stripped) names, resolved as sbatch does."""
+    if len(given) == 1 and given in SBATCH_SHORT_OPTIONS:
+        return SBATCH_SHORT_OPTIONS[given]
+    key = given.lower().replace("_", "-")
+    if key in SBATCH_LONG_OPTIONS:
+        return key
+    matches = sorted(o for o in SBATCH_LONG_OPTIONS if o.startswith(key))
+    managed = [o for o in matches if o in _MANAGED]
+    if len(matches) == 1 or (matches and len(managed) == len(matches)):
+        return matches[0]
+    if managed:  # sbatch would call it ambiguous; it may mean one coci-submit manages
+        raise UsageError(f"--sbatch-arg {text!r} is ambiguous: it abbreviates {', '.join('--' + m for m in matches)}",
+                         hint=f"spell the option out; {', '.join('--' + m for m in managed)} "
+                              f"{'is' if len(managed) == 1 else 'are'} managed by coci-submit "
+                              f"({', '.join(_MANAGED[m] for m in managed)})")
+    if len(matches) > 1:
+        raise UsageError(f"--sbatch-arg {text!r} is ambiguous: it abbreviates {', '.join('--' + m for m in matches)}",
+                         hint="spell the option out")
+    return key  # an option this list does not know (a newer Slurm): passed on as typed
+
+
 def parse_sbatch_arg(text: str) -> tuple[str, str | bool]:
-    """One pass-through sbatch option: ``exclusive``, ``--exclusive``, ``mail-type=END`` -> (key, value)."""
-    s = text.strip().lstrip("-")
-    key, eq, value = s.partition("=")
-    key = key.strip().replace("_", "-")
-    if not re.fullmatch(r"[a-z][a-z0-9-]*", key):
+    """One pass-through sbatch option -> (long option name, value).
+
+    Takes sbatch's spellings: ``exclusive``, ``--exclusive``, ``mail-type=END``, ``-t=10``,
+    ``-t10``, a prefix such as ``sig=USR1@60``. An option coci-submit manages is refused whatever
+    the spelling (see ``_MANAGED``).
+    """
+    s = text.strip()
+    if re.match(r"-[A-Za-z].", s):
+        # One dash is a short option, as sbatch's getopt reads it: -t10, -t=10 (-exclusive is -e xclusive).
+        given, eq, value = s[1], "=", s[2:].removeprefix("=")
+    else:
+        given, eq, value = s.lstrip("-").partition("=")
+        given = given.strip()
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", given):
         raise UsageError(f"--sbatch-arg {text!r} is not an sbatch option",
                          hint="spell it as sbatch does, without or with dashes: --sbatch-arg exclusive, "
                               "--sbatch-arg mail-type=END")
+    key = _sbatch_option(text, given)
     if key in _MANAGED:
+        how = _MANAGED[key]
         raise UsageError(f"--sbatch-arg {text!r} sets --{key}, which coci-submit manages",
-                         hint=f"use {_MANAGED[key]} instead")
+                         hint=f"leave it out {how}" if how.startswith("(") else f"use {how} instead")
     return key, (value if eq else True)
+
+
+def _check_sbatch_conflicts(args: Sequence[tuple[str, str | bool]], *, gpus_per_node: int | None,
+                            mem: str | None, cpus_per_task: int | None) -> None:
+    """Pass-through options that Slurm refuses, or silently reinterprets, beside coci-submit's own."""
+    for key, value in args:
+        clash = None
+        if gpus_per_node is not None and (key in ("gpus", "gpus-per-task", "gpus-per-socket")
+                                          or (key == "gres" and "gpu" in str(value).lower())):
+            clash = "--gpus-per-node"
+        elif mem is not None and key in ("mem-per-cpu", "mem-per-gpu"):
+            clash = "--mem"
+        elif cpus_per_task is not None and key == "cpus-per-gpu":
+            clash = "--cpus-per-task"
+        if clash:
+            shown = f"--{key}" + (f"={value}" if value is not True else "")
+            raise UsageError(f"--sbatch-arg {shown} conflicts with coci-submit's {clash}",
+                             hint=f"request the resource one way: either {clash} or --sbatch-arg {shown}")
 
 
 @dataclass(frozen=True)
@@ -206,6 +286,8 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
     if not re.fullmatch(r"[\w.+-]+", name):
         raise UsageError(f"--job-name {name!r} has characters Slurm or a path would mangle",
                          hint="use letters, digits, '.', '_', '+' and '-'")
+    passed = tuple(parse_sbatch_arg(a) for a in sbatch_args)
+    _check_sbatch_conflicts(passed, gpus_per_node=gpus_per_node, mem=mem, cpus_per_task=cpus_per_task)
     out = (cwd / (output_dir or f"coci-runs/{name}")).resolve()
     ckpt = (cwd / ckpt_dir).resolve() if ckpt_dir else out / "ckpt"
     return SubmitSpec(
@@ -215,7 +297,7 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
         no_progress_limit=no_progress_limit, mpi=mpi, python=python, gpus_per_node=gpus_per_node,
         cpus_per_task=cpus_per_task, mem=mem, account=account, qos=qos, constraint=constraint,
         array=parse_array(array) if array is not None else None,
-        sbatch_args=tuple(parse_sbatch_arg(a) for a in sbatch_args),
+        sbatch_args=passed,
         time_unlimited=time is not None and time_min is None)
 
 

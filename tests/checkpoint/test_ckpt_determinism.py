@@ -10,7 +10,6 @@ import re
 import pytest
 
 from coci_hpc.planner.profile import Profile
-
 from tests.checkpoint.conftest import ROOT, run_ranks
 
 pytestmark = pytest.mark.timeout(240)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -90,7 +92,7 @@ def test_an_optimizer_loaded_before_a_refusal_is_rolled_back(tmp_path):
     order = list(target)                                     # optimizer is loaded before the sampler
     assert order.index("optimizer") < order.index("loader")
     opt_before = canonical(target["optimizer"])
-    with pytest.raises(Exception):
+    with pytest.raises(Exception, match="sampler state is for n="):
         mgr.load(1, target)
     assert canonical(target["optimizer"]) == opt_before
     target["loader"] = ResumableSampler(100, seed=2)
@@ -125,7 +127,7 @@ def test_skeleton_values_that_do_not_fit_the_object_are_refused_before_load_stat
             mgr.load(1, target)
         assert info.value.hint, what
         assert canonical(target) == before, what
-        assert not isinstance(getattr(target["scheduler"], "optimizer"), str), what
+        assert not isinstance(target["scheduler"].optimizer, str), what
 
 
 # ------------------------------------------------------------- snapshot consistency (#3)
@@ -221,8 +223,17 @@ def test_lock_staleness_rules():
     dead = lambda pid, start: False  # noqa: E731
     alive = lambda pid, start: True  # noqa: E731
     unknown = lambda job: None  # noqa: E731
-    me = _holder(pid=200, token="me", job_id="77")
-    assert is_stale(_holder(job_id="77", host="nodeB"), me, alive, unknown)        # requeued: same job
+    me = _holder(pid=200, token="me", job_id="77", restart_count=1, step_id="0")
+    # the same job id is not enough: another live process of this allocation holds it
+    assert not is_stale(_holder(job_id="77", restart_count=1), me, alive, unknown)
+    assert is_stale(_holder(job_id="77", restart_count=1), me, dead, unknown)
+    assert is_stale(_holder(job_id="77", host="nodeB", restart_count=0), me, alive, unknown)  # requeued
+    assert not is_stale(_holder(job_id="77", host="nodeB", restart_count=1, step_id="1"), me, alive, unknown)
+    assert not is_stale(_holder(job_id="77", host="nodeB", restart_count=1, step_id="1"), me, alive, unknown,
+                        lambda job, step: True)
+    assert is_stale(_holder(job_id="77", host="nodeB", restart_count=1, step_id="1"), me, alive, unknown,
+                    lambda job, step: False)                                       # its srun step ended
+    assert not is_stale(_holder(job_id="77", host="nodeB"), me, alive, unknown)    # an old record: unknown
     assert not is_stale(_holder(job_id="76"), me, alive, unknown)                  # live on this host
     assert is_stale(_holder(job_id="76"), me, dead, unknown)                       # dead on this host
     assert not is_stale(_holder(job_id="76", host="nodeB"), me, dead, unknown)     # elsewhere, unknown
@@ -233,14 +244,46 @@ def test_lock_staleness_rules():
 
 def test_the_lock_names_the_holder_and_is_taken_over_from_a_requeued_attempt(tmp_path):
     (tmp_path / LOCK_FILE).write_text(json.dumps(
-        {"host": "elsewhere", "pid": 4242, "pid_start": None, "job_id": "9001", "since": 0, "token": "x"}))
+        {"host": "elsewhere", "pid": 4242, "pid_start": None, "job_id": "9001", "since": 0, "token": "x",
+         "restart_count": 0}))
     with pytest.raises(CheckpointLocked, match="Slurm job 9001 .*pid 4242 on elsewhere") as info:
         DirectoryLock.acquire(tmp_path, job=JobEnvironment(job_id="9002"), job_active=lambda j: None)
     assert LOCK_FILE in info.value.hint
-    lock = DirectoryLock.acquire(tmp_path, job=JobEnvironment(job_id="9001"))  # the same job, requeued
+    with pytest.raises(CheckpointLocked):  # the same job and attempt, on another node: a live writer
+        DirectoryLock.acquire(tmp_path, job=JobEnvironment(job_id="9001"), job_active=lambda j: True)
+    # the same job, requeued
+    lock = DirectoryLock.acquire(tmp_path, job=JobEnvironment(job_id="9001", restart_count=1))
     assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
     lock.release()
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+LOCK_HOLDER = """
+import sys, time
+from coci_hpc.checkpoint.lock import DirectoryLock
+lock = DirectoryLock.acquire(sys.argv[1])
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_two_processes_of_one_job_do_not_take_each_others_lock(tmp_path):
+    """Two `srun &` in one allocation: same SLURM_JOB_ID, same host, two live processes."""
+    env = {**os.environ, "SLURM_JOB_ID": "5150", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "0"}
+    first = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(tmp_path)], env=env,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == "held"
+        second = JobEnvironment(job_id="5150", step_id="1", restart_count=0)
+        with pytest.raises(CheckpointLocked, match=f"Slurm job 5150 .*pid {first.pid} "):
+            DirectoryLock.acquire(tmp_path, job=second)
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == first.pid  # untouched
+    finally:
+        first.kill()
+        first.wait()
+    lock = DirectoryLock.acquire(tmp_path, job=second)  # its holder is gone now: stale
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
 
 
 def test_a_read_only_manager_takes_no_lock_and_cannot_save(tmp_path):

@@ -3,8 +3,15 @@ import numpy as np
 import pytest
 
 from coci_hpc.errors import PlannerError
-from coci_hpc.planner.failures import (FailureEvent, FailureModel, estimate, fit_weibull,
-                                       from_mtbf, merge_events, poisson_interval)
+from coci_hpc.planner.failures import (
+    FailureEvent,
+    FailureModel,
+    estimate,
+    fit_weibull,
+    from_mtbf,
+    merge_events,
+    poisson_interval,
+)
 
 
 def ev(node, t, source="event"):

@@ -7,11 +7,18 @@ import pytest
 from coci_hpc.errors import PlannerError, UsageError
 from coci_hpc.planner.convergence import CurveFit
 from coci_hpc.planner.costs import Costs
-from coci_hpc.planner.policies import (CociPaper as Coci, PlanContext, checkfreq_interval, coci_pe,
-                                       daly_interval, make_policy, young_interval)
+from coci_hpc.planner.policies import CociPaper as Coci
+from coci_hpc.planner.policies import (
+    PlanContext,
+    checkfreq_interval,
+    coci_pe,
+    daly_interval,
+    make_policy,
+    young_interval,
+)
 
 
-def exp_fit(theta1=-1e-4, theta2=math.log(2.0), floor=0.0):
+def exp_fit(theta1=-1e-4, theta2=math.log(2.0), floor=0.0):  # noqa: B008 - a constant, evaluated once on purpose
     return CurveFit("exp" if floor == 0 else "exp_floor", theta1, theta2, floor, 0.0, 1.0, 100)
 
 

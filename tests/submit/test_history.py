@@ -25,7 +25,10 @@ def _losses(a: int, wall: float, lo: int, hi: int) -> dict:
 def story() -> list[dict]:
     """Preempted at 120 (saved), node failure at 260 (last checkpoint 250), time limit at 330, done at 400."""
     none = {"reason": "none", "source": "none", "detail": "first attempt"}
-    lat = lambda tot, rq, ps, rs: {"total": tot, "slurm_requeue_s": rq, "process_start_s": ps, "restore_s": rs}
+
+    def lat(tot, rq, ps, rs):
+        return {"total": tot, "slurm_requeue_s": rq, "process_start_s": ps, "restore_s": rs}
+
     return [
         _rec("attempt_start", 1, 0, nodes=["n1", "n2"], ranks=2, policy="fixed:50", restart_count=0,
              prev_end=none, resumed_step=None, steps_lost=None),

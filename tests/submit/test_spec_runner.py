@@ -1,6 +1,7 @@
 """The pure spec (Slurm time formats, arrays, pass-through options) and the in-process script runner."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -48,6 +49,43 @@ def test_sbatch_arg_forms() -> None:
     assert parse_sbatch_arg("comment=a=b") == ("comment", "a=b")
     with pytest.raises(UsageError, match="manages"):
         parse_sbatch_arg("--requeue")
+    assert parse_sbatch_arg("-wn1") == ("nodelist", "n1")        # a short option, value attached
+    assert parse_sbatch_arg("--time-min=10") == ("time-min", "10")  # an option, not a prefix of --time
+    assert parse_sbatch_arg("--mail-t=ALL") == ("mail-type", "ALL")  # sbatch's unique-prefix rule
+
+
+@pytest.mark.parametrize("text,managed", [
+    ("-t=10", "time"), ("-t10", "time"), ("--t", "time"), ("t=10", "time"), ("sig=USR1@60", "signal"),
+    ("--sig=B:USR1@60", "signal"), ("-p=gpu", "partition"), ("-pgpu", "partition"), ("--out=x", "output"),
+    ("-n4", "ntasks"), ("ntasks=4", "ntasks"), ("--n=4", "ntasks"), ("-N2", "nodes"), ("--requ", "requeue"),
+    ("-J", "job-name"), ("--arr=0-3", "array"), ("--acco=x", "account"),
+])
+def test_sbatch_arg_refuses_a_managed_option_whatever_the_spelling(text: str, managed: str) -> None:
+    with pytest.raises(UsageError, match=f"sets --{managed}, which coci-submit manages"):
+        parse_sbatch_arg(text)
+
+
+@pytest.mark.parametrize("text", ["par=gpu", "--ti=5", "--me=4G"])
+def test_sbatch_arg_refuses_a_prefix_that_may_mean_a_managed_option(text: str) -> None:
+    with pytest.raises(UsageError, match="ambiguous") as e:
+        parse_sbatch_arg(text)
+    assert "managed by coci-submit" in (e.value.hint or "")
+
+
+@pytest.mark.parametrize("own,passed,clash", [
+    ({"gpus_per_node": 2}, "gres=gpu:2", "--gpus-per-node"),
+    ({"gpus_per_node": 2}, "--gpus=4", "--gpus-per-node"),
+    ({"gpus_per_node": 2}, "-G4", "--gpus-per-node"),
+    ({"mem": "16G"}, "mem-per-cpu=2G", "--mem"),
+    ({"mem": "16G"}, "--mem-per-gpu=8G", "--mem"),
+    ({"cpus_per_task": 4}, "cpus-per-gpu=2", "--cpus-per-task"),
+])
+def test_sbatch_arg_refuses_what_conflicts_with_coci_submits_options(tmp_path: Path, own, passed, clash) -> None:
+    with pytest.raises(UsageError, match=f"conflicts with coci-submit's {clash}"):
+        build_spec(script="t.py", script_args=(), cwd=tmp_path, python="python", sbatch_args=[passed], **own)
+    # without coci-submit's own option the same pass-through is fine
+    spec = build_spec(script="t.py", script_args=(), cwd=tmp_path, python="python", sbatch_args=[passed])
+    assert len(spec.sbatch_args) == 1
 
 
 def test_unlimited_time_is_written_and_no_time_leaves_the_partition_default(tmp_path: Path) -> None:
@@ -100,6 +138,21 @@ def test_runner_runs_the_script_in_process_and_hands_an_early_signal_to_the_sess
     assert "SUBMITIT HANDLER RAN" not in p.stdout
     assert "runner returned 0" in p.stdout
     assert p.stderr.count("SIGUSR2 received while no training session runs") == 1, p.stderr
+
+
+def test_runner_substitutes_the_array_task_id_in_the_arguments(tmp_path: Path) -> None:
+    script = tmp_path / "user.py"
+    script.write_text("import sys; print('argv', sys.argv[1:], flush=True)\n")
+    child = RUNNER_CHILD.replace('("--lr", "3e-4", "--steps")', '("--seed", "%a", "--out=run%a/x")')
+    env = {**os.environ, "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "3", "SLURM_JOB_ID": "43"}
+    p = subprocess.run([sys.executable, "-c", child, str(script)], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "argv ['--seed', '3', '--out=run3/x']" in p.stdout
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_ARRAY")}  # not an array task
+    p = subprocess.run([sys.executable, "-c", child, str(script)], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT, env=env)
+    assert "argv ['--seed', '%a', '--out=run%a/x']" in p.stdout, p.stdout + p.stderr
 
 
 def test_runner_propagates_a_failing_exit_code(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Pure layout planning: which datasets a checkpoint file holds and which bytes each rank writes.
 
-Input is every rank's list of leaf descriptions (allgathered); output is the same plan on every
+Input is every rank's list of leaf descriptions (allgathered); output is the same layout on every
 rank, so the collective HDF5 calls that follow get identical arguments everywhere.
 
 * replicated leaves: one dataset each (from rank 0's description; all ranks must agree). Their
@@ -40,7 +40,7 @@ class DatasetSpec:
 
 @dataclass(frozen=True)
 class Piece:
-    """Bytes [start, stop) of dataset ``dataset`` (index into the plan), written by ``rank``.
+    """Bytes [start, stop) of dataset ``dataset`` (index into the layout), written by ``rank``.
 
     ``src_start`` is where the bytes begin in that rank's local leaf buffer.
     """
@@ -54,7 +54,7 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Layout:
     datasets: tuple[DatasetSpec, ...]
     pieces: tuple[Piece, ...]
 
@@ -69,7 +69,7 @@ def dataset_path(name: str, kind: str, rank: int | None) -> str:
     return name
 
 
-def make_plan(per_rank_leaves: Sequence[Sequence[LeafDesc]], align: int = 4096) -> Plan:
+def make_layout(per_rank_leaves: Sequence[Sequence[LeafDesc]], align: int = 4096) -> Layout:
     world = len(per_rank_leaves)
     datasets: list[DatasetSpec] = []
     pieces: list[Piece] = []
@@ -130,7 +130,7 @@ def make_plan(per_rank_leaves: Sequence[Sequence[LeafDesc]], align: int = 4096) 
                                         "per_rank", l.nbytes, rank=r))
             if l.nbytes:
                 pieces.append(Piece(idx, r, 0, l.nbytes, l.name, 0))
-    return Plan(tuple(datasets), tuple(pieces))
+    return Layout(tuple(datasets), tuple(pieces))
 
 
 def _row_bytes(locs: Sequence[LeafDesc]) -> int:
