@@ -140,7 +140,8 @@ class Session:
         self.sync = StepSync(self.comm, self._min_deadline)
         self._dt_ema = 0.0
         per_node = (self.job.ntasks // self.job.num_nodes) if self.job.ntasks and self.job.num_nodes else 1
-        self.survival = Survival(self._state, self.comm, ranks_per_node=per_node, enabled=self._survivors)
+        self.survival = Survival(self._state, self.comm, ranks_per_node=per_node, enabled=self._survivors,
+                                 skip=frozenset({STATE_KEY}))
         self.log = EventLog(self.events_path, attempt=1, job_id=self.job.job_id, enabled=self.rank == 0)
         self.step = 0                      # steps completed
         self._loss = math.nan
@@ -459,7 +460,9 @@ class Session:
                     from coci_hpc.checkpoint.lustre import tuning_for
                     tuning = tuning_for(root, self.mgr.lustre, self.comm.size, self.mgr.access)
                 # Within Slurm's kill window: KillWait (5 s here, 30 s by default) after the node is DOWN.
-                out = sv.save(root, boundary, self._state, self.rank, self.comm.size, sv_.own,
+                # The planner's state_dict() broadcasts rank 0's view: take this survivor's own instead.
+                local = {**self._state, STATE_KEY: {"version": 1, "schedule": self.schedule._own_state()}}
+                out = sv.save(root, boundary, local, self.rank, self.comm.size, sv_.own,
                               [copy] if copy is not None else [], tuning, self.mgr.keep, window_s=3.0)
             else:
                 staging = sv.staging_dir(root, boundary)

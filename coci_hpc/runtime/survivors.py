@@ -62,7 +62,10 @@ class BoundarySnapshot:
     trees, module buffers. :meth:`rollback` puts them back before the survivors' save collects.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, skip: frozenset[str] = frozenset()) -> None:
+        # Values whose state_dict() is a collective (the session's planner broadcasts rank 0's
+        # view): never called per step, and impossible once a peer is gone.
+        self.skip = skip
         self.step = -1
         self.values: dict[str, Any] = {}
         self.buffers: dict[str, dict[str, torch.Tensor]] = {}
@@ -71,6 +74,8 @@ class BoundarySnapshot:
     def take(self, state: Mapping[str, Any], step: int, opt_steps: int) -> None:
         self.step, self.opt_steps = step, opt_steps
         for key, value in state.items():
+            if key in self.skip:
+                continue
             inner = value.value if isinstance(value, PerRank) else value
             if isinstance(inner, torch.optim.Optimizer):
                 continue        # its state only changes in step(); param_groups after it (scheduler)
@@ -86,6 +91,8 @@ class BoundarySnapshot:
 
     def rollback(self, state: Mapping[str, Any]) -> None:
         for key, value in state.items():
+            if key in self.skip:
+                continue
             inner = value.value if isinstance(value, PerRank) else value
             if isinstance(inner, torch.nn.Module):
                 saved = self.buffers.get(key, {})
@@ -270,7 +277,8 @@ class Survival:
     :class:`BoundarySnapshot` of the small replicated values.
     """
 
-    def __init__(self, state: Mapping[str, Any], comm: Comm, *, ranks_per_node: int, enabled: bool = True) -> None:
+    def __init__(self, state: Mapping[str, Any], comm: Comm, *, ranks_per_node: int, enabled: bool = True,
+                 skip: frozenset[str] = frozenset()) -> None:
         from coci_hpc.checkpoint.state import find_optimizers
         from coci_hpc.runtime.partner import PartnerCopy
 
@@ -282,7 +290,7 @@ class Survival:
             "survivors' saves are off (COCI_SURVIVORS=0)" if not enabled else
             "survivors' saves need MPI and 2 or more ranks (the partner copies travel over MPI)")
         self.partner = PartnerCopy(comm.mpi_comm.Dup(), ranks_per_node) if self.enabled else None
-        self.snapshot = BoundarySnapshot()
+        self.snapshot = BoundarySnapshot(skip)
         self.own: RankState | None = None
         self.opt_steps = 0
         self._hook_mode = True          # copy at the optimizer step (see partner.py), else at the boundary
