@@ -297,8 +297,8 @@ class Session:
         """Rank 0: whether to agree on a stop at the boundary itself (True when the signal lead cannot
         cover two steps, a save and the requeue: the pipelined agreement stops one step later).
         With ``warn``, says so when even one step does not fit. Other ranks return False."""
-        if self.rank != 0:
-            return False
+        if self.rank != 0 or (not self.job.in_slurm_job and self.config.signal_lead_s is None):
+            return False                   # a run by hand has no warning signal to fit in
         lead = self.config.signal_lead_s if self.config.signal_lead_s is not None else att.DEFAULT_SIGNAL_LEAD_S
         c = self.schedule.costs()
         save_s = c.ckpt_s + c.persist_s if self.schedule.measured else None

@@ -187,3 +187,20 @@ def test_resume_from_other_run_reaches_the_session(fake_slurm, capsys) -> None:
     assert "export COCI_RESUME_FROM_OTHER_RUN=1" in dry.splitlines()
     rc, dry, err = _run(capsys, "--dry-run", "train.py")
     assert "COCI_RESUME_FROM_OTHER_RUN" not in dry
+
+
+def test_signal_lead_derived_from_a_profile(fake_slurm, capsys, tmp_path) -> None:
+    # 60 s steps and 40 s saves: the default 90 s lead would end the job TIMEOUT (never requeued).
+    prof = tmp_path / "profile.json"
+    prof.write_text('{"samples": [], "step_time_s": 60.0, "ckpt_cost_s": 25.0, "persist_s": 15.0}')
+    rc, out, err = _run(capsys, "--time", "1:00:00", "--lead-from-profile", str(prof), "--dry-run", "train.py")
+    assert rc == 0, err
+    assert "#SBATCH --signal=USR2@200" in out.splitlines() and "export COCI_SIGNAL_LEAD_S=200" in out
+    assert "signal lead 200s from" in err
+    rc, out, err = _run(capsys, "--signal-lead", "60", "--lead-from-profile", str(prof), "--dry-run", "train.py")
+    assert rc != 0 and "both given" in err
+    prof.write_text('{"samples": []}')
+    rc, out, err = _run(capsys, "--lead-from-profile", str(prof), "--dry-run", "train.py")
+    assert rc != 0 and "no step time" in err
+    rc, out, err = _run(capsys, "--dry-run", "train.py")
+    assert "#SBATCH --signal=USR2@90" in out.splitlines()                 # the default is unchanged
