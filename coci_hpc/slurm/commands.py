@@ -25,6 +25,12 @@ def run_command(argv: Sequence[str], timeout: float = 60.0) -> str:
     return p.stdout
 
 
+def partition_names(runner: Runner = run_command) -> list[str]:
+    """The cluster's partition names, from ``sinfo`` (the default one without its ``*``)."""
+    out = runner(["sinfo", "-h", "-o", "%P"])
+    return sorted({p.strip().rstrip("*") for p in out.split() if p.strip()})
+
+
 def requeue(job_id: str, runner: Runner = run_command) -> None:
     """Ask Slurm to requeue the job: it is ended now and starts again as the same job id."""
     runner(["scontrol", "requeue", job_id])
