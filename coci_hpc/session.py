@@ -398,8 +398,8 @@ class Session:
         if self.rank == 0:
             _say(f"stopped at step {step} ({reason}: {detail}): "
                  + ("checkpoint saved" if saved else f"resumes from step {self.mgr.latest_step()}")
-                 + (", job requeued" if requeue else "; not requeued (run again with the same arguments "
-                                                     "to resume)"))
+                 + (", job requeued" if requeue else "; Slurm requeues the job" if reason in att.SLURM_REQUEUES
+                    else "; not requeued (run again with the same arguments to resume)"))
         raise SystemExit(0)
 
     def _record_loss(self, step: int) -> None:

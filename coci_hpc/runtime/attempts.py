@@ -115,6 +115,8 @@ def steps_lost(prev_records: Sequence[dict[str, Any]], resumed_step: int | None)
 # Restarts that follow the session's own announced stop (the --signal warning of a time limit, a
 # preemption) are the job working as intended; these are the ones --max-requeues counts.
 UNANNOUNCED = ("node_failure", "crash", "requeue_by_hand")
+# Stops that Slurm itself follows with a requeue (of a --requeue job): the session must not add one.
+SLURM_REQUEUES = ("requeue_by_hand", "node_failure")
 # Time a stop keeps back for `scontrol requeue` (with its retries' first wait) and the exit.
 REQUEUE_ALLOWANCE_S = 3.0
 # The lead of coci-submit's and the templates' --signal (USR2@90) when the session is not told one.
@@ -229,7 +231,8 @@ def stop_reason(signal_name: str, job: JobState | None, *, now_wall: float, sign
                         f"the job is down; Slurm requeues a --requeue job)", False, end)
     if job.restarts > restart_count:
         return StopPlan("requeue_by_hand", f"SIGTERM; Slurm: Restarts={job.restarts} > this attempt's "
-                        f"{restart_count} (requeued from outside)", False, end)
+                        f"{restart_count} (requeued from outside: scontrol requeue, or a node failure Slurm requeues)",
+                        False, end)
     return StopPlan("cancelled", f"SIGTERM; Slurm: JobState={job.state}, PreemptTime=None (scancel or "
                     f"ended by Slurm): not requeued", False, end)
 
