@@ -128,10 +128,21 @@ def build_failure_model(a, now: float) -> tuple[fmod.FailureModel, dict]:
                              hint="use one source")
         if not a.since:
             raise UsageError("--from-cluster needs --since", hint="e.g. --since 2026-01-01")
+        # Both are for files: the cluster's window ends now, and sinfo counts the partition's nodes.
+        if a.cluster_nodes is not None:
+            raise UsageError("--cluster-nodes is for --sacct-file/--events-file; --from-cluster counts the "
+                             "partition's nodes with sinfo", hint="drop --cluster-nodes (or --partition to "
+                                                                  "count another partition's nodes)")
+        if a.until:
+            raise UsageError("--until is for --sacct-file/--events-file; --from-cluster's window ends now",
+                             hint="drop --until, or save sacct/sacctmgr output to files for an older window")
         model, info = acct.failure_model_from_cluster(
             a.partition, since=a.since, confidence=a.confidence, skip_bad_lines=a.skip_bad_lines,
             maintenance_patterns=patterns, now_s=now)
     elif a.sacct_file or a.events_file:
+        if a.cluster_nodes is not None and a.cluster_nodes < 1:
+            raise UsageError(f"--cluster-nodes {a.cluster_nodes} must be at least 1",
+                             hint="the number of nodes in the cluster (or partition) the files cover")
         hist = acct.History()
         kw = {"skip_bad_lines": a.skip_bad_lines}
         if a.sacct_file:
