@@ -1,7 +1,7 @@
 """Pure decisions about attempts: how the previous one ended, why we are stopping, when to give up.
 
-Inputs are Slurm's own record of the job (``sacct -X -D`` rows: one per attempt) and the session's
-event log; nothing here guesses from elapsed time. The callers (the Session, on rank 0) run the
+Inputs are Slurm's own record of the job (``sacct -X -D`` rows, one per attempt, read by
+:mod:`coci_hpc.slurm.sacct`) and the session's event log; nothing here guesses from elapsed time. The callers (the Session, on rank 0) run the
 commands once per attempt; these functions only decide, so they are tested without Slurm.
 """
 from __future__ import annotations
@@ -11,10 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coci_hpc.slurm.accounting import parse_time
+from coci_hpc.slurm.sacct import SlurmAttempt
 from coci_hpc.slurm.scontrol import JobState
-
-SACCT_FIELDS = ("JobID", "State", "Start", "End", "NodeList")
 
 # Slurm's end state of an attempt -> the contract's reason (when the session wrote no stop record).
 _STATE_REASON = {
@@ -33,14 +31,6 @@ TIME_LIMIT_MARGIN_S = 65.0
 
 
 @dataclass(frozen=True)
-class SlurmAttempt:
-    state: str
-    start: float | None
-    end: float | None
-    nodes: str
-
-
-@dataclass(frozen=True)
 class PrevEnd:
     reason: str            # time_limit|preemption|node_failure|requeue_by_hand|crash|none
     source: str            # session|sacct|scontrol|none
@@ -49,27 +39,6 @@ class PrevEnd:
 
     def to_dict(self) -> dict[str, Any]:
         return {"reason": self.reason, "source": self.source, "detail": self.detail}
-
-
-def sacct_job_argv(job_id: str) -> list[str]:
-    return ["sacct", "-X", "-D", "-P", "-n", "-j", job_id, "--format=" + ",".join(SACCT_FIELDS)]
-
-
-def parse_job_attempts(text: str, job_id: str) -> list[SlurmAttempt]:
-    """``sacct -X -D -P -n`` rows of one job, oldest attempt first (array tasks: ``A_T`` ids)."""
-    rows = []
-    for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) < len(SACCT_FIELDS) or parts[0] != job_id:
-            continue
-        state = parts[1].split()[0] if parts[1] else ""   # "CANCELLED by 0" -> CANCELLED
-        try:
-            start, end = parse_time(parts[2]), parse_time(parts[3])
-        except ValueError:
-            start, end = None, None
-        rows.append(SlurmAttempt(state, start, end, parts[4]))
-    rows.sort(key=lambda r: (r.start is None, r.start or 0.0))
-    return rows
 
 
 def previous_records(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

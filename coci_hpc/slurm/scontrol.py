@@ -88,7 +88,9 @@ def parse_grace_time(text: str) -> float:
     raw = kv.get("GraceTime")
     if raw is None:
         raise ValueError(f"no GraceTime in `scontrol show partition` output: {text[:200]!r}")
-    secs = printed_s(raw)         # GraceTime=20 is seconds (a bare number printed by Slurm)
+    if raw.isdigit():
+        return float(raw)
+    secs = printed_s(raw)
     return 0.0 if secs is None else secs
 
 
