@@ -54,9 +54,10 @@ from coci_hpc.runtime.events import FILENAME, EventLog, last_attempt, read_event
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, requeue_with_retries
 from coci_hpc.runtime.schedule import Schedule, make_schedule
 from coci_hpc.runtime.stepsync import StepSync
-from coci_hpc.slurm import commands, scontrol
-from coci_hpc.slurm.accounting import expand_hostlist, failure_model_from_cluster
+from coci_hpc.slurm import commands, sacct, scontrol
+from coci_hpc.slurm.accounting import failure_model_from_cluster
 from coci_hpc.slurm.env import JobEnvironment
+from coci_hpc.slurm.hostlist import expand_hostlist
 
 STATE_KEY = "coci_session"
 STOP = 1                    # stop level exchanged at the step boundary (MAX over ranks)
@@ -222,12 +223,12 @@ class Session:
     def _read_history(self) -> dict[str, Any]:
         events = read_events(self.events_path)
         self.log.attempt = last_attempt(events) + 1
-        rows: list[att.SlurmAttempt] = []
+        rows: list[sacct.SlurmAttempt] = []
         sacct_error = None
         jid = self.job.requeue_id
         if jid is not None:
             try:
-                rows = att.parse_job_attempts(self._runner(att.sacct_job_argv(jid)), jid)
+                rows = sacct.job_attempts(jid, self._runner)
             except (SlurmError, OSError) as exc:
                 sacct_error = str(exc)
         return {"events": events, "rows": rows, "sacct_error": sacct_error}
@@ -297,8 +298,8 @@ class Session:
         """Rank 0: whether to agree on a stop at the boundary itself (True when the signal lead cannot
         cover two steps, a save and the requeue: the pipelined agreement stops one step later).
         With ``warn``, says so when even one step does not fit. Other ranks return False."""
-        if self.rank != 0:
-            return False
+        if self.rank != 0 or (not self.job.in_slurm_job and self.config.signal_lead_s is None):
+            return False                   # a run by hand has no warning signal to fit in
         lead = self.config.signal_lead_s if self.config.signal_lead_s is not None else att.DEFAULT_SIGNAL_LEAD_S
         c = self.schedule.costs()
         save_s = c.ckpt_s + c.persist_s if self.schedule.measured else None
@@ -397,8 +398,8 @@ class Session:
         if self.rank == 0:
             _say(f"stopped at step {step} ({reason}: {detail}): "
                  + ("checkpoint saved" if saved else f"resumes from step {self.mgr.latest_step()}")
-                 + (", job requeued" if requeue else "; not requeued (run again with the same arguments "
-                                                     "to resume)"))
+                 + (", job requeued" if requeue else "; Slurm requeues the job" if reason in att.SLURM_REQUEUES
+                    else "; not requeued (run again with the same arguments to resume)"))
         raise SystemExit(0)
 
     def _record_loss(self, step: int) -> None:
