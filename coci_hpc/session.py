@@ -14,12 +14,19 @@ What it does, on every rank, with nothing else written by the user:
   environment (:mod:`coci_hpc.runtime.config`);
 - chooses checkpoint steps with the planner (``fixed:N`` = every N steps), saves two-phase;
 - owns USR1, USR2 and SIGTERM while it runs (record-only handlers, previous ones restored after);
-  on a signal every rank stops at the next step boundary, saves, rank 0 requeues the job (with
-  retries) and the process exits with status 0 (``SystemExit(0)`` raised out of the loop);
+  on a signal every rank stops at the next step boundary; rank 0 reads why from Slurm's record of
+  the job (:func:`.runtime.attempts.stop_reason`: preemption, time limit, ``scancel``, a requeue by
+  hand), every rank saves when the save fits before Slurm's kill (GraceTime of a preemption,
+  KillWait otherwise), rank 0 requeues a preempted or timed-out job (never a cancelled one) and the
+  process exits with status 0 (``SystemExit(0)`` raised out of the loop);
 - writes ``<ckpt_dir>/events.jsonl`` (rank 0): attempts, how the previous one ended (from Slurm's
   record and this log), checkpoints, losses, stops, restart latency;
-- gives up (``GaveUpError``, non-zero exit, no requeue) past ``max_requeues`` or when restarts
-  keep resuming from the same checkpoint.
+- gives up (``GaveUpError``, non-zero exit, no requeue) when this job was requeued more than
+  ``max_requeues`` times after unannounced ends (node failures, crashes, requeues by hand; its own
+  time-limit and preemption stops do not count) or when its restarts keep resuming from the same
+  checkpoint;
+- warns at the start when the signal lead cannot fit a step, a save and the requeue, and agrees on a
+  stop at the very boundary after the signal (not one step later) when the lead is short.
 
 Cost per step: one MAX-allreduce of 3 doubles into preallocated buffers (:mod:`.runtime.stepsync`),
 a ``perf_counter`` and, on rank 0, one float stored into a preallocated loss buffer. No Slurm call,
@@ -29,7 +36,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -41,19 +47,18 @@ from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CociError, GaveUpError, SlurmError, UsageError
 from coci_hpc.planner.failures import FailureModel, from_mtbf
-from coci_hpc.planner.policies import Fixed, make_policy
 from coci_hpc.runtime import attempts as att
 from coci_hpc.runtime.config import SessionConfig, resolve
 from coci_hpc.runtime.events import FILENAME, EventLog, last_attempt, read_events
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, requeue_with_retries
-from coci_hpc.runtime.schedule import CheckpointSchedule
+from coci_hpc.runtime.schedule import Schedule, make_schedule
 from coci_hpc.runtime.stepsync import StepSync
-from coci_hpc.slurm import commands
+from coci_hpc.slurm import commands, scontrol
 from coci_hpc.slurm.accounting import expand_hostlist, failure_model_from_cluster
 from coci_hpc.slurm.env import JobEnvironment
 
 STATE_KEY = "coci_session"
-LEAVE, STOP = 1, 2          # stop levels exchanged at the step boundary (MAX over ranks)
+STOP = 1                    # stop level exchanged at the step boundary (MAX over ranks)
 LOSS_BUFFER = 4096          # losses kept between flushes (rank 0), preallocated
 LOSS_FLUSH_S = 5.0          # at most one losses record per this many seconds between checkpoints
 DEFAULT_MTBF_H = 70.0       # per-node MTBF when the partition's history cannot be read
@@ -63,14 +68,15 @@ HISTORY_DAYS = 90
 class _SessionState:
     """The session's own part of the checkpoint: the planner's measured costs and plan."""
 
-    def __init__(self, schedule: CheckpointSchedule | None) -> None:
+    def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "schedule": None if self.schedule is None else self.schedule.state_dict()}
+        return {"version": 1, "schedule": self.schedule.state_dict()}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        if self.schedule is not None and d.get("schedule") is not None:
+        # A checkpoint written before fixed:N had a schedule holds None: nothing measured to restore.
+        if d.get("schedule") is not None and d["schedule"].get("policy") == self.schedule.policy:
             self.schedule.load_state_dict(dict(d["schedule"]))
 
 
@@ -118,12 +124,9 @@ class Session:
 
     def _setup(self, state: Mapping[str, Any], failure_model: FailureModel | None, horizon_s: float,
                keep: int) -> None:
-        self._every = self._fixed_every(self.config.policy)
-        self.schedule: CheckpointSchedule | None = None
-        if self._every is None:
-            fm = failure_model if failure_model is not None else self._failure_model()
-            self.schedule = CheckpointSchedule(self.config.policy, fm, nodes=self.job.num_nodes or self.comm.size,
-                                               horizon_s=horizon_s, comm=self.comm)
+        self.schedule: Schedule = make_schedule(
+            self.config.policy, lambda: failure_model if failure_model is not None else self._failure_model(),
+            nodes=self.job.num_nodes or self.comm.size, horizon_s=horizon_s, comm=self.comm)
         self._state = {**state, STATE_KEY: _SessionState(self.schedule)}
         self.mgr = CheckpointManager(self.config.ckpt_dir, self.comm, keep=keep)
         self.sync = StepSync(self.comm)
@@ -136,6 +139,8 @@ class Session:
         self._last_flush = time.monotonic()
         self._pending_ckpt: tuple[int, float] | None = None   # async save in flight: (step, blocking_s)
         self._started = False
+        self._blocking = False             # agree on a stop at the boundary itself (lead short for 2 steps)
+        self._recheck_at = -1              # a boundary where every rank re-decides _blocking
 
     # -- the user's calls ----------------------------------------------------------------------------
     def steps(self, total_steps: int | None = None) -> Iterator[int]:
@@ -179,21 +184,24 @@ class Session:
         if self.mgr.latest_step() is not None:
             resumed = self.mgr.load_latest(self._state).step
         restore_s = time.perf_counter() - t0
-        if resumed is not None and self.schedule is not None:
+        if resumed is not None:
             self.schedule.resumed(resumed)
         self.step = resumed or 0
-        verdict = None
+        verdict, blocking = None, False
         if self.rank == 0:
             assert info is not None
             verdict = self._record_start(info, resumed, restore_s)
-        verdict = self.comm.bcast(verdict)
+            blocking = verdict is None and self._lead_check(warn=True)
+        verdict, self._blocking = self.comm.bcast((verdict, blocking))
         if verdict is not None:
             self.mgr.close()
             raise GaveUpError(verdict, hint="fix the cause shown in the previous attempts' logs, then "
                                             "resubmit (raise --max-requeues / COCI_NO_PROGRESS_LIMIT if "
                                             "the restarts were expected)")
-        # The first boundary's agreement is sent now (the pipeline is one step deep).
-        self.sync.send(self._stop_level() if self.recorder.received else 0, self._decide(self.step + 1), False)
+        self._recheck_at = self.step + 3           # once the first steps of this attempt are timed
+        if not self._blocking:
+            # The first boundary's agreement is sent now (the pipeline is one step deep).
+            self.sync.send(STOP if self.recorder.received else 0, self.schedule.decide(self.step + 1), False)
         return self.step
 
     def _read_history(self) -> dict[str, Any]:
@@ -218,10 +226,10 @@ class Session:
             info["sacct_error"] = f"sacct lists {len(rows)} attempt(s) of job {self.job.requeue_id}"
         prev_end = att.classify_previous(prev, prev_slurm, restart_count=rc, sacct_error=info["sacct_error"])
         lost = att.steps_lost(prev, resumed) if prev_end.reason != "none" else None
-        if self.schedule is not None and prev_end.reason in ("node_failure", "crash") and prev_end.end_wall:
+        if prev_end.reason in ("node_failure", "crash") and prev_end.end_wall:
             self.schedule.after_failure(time.time() - prev_end.end_wall)
-        starts = [e for e in events if e.get("event") == "attempt_start"]
-        verdict = att.give_up_reason(starts, resumed, restart_count=rc, max_requeues=self.config.max_requeues,
+        verdict = att.give_up_reason(events, resumed, prev_end.reason, job_id=self.job.job_id, restart_count=rc,
+                                     max_requeues=self.config.max_requeues,
                                      no_progress_limit=self.config.no_progress_limit)
         nodes = expand_hostlist(self.job.nodelist) if self.job.nodelist else []
         self.log.write("attempt_start", nodes=nodes, ranks=self.comm.size, policy=self.config.policy,
@@ -247,47 +255,135 @@ class Session:
         self.step = step
         if self.rank == 0:
             self._record_loss(step)
-        if self.schedule is not None:
-            self.schedule.observe(step, self._loss if self.rank == 0 else math.nan, dt)
-        # What every rank agreed on at the previous boundary (the one collective, pipelined).
+        self.schedule.observe(step, self._loss if self.rank == 0 else math.nan, dt)
+        if self._blocking:                      # this boundary's own agreement, completed at once
+            self.sync.send(STOP if self.recorder.received else 0,
+                           self.schedule.decide(step) if step < total else False, self._busy())
+        # What every rank agreed on (at the previous boundary when pipelined: the one collective).
         level, save, busy = self.sync.receive()
         if self.mgr.persist_in_flight and not busy:
-            self._commit_async()
+            self._settle()
         if level >= STOP and step < total:      # a stop at the very end is just the end
             self._stop(step)
-        if level == LEAVE and step < total:
-            self._leave(step)
         if save and step < total:               # the last step gets the final save instead
             self._save(step)
-        self.sync.send(self._stop_level() if self.recorder.received else 0,
-                       self._decide(step + 1) if step + 1 < total else False,
-                       self.mgr.persist_in_flight and not self.mgr.persist_done)
+            self._recheck_at = step
+        if step == self._recheck_at and step < total:
+            self._blocking = bool(self.comm.bcast(self._lead_check(warn=False) if self.rank == 0 else None))
+        if not self._blocking:
+            self.sync.send(STOP if self.recorder.received else 0,
+                           self.schedule.decide(step + 1) if step + 1 < total else False, self._busy())
 
-    def _decide(self, step: int) -> bool:
-        """Rank 0: whether to checkpoint after ``step`` (other ranks send False)."""
+    def _busy(self) -> bool:
+        return self.mgr.persist_in_flight and not self.mgr.persist_done
+
+    def _lead_check(self, *, warn: bool) -> bool:
+        """Rank 0: whether to agree on a stop at the boundary itself (True when the signal lead cannot
+        cover two steps, a save and the requeue: the pipelined agreement stops one step later).
+        With ``warn``, says so when even one step does not fit. Other ranks return False."""
         if self.rank != 0:
             return False
-        if self._every is not None:
-            return step % self._every == 0
-        assert self.schedule is not None
-        return self.schedule.decide(step)
+        lead = self.config.signal_lead_s if self.config.signal_lead_s is not None else att.DEFAULT_SIGNAL_LEAD_S
+        c = self.schedule.costs()
+        save_s = c.ckpt_s + c.persist_s if self.schedule.measured else None
+        verdict = att.lead_check(lead, c.step_time_s, save_s, att.REQUEUE_ALLOWANCE_S)
+        if warn and verdict.warning:
+            _say(verdict.warning)
+            self.log.write("lead_warning", message=verdict.warning, lead_s=lead, step_s=c.step_time_s, save_s=save_s)
+        return verdict.stop_at_boundary
 
-    def _stop_level(self) -> int:
-        """USR1/USR2 (the job's --signal: time limit or preemption) ask for a stop-save-requeue.
-        SIGTERM alone means Slurm or a person is ending this attempt (scontrol requeue, scancel, a
-        node going down, preemption without grace time): Slurm requeues it if it should, so the
-        session neither saves nor requeues, and writes no stop record (a requeue by hand must read as
-        one in the next attempt); it leaves at the step boundary with status 143."""
-        return STOP if any(r.signum != signal.SIGTERM for r in self.recorder.received) else LEAVE
+    def _save(self, step: int, kind: str = "planned") -> None:
+        self._settle()
+        t0 = time.perf_counter()
+        if self.async_save and kind == "planned":
+            self.mgr.save_async(step, self._state)
+            blocking = time.perf_counter() - t0
+            self._pending_ckpt = (step, blocking)
+        else:
+            self.mgr.save(step, self._state)
+            blocking = time.perf_counter() - t0
+            self._flush_losses()
+            self.log.write("checkpoint", step=step, kind=kind, blocking_s=blocking, persist_s=None)
+        self.schedule.saved(step, blocking)
 
-    def _leave(self, step: int) -> None:
-        if self.mgr.persist_in_flight:     # a planned save already written is worth its commit
-            self._commit_async()
-        self._flush_losses()               # so the next attempt knows how far this one got
+    def _settle(self) -> None:
+        """The one way an in-flight two-phase save ends: wait for its commit, then record it."""
+        if not self.mgr.persist_in_flight and self._pending_ckpt is None:
+            return
+        self.mgr.wait()
+        if self._pending_ckpt is None:
+            return
+        step, blocking = self._pending_ckpt
+        self._pending_ckpt = None
+        persist = self.mgr.async_stats.get("persist_s")
+        self.schedule.persisted(persist)
+        self._flush_losses()
+        self.log.write("checkpoint", step=step, kind="planned", blocking_s=blocking, persist_s=persist)
+
+    def _stop_plan(self) -> att.StopPlan:
+        """Rank 0: why we stop, from Slurm's record of the job (one ``scontrol show job``, plus the
+        partition's GraceTime for a preemption or KillWait for an end from outside)."""
+        first = self.recorder.first
+        signame = first.name if first is not None else "?"
+        now = time.time()
+        signal_wall = now - (time.monotonic() - first.monotonic) if first is not None else now
+        record, grace, kill_wait = None, None, None
+        if self.job.in_slurm_job:
+            try:
+                record = scontrol.show_job(self.job.requeue_id or "", self._runner)
+            except (SlurmError, ValueError, OSError) as exc:
+                _say(f"`scontrol show job` failed ({exc}); deciding without Slurm's record")
+            try:
+                if record is not None and record.preempted and (record.partition or self.job.partition):
+                    grace = scontrol.grace_time_s(record.partition or self.job.partition or "", self._runner)
+                if signame == "SIGTERM" and (record is None or not record.preempted or grace == 0):
+                    kill_wait = scontrol.kill_wait_s(self._runner)
+            except (SlurmError, ValueError, OSError):
+                kill_wait = kill_wait if kill_wait is not None else scontrol.DEFAULT_KILL_WAIT_S
+        return att.stop_reason(signame, record, now_wall=time.time(), signal_wall=signal_wall,
+                               restart_count=self.job.restart_count, in_slurm_job=self.job.in_slurm_job,
+                               signal_lead_s=self.config.signal_lead_s, grace_time_s=grace, kill_wait_s=kill_wait)
+
+    def _stop(self, step: int) -> None:
+        first = self.recorder.first
+        signame = first.name if first is not None else "?"
+        decision = None
         if self.rank == 0:
-            _say(f"SIGTERM at step {step} without a stop signal first: this attempt is being ended "
-                 f"from outside; leaving without a checkpoint (the next run resumes from the latest one)")
-        raise SystemExit(143)
+            plan = self._stop_plan()
+            c = self.schedule.costs()
+            save_s = c.ckpt_s + c.persist_s if self.schedule.measured else None
+            fits = plan.save_fits(time.time(), save_s)
+            decision = (plan.reason, plan.detail, plan.requeue, fits)
+        reason, detail, requeue, fits = self.comm.bcast(decision)
+        requeue = requeue and self.job.in_slurm_job
+        self._settle()
+        saved = self.mgr.latest_step() == step
+        if not saved and fits:
+            self.schedule.stopping()
+            self._save(step, kind="stop")
+            saved = True
+        elif not saved:
+            detail += "; no save: it would not end before Slurm's kill"
+        self._flush_losses()
+        rc = self.job.restart_count
+        self.log.write("stop", step=step, reason=reason, signal=signame, requeued=requeue, detail=detail,
+                       restart_count=rc, saved=saved)
+        if requeue:
+            def ask() -> None:
+                if self.rank == 0:
+                    requeue_with_retries(self.job.requeue_id or "", self._runner)
+            try:
+                self.comm.run_step(ask, "requeue")
+            except CociError as exc:
+                self.log.write("end", step=step, status="error", message=str(exc))
+                raise
+        self.mgr.close()
+        if self.rank == 0:
+            _say(f"stopped at step {step} ({reason}: {detail}): "
+                 + ("checkpoint saved" if saved else f"resumes from step {self.mgr.latest_step()}")
+                 + (", job requeued" if requeue else "; not requeued (run again with the same arguments "
+                                                     "to resume)"))
+        raise SystemExit(0)
 
     def _record_loss(self, step: int) -> None:
         n = self._loss_n
@@ -303,84 +399,9 @@ class Session:
         self._loss_n = 0
         self._last_flush = time.monotonic()
 
-    def _save(self, step: int, kind: str = "planned") -> None:
-        if self.mgr.persist_in_flight:
-            self._commit_async()
-        t0 = time.perf_counter()
-        if self.async_save and kind == "planned":
-            self.mgr.save_async(step, self._state)
-            blocking = time.perf_counter() - t0
-            self._pending_ckpt = (step, blocking)
-        else:
-            self.mgr.save(step, self._state)
-            blocking = time.perf_counter() - t0
-            self._flush_losses()
-            self.log.write("checkpoint", step=step, kind=kind, blocking_s=blocking, persist_s=None)
-        if self.schedule is not None:
-            self.schedule.saved(step, blocking)
-
-    def _commit_async(self) -> None:
-        self.mgr.wait()
-        if self._pending_ckpt is None:
-            return
-        step, blocking = self._pending_ckpt
-        self._pending_ckpt = None
-        persist = self.mgr.async_stats.get("persist_s")
-        if self.schedule is not None:
-            self.schedule.persisted(persist)
-        self._flush_losses()
-        self.log.write("checkpoint", step=step, kind="planned", blocking_s=blocking, persist_s=persist)
-
-    def _stop(self, step: int) -> None:
-        first = self.recorder.first
-        signame = first.name if first is not None else "?"
-        reason, detail = "preemption", ""
-        if self.rank == 0:
-            left: float | None = None
-            try:
-                left = commands.time_left_s(self.job.requeue_id or "", self._runner) if self.job.in_slurm_job else None
-                reason, detail = att.stop_reason(signame, left, self.config.signal_lead_s)
-            except (SlurmError, ValueError) as exc:
-                reason, detail = "preemption", f"{signame}; squeue failed ({exc}): assumed preemption"
-        if self.mgr.persist_in_flight:
-            self._commit_async()
-        if self.mgr.latest_step() != step:
-            if self.schedule is not None:
-                self.schedule.stopping()
-            self._save(step, kind="stop")
-        self._flush_losses()
-        rc, limit = self.job.restart_count, self.config.max_requeues
-        over = limit is not None and rc >= limit
-        requeue = self.job.in_slurm_job and not over
-        self.log.write("stop", step=step, reason=reason, signal=signame, requeued=requeue, detail=detail,
-                       restart_count=rc)
-        if over:
-            msg = (f"stopped at step {step} ({reason}) and NOT requeued: the job was already requeued {rc} "
-                   f"times (--max-requeues {limit})")
-            self.log.write("end", step=step, status="gave_up", message=msg)
-            self.mgr.close()
-            if self.rank == 0:
-                _say(msg)
-            raise GaveUpError(msg, hint=f"resubmit to continue from the checkpoint of step {step}")
-        if requeue:
-            def ask() -> None:
-                if self.rank == 0:
-                    requeue_with_retries(self.job.requeue_id or "", self._runner)
-            try:
-                self.comm.run_step(ask, "requeue")
-            except CociError as exc:
-                self.log.write("end", step=step, status="error", message=str(exc))
-                raise
-        self.mgr.close()
-        if self.rank == 0:
-            _say(f"stopped at step {step} ({reason}: {detail}): checkpoint saved"
-                 + (", job requeued" if requeue else "; run again with the same arguments to resume"))
-        raise SystemExit(0)
-
     def _finish(self, total: int) -> None:
         self.sync.receive()                # complete the last boundary's allreduce on every rank
-        if self.mgr.persist_in_flight:
-            self._commit_async()
+        self._settle()
         if self.mgr.latest_step() != total:
             self._save(total, kind="final")
         self._flush_losses()
@@ -388,11 +409,6 @@ class Session:
         self.log.write("end", step=total, status="completed", message="")
 
     # -- helpers -------------------------------------------------------------------------------------
-    @staticmethod
-    def _fixed_every(policy: str) -> int | None:
-        p = make_policy(policy)
-        return p.n if isinstance(p, Fixed) else None
-
     def _failure_model(self) -> FailureModel:
         """Rank 0 reads the partition's failure history once per attempt; a logged fallback otherwise."""
         if self.rank != 0:

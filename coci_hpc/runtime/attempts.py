@@ -6,11 +6,13 @@ commands once per attempt; these functions only decide, so they are tested witho
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from coci_hpc.slurm.accounting import parse_time
+from coci_hpc.slurm.scontrol import JobState
 
 SACCT_FIELDS = ("JobID", "State", "Start", "End", "NodeList")
 
@@ -141,34 +143,163 @@ def steps_lost(prev_records: Sequence[dict[str, Any]], resumed_step: int | None)
     return max(0, seen - (resumed_step or 0))
 
 
-def stop_reason(signal_name: str, time_left_s: float | None, signal_lead_s: float | None) -> tuple[str, str]:
-    """Preemption or time limit, from the time Slurm says the job has left when the signal came.
+# Restarts that follow the session's own announced stop (the --signal warning of a time limit, a
+# preemption) are the job working as intended; these are the ones --max-requeues counts.
+UNANNOUNCED = ("node_failure", "crash", "requeue_by_hand")
+# Time a stop keeps back for `scontrol requeue` (with its retries' first wait) and the exit.
+REQUEUE_ALLOWANCE_S = 3.0
+# The lead of coci-submit's and the templates' --signal (USR2@90) when the session is not told one.
+DEFAULT_SIGNAL_LEAD_S = 90.0
+LEAD_SPARE_S = 30.0          # what a suggested lead adds for slow steps and a slow filesystem
 
-    With ``--signal=USR2@lead``, the time-limit warning comes with about ``lead`` seconds left (up to a
-    minute more); preemption sends the same signal at any time, typically long before the limit.
+
+@dataclass(frozen=True)
+class LeadVerdict:
+    stop_at_boundary: bool     # agree on the stop at the signal's own boundary (not one step later)
+    warning: str | None        # even that cannot fit: the run would reach its time limit
+
+
+def suggested_lead_s(step_s: float, save_s: float | None, requeue_s: float = REQUEUE_ALLOWANCE_S) -> int:
+    """A --signal lead that covers two steps (the pipelined agreement), a save and the requeue,
+    plus :data:`LEAD_SPARE_S`, rounded up to 10 s."""
+    need = 2 * step_s + (save_s or 0.0) + requeue_s + LEAD_SPARE_S
+    return int(math.ceil(need / 10.0) * 10)
+
+
+def lead_check(lead_s: float, step_s: float | None, save_s: float | None,
+               requeue_s: float = REQUEUE_ALLOWANCE_S) -> LeadVerdict:
+    """Compare the --signal lead with the measured step, save and requeue times.
+
+    The session's stop agreement is pipelined: a signal during step k stops the loop after step
+    k+1, so the lead must cover up to two steps, the stop-save and the requeue. When it covers one
+    step but not two, the session agrees at the boundary itself (a blocking allreduce per step:
+    cheap next to steps this long). When it does not cover one, the time limit wins: Slurm ends
+    the job TIMEOUT and never requeues it, hence the warning with a lead that fits.
     """
-    lead = 90.0 if signal_lead_s is None else float(signal_lead_s)
-    if time_left_s is None:
-        return "preemption", f"{signal_name} with no time limit: not the time limit's warning"
-    if time_left_s > lead + TIME_LIMIT_MARGIN_S:
-        return "preemption", f"{signal_name} with {time_left_s:.0f}s left (> lead {lead:.0f}s + {TIME_LIMIT_MARGIN_S:.0f}s)"
-    return "time_limit", f"{signal_name} with {time_left_s:.0f}s left (lead {lead:.0f}s)"
+    if step_s is None:
+        return LeadVerdict(False, None)
+    save = save_s or 0.0
+    if lead_s >= 2 * step_s + save + requeue_s:
+        return LeadVerdict(False, None)
+    one = step_s + save + requeue_s
+    if lead_s >= one:
+        return LeadVerdict(True, None)
+    return LeadVerdict(True, (
+        f"the signal lead ({lead_s:.0f}s) is shorter than a step ({step_s:.1f}s) + a save "
+        f"({'not measured yet' if save_s is None else f'{save_s:.1f}s'}) + the requeue ({requeue_s:.0f}s) = "
+        f"{one:.0f}s: the time limit's warning comes too late to save, and Slurm never requeues a job that "
+        f"reaches its time limit. Submit with --signal=USR2@{suggested_lead_s(step_s, save_s, requeue_s)} "
+        f"(coci-submit --signal-lead {suggested_lead_s(step_s, save_s, requeue_s)}) and set COCI_SIGNAL_LEAD_S "
+        f"to the same number"))
 
 
-def give_up_reason(attempt_starts: Sequence[dict[str, Any]], resumed_step: int | None, *,
-                   restart_count: int, max_requeues: int | None, no_progress_limit: int) -> str | None:
+@dataclass(frozen=True)
+class StopPlan:
+    """Why the loop is stopping, from Slurm's record, and what to do: save if it fits, requeue or not."""
+
+    reason: str                  # preemption | time_limit | cancelled | requeue_by_hand | terminated
+    detail: str
+    requeue: bool
+    deadline_wall: float | None  # when Slurm kills the job (unix seconds); None: not known
+
+    def save_fits(self, now_wall: float, save_s: float | None) -> bool:
+        """Whether a save of ``save_s`` seconds (None: never measured) ends before the kill,
+        with the requeue's allowance when the job requeues itself. Unknown either way: try; an
+        interrupted save is never committed (the previous checkpoint stays the latest)."""
+        if self.deadline_wall is None or save_s is None:
+            return True
+        spare = self.deadline_wall - now_wall - save_s - (REQUEUE_ALLOWANCE_S if self.requeue else 0.0)
+        return spare >= 0
+
+
+def stop_reason(signal_name: str, job: JobState | None, *, now_wall: float, signal_wall: float,
+                restart_count: int, in_slurm_job: bool, signal_lead_s: float | None,
+                grace_time_s: float | None = None, kill_wait_s: float | None = None) -> StopPlan:
+    """The one rule for why a run is stopping, from Slurm's own record of the job (``scontrol show
+    job`` when the loop acts on the signal; None when it could not be read or there is no job).
+
+    - ``PreemptTime`` set: a preemption, with or without ``preempt_send_user_signal``; the job must
+      requeue itself (a job that exits in its grace time ends COMPLETED or FAILED and is not
+      requeued); the window ends at PreemptTime + the partition's GraceTime.
+    - USR1/USR2 without it: the --signal warning of the time limit when the time left is within
+      the lead (Slurm may send it up to a minute early), else a signal by hand, treated as a
+      preemption (no time limit left to run into either way); the job requeues itself.
+    - SIGTERM without it: the job is being ended from outside (``scancel``, or a requeue by hand
+      when Slurm's ``Restarts`` is already past this attempt's); Slurm requeues it if it should,
+      so the session never does; the window is KillWait from the signal.
+    """
+    lead = DEFAULT_SIGNAL_LEAD_S if signal_lead_s is None else float(signal_lead_s)
+    is_term = signal_name == "SIGTERM"
+    if not in_slurm_job:
+        return StopPlan("terminated" if is_term else "preemption", f"{signal_name} outside a Slurm job",
+                        False, None)
+    if job is None:
+        if is_term:
+            return StopPlan("terminated", f"{signal_name}; Slurm's record unavailable: not requeued", False,
+                            None if kill_wait_s is None else signal_wall + kill_wait_s)
+        return StopPlan("preemption", f"{signal_name}; Slurm's record unavailable: assumed preemption", True, None)
+    if job.preempted:
+        assert job.preempt_time is not None
+        end = job.preempt_time + grace_time_s if grace_time_s is not None else job.end_time
+        if is_term and grace_time_s == 0 and kill_wait_s is not None:
+            end = signal_wall + kill_wait_s      # no grace time: SIGTERM, then SIGKILL after KillWait
+        return StopPlan("preemption", f"{signal_name}; Slurm: PreemptTime set, JobState={job.state}"
+                        + ("" if grace_time_s is None else f", GraceTime {grace_time_s:.0f}s"), True, end)
+    if not is_term:
+        left = None if job.end_time is None else job.end_time - now_wall
+        if left is None:
+            return StopPlan("preemption", f"{signal_name} with no time limit and no PreemptTime: sent by hand",
+                            True, None)
+        if left > lead + TIME_LIMIT_MARGIN_S:
+            return StopPlan("preemption", f"{signal_name} with {left:.0f}s left (> lead {lead:.0f}s + "
+                            f"{TIME_LIMIT_MARGIN_S:.0f}s) and no PreemptTime: sent by hand", True, job.end_time)
+        return StopPlan("time_limit", f"{signal_name} with {left:.0f}s left (lead {lead:.0f}s)", True, job.end_time)
+    end = None if kill_wait_s is None else signal_wall + kill_wait_s
+    if job.restarts > restart_count:
+        return StopPlan("requeue_by_hand", f"SIGTERM; Slurm: Restarts={job.restarts} > this attempt's "
+                        f"{restart_count} (requeued from outside)", False, end)
+    return StopPlan("cancelled", f"SIGTERM; Slurm: JobState={job.state}, PreemptTime=None (scancel or "
+                    f"ended by Slurm): not requeued", False, end)
+
+
+def _this_jobs_starts(events: Sequence[dict[str, Any]], job_id: str | None) -> list[dict[str, Any]]:
+    """``attempt_start`` records of this job's earlier attempts since the last ``gave_up`` (runs by
+    hand and other jobs on the same directory are not this job's restarts)."""
+    out: list[dict[str, Any]] = []
+    for e in events:
+        if e.get("event") == "end" and e.get("status") == "gave_up":
+            out = []
+        elif e.get("event") == "attempt_start" and job_id is not None and e.get("job_id") == job_id:
+            out.append(e)
+    return out
+
+
+def give_up_reason(events: Sequence[dict[str, Any]], resumed_step: int | None, prev_end_reason: str, *,
+                   job_id: str | None, restart_count: int, max_requeues: int | None,
+                   no_progress_limit: int) -> str | None:
     """Why this attempt must not train (None: go on).
 
-    ``attempt_starts``: the earlier ``attempt_start`` records, oldest first. No progress: this
-    attempt and the ``no_progress_limit`` attempts before it all resumed from the same step, i.e.
-    that many restarts in a row never got past the same checkpoint.
+    Only restarts of this one job count (a new job, a run by hand and a restart count of 0 start
+    afresh, and so does everything after a ``gave_up``). ``--max-requeues``: restarts after an
+    unannounced end (:data:`UNANNOUNCED`: node failures, crashes, requeues by hand), never the
+    session's own stops for a time limit or a preemption, as submitit's ``max_num_timeout`` keeps
+    timeouts apart. No progress: this attempt and the ``no_progress_limit`` attempts of this job
+    before it all resumed from the same step.
     """
-    if max_requeues is not None and restart_count > max_requeues:
-        return (f"the job was requeued {restart_count} times, more than --max-requeues {max_requeues}; "
-                f"not training and not requeueing again")
-    if no_progress_limit > 0 and len(attempt_starts) >= no_progress_limit:
+    if restart_count <= 0:
+        return None
+    starts = _this_jobs_starts(events, job_id)
+    if max_requeues is not None:
+        n = sum(1 for a in starts if int(a.get("restart_count") or 0) > 0
+                and (a.get("prev_end") or {}).get("reason") in UNANNOUNCED)
+        n += prev_end_reason in UNANNOUNCED
+        if n > max_requeues:
+            return (f"the job was requeued {n} times after unannounced ends (node failures, crashes, "
+                    f"requeues by hand), more than --max-requeues {max_requeues}; not training and not "
+                    f"requeueing again")
+    if no_progress_limit > 0 and len(starts) >= no_progress_limit:
         here = resumed_step or 0
-        recent = attempt_starts[-no_progress_limit:]
+        recent = starts[-no_progress_limit:]
         if all((a.get("resumed_step") or 0) == here for a in recent):
             return (f"{no_progress_limit + 1} attempts in a row started from step {here} and none got a "
                     f"newer checkpoint (no-progress limit {no_progress_limit}); the run cannot get past "

@@ -20,8 +20,9 @@ from typing import Any
 
 VERSION = 1
 FILENAME = "events.jsonl"
-EVENTS = ("attempt_start", "resumed", "checkpoint", "losses", "stop", "end")
-PREV_END_REASONS = ("time_limit", "preemption", "node_failure", "requeue_by_hand", "crash", "none")
+EVENTS = ("attempt_start", "resumed", "checkpoint", "losses", "stop", "end", "lead_warning")
+PREV_END_REASONS = ("time_limit", "preemption", "node_failure", "requeue_by_hand", "cancelled", "terminated",
+                    "crash", "none")
 
 
 def _clean(x: Any) -> Any:

@@ -33,7 +33,8 @@ from typing import Any
 
 from coci_hpc.comm import Comm
 from coci_hpc.errors import SlurmError
-from coci_hpc.slurm import commands
+from coci_hpc.runtime.attempts import StopPlan, stop_reason
+from coci_hpc.slurm import commands, scontrol
 from coci_hpc.slurm.env import JobEnvironment
 
 # What the runtime owns while a loop runs: submitit and coci-submit ask Slurm for USR2, scripts and
@@ -90,9 +91,9 @@ class SignalRecorder:
 class PreemptionGuard:
     """Step-boundary agreement on stopping, and the self-requeue that follows a checkpoint.
 
-    ``signal_lead_s`` is the lead time given to ``--signal`` (the ``@60`` in ``USR1@60``). With it,
-    :meth:`reason` tells a time-limit warning from a preemption by asking Slurm how much time the
-    job has left, instead of guessing from elapsed time.
+    ``signal_lead_s`` is the lead time given to ``--signal`` (the ``@60`` in ``USR1@60``).
+    :meth:`plan` tells a preemption, a time-limit warning and a cancellation apart from Slurm's own
+    record of the job (``PreemptTime``, time left, ``Restarts``), never from elapsed time.
     """
 
     def __init__(self, comm: Comm | None = None, job: JobEnvironment | None = None,
@@ -118,21 +119,27 @@ class PreemptionGuard:
         self._stopping = self.comm.allreduce_max(local) > 0
         return self._stopping
 
-    def reason(self) -> str:
-        """'timeout', 'preemption', or 'signal <NAME>' when Slurm cannot tell (no job or no lead time)."""
+    def plan(self) -> StopPlan | None:
+        """Why this stop, from Slurm's record (:func:`coci_hpc.runtime.attempts.stop_reason`, the
+        Session's one rule), and whether the job should requeue itself; None before any signal."""
         first = self.recorder.first
         if first is None:
-            return "none"
-        if first.signum in (signal.SIGUSR1, signal.SIGUSR2) and self.job.in_slurm_job and self.signal_lead_s is not None:
+            return None
+        record = None
+        if self.job.in_slurm_job:
             try:
-                left = commands.time_left_s(self.job.job_id or "", self._runner)
-            except SlurmError:
-                return f"signal {first.name}"
-            # No time limit (None): the warning cannot be the time limit's, so it is a preemption.
-            if left is None or left > self.signal_lead_s + 30:
-                return "preemption"
-            return "timeout"
-        return f"signal {first.name}"
+                record = scontrol.show_job(self.job.requeue_id or "", self._runner)
+            except (SlurmError, ValueError):
+                record = None
+        now = time.time()
+        return stop_reason(first.name, record, now_wall=now, signal_wall=now - (time.monotonic() - first.monotonic),
+                           restart_count=self.job.restart_count, in_slurm_job=self.job.in_slurm_job,
+                           signal_lead_s=self.signal_lead_s)
+
+    def reason(self) -> str:
+        """'time_limit', 'preemption', 'cancelled', 'requeue_by_hand', 'terminated', or 'none'."""
+        p = self.plan()
+        return "none" if p is None else p.reason
 
     def requeue(self) -> None:
         """Collective: rank 0 asks Slurm to requeue this job; a failure is raised on every rank."""

@@ -40,25 +40,20 @@ from coci_hpc.errors import UsageError
 from coci_hpc.planner.costs import DEFAULT_RESTART_S, Costs
 from coci_hpc.planner.failures import FailureModel
 from coci_hpc.planner.online import OnlinePlanner
-from coci_hpc.planner.policies import make_policy
+from coci_hpc.planner.policies import Fixed, make_policy
 
 # Before any restart was seen, Tr is the planner's one default; replaced by the measured value
 # after the first requeue.
 ASSUMED_RESTART_S = DEFAULT_RESTART_S
 
 
-class CheckpointSchedule:
-    def __init__(self, policy: str, failure_model: FailureModel, nodes: int, horizon_s: float, *,
-                 comm: Comm | None = None, warmup_steps: int = 20, refit_every: int = 50,
-                 observe_every_s: float = 1.0) -> None:
-        make_policy(policy)  # fail now, on every rank, on a bad spec
-        if warmup_steps < 1:
-            raise UsageError(f"warmup_steps must be >= 1, got {warmup_steps}",
-                             hint="the first checkpoint is taken after warmup_steps to measure Ts")
+class _Measured:
+    """What every schedule measures in the loop (step time, save time, persist time, restart time)
+    and carries in its checkpointed state; subclasses only decide which step to save after."""
+
+    def __init__(self, policy: str, comm: Comm | None, observe_every_s: float = 1.0) -> None:
         self.comm = Comm.wrap(comm)
-        self.policy, self.failure_model, self.nodes = policy, failure_model, int(nodes)
-        self.horizon_s, self.warmup_steps, self.refit_every = float(horizon_s), int(warmup_steps), refit_every
-        self.planner: OnlinePlanner | None = None
+        self.policy = policy
         self.train_time_s = 0.0
         self.step_times: list[float] = []
         self.ckpt_costs: list[float] = []
@@ -67,40 +62,20 @@ class CheckpointSchedule:
         self.last_saved_step = 0
         self.last_saved_time_s = 0.0
         self.observe_every_s = float(observe_every_s)
-        self._pending = (0.0, 0, -float("inf"))  # loss sum, count, train time of the last observation
         self._stop_wall: float | None = None   # set in the state of a stop-save only
-        self._since_failure_s: float | None = None  # this attempt follows an unannounced failure
 
     # -- the loop's calls --------------------------------------------------------------------------
     def observe(self, step: int, loss: float, step_seconds: float) -> None:
         self.train_time_s += step_seconds
         self.step_times.append(step_seconds)
         del self.step_times[:-200]  # a recent median is what converts plan times to steps
-        if self.comm.rank != 0:
-            return
-        total, n, last_t = self._pending
-        if math.isfinite(loss):
-            total, n = total + float(loss), n + 1
-        if self.train_time_s - last_t < self.observe_every_s:
-            self._pending = (total, n, last_t)
-            return
-        self._pending = (0.0, 0, self.train_time_s)
-        if self.planner is not None and self.planner.observe(step, self.train_time_s, total / n if n else math.nan):
-            self._replan()  # the planner re-planned from now; anchor the new plan at the last checkpoint
 
     def due(self, step: int) -> bool:
         """Collective: whether to checkpoint after ``step`` (rank 0 decides, everyone follows)."""
         return bool(self.comm.bcast(self.decide(step) if self.comm.rank == 0 else None))
 
     def decide(self, step: int) -> bool:
-        """Local, rank 0's decision for ``step`` (False on other ranks). A caller that already has a
-        per-step collective (the Session's) folds this into it instead of paying :meth:`due`'s bcast."""
-        if self.comm.rank != 0:
-            return False
-        if self.planner is None:
-            return step >= self.last_saved_step + self.warmup_steps and not self.ckpt_costs
-        self.planner.next_checkpoint(self.train_time_s)  # extends a plan past its horizon
-        return self.planner.should_checkpoint(step, self.last_saved_step)
+        raise NotImplementedError
 
     def persisted(self, seconds: float | None) -> None:
         """Record the background persist latency of a two-phase save (rank 0's view)."""
@@ -109,7 +84,7 @@ class CheckpointSchedule:
             del self.persist_costs[:-20]
 
     def saved(self, step: int, seconds: float) -> None:
-        """Record a finished save and its blocking time; the first one creates the plan."""
+        """Collective: record a finished save and its blocking time (the slowest rank's)."""
         self.last_saved_step, self.last_saved_time_s = step, self.train_time_s
         self.ckpt_costs.append(float(self.comm.allreduce_max(seconds)))
         self._replan()
@@ -119,17 +94,7 @@ class CheckpointSchedule:
         self._stop_wall = time.time()
 
     def after_failure(self, seconds_since_failure: float) -> None:
-        """Rank 0: this attempt restarted after an unannounced failure that long ago (wall time).
-
-        With a decreasing hazard (Weibull shape < 1) the default policy checkpoints more often
-        right after a failure; the planner ages that offset along its training-time axis."""
-        if self.comm.rank != 0 or not math.isfinite(seconds_since_failure):
-            return
-        self._since_failure_s = max(0.0, float(seconds_since_failure)) - self.train_time_s
-        if self.planner is not None:
-            self.planner.time_since_failure_s = self._since_failure_s
-            if self.ckpt_costs:
-                self._replan()
+        """This attempt restarted after an unannounced failure that long ago (planner schedules use it)."""
 
     def resumed(self, step: int) -> float | None:
         """Collective; call once state is restored from the checkpoint of ``step``.
@@ -147,7 +112,9 @@ class CheckpointSchedule:
             self._replan()
         return tr
 
-    # -- planning ------------------------------------------------------------------------------------
+    def _replan(self) -> None:
+        pass
+
     def costs(self) -> Costs:
         ts = statistics.median(self.ckpt_costs) if self.ckpt_costs else 0.0
         tr = statistics.median(self.restart_costs) if self.restart_costs else ASSUMED_RESTART_S
@@ -155,6 +122,109 @@ class CheckpointSchedule:
         persist = statistics.median(self.persist_costs) if self.persist_costs else 0.0
         return Costs(max(ts, 1e-3), tr, st, persist_s=persist)
 
+    @property
+    def measured(self) -> bool:
+        """Whether a save has been timed (before that, :meth:`costs` holds placeholders)."""
+        return bool(self.ckpt_costs)
+
+    def next_step(self) -> int | None:
+        return None
+
+    # -- checkpointed state (JSON only; identical on every rank: rank 0's) ---------------------------
+    def _own_state(self) -> dict[str, Any]:
+        return {"version": 1, "policy": self.policy, "train_time_s": self.train_time_s,
+                "step_times": list(self.step_times), "ckpt_costs": list(self.ckpt_costs),
+                "restart_costs": list(self.restart_costs), "persist_costs": list(self.persist_costs),
+                "last_saved_step": self.last_saved_step,
+                "last_saved_time_s": self.last_saved_time_s,
+                "stop_wall": self._stop_wall, "planner": None}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.comm.bcast(self._own_state())
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        if d.get("version") != 1:
+            raise UsageError(f"unknown checkpoint-schedule state version {d.get('version')!r}",
+                             hint="resume with the coci_hpc version that wrote the checkpoint")
+        self.policy = d["policy"]
+        self.train_time_s = float(d["train_time_s"])
+        self.step_times = [float(x) for x in d["step_times"]]
+        self.ckpt_costs = [float(x) for x in d["ckpt_costs"]]
+        self.restart_costs = [float(x) for x in d["restart_costs"]]
+        self.persist_costs = [float(x) for x in d.get("persist_costs", [])]
+        self.last_saved_step = int(d["last_saved_step"])
+        self.last_saved_time_s = float(d.get("last_saved_time_s", self.train_time_s))
+        self._stop_wall = None if d.get("stop_wall") is None else float(d["stop_wall"])
+
+
+class FixedSchedule(_Measured):
+    """``fixed:N``: a checkpoint every N steps, with the planner schedule's interface and
+    measurements (so the session has one code path, and the signal-lead check has costs to use)."""
+
+    def __init__(self, every: int, *, comm: Comm | None = None) -> None:
+        if every < 1:
+            raise UsageError(f"fixed:{every}: the interval must be >= 1 step", hint="e.g. fixed:100")
+        super().__init__(f"fixed:{every}", comm)
+        self.every = int(every)
+
+    def decide(self, step: int) -> bool:
+        return self.comm.rank == 0 and step % self.every == 0
+
+
+class CheckpointSchedule(_Measured):
+    def __init__(self, policy: str, failure_model: FailureModel, nodes: int, horizon_s: float, *,
+                 comm: Comm | None = None, warmup_steps: int = 20, refit_every: int = 50,
+                 observe_every_s: float = 1.0) -> None:
+        make_policy(policy)  # fail now, on every rank, on a bad spec
+        if warmup_steps < 1:
+            raise UsageError(f"warmup_steps must be >= 1, got {warmup_steps}",
+                             hint="the first checkpoint is taken after warmup_steps to measure Ts")
+        super().__init__(policy, comm, observe_every_s)
+        self.failure_model, self.nodes = failure_model, int(nodes)
+        self.horizon_s, self.warmup_steps, self.refit_every = float(horizon_s), int(warmup_steps), refit_every
+        self.planner: OnlinePlanner | None = None
+        self._pending = (0.0, 0, -float("inf"))  # loss sum, count, train time of the last observation
+        self._since_failure_s: float | None = None  # this attempt follows an unannounced failure
+
+    # -- the loop's calls --------------------------------------------------------------------------
+    def observe(self, step: int, loss: float, step_seconds: float) -> None:
+        super().observe(step, loss, step_seconds)
+        if self.comm.rank != 0:
+            return
+        total, n, last_t = self._pending
+        if math.isfinite(loss):
+            total, n = total + float(loss), n + 1
+        if self.train_time_s - last_t < self.observe_every_s:
+            self._pending = (total, n, last_t)
+            return
+        self._pending = (0.0, 0, self.train_time_s)
+        if self.planner is not None and self.planner.observe(step, self.train_time_s, total / n if n else math.nan):
+            self._replan()  # the planner re-planned from now; anchor the new plan at the last checkpoint
+
+    def decide(self, step: int) -> bool:
+        """Local, rank 0's decision for ``step`` (False on other ranks). A caller that already has a
+        per-step collective (the Session's) folds this into it instead of paying :meth:`due`'s bcast."""
+        if self.comm.rank != 0:
+            return False
+        if self.planner is None:
+            return step >= self.last_saved_step + self.warmup_steps and not self.ckpt_costs
+        self.planner.next_checkpoint(self.train_time_s)  # extends a plan past its horizon
+        return self.planner.should_checkpoint(step, self.last_saved_step)
+
+    def after_failure(self, seconds_since_failure: float) -> None:
+        """Rank 0: this attempt restarted after an unannounced failure that long ago (wall time).
+
+        With a decreasing hazard (Weibull shape < 1) the default policy checkpoints more often
+        right after a failure; the planner ages that offset along its training-time axis."""
+        if self.comm.rank != 0 or not math.isfinite(seconds_since_failure):
+            return
+        self._since_failure_s = max(0.0, float(seconds_since_failure)) - self.train_time_s
+        if self.planner is not None:
+            self.planner.time_since_failure_s = self._since_failure_s
+            if self.ckpt_costs:
+                self._replan()
+
+    # -- planning ------------------------------------------------------------------------------------
     def _replan(self) -> None:
         """Plan from the last checkpoint, not from now: a re-plan must not postpone protection."""
         if self.comm.rank != 0:
@@ -172,29 +242,24 @@ class CheckpointSchedule:
         nxt = self.planner.next_checkpoint(self.train_time_s)
         return None if nxt is None else nxt.step
 
-    # -- checkpointed state (JSON only; identical on every rank: rank 0's) ---------------------------
-    def state_dict(self) -> dict[str, Any]:
-        mine = {"version": 1, "policy": self.policy, "train_time_s": self.train_time_s,
-                "step_times": list(self.step_times), "ckpt_costs": list(self.ckpt_costs),
-                "restart_costs": list(self.restart_costs), "persist_costs": list(self.persist_costs),
-                "last_saved_step": self.last_saved_step,
-                "last_saved_time_s": self.last_saved_time_s,
-                "stop_wall": self._stop_wall,
-                "planner": None if self.planner is None else self.planner.to_state()}
-        return self.comm.bcast(mine)
+    # -- checkpointed state ---------------------------------------------------------------------------
+    def _own_state(self) -> dict[str, Any]:
+        return {**super()._own_state(), "planner": None if self.planner is None else self.planner.to_state()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        if d.get("version") != 1:
-            raise UsageError(f"unknown checkpoint-schedule state version {d.get('version')!r}",
-                             hint="resume with the coci_hpc version that wrote the checkpoint")
-        self.policy = d["policy"]
-        self.train_time_s = float(d["train_time_s"])
-        self.step_times = [float(x) for x in d["step_times"]]
-        self.ckpt_costs = [float(x) for x in d["ckpt_costs"]]
-        self.restart_costs = [float(x) for x in d["restart_costs"]]
-        self.persist_costs = [float(x) for x in d.get("persist_costs", [])]
-        self.last_saved_step = int(d["last_saved_step"])
-        self.last_saved_time_s = float(d.get("last_saved_time_s", self.train_time_s))
-        self._stop_wall = None if d.get("stop_wall") is None else float(d["stop_wall"])
+        super().load_state_dict(d)
         self.planner = None if d.get("planner") is None or self.comm.rank != 0 else \
             OnlinePlanner.from_state(d["planner"])
+
+
+def make_schedule(policy: str, failure_model: Any, *, nodes: int, horizon_s: float,
+                  comm: Comm | None = None) -> _Measured:
+    """The schedule for a policy spec: ``fixed:N`` needs no failure model (``failure_model`` is
+    then not called); the planner's policies get ``failure_model()``."""
+    p = make_policy(policy)
+    if isinstance(p, Fixed):
+        return FixedSchedule(p.n, comm=comm)
+    return CheckpointSchedule(policy, failure_model(), nodes=nodes, horizon_s=horizon_s, comm=comm)
+
+
+Schedule = _Measured

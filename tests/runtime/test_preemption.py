@@ -57,12 +57,21 @@ def test_guard_stops_at_the_boundary_after_a_signal_and_requeues_through_scontro
     assert seen == [["scontrol", "requeue", "77"]]
 
 
-@pytest.mark.parametrize("left,expected", [("0:45", "timeout"), ("1:00:00", "preemption"),
-                                           ("UNLIMITED", "preemption")])
-def test_reason_asks_slurm_for_time_left(left: str, expected: str) -> None:
+def _show_job(end: str, preempt: str = "None") -> str:
+    return f"JobId=5 JobName=x\n   JobState=RUNNING Reason=None Dependency=(null)\n   Requeue=1 Restarts=0\n" \
+           f"   StartTime=2026-11-23T19:00:00 EndTime={end} Deadline=N/A\n   PreemptEligibleTime=2026-11-23T19:00:00 " \
+           f"PreemptTime={preempt}\n   Partition=gpu"
+
+
+@pytest.mark.parametrize("left_s,preempt,expected", [(45, "None", "time_limit"), (3600, "None", "preemption"),
+                                                     (None, "None", "preemption"),
+                                                     (45, "2026-11-23T19:05:00", "preemption")])
+def test_reason_is_the_sessions_one_rule_on_slurms_record(left_s, preempt, expected) -> None:
+    import time as _t
+    end = "Unknown" if left_s is None else _t.strftime("%Y-%m-%dT%H:%M:%S", _t.localtime(_t.time() + left_s))
     job = JobEnvironment.from_env({"SLURM_JOB_ID": "5"})
     guard = PreemptionGuard(Comm.serial(), job, SignalRecorder([signal.SIGUSR1]), signal_lead_s=60,
-                            runner=lambda argv: left)
+                            runner=lambda argv: _show_job(end, preempt))
     with guard:
         os.kill(os.getpid(), signal.SIGUSR1)
         assert guard.reason() == expected
@@ -81,4 +90,5 @@ def test_reason_when_slurm_cannot_be_asked_names_the_signal() -> None:
                             SignalRecorder([signal.SIGUSR1]), signal_lead_s=60, runner=broken)
     with guard:
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert guard.reason() == "signal SIGUSR1"
+        plan = guard.plan()
+        assert plan is not None and plan.reason == "preemption" and "record unavailable" in plan.detail

@@ -1,9 +1,15 @@
 """Pure attempt logic: how the previous attempt ended, the stop reason at the signal, giving up."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from coci_hpc.runtime import attempts as att
+from coci_hpc.slurm import scontrol
+from coci_hpc.slurm.scontrol import JobState
+
+FIX = Path(__file__).resolve().parent.parent / "fixtures" / "slurm"
 
 JOB = "41"
 SACCT = """41|PREEMPTED|2026-11-22T10:00:00|2026-11-22T10:00:09|n[1-2]
@@ -66,28 +72,108 @@ def test_previous_records_and_steps_lost() -> None:
     assert att.steps_lost(prev, 100) == 17 and att.steps_lost([], 100) is None
 
 
+def _job(state: str = "RUNNING", *, preempt: float | None = None, end: float | None = 1000.0,
+         restarts: int = 0) -> JobState:
+    return JobState(state=state, reason="None", restarts=restarts, preempt_time=preempt, end_time=end,
+                    partition="gpu")
+
+
 @pytest.mark.parametrize("left,lead,reason", [
     (None, 90, "preemption"),          # no time limit
-    (595, 90, "preemption"),           # a preemption a few seconds after the start of a 10-minute job
+    (595, 90, "preemption"),           # a signal by hand a few seconds after the start of a 10-minute job
     (160, 30, "preemption"),           # early in a 3-minute job with a 30 s lead
     (85, 90, "time_limit"),
     (30, 30, "time_limit"),
     (90, 30, "time_limit"),            # the warning may come up to a minute early
 ])
-def test_stop_reason_from_the_time_slurm_says_is_left(left, lead, reason) -> None:
-    assert att.stop_reason("SIGUSR2", left, lead)[0] == reason
+def test_usr_signal_without_preempt_time_reads_the_time_left(left, lead, reason) -> None:
+    job = _job(end=None if left is None else 1000.0 + left)
+    plan = att.stop_reason("SIGUSR2", job, now_wall=1000.0, signal_wall=999.0, restart_count=0,
+                           in_slurm_job=True, signal_lead_s=lead)
+    assert plan.reason == reason and plan.requeue
 
 
-def test_give_up_reasons() -> None:
-    starts = [{"resumed_step": None}, {"resumed_step": 40}, {"resumed_step": 40}]
-    kw = dict(max_requeues=None, no_progress_limit=2)
-    assert "no-progress" in att.give_up_reason(starts, 40, restart_count=3, **kw)
-    assert att.give_up_reason(starts, 80, restart_count=3, **kw) is None          # progress was made
-    assert att.give_up_reason(starts[:2], 40, restart_count=2, **kw) is None      # only once before
-    assert att.give_up_reason(starts, 40, restart_count=3, max_requeues=None, no_progress_limit=0) is None
-    msg = att.give_up_reason([], None, restart_count=3, max_requeues=2, no_progress_limit=3)
-    assert msg and "--max-requeues 2" in msg
-    assert att.give_up_reason([], None, restart_count=2, max_requeues=2, no_progress_limit=3) is None
+def test_one_stop_rule_from_slurms_record_for_every_signal() -> None:
+    kw = dict(now_wall=1000.0, signal_wall=998.0, restart_count=0, in_slurm_job=True, signal_lead_s=90)
+    # Preempted, with or without preempt_send_user_signal: PreemptTime decides, even 60 s before the limit.
+    for sig in ("SIGTERM", "SIGUSR2"):
+        plan = att.stop_reason(sig, _job("SIGNALING", preempt=995.0, end=1050.0), grace_time_s=20, kill_wait_s=5, **kw)
+        assert (plan.reason, plan.requeue, plan.deadline_wall) == ("preemption", True, 1015.0)
+    # scancel: COMPLETING, PreemptTime=None -> save within KillWait, never requeue
+    plan = att.stop_reason("SIGTERM", _job("COMPLETING"), kill_wait_s=5, **kw)
+    assert (plan.reason, plan.requeue, plan.deadline_wall) == ("cancelled", False, 1003.0)
+    # scontrol requeue by hand: Slurm's Restarts is already past this attempt's
+    plan = att.stop_reason("SIGTERM", _job("COMPLETING", restarts=1), kill_wait_s=5, **kw)
+    assert (plan.reason, plan.requeue) == ("requeue_by_hand", False)
+    # Slurm's record unreadable: SIGTERM is never requeued, USR still is; outside Slurm nothing is
+    assert att.stop_reason("SIGTERM", None, kill_wait_s=30, **kw).requeue is False
+    assert att.stop_reason("SIGUSR2", None, **kw).requeue is True
+    assert att.stop_reason("SIGTERM", None, **{**kw, "in_slurm_job": False}).reason == "terminated"
+
+
+def test_a_save_is_tried_when_it_fits_before_the_kill() -> None:
+    pre = att.StopPlan("preemption", "", True, 1020.0)
+    assert pre.save_fits(1000.0, 16.0)                       # 16 s save + 3 s requeue < 20 s left
+    assert not pre.save_fits(1000.0, 18.0)
+    assert pre.save_fits(1000.0, None)                       # never measured: try (an interrupted save never commits)
+    assert att.StopPlan("cancelled", "", False, 1005.0).save_fits(1000.0, 4.5)   # no requeue to leave time for
+    assert att.StopPlan("cancelled", "", False, None).save_fits(1000.0, 1e6)
+
+
+def test_stop_plans_from_recorded_scontrol_output() -> None:
+    kw = dict(signal_wall=0.0, restart_count=0, in_slurm_job=True, signal_lead_s=60, kill_wait_s=5)
+    pre = scontrol.parse_job((FIX / "scontrol_show_job_preempted.txt").read_text())
+    plan = att.stop_reason("SIGTERM", pre, now_wall=pre.preempt_time + 1, grace_time_s=20, **kw)
+    assert plan.reason == "preemption" and plan.requeue and plan.deadline_wall == pre.end_time  # PreemptTime + GraceTime
+    can = scontrol.parse_job((FIX / "scontrol_show_job_cancelled.txt").read_text())
+    assert att.stop_reason("SIGTERM", can, now_wall=0.0, **kw).reason == "cancelled"
+    req = scontrol.parse_job((FIX / "scontrol_show_job_requeued_by_hand.txt").read_text())
+    assert att.stop_reason("SIGTERM", req, now_wall=0.0, **kw).reason == "requeue_by_hand"
+
+
+def _start(job: str | None, rc: int, resumed: int | None, prev: str = "crash") -> dict:
+    return {"event": "attempt_start", "job_id": job, "restart_count": rc, "resumed_step": resumed,
+            "prev_end": {"reason": prev}}
+
+
+def test_no_progress_counts_restarts_of_this_job_only() -> None:
+    kw = dict(job_id="7", max_requeues=None, no_progress_limit=2)
+    starts = [_start("7", 0, None), _start("7", 1, 40), _start("7", 2, 40)]
+    assert "no-progress" in att.give_up_reason(starts, 40, "crash", restart_count=3, **kw)
+    assert att.give_up_reason(starts, 80, "crash", restart_count=3, **kw) is None          # progress was made
+    assert att.give_up_reason(starts[:2], 40, "crash", restart_count=2, **kw) is None      # only once before
+    assert att.give_up_reason(starts, 40, "crash", restart_count=3, **{**kw, "no_progress_limit": 0}) is None
+    # Runs by hand and earlier jobs on the same directory never brick it (the old rule counted them all)
+    by_hand = [_start(None, 0, 40) for _ in range(5)]
+    assert att.give_up_reason(by_hand, 40, "crash", restart_count=0, **{**kw, "job_id": None}) is None
+    other_jobs = [_start(j, 1, 40) for j in ("3", "4", "5")]
+    assert att.give_up_reason(other_jobs + [_start("7", 0, 40)], 40, "crash", restart_count=1, **kw) is None
+    # A restart count of 0 (a new submission) and a gave_up end start afresh
+    assert att.give_up_reason(starts, 40, "crash", restart_count=0, **kw) is None
+    gave_up = {"event": "end", "status": "gave_up"}
+    assert att.give_up_reason(starts + [gave_up, _start("7", 3, 40)], 40, "crash", restart_count=4, **kw) is None
+
+
+def test_max_requeues_counts_only_unannounced_ends() -> None:
+    kw = dict(job_id="7", no_progress_limit=0, max_requeues=2)
+    # 40 time-limit continuations and preemptions of a long run: never counted
+    healthy = [_start("7", 0, None, "none")] + [_start("7", i, 10 * i, "time_limit" if i % 2 else "preemption")
+                                                for i in range(1, 41)]
+    assert att.give_up_reason(healthy, 410, "time_limit", restart_count=41, **kw) is None
+    crashes = healthy + [_start("7", 41, 410, "node_failure"), _start("7", 42, 420, "crash")]
+    assert att.give_up_reason(crashes, 430, "time_limit", restart_count=43, **kw) is None   # 2 <= 2
+    msg = att.give_up_reason(crashes, 430, "requeue_by_hand", restart_count=43, **kw)
+    assert msg and "requeued 3 times after unannounced ends" in msg and "--max-requeues 2" in msg
+
+
+def test_lead_check_compares_the_lead_with_step_save_and_requeue() -> None:
+    assert att.lead_check(90, None, None) == att.LeadVerdict(False, None)        # nothing measured yet
+    assert att.lead_check(90, 1.0, 5.0) == att.LeadVerdict(False, None)          # pipelined stop fits
+    v = att.lead_check(90, 45.0, 5.0)                                            # 2 steps do not fit, 1 does
+    assert v.stop_at_boundary and v.warning is None
+    v = att.lead_check(90, 60.0, 40.0)                 # the issue's 60 s steps: 60 + 40 + 3 > 90
+    assert v.stop_at_boundary and v.warning and "--signal=USR2@200" in v.warning
+    assert att.suggested_lead_s(60.0, 40.0) == 200
 
 
 def test_latency_split() -> None:

@@ -3,7 +3,9 @@ clean exit -> bit-exact resume, giving up, handler ownership, requeue retries, r
 from __future__ import annotations
 
 import os
+import re
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -170,16 +172,43 @@ def _slurm_env(restart: int, **extra: str) -> dict[str, str]:
             "SLURM_JOB_PARTITION": "gpu", **extra}
 
 
+FIX = Path(__file__).resolve().parent.parent / "fixtures" / "slurm"
+
+
+def _local(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t))
+
+
+def show_job(*, left_s: float | None = 480.0, preempt_ago_s: float | None = None, state: str = "RUNNING",
+             restarts: int = 0) -> str:
+    """A recorded `scontrol show job` (the running job) with the fields the session reads set."""
+    text = (FIX / "scontrol_show_job_running.txt").read_text()
+    now = time.time()
+    end = "Unknown" if left_s is None else _local(now + left_s)
+    pre = "None" if preempt_ago_s is None else _local(now - preempt_ago_s)
+    text = re.sub(r"EndTime=\S+", f"EndTime={end}", text)
+    text = re.sub(r"PreemptTime=\S+", f"PreemptTime={pre}", text)
+    text = re.sub(r"JobState=\S+", f"JobState={state}", text)
+    return re.sub(r"Restarts=\d+", f"Restarts={restarts}", text)
+
+
 class FakeSlurm:
-    def __init__(self, rows: str, left: str = "9:00", fail_requeue: int = 0) -> None:
-        self.rows, self.left, self.fail_requeue, self.calls = rows, left, fail_requeue, []
+    """Slurm's commands as the session calls them; `scontrol show ...` answers with recorded output."""
+
+    def __init__(self, rows: str, job: str | None = None, fail_requeue: int = 0) -> None:
+        self.rows, self.fail_requeue, self.calls = rows, fail_requeue, []
+        self.job = job if job is not None else show_job()
 
     def __call__(self, argv):
         self.calls.append(list(argv))
         if argv[0] == "sacct":
             return self.rows
-        if argv[0] == "squeue":
-            return self.left + "\n"
+        if argv[:3] == ["scontrol", "show", "job"]:
+            return self.job
+        if argv[:3] == ["scontrol", "show", "partition"]:
+            return (FIX / "scontrol_show_partition.txt").read_text()
+        if argv[:3] == ["scontrol", "show", "config"]:
+            return (FIX / "scontrol_show_config_no_user_signal.txt").read_text()
         if argv[:2] == ["scontrol", "requeue"]:
             if self.fail_requeue:
                 self.fail_requeue -= 1
@@ -187,9 +216,12 @@ class FakeSlurm:
             return ""
         raise SlurmError(f"unexpected {argv}")
 
+    def requeued(self) -> bool:
+        return any(c[:2] == ["scontrol", "requeue"] for c in self.calls)
+
 
 def test_in_a_slurm_job_the_stop_requeues_and_the_next_attempt_is_classified(tmp_path: Path) -> None:
-    slurm = FakeSlurm("99|RUNNING|2026-11-22T10:00:00|Unknown|n[1-2]\n", left="8:00", fail_requeue=1)
+    slurm = FakeSlurm("99|RUNNING|2026-11-22T10:00:00|Unknown|n[1-2]\n", show_job(left_s=480), fail_requeue=1)
     state, train_step = _training()
     s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", environ=_slurm_env(0, COCI_SIGNAL_LEAD_S="30"),
                 runner=slurm)
@@ -215,29 +247,69 @@ def test_in_a_slurm_job_the_stop_requeues_and_the_next_attempt_is_classified(tmp
     assert set(resumed["restart_latency_s"]) == {"total", "slurm_requeue_s", "process_start_s", "restore_s"}
 
 
-def test_max_requeues_gives_up_without_training(tmp_path: Path) -> None:
-    state, train_step = _training()
-    rows = "99|REQUEUED|2026-11-22T10:00:00|2026-11-22T10:00:20|n1\n99|RUNNING|2026-11-22T10:00:40|Unknown|n1\n"
-    s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", environ=_slurm_env(3, COCI_MAX_REQUEUES="2"),
-                runner=FakeSlurm(rows))
-    with pytest.raises(GaveUpError, match="max-requeues 2"):
+NODE_FAIL_ROWS = ("99|NODE_FAIL|2026-11-22T10:00:00|2026-11-22T10:00:20|n1\n"
+                  "99|RUNNING|2026-11-22T10:00:40|Unknown|n1\n")
+
+
+def _crash_after(s: Session, n: int) -> None:
+    it = s.steps()
+    for _ in range(n):
+        next(it)
+    it.close()                         # the process "dies" inside the step
+
+
+def test_max_requeues_counts_node_failures_and_gives_up_without_training(tmp_path: Path) -> None:
+    for rc in (0, 1):                  # the first attempt and one restart after a node failure
+        state, _ = _training()
+        _crash_after(Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", runner=FakeSlurm(NODE_FAIL_ROWS),
+                             environ=_slurm_env(rc, COCI_MAX_REQUEUES="1")), 3)
+    state, _ = _training()
+    s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", environ=_slurm_env(2, COCI_MAX_REQUEUES="1"),
+                runner=FakeSlurm(NODE_FAIL_ROWS))
+    with pytest.raises(GaveUpError, match="max-requeues 1"):
         for _ in s.steps():
             raise AssertionError("must not train")
     end = read_events(tmp_path)[-1]
-    assert end["event"] == "end" and end["status"] == "gave_up" and "max-requeues" in end["message"]
+    assert end["event"] == "end" and end["status"] == "gave_up" and "requeued 2 times after unannounced" in end["message"]
 
 
-def test_no_progress_gives_up(tmp_path: Path) -> None:
-    for attempt in range(3):           # three attempts die before their first checkpoint
-        state, train_step = _training()
-        s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:100", no_progress_limit=2, environ=NO_SLURM)
-        it = s.steps()
-        if attempt < 2:
-            next(it)
-            it.close()                 # the process "crashed" inside step 1
+def test_stops_for_time_limit_or_preemption_never_count_against_max_requeues(tmp_path: Path) -> None:
+    # The 44th time-limit continuation of a healthy --max-requeues 10 run stops, saves and requeues
+    # (the old rule gave up once SLURM_RESTART_COUNT reached the limit).
+    rows = "99|REQUEUED|2026-11-22T10:00:00|2026-11-22T10:00:20|n1\n99|RUNNING|2026-11-22T10:00:40|Unknown|n1\n"
+    slurm = FakeSlurm(rows, show_job(left_s=60))
+    state, train_step = _training()
+    s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", runner=slurm,
+                environ=_slurm_env(44, COCI_MAX_REQUEUES="10", COCI_SIGNAL_LEAD_S="90"))
+    with pytest.raises(SystemExit) as e:
+        for step in s.steps():
+            s.observe(train_step())
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGUSR2)
+    assert e.value.code == 0 and slurm.requeued()
+    stop = [x for x in read_events(tmp_path) if x["event"] == "stop"][0]
+    assert (stop["reason"], stop["requeued"], stop["saved"]) == ("time_limit", True, True)
+
+
+def test_no_progress_counts_this_jobs_restarts_only(tmp_path: Path) -> None:
+    for _ in range(4):                 # runs by hand that die before their first checkpoint never brick it
+        state, _ = _training()
+        _crash_after(Session(state, 30, ckpt_dir=tmp_path, policy="fixed:100", no_progress_limit=2,
+                             environ=NO_SLURM), 1)
+    rows = "99|FAILED|2026-11-22T10:00:00|2026-11-22T10:00:20|n1\n99|RUNNING|2026-11-22T10:00:40|Unknown|n1\n"
+    for rc in range(3):                # one job whose restarts keep dying: the third restart refuses
+        state, _ = _training()
+        s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:100", no_progress_limit=2,
+                    environ=_slurm_env(rc), runner=FakeSlurm(rows))
+        if rc < 2:
+            _crash_after(s, 1)
             continue
         with pytest.raises(GaveUpError, match="no-progress"):
-            next(it)
+            next(s.steps())
+    state, _ = _training()             # resubmitted (a new job): it trains again
+    s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:100", no_progress_limit=2,
+                environ=_slurm_env(0, SLURM_JOB_ID="100"), runner=FakeSlurm(rows))
+    _crash_after(s, 1)
 
 
 def test_requeue_retries_then_names_the_fix() -> None:
@@ -259,29 +331,75 @@ def test_rendezvous_precedence() -> None:
     assert rendezvous(Comm.serial(), environ={}) == ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, "single")
 
 
-def test_sigterm_alone_leaves_without_saving_requeueing_or_a_stop_record(tmp_path: Path) -> None:
-    slurm = FakeSlurm("99|RUNNING|2026-11-22T10:00:00|Unknown|n1\n")
+def _sigterm_at(tmp_path: Path, slurm: FakeSlurm, at: int = 13, restart: int = 0) -> int:
     state, train_step = _training()
-    s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", environ=_slurm_env(0), runner=slurm)
+    s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", environ=_slurm_env(restart), runner=slurm)
     with pytest.raises(SystemExit) as e:
         for step in s.steps():
             s.observe(train_step())
-            if step == 13:
-                os.kill(os.getpid(), signal.SIGTERM)     # scontrol requeue / scancel / node going down
-    assert e.value.code == 143
-    assert not any(c[:2] == ["scontrol", "requeue"] for c in slurm.calls)
+            if step == at:
+                os.kill(os.getpid(), signal.SIGTERM)
+    return int(e.value.code)
+
+
+def _stop_and_ckpts(tmp_path: Path) -> tuple[dict, list[tuple[int, str]]]:
     ev = read_events(tmp_path)
-    assert not [x for x in ev if x["event"] == "stop"]
-    assert [x["step"] for x in ev if x["event"] == "checkpoint"] == [10]
-    assert max(n for x in ev if x["event"] == "losses" for n in x["steps"]) == 15   # flushed on the way out
+    stop = [x for x in ev if x["event"] == "stop"][-1]
+    return stop, [(x["step"], x["kind"]) for x in ev if x["event"] == "checkpoint"]
+
+
+def test_sigterm_preemption_saves_and_requeues(tmp_path: Path) -> None:
+    # No preempt_send_user_signal: SIGTERM at the start of the grace time, PreemptTime in Slurm's record.
+    slurm = FakeSlurm("99|RUNNING|2026-11-22T10:00:00|Unknown|n1\n", show_job(preempt_ago_s=1, state="SIGNALING"))
+    assert _sigterm_at(tmp_path, slurm) == 0
+    stop, ckpts = _stop_and_ckpts(tmp_path)
+    assert (stop["reason"], stop["requeued"], stop["saved"], stop["step"]) == ("preemption", True, True, 15)
+    assert ckpts == [(10, "planned"), (15, "stop")] and slurm.requeued()
+    assert ["scontrol", "show", "partition", "gpu"] in slurm.calls          # the window is the GraceTime
     rows = "99|REQUEUED|2026-11-22T10:00:00|2026-11-22T10:00:20|n1\n99|RUNNING|2026-11-22T10:00:40|Unknown|n1\n"
-    state, train_step = _training()
+    state, _ = _training()
     s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", environ=_slurm_env(1), runner=FakeSlurm(rows))
     it = s.steps()
-    assert next(it) == 10
+    assert next(it) == 15
     start = [x for x in read_events(tmp_path) if x["event"] == "attempt_start"][-1]
-    assert start["prev_end"]["reason"] == "requeue_by_hand" and start["steps_lost"] == 5
+    assert start["prev_end"]["reason"] == "preemption" and start["steps_lost"] == 0
     it.close()
+
+
+def test_sigterm_from_scancel_saves_and_is_not_requeued(tmp_path: Path) -> None:
+    slurm = FakeSlurm("99|RUNNING|2026-11-22T10:00:00|Unknown|n1\n", show_job(state="COMPLETING"))
+    assert _sigterm_at(tmp_path, slurm) == 0
+    stop, ckpts = _stop_and_ckpts(tmp_path)
+    assert (stop["reason"], stop["requeued"], stop["saved"]) == ("cancelled", False, True)
+    assert ckpts == [(10, "planned"), (15, "stop")] and not slurm.requeued()
+    assert ["scontrol", "show", "config"] in slurm.calls                    # the window is KillWait
+
+
+def test_sigterm_of_a_requeue_by_hand_saves_and_leaves_the_requeue_to_slurm(tmp_path: Path) -> None:
+    slurm = FakeSlurm("99|RUNNING|2026-11-22T10:00:00|Unknown|n1\n", show_job(state="COMPLETING", restarts=1))
+    assert _sigterm_at(tmp_path, slurm) == 0
+    stop, ckpts = _stop_and_ckpts(tmp_path)
+    assert (stop["reason"], stop["requeued"], stop["saved"]) == ("requeue_by_hand", False, True)
+    assert not slurm.requeued()
+    rows = "99|REQUEUED|2026-11-22T10:00:00|2026-11-22T10:00:20|n1\n99|RUNNING|2026-11-22T10:00:40|Unknown|n1\n"
+    state, _ = _training()
+    s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", environ=_slurm_env(1), runner=FakeSlurm(rows))
+    it = s.steps()
+    assert next(it) == 15
+    start = [x for x in read_events(tmp_path) if x["event"] == "attempt_start"][-1]
+    assert start["prev_end"]["reason"] == "requeue_by_hand" and start["steps_lost"] == 0
+    it.close()
+
+
+def test_a_save_that_cannot_end_before_the_kill_is_skipped_and_the_preempted_job_still_requeues(
+        tmp_path: Path) -> None:
+    # The grace time (20 s) ended 5 s ago: any measured save would be cut off.
+    slurm = FakeSlurm("99|RUNNING|2026-11-22T10:00:00|Unknown|n1\n", show_job(preempt_ago_s=25, state="SIGNALING"))
+    assert _sigterm_at(tmp_path, slurm) == 0
+    stop, ckpts = _stop_and_ckpts(tmp_path)
+    assert (stop["reason"], stop["requeued"], stop["saved"]) == ("preemption", True, False)
+    assert ckpts == [(10, "planned")] and slurm.requeued()
+    assert "would not end before" in stop["detail"]
 
 
 def test_a_session_that_fails_to_start_gives_the_signals_back(tmp_path: Path) -> None:

@@ -156,3 +156,57 @@ def test_array_template_runs_each_task_in_its_own_directory(slurm_cluster: Slurm
     out0, out1 = ((wd / f"{job}_{t}.out").read_text() for t in (0, 1))
     assert f"array job {job} task 1" in out1
     assert _hash(out1) == ref and _hash(out0) != ref            # %a became the seed of each task
+
+
+@pytest.fixture()
+def sigterm_only(slurm_cluster: SlurmCluster):
+    """The cluster as most sites run it: no preempt_send_user_signal (switched back afterwards)."""
+    slurm_cluster.run(str(slurm_cluster.devcluster), "reconfigure", "--no-user-signal", timeout=120)
+    try:
+        yield slurm_cluster
+    finally:
+        slurm_cluster.run(str(slurm_cluster.devcluster), "reconfigure", "--user-signal", timeout=120)
+
+
+def test_sigterm_only_preemption_saves_requeues_and_ends_bit_exact_and_scancel_does_not_requeue(
+        sigterm_only: SlurmCluster) -> None:
+    cluster = sigterm_only
+    wd = cluster.workdir / "sigterm"
+    wd.mkdir()
+    steps, every = 600, 100
+    ref = _hash(run_ranks(2, "-m", "mpi4py", str(TRAIN), "--steps", str(steps), "--ckpt-dir", str(wd / "ref"),
+                          "--policy", f"fixed:{every}", timeout=600).stdout)
+    ckpt, log = wd / "run", wd / "job-%j.out"
+    job = _submit(cluster, "--time=10", "-o", str(log), str(TEMPLATE), sys.executable, str(TRAIN), "--steps",
+                  str(steps), "--ckpt-dir", str(ckpt), "--policy", f"fixed:{every}", "--step-time", "0.05")
+    logfile = Path(str(log).replace("%j", job))
+    text = lambda: logfile.read_text() if logfile.exists() else ""  # noqa: E731
+    _wait("step 30", lambda: "step=30 " in text(), 180, text)
+    urgent = _preempt(cluster)          # SIGTERM + GraceTime only: no USR2 on this configuration
+    rows = cluster.wait_gone(job, timeout=400)
+    out, events = text(), read_events(ckpt)
+    print(out[-3000:], rows, *[e for e in events if e["event"] != "losses"], sep="\n")
+    assert _hash(out) == ref                                          # bit-exact across the preemption
+    assert rows[-1]["State"] == "COMPLETED" and len(rows) >= 2, rows  # requeued by the session, then done
+    stop = [e for e in events if e["event"] == "stop"][0]
+    assert (stop["reason"], stop["signal"], stop["requeued"], stop["saved"]) == ("preemption", "SIGTERM", True, True)
+    start2 = _starts(ckpt)[1]
+    assert start2["prev_end"]["reason"] == "preemption" and start2["resumed_step"] == stop["step"]
+    assert start2["steps_lost"] == 0
+    assert cluster.wait_gone(urgent, timeout=60)[-1]["State"] == "COMPLETED"
+
+    # scancel: the run saves at its next boundary and exits; Slurm does not requeue it, nor does the session.
+    ckpt2, log2 = wd / "cancel", wd / "cancel.out"
+    job2 = _submit(cluster, "-N", "1", "--time=10", "-o", str(log2), str(TEMPLATE), sys.executable, str(TRAIN),
+                   "--steps", "100000", "--ckpt-dir", str(ckpt2), "--policy", "fixed:50", "--step-time", "0.05")
+    _wait("a checkpoint", lambda: any(e["event"] == "checkpoint" for e in read_events(ckpt2)), 180,
+          lambda: log2.read_text() if log2.exists() else "")
+    cluster.run("scancel", job2)
+    rows2 = cluster.wait_gone(job2, timeout=120)
+    events2 = read_events(ckpt2)
+    print(log2.read_text()[-2000:], rows2, *[e for e in events2 if e["event"] != "losses"], sep="\n")
+    assert len(rows2) == 1 and rows2[0]["State"].startswith("CANCELLED"), rows2
+    stop2 = [e for e in events2 if e["event"] == "stop"]
+    assert len(stop2) == 1 and (stop2[0]["reason"], stop2[0]["requeued"], stop2[0]["saved"]) == \
+        ("cancelled", False, True), stop2
+    assert [e for e in events2 if e["event"] == "checkpoint"][-1]["step"] == stop2[0]["step"]

@@ -84,6 +84,16 @@ def test_status_without_a_cluster_says_so_and_fails(tmp_path: Path) -> None:
     assert "run `slurm/devcluster up`" in p.stdout
 
 
+def test_user_signal_setting_is_rendered_and_read_back(dc) -> None:
+    on, off = dc.render_slurm_conf(2, "h"), dc.render_slurm_conf(2, "h", user_signal=False)
+    assert "SlurmctldParameters=preempt_send_user_signal" in on
+    assert "SlurmctldParameters" not in off.replace("# No preempt_send_user_signal", "")
+    assert dc.configured_user_signal() is True              # no config yet: the default
+    dc.ETC.mkdir(parents=True, exist_ok=True)
+    dc.SLURM_CONF.write_text(off)
+    assert dc.configured_user_signal() is False and dc.configured_nodes() == 2
+
+
 def test_kill_tasks_kills_only_that_nodes_job_processes(dc) -> None:
     """`fail --hard` finds a node's job processes by the SLURMD_NODENAME + SLURM_JOB_ID that
     slurmstepd gives every task (and its children inherit); other nodes' tasks and daemons live on."""
