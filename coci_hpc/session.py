@@ -38,17 +38,22 @@ import math
 import os
 import sys
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.checkpoint.state import collect
 from coci_hpc.comm import Comm
-from coci_hpc.errors import CociError, GaveUpError, SlurmError, UsageError
+from coci_hpc.errors import CheckpointError, CociError, GaveUpError, SlurmError, UsageError
 from coci_hpc.planner.failures import FailureModel, from_mtbf
 from coci_hpc.runtime import attempts as att
+from coci_hpc.runtime import signals
 from coci_hpc.runtime.config import SessionConfig, resolve
+from coci_hpc.runtime.data import session_state
+from coci_hpc.runtime.distributed import default_comm
 from coci_hpc.runtime.events import FILENAME, EventLog, last_attempt, read_events
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, requeue_with_retries
 from coci_hpc.runtime.schedule import Schedule, make_schedule
@@ -103,7 +108,7 @@ class Session:
                     "signal_lead_s": signal_lead_s}
         self.config: SessionConfig
         self.config, conflicts = resolve({k: v for k, v in explicit.items() if v is not None}, environ, self.job)
-        self.comm = _default_comm() if comm is None else Comm.wrap(comm)
+        self.comm = default_comm(environ) if comm is None else Comm.wrap(comm)
         self.rank = self.comm.rank
         self.total_steps = total_steps
         self.async_save = async_save
@@ -114,6 +119,7 @@ class Session:
         self.comm.run_step(lambda: self.config.ckpt_dir.mkdir(parents=True, exist_ok=True)
                            if self.rank == 0 else None, f"creating {self.config.ckpt_dir}")
         self.events_path = self.config.ckpt_dir / FILENAME
+        _watch_uncaught(self)
         # Handlers first: a signal during the restore below must not kill the process.
         self.recorder = SignalRecorder(DEFAULT_SIGNALS, chain=False).install()
         try:
@@ -124,10 +130,12 @@ class Session:
 
     def _setup(self, state: Mapping[str, Any], failure_model: FailureModel | None, horizon_s: float,
                keep: int) -> None:
+        user_state = session_state(state)
+        _check_saveable(user_state)
         self.schedule: Schedule = make_schedule(
             self.config.policy, lambda: failure_model if failure_model is not None else self._failure_model(),
             nodes=self.job.num_nodes or self.comm.size, horizon_s=horizon_s, comm=self.comm)
-        self._state = {**state, STATE_KEY: _SessionState(self.schedule)}
+        self._state = {**user_state, STATE_KEY: _SessionState(self.schedule)}
         self.mgr = CheckpointManager(self.config.ckpt_dir, self.comm, keep=keep)
         self.sync = StepSync(self.comm)
         self.log = EventLog(self.events_path, attempt=1, job_id=self.job.job_id, enabled=self.rank == 0)
@@ -154,6 +162,13 @@ class Session:
         total = int(total)
         try:
             step = self._begin()
+            if step > total:
+                self.mgr.close()
+                raise UsageError(f"total_steps={total} is lower than the step of the latest checkpoint in "
+                                 f"{self.config.ckpt_dir} ({step}): this run already went further, there "
+                                 f"is nothing to train and nothing was changed",
+                                 hint=f"pass total_steps >= {step} to continue that run, or a new "
+                                      f"checkpoint directory to start a new one")
             t = time.perf_counter()
             while step < total:
                 self._loss = math.nan
@@ -165,6 +180,7 @@ class Session:
             self._finish(total)
         finally:
             self.recorder.uninstall()
+            signals.after_session()        # coci-submit's placeholders give the default action back
 
     def observe(self, loss: Any) -> None:
         """The step's loss (a float or a 0-d tensor); rank 0 records it for the planner and the log."""
@@ -234,7 +250,7 @@ class Session:
         nodes = expand_hostlist(self.job.nodelist) if self.job.nodelist else []
         self.log.write("attempt_start", nodes=nodes, ranks=self.comm.size, policy=self.config.policy,
                        restart_count=rc, prev_end=prev_end.to_dict(), resumed_step=resumed, steps_lost=lost,
-                       config_sources=dict(self.config.sources))
+                       config_sources=dict(self.config.sources), slurm_id=self.job.requeue_id)
         _say(f"attempt {self.log.attempt} (job {self.job.job_id}, restart {rc}) on {nodes or 'this host'}, "
              f"{self.comm.size} rank(s); previous end: {prev_end.reason} ({prev_end.detail}); "
              f"resumed from step {resumed}; steps lost {lost}")
@@ -425,11 +441,48 @@ class Session:
             return from_mtbf(DEFAULT_MTBF_H * 3600)
 
 
-def _default_comm() -> Comm:
-    """MPI's world when launched by MPI; else a torch.distributed group of 2+ ranks (DDP without
-    MPI); else one process."""
-    world = Comm.world()
-    if world.is_mpi:
-        return world
-    from coci_hpc.comm_torch import TorchComm
-    return TorchComm.if_distributed() or world
+_active: list[weakref.ref[Session]] = []
+_hooked = False
+
+
+def _watch_uncaught(session: Session) -> None:
+    """An exception the user's code lets out of the loop ends the attempt: it is written to the
+    event log as the attempt's end (status "error"), so coci-status does not show it running.
+    sys.excepthook sees it under python/srun; coci-submit's runner calls :func:`record_uncaught`."""
+    global _hooked
+    _active[:] = [weakref.ref(session)]
+    if _hooked:
+        return
+    _hooked = True
+    previous = sys.excepthook
+
+    def hook(tp: type[BaseException], exc: BaseException, tb: Any) -> None:
+        record_uncaught(exc)
+        previous(tp, exc, tb)
+    sys.excepthook = hook
+
+
+def record_uncaught(exc: BaseException) -> None:
+    """Write ``end`` status "error" for the session of this process whose loop did not end."""
+    session = _active[0]() if _active else None
+    if session is None or isinstance(exc, SystemExit) or session.rank != 0 or not hasattr(session, "log"):
+        return
+    try:
+        mine = [e for e in read_events(session.events_path) if e.get("attempt") == session.log.attempt]
+        if mine and mine[-1].get("event") in ("end", "stop"):
+            return                          # the session recorded how it ended (gave up, stopped, ...)
+        session.log.write("end", step=session.step, status="error",
+                          message=f"{type(exc).__name__}: {exc}"[:2000])
+    except OSError:                         # the log's directory is gone: nothing to record into
+        pass
+
+
+def _check_saveable(state: Mapping[str, Any]) -> None:
+    """Refuse at Session() what the store could not save (a lock, a file, an arbitrary object: it
+    would fail at the first checkpoint, maybe an hour later). Flattening takes views, no copies."""
+    try:
+        collect(state, rng=False, defer_device=True)
+    except CheckpointError as exc:
+        raise UsageError(f"this state cannot be checkpointed: {exc.message}",
+                         hint=exc.hint or "keep tensors, numpy arrays, JSON values and objects with "
+                                          "state_dict()/load_state_dict() in the state") from exc

@@ -36,7 +36,7 @@ import atexit
 import os
 import signal
 import threading
-from typing import Mapping
+from collections.abc import Mapping
 
 from coci_hpc.slurm.env import JobEnvironment
 
@@ -85,6 +85,7 @@ def shield(environ: Mapping[str, str] | None = None) -> str:
     # Imported first so that its exit handler is registered before ours: exit handlers run in
     # reverse order, and ours must kill the deaf workers before it waits for them.
     import multiprocessing.util  # noqa: F401
+
     # multiprocessing starts its resource tracker with SIGTERM blocked around the spawn and then
     # UNBLOCKS it in the calling thread: started later, it would undo the block below, and every
     # worker spawned after it would die of SIGTERM. Started now, before the block, it never runs again.
@@ -115,3 +116,14 @@ def _kill_daemonic_children() -> None:
             p.kill()
         except (OSError, ValueError):
             pass
+
+
+def after_session() -> None:
+    """After a Session's loop: a signal whose handler is still a placeholder (coci-submit's runner
+    holds USR1/USR2/SIGTERM for the Session until it starts, see submit/runner.py) gets its
+    default action back, as in a script without coci_hpc. A user's own handler is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s in SHIELDED:
+        if getattr(getattr(signal.getsignal(s), "__self__", None), "coci_placeholder", False):
+            signal.signal(s, signal.SIG_DFL)
