@@ -47,10 +47,10 @@ import numpy as np
 from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.checkpoint.state import collect
 from coci_hpc.comm import Comm
-from coci_hpc.errors import CheckpointError, CociError, GaveUpError, SlurmError, UsageError
+from coci_hpc.errors import CheckpointError, CheckpointOtherRun, CociError, GaveUpError, SlurmError, UsageError
 from coci_hpc.planner.failures import FailureModel, from_mtbf
 from coci_hpc.runtime import attempts as att
-from coci_hpc.runtime import signals
+from coci_hpc.runtime import runrecord, signals
 from coci_hpc.runtime.config import SessionConfig, resolve
 from coci_hpc.runtime.data import session_state
 from coci_hpc.runtime.distributed import default_comm
@@ -98,14 +98,14 @@ class Session:
                  signal_lead_s: float | None = None, comm: Any = None, keep: int = 2,
                  async_save: bool = True, failure_model: FailureModel | None = None,
                  horizon_s: float = 24 * 3600.0, environ: Mapping[str, str] | None = None,
-                 runner: commands.Runner | None = None) -> None:
+                 runner: commands.Runner | None = None, resume_from_other_run: bool | None = None) -> None:
         self._init_wall = time.time()
         if STATE_KEY in state:
             raise UsageError(f"the state key {STATE_KEY!r} is the session's own", hint="rename that entry")
         self.job = JobEnvironment.from_env(environ)
         explicit = {"ckpt_dir": None if ckpt_dir is None else os.fspath(ckpt_dir), "policy": policy,
                     "max_requeues": max_requeues, "no_progress_limit": no_progress_limit,
-                    "signal_lead_s": signal_lead_s}
+                    "signal_lead_s": signal_lead_s, "resume_from_other_run": resume_from_other_run}
         self.config: SessionConfig
         self.config, conflicts = resolve({k: v for k, v in explicit.items() if v is not None}, environ, self.job)
         self.comm = default_comm(environ) if comm is None else Comm.wrap(comm)
@@ -136,6 +136,8 @@ class Session:
             self.config.policy, lambda: failure_model if failure_model is not None else self._failure_model(),
             nodes=self.job.num_nodes or self.comm.size, horizon_s=horizon_s, comm=self.comm)
         self._state = {**user_state, STATE_KEY: _SessionState(self.schedule)}
+        self.run_record = runrecord.current_run(sys.argv, self.comm.size)
+        self._check_same_run()
         self.mgr = CheckpointManager(self.config.ckpt_dir, self.comm, keep=keep)
         self.sync = StepSync(self.comm)
         self.log = EventLog(self.events_path, attempt=1, job_id=self.job.job_id, enabled=self.rank == 0)
@@ -149,6 +151,18 @@ class Session:
         self._started = False
         self._blocking = False             # agree on a stop at the boundary itself (lead short for 2 steps)
         self._recheck_at = -1              # a boundary where every rank re-decides _blocking
+
+    def _check_same_run(self) -> None:
+        """One run, one directory (:mod:`.runtime.runrecord`): refused before anything is loaded."""
+        diff = self.comm.bcast(runrecord.difference(runrecord.recorded_run(read_events(self.events_path)),
+                                                    self.run_record) if self.rank == 0 else None)
+        if diff is None:
+            return
+        if not self.config.resume_from_other_run:
+            raise CheckpointOtherRun(f"checkpoint directory {self.config.ckpt_dir} belongs to another run: {diff}",
+                                     hint=runrecord.HINT)
+        if self.rank == 0:
+            _say(f"resuming from another run's directory, as asked (resume_from_other_run): {diff}")
 
     # -- the user's calls ----------------------------------------------------------------------------
     def steps(self, total_steps: int | None = None) -> Iterator[int]:
@@ -248,7 +262,8 @@ class Session:
                                      max_requeues=self.config.max_requeues,
                                      no_progress_limit=self.config.no_progress_limit)
         nodes = expand_hostlist(self.job.nodelist) if self.job.nodelist else []
-        self.log.write("attempt_start", nodes=nodes, ranks=self.comm.size, policy=self.config.policy,
+        self.log.write("attempt_start", nodes=nodes, ranks=self.comm.size, run=self.run_record,
+                       policy=self.config.policy,
                        restart_count=rc, prev_end=prev_end.to_dict(), resumed_step=resumed, steps_lost=lost,
                        config_sources=dict(self.config.sources), slurm_id=self.job.requeue_id)
         _say(f"attempt {self.log.attempt} (job {self.job.job_id}, restart {rc}) on {nodes or 'this host'}, "
@@ -297,8 +312,8 @@ class Session:
         """Rank 0: whether to agree on a stop at the boundary itself (True when the signal lead cannot
         cover two steps, a save and the requeue: the pipelined agreement stops one step later).
         With ``warn``, says so when even one step does not fit. Other ranks return False."""
-        if self.rank != 0:
-            return False
+        if self.rank != 0 or (not self.job.in_slurm_job and self.config.signal_lead_s is None):
+            return False                   # a run by hand has no warning signal to fit in
         lead = self.config.signal_lead_s if self.config.signal_lead_s is not None else att.DEFAULT_SIGNAL_LEAD_S
         c = self.schedule.costs()
         save_s = c.ckpt_s + c.persist_s if self.schedule.measured else None

@@ -217,10 +217,9 @@ def _main(argv: Sequence[str] | None) -> int:
         outcome = FitOutcome(None, "no loss samples (give --profile)")
         t_now, step_now = 0.0, 0
     horizon, horizon_src = _horizon(a, prof, outcome.fit, costs, t_now, step_now)
-    shape = model.hazard_shape
-    ctx = PlanContext(costs, model.job_rate(a.nodes), horizon, t_now, step_now,
-                      outcome.fit, outcome.reason, nodes=a.nodes, weibull_shape=shape,
-                      time_since_failure_s=since_failure)
+    ctx = PlanContext.from_model(model, costs, horizon, a.nodes, t_now=t_now, step_now=step_now,
+                                 fit=outcome.fit, fit_reason=outcome.reason,
+                                 time_since_failure_s=since_failure)
 
     names = list(dict.fromkeys([policy.name] + list(COMPARED)))
     policies = {n: (policy if n == policy.name else make_policy(n)) for n in names}

@@ -197,7 +197,7 @@ def lead_check(lead_s: float, step_s: float | None, save_s: float | None,
 class StopPlan:
     """Why the loop is stopping, from Slurm's record, and what to do: save if it fits, requeue or not."""
 
-    reason: str                  # preemption | time_limit | cancelled | requeue_by_hand | terminated
+    reason: str                  # preemption|time_limit|cancelled|requeue_by_hand|node_failure|terminated
     detail: str
     requeue: bool
     deadline_wall: float | None  # when Slurm kills the job (unix seconds); None: not known
@@ -255,6 +255,9 @@ def stop_reason(signal_name: str, job: JobState | None, *, now_wall: float, sign
                             f"{TIME_LIMIT_MARGIN_S:.0f}s) and no PreemptTime: sent by hand", True, job.end_time)
         return StopPlan("time_limit", f"{signal_name} with {left:.0f}s left (lead {lead:.0f}s)", True, job.end_time)
     end = None if kill_wait_s is None else signal_wall + kill_wait_s
+    if job.state == "NODE_FAIL" or job.reason in ("NodeDown", "NodeFail"):
+        return StopPlan("node_failure", f"SIGTERM; Slurm: JobState={job.state}, Reason={job.reason} (a node of "
+                        f"the job is down; Slurm requeues a --requeue job)", False, end)
     if job.restarts > restart_count:
         return StopPlan("requeue_by_hand", f"SIGTERM; Slurm: Restarts={job.restarts} > this attempt's "
                         f"{restart_count} (requeued from outside)", False, end)

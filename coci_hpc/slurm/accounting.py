@@ -414,7 +414,8 @@ def build_model(hist: History, window_start_s: float, window_end_s: float, *,
         exposure = hist.job_node_seconds_in(window_start_s, window_end_s)
         basis = f"job node-hours inside the window from {len(hist.jobs)} job record(s)"
     model = fmod.estimate(incidents, exposure, confidence=confidence, basis=basis,
-                          n_records=len(recs))
+                          n_records=len(recs),
+                          cluster_nodes=max(cluster_nodes, 1) if have_events else None)
     by_node: Counter = Counter(n for e in recs for n in e.nodes)
     announced = Counter(j.state for j in hist.jobs if j.state in ANNOUNCED_STATES
                         and j.end_s is not None and window_start_s <= j.end_s <= window_end_s + 1)

@@ -5,6 +5,8 @@ filesystem, no Slurm; the checks that need them live in :mod:`coci_hpc.submit.ch
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 import shlex
@@ -225,6 +227,7 @@ class SubmitSpec:
     array: tuple[int, int | None] | None = None
     sbatch_args: tuple[tuple[str, str | bool], ...] = field(default_factory=tuple)
     time_unlimited: bool = False
+    resume_from_other_run: bool = False
 
     @property
     def log_dir(self) -> Path:
@@ -239,7 +242,15 @@ class SubmitSpec:
             "COCI_MAX_REQUEUES": str(self.max_requeues),
             "COCI_NO_PROGRESS_LIMIT": str(self.no_progress_limit),
             "COCI_SIGNAL_LEAD_S": str(self.signal_lead_s),
+            **({"COCI_RESUME_FROM_OTHER_RUN": "1"} if self.resume_from_other_run else {}),
         }
+
+
+def command_digest(script: Path, script_args: Sequence[str]) -> str:
+    """A short digest of the command (script path and arguments, ``%a`` unsubstituted): the default
+    checkpoint directory is ``<output-dir>/ckpt-<digest>``, so a sweep point never resumes another's."""
+    text = json.dumps([str(script), list(script_args)])
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 def _positive(name: str, value: int | None, *, zero_ok: bool = False) -> None:
@@ -256,12 +267,13 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
                gpus_per_node: int | None = None, cpus_per_task: int | None = None,
                mem: str | None = None, account: str | None = None, qos: str | None = None,
                constraint: str | None = None, array: str | None = None,
-               sbatch_args: Sequence[str] = (),
+               sbatch_args: Sequence[str] = (), resume_from_other_run: bool = False,
                validate_policy: Callable[[str], object] | None = None) -> SubmitSpec:
     """Validate the command line into a spec. Relative paths are taken from ``cwd``.
 
-    Defaults chosen so that submitting the same command again resumes the same run:
-    ``--output-dir`` is ``./coci-runs/<job-name>`` and ``--ckpt-dir`` is ``<output-dir>/ckpt``.
+    Defaults chosen so that submitting the same command again resumes the same run, and another
+    command (another seed of a sweep) gets another directory: ``--output-dir`` is
+    ``./coci-runs/<job-name>`` and ``--ckpt-dir`` is ``<output-dir>/ckpt-<digest of script and args>``.
     """
     for name, v in (("--nodes", nodes), ("--ntasks-per-node", ntasks_per_node),
                     ("--cpus-per-task", cpus_per_task), ("--signal-lead", signal_lead),
@@ -289,7 +301,7 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
     passed = tuple(parse_sbatch_arg(a) for a in sbatch_args)
     _check_sbatch_conflicts(passed, gpus_per_node=gpus_per_node, mem=mem, cpus_per_task=cpus_per_task)
     out = (cwd / (output_dir or f"coci-runs/{name}")).resolve()
-    ckpt = (cwd / ckpt_dir).resolve() if ckpt_dir else out / "ckpt"
+    ckpt = (cwd / ckpt_dir).resolve() if ckpt_dir else out / f"ckpt-{command_digest(script_path, script_args)}"
     return SubmitSpec(
         script=script_path, script_args=tuple(script_args), partition=partition, nodes=nodes,
         ntasks_per_node=ntasks_per_node, time_min=time_min, job_name=name, output_dir=out,
@@ -298,7 +310,7 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
         cpus_per_task=cpus_per_task, mem=mem, account=account, qos=qos, constraint=constraint,
         array=parse_array(array) if array is not None else None,
         sbatch_args=passed,
-        time_unlimited=time is not None and time_min is None)
+        time_unlimited=time is not None and time_min is None, resume_from_other_run=resume_from_other_run)
 
 
 def executor_parameters(spec: SubmitSpec, extra_env: Mapping[str, str] | None = None) -> dict:

@@ -105,6 +105,8 @@ def test_one_stop_rule_from_slurms_record_for_every_signal() -> None:
     # scontrol requeue by hand: Slurm's Restarts is already past this attempt's
     plan = att.stop_reason("SIGTERM", _job("COMPLETING", restarts=1), kill_wait_s=5, **kw)
     assert (plan.reason, plan.requeue) == ("requeue_by_hand", False)
+    plan = att.stop_reason("SIGTERM", _job("NODE_FAIL", restarts=1), kill_wait_s=5, **kw)
+    assert (plan.reason, plan.requeue) == ("node_failure", False)          # Slurm requeues it itself
     # Slurm's record unreadable: SIGTERM is never requeued, USR still is; outside Slurm nothing is
     assert att.stop_reason("SIGTERM", None, kill_wait_s=30, **kw).requeue is False
     assert att.stop_reason("SIGUSR2", None, **kw).requeue is True
