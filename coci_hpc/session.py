@@ -59,8 +59,10 @@ from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, requeue
 from coci_hpc.runtime.schedule import Schedule, make_schedule
 from coci_hpc.runtime.stepsync import StepSync
 from coci_hpc.slurm import commands, scontrol
-from coci_hpc.slurm.accounting import expand_hostlist, failure_model_from_cluster
+from coci_hpc.slurm.accounting import expand_hostlist
 from coci_hpc.slurm.env import JobEnvironment
+from coci_hpc.slurm.failure_cache import Pending, failure_model_for_job
+from coci_hpc.slurm.failure_cache import describe as describe_history
 
 STATE_KEY = "coci_session"
 STOP = 1                    # stop level exchanged at the step boundary (MAX over ranks)
@@ -132,6 +134,7 @@ class Session:
                keep: int) -> None:
         user_state = session_state(state)
         _check_saveable(user_state)
+        self._history_pending: Pending | None = None
         self.schedule: Schedule = make_schedule(
             self.config.policy, lambda: failure_model if failure_model is not None else self._failure_model(),
             nodes=self.job.num_nodes or self.comm.size, horizon_s=horizon_s, comm=self.comm)
@@ -284,6 +287,8 @@ class Session:
     # -- the step boundary ---------------------------------------------------------------------------
     def _after_step(self, step: int, dt: float, total: int) -> None:
         self.step = step
+        if self._history_pending is not None and self._history_pending.done():
+            self._use_fresh_history()
         if self.rank == 0:
             self._record_loss(step)
         self.schedule.observe(step, self._loss if self.rank == 0 else math.nan, dt)
@@ -441,19 +446,28 @@ class Session:
 
     # -- helpers -------------------------------------------------------------------------------------
     def _failure_model(self) -> FailureModel:
-        """Rank 0 reads the partition's failure history once per attempt; a logged fallback otherwise."""
+        """Rank 0: the partition's failure model, cached per partition and window and refreshed in
+        the background (:mod:`coci_hpc.slurm.failure_cache`); nothing is asked outside a job."""
+        default = from_mtbf(DEFAULT_MTBF_H * 3600)
         if self.rank != 0:
-            return from_mtbf(DEFAULT_MTBF_H * 3600)   # only rank 0 plans
-        part = self.job.partition
-        try:
-            model, summary = failure_model_from_cluster(part, window_days=HISTORY_DAYS, runner=self._runner)
-            _say(f"failure history of partition {part}: {summary.get('records')} unannounced end(s), "
-                 f"{summary.get('incidents')} incident(s) after declustering over {HISTORY_DAYS} days")
-            return model
-        except (CociError, OSError) as exc:
-            _say(f"failure history of partition {part} unavailable ({exc}); planning with a per-node "
-                 f"MTBF of {DEFAULT_MTBF_H:g} h")
-            return from_mtbf(DEFAULT_MTBF_H * 3600)
+            return default                    # only rank 0 plans
+        model, line, self._history_pending = failure_model_for_job(self.job, default, window_days=HISTORY_DAYS,
+                                                                   runner=self._runner)
+        _say(line + ("" if model is not default else f" (per-node MTBF {DEFAULT_MTBF_H:g} h)"))
+        return model
+
+    def _use_fresh_history(self) -> None:
+        """Rank 0, at a step boundary: the background read of the history finished."""
+        pending, self._history_pending = self._history_pending, None
+        got = pending.result() if pending is not None else None
+        if got is None:
+            _say(f"failure history of partition {self.job.partition} unavailable "
+                 f"({pending.error if pending else '?'}); keeping the model the attempt started with")
+            return
+        model, summary = got
+        if hasattr(self.schedule, "use_failure_model"):
+            self.schedule.use_failure_model(model)
+        _say(describe_history(self.job.partition or "", summary) + "; the plan now uses it")
 
 
 _active: list[weakref.ref[Session]] = []

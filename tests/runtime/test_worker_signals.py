@@ -61,7 +61,7 @@ def test_workers_fork_and_spawn_survive_the_stop_signal_and_resume_bit_exactly(t
     assert "final_params_sha256" not in text and "stopped at step" in text, text[-3000:]
     stop = [e for e in read_events(tmp_path / "run") if e["event"] == "stop"]
     assert len(stop) == 1 and stop[0]["step"] >= 14, stop
-    rc, text = _run(tmp_path / "run")
+    rc, text = _run(tmp_path / "run", "--step-time", "0.2")     # the same command (one run, one directory)
     assert rc == 0, text[-3000:]
     assert _hash(text) == ref
     resumed = [e for e in read_events(tmp_path / "run") if e["event"] == "attempt_start"][-1]
