@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from coci_hpc.errors import SlurmError, UsageError
-from coci_hpc.runtime.attempts import SlurmAttempt, parse_job_attempts, sacct_job_argv
 from coci_hpc.runtime.events import FILENAME, read_events
 from coci_hpc.slurm import commands
+from coci_hpc.slurm.sacct import SlurmAttempt, job_attempts
 
 
 @dataclass
@@ -171,7 +171,7 @@ def load(ckpt_dir: str | Path, *, use_sacct: bool = True, runner: commands.Runne
         ids = (e.get("slurm_id") or e.get("job_id") for e in events if e.get("event") == "attempt_start")
         for job in dict.fromkeys(str(j) for j in ids if j):
             try:
-                sacct[job] = parse_job_attempts(run(sacct_job_argv(job)), job)
+                sacct[job] = job_attempts(job, run)
             except SlurmError as exc:
                 note = f"sacct unavailable: {exc.message}"
                 break

@@ -58,11 +58,11 @@ from coci_hpc.runtime.events import FILENAME, EventLog, last_attempt, read_event
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, requeue_with_retries
 from coci_hpc.runtime.schedule import Schedule, make_schedule
 from coci_hpc.runtime.stepsync import StepSync
-from coci_hpc.slurm import commands, scontrol
-from coci_hpc.slurm.accounting import expand_hostlist
+from coci_hpc.slurm import commands, sacct, scontrol
 from coci_hpc.slurm.env import JobEnvironment
 from coci_hpc.slurm.failure_cache import Pending, failure_model_for_job
 from coci_hpc.slurm.failure_cache import describe as describe_history
+from coci_hpc.slurm.hostlist import expand_hostlist
 
 STATE_KEY = "coci_session"
 STOP = 1                    # stop level exchanged at the step boundary (MAX over ranks)
@@ -240,12 +240,12 @@ class Session:
     def _read_history(self) -> dict[str, Any]:
         events = read_events(self.events_path)
         self.log.attempt = last_attempt(events) + 1
-        rows: list[att.SlurmAttempt] = []
+        rows: list[sacct.SlurmAttempt] = []
         sacct_error = None
         jid = self.job.requeue_id
         if jid is not None:
             try:
-                rows = att.parse_job_attempts(self._runner(att.sacct_job_argv(jid)), jid)
+                rows = sacct.job_attempts(jid, self._runner)
             except (SlurmError, OSError) as exc:
                 sacct_error = str(exc)
         return {"events": events, "rows": rows, "sacct_error": sacct_error}
@@ -417,8 +417,8 @@ class Session:
         if self.rank == 0:
             _say(f"stopped at step {step} ({reason}: {detail}): "
                  + ("checkpoint saved" if saved else f"resumes from step {self.mgr.latest_step()}")
-                 + (", job requeued" if requeue else "; not requeued (run again with the same arguments "
-                                                     "to resume)"))
+                 + (", job requeued" if requeue else "; Slurm requeues the job" if reason in att.SLURM_REQUEUES
+                    else "; not requeued (run again with the same arguments to resume)"))
         raise SystemExit(0)
 
     def _record_loss(self, step: int) -> None:

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from coci_hpc.comm import Comm
 from coci_hpc.errors import UsageError
-from coci_hpc.slurm.accounting import expand_hostlist
 from coci_hpc.slurm.env import JobEnvironment
+from coci_hpc.slurm.hostlist import expand_hostlist
 
 
 @dataclass(frozen=True)
