@@ -105,6 +105,7 @@ class Session:
         if STATE_KEY in state:
             raise UsageError(f"the state key {STATE_KEY!r} is the session's own", hint="rename that entry")
         self.job = JobEnvironment.from_env(environ)
+        self._environ = environ
         explicit = {"ckpt_dir": None if ckpt_dir is None else os.fspath(ckpt_dir), "policy": policy,
                     "max_requeues": max_requeues, "no_progress_limit": no_progress_limit,
                     "signal_lead_s": signal_lead_s, "resume_from_other_run": resume_from_other_run}
@@ -452,7 +453,7 @@ class Session:
         if self.rank != 0:
             return default                    # only rank 0 plans
         model, line, self._history_pending = failure_model_for_job(self.job, default, window_days=HISTORY_DAYS,
-                                                                   runner=self._runner)
+                                                                   runner=self._runner, environ=self._environ)
         _say(line + ("" if model is not default else f" (per-node MTBF {DEFAULT_MTBF_H:g} h)"))
         return model
 

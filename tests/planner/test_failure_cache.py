@@ -104,3 +104,30 @@ def test_private_data_jobs_makes_the_model_partial(tmp_path: Path) -> None:
     assert "PARTIAL: PrivateData=jobs" in fc.describe("gpu", got[1])
     _, line, _ = fc.failure_model_for_job(JOB, DEFAULT, window_days=90, runner=FakeSlurm(), environ=env)
     assert "PARTIAL" in line                                            # said again from the cache
+
+
+def test_the_session_starts_at_once_and_switches_to_the_history_when_it_arrives(tmp_path: Path) -> None:
+    import torch
+
+    from coci_hpc.session import Session
+
+    slurm = FakeSlurm()
+
+    def runner(argv):
+        if argv[0] == "sacct" and "-j" in argv:
+            return ""                       # this job's own attempts: none listed yet
+        return slurm(argv)
+    env = {"SLURM_JOB_ID": "5", "SLURM_JOB_PARTITION": "gpu", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    m = torch.nn.Linear(2, 1)
+    s = Session({"model": m}, 400, ckpt_dir=tmp_path / "ck", policy="young", environ=env, runner=runner)
+    models = []
+    for step in s.steps():
+        models.append(s.schedule.failure_model)
+        if step == 3:
+            slurm.release.set()
+        if step > 3 and s._history_pending is None:
+            break
+        time.sleep(0.005)
+    assert models[0] is not None and abs(models[0].per_node_rate - DEFAULT.per_node_rate) < 1e-15
+    assert s.schedule.failure_model.n_failures >= 1          # the partition's history, read meanwhile
+    assert fc.load(fc.cache_path("gpu", 90, env)) is not None

@@ -106,3 +106,30 @@ def test_after_the_loop_coci_submits_placeholders_give_the_default_action_back(t
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+
+
+def test_torchrun_with_mpi4py_imported_runs_as_two_ranks(tmp_path: Path) -> None:
+    """Two processes with torchrun's variables whose script imports mpi4py first (an MPI singleton
+    world of 1 in each): before, each took itself for the only rank and they fought over one
+    checkpoint directory."""
+    import socket
+    import subprocess
+    import sys
+
+    from coci_hpc.runtime.events import read_events
+    from tests.conftest import ROOT, clean_env
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    code = ("import sys, runpy; from mpi4py import MPI; assert MPI.COMM_WORLD.Get_size() == 1; "
+            f"sys.argv = ['train.py'] + sys.argv[1:]; runpy.run_path({str(ROOT / 'examples' / 'train.py')!r}, "
+            "run_name='__main__')")
+    args = ["--steps", "20", "--policy", "fixed:10", "--ckpt-dir", str(tmp_path)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                            MASTER_PORT=str(port)))
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [e["ranks"] for e in read_events(tmp_path) if e["event"] == "attempt_start"] == [2], outs[0][-2000:]
