@@ -68,3 +68,16 @@ def test_workers_fork_and_spawn_survive_the_stop_signal_and_resume_bit_exactly(t
     assert resumed["resumed_step"] == stop[0]["step"]
     # the resumed attempt trained exactly the steps after the stop, each once
     assert re.findall(r"^step=(\d+) ", text, re.M) == [str(s) for s in range(stop[0]["step"] + 1, 31)]
+
+
+def test_sigterm_to_every_process_leaves_the_workers_alive_and_the_process_exits(tmp_path: Path) -> None:
+    # scancel and SIGTERM-only preemption: SIGTERM to the rank and its workers. A worker that died
+    # of it would fail the run ("exited unexpectedly"); a deaf worker must not keep the process
+    # from exiting (multiprocessing's exit would wait for it forever: the session kills it).
+    # multiprocessing's resource tracker, started lazily by the first spawn, unblocks SIGTERM in
+    # the caller: the shield starts it first, else the spawned workers here would die of SIGTERM.
+    t0 = time.monotonic()
+    rc, text = _run(tmp_path / "run", "--step-time", "0.2", signal_at_step=14, signum=signal.SIGTERM, timeout=240)
+    assert "killed by signal" not in text and "exited unexpectedly" not in text, text[-3000:]
+    assert rc in (0, 143) and "final_params_sha256" not in text, (rc, text[-3000:])
+    assert time.monotonic() - t0 < 240
