@@ -11,7 +11,7 @@ the next collective forever.
 
 Subclassing: a communicator over another transport (e.g. torch.distributed for DDP-only jobs)
 subclasses :class:`Comm`, sets ``rank``/``size`` and overrides the collectives (``barrier``,
-``bcast``, ``allgather``, ``gather``, ``allreduce_min``/``max``, ``iallreduce_min``, ``abort``);
+``bcast``, ``allgather``, ``gather``, ``scatter``, ``allreduce_min``/``max``, ``iallreduce_min``, ``abort``);
 ``is_mpi`` stays False unless ``mpi_comm`` is an mpi4py communicator. Everything else
 (``check``, ``run_step``) is built on those methods.
 """
@@ -99,6 +99,13 @@ class Comm:
         if self.mpi_comm is None:
             return [obj]
         return self.mpi_comm.gather(obj, root=root)
+
+    def scatter(self, objs: list[T] | None, root: int = 0) -> T:
+        """Rank ``root`` passes one object per rank; each rank gets only its own."""
+        if self.mpi_comm is None:
+            assert objs is not None
+            return objs[0]
+        return self.mpi_comm.scatter(objs, root=root)
 
     def allreduce_min(self, value: float) -> float:
         if self.mpi_comm is None:

@@ -56,6 +56,11 @@ class TorchComm(Comm):
         everyone = self.allgather(obj)
         return everyone if self.rank == root else None
 
+    def scatter(self, objs: list[T] | None, root: int = 0) -> T:
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, objs if self.rank == root else None, src=root, group=self.group)
+        return out[0]
+
     def _reduce(self, value: float, op: Any) -> float:
         t = torch.tensor([float(value)], dtype=torch.float64)
         dist.all_reduce(t, op=op, group=self.group)

@@ -78,6 +78,10 @@ class CheckpointLocked(CheckpointError):
     """Another live writer holds the checkpoint directory (its lock file names it)."""
 
 
+class CheckpointOtherRun(CheckpointError):
+    """The checkpoint directory belongs to another run (another script or other arguments)."""
+
+
 class CommError(CociError):
     """One or more ranks failed in a collective step; raised on every rank, naming the failed ones."""
 

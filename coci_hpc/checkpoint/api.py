@@ -31,6 +31,7 @@ import torch
 
 from coci_hpc.checkpoint import engine, exitguard, h5_parallel, perms, recovery, retire
 from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint.coordinator import LayoutCache
 from coci_hpc.checkpoint.h5_serial import SerialH5Writer
 from coci_hpc.checkpoint.launch import check_launch
 from coci_hpc.checkpoint.lock import CheckpointLocked, DirectoryLock
@@ -102,9 +103,10 @@ class CheckpointManager:
         self.lustre: LustrePolicy = lustre or LustrePolicy()
         self.writer: StorageWriter = make_writer(self.comm, backend)
         self._tuning: IOTuning | None = None
+        self._layouts: LayoutCache = LayoutCache()  # the last save's layout, reused while the state keeps its shape
         self._async: TwoPhaseSaver = TwoPhaseSaver(self.comm, self.root, self.writer, self.tuning, keep=keep,
                                     on_busy=on_busy, overlap=overlap, rng=rng, timeout_s=self.timeout_s,
-                                    on_failure=self._async_failed)
+                                    on_failure=self._async_failed, layouts=self._layouts)
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._base: int | None = None   # the step loaded last: the next save retires newer ones
         self.stats: dict[str, float] = {}
@@ -169,7 +171,8 @@ class CheckpointManager:
     def _save_once(self, step: int, state: Mapping[str, Any], dog: Watchdog) -> Path:
         dog.enter("preparing the file (collective)", waiting_for_others=True)
         skeletons, leaves = collect(state, rng=self.rng)
-        prepared = engine.prepare(self.comm, self.root, step, skeletons, leaves, self.writer, self.tuning())
+        prepared = engine.prepare(self.comm, self.root, step, skeletons, leaves, self.writer, self.tuning(),
+                                  self._layouts)
         try:
             dog.enter("writing its data")
             # Agree that every rank has its data before any collective write starts.

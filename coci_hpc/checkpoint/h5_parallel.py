@@ -19,7 +19,7 @@ from pathlib import Path
 import h5py
 
 from coci_hpc.checkpoint.h5file import create_datasets, file_kwargs
-from coci_hpc.checkpoint.layout import Layout
+from coci_hpc.checkpoint.layout import DatasetSpec
 from coci_hpc.checkpoint.lustre import IOTuning, mpi_info
 from coci_hpc.checkpoint.manifest import DATA_FILE
 from coci_hpc.checkpoint.perms import set_file
@@ -34,6 +34,7 @@ def available(comm: Comm) -> bool:
 class ParallelH5Writer:
     name = "hdf5-mpio"
     collective_write = True
+    collective_create = True   # every rank creates every dataset (HDF5 structure calls are collective)
 
     def __init__(self, comm: Comm) -> None:
         if not available(comm):
@@ -43,13 +44,15 @@ class ParallelH5Writer:
                                   hint="use backend='serial' or install h5py with HDF5_MPI=ON")
         self.comm = comm
 
-    def create(self, directory: Path, layout: Layout, tuning: IOTuning) -> dict[int, int]:
+    def create(self, directory: Path, datasets: Sequence[DatasetSpec] | None, tuning: IOTuning
+               ) -> dict[int, int]:
+        assert datasets is not None
         info = mpi_info(tuning.mpi_hints)
         try:
             def make() -> dict[int, int]:
                 with h5py.File(directory / DATA_FILE, "w", driver="mpio", comm=self.comm.mpi_comm,
                                info=info, **file_kwargs(tuning.align, tuning.align_threshold)) as f:
-                    offsets = create_datasets(f, layout)
+                    offsets = create_datasets(f, datasets)
                 # h5py created it under the umask; the directory's mode decides. Inside the same
                 # step, so its error agreement covers it without a second collective per save.
                 if self.comm.rank == 0:

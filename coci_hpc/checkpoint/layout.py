@@ -1,21 +1,29 @@
 """Pure layout planning: which datasets a checkpoint file holds and which bytes each rank writes.
 
-Input is every rank's list of leaf descriptions (allgathered); output is the same layout on every
-rank, so the collective HDF5 calls that follow get identical arguments everywhere.
+Input is every rank's list of leaf descriptions, gathered on the coordinator (rank 0), which
+alone builds the :class:`Layout`; each rank then gets only its :class:`RankLayout` (see
+:mod:`.coordinator`, which also caches it between saves).
 
 * replicated leaves: one dataset each (from rank 0's description; all ranks must agree). Their
   bytes, taken as one stream in dataset order, are cut into ``world`` nearly equal ranges whose
   boundaries fall on ``align``-byte multiples inside a dataset (page / stripe aligned in the
   file), so each rank writes about 1/N of them.
-* per-rank leaves: one dataset per rank and leaf, under ``rank00003/...``, written by that rank.
 * sharded leaves: one dataset holding the rows of all ranks in rank order; rank r writes its rows.
+* per-rank leaves: ONE dataset per leaf name (and dtype) holding every rank's elements one after
+  the other (1-D, rank order), so the file's metadata grows with the leaves, not ranks x leaves.
+  Each rank's part (its byte range and its own shape, which may differ between ranks) is in
+  :attr:`Layout.parts` and in the manifest. Format 2 stored one dataset per rank and leaf
+  (``rank00003/...``); the loader still reads those.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from coci_hpc.errors import CheckpointError
+from coci_hpc.errors import CheckpointCorrupt, CheckpointError
 
 
 @dataclass(frozen=True)
@@ -29,13 +37,24 @@ class LeafDesc:
 
 @dataclass(frozen=True)
 class DatasetSpec:
+    """What creating one dataset needs (identical on every rank that creates it)."""
+
     path: str                 # HDF5 path inside the file
     name: str                 # logical leaf name ("replicated/model/fc.weight")
     dtype: str
     shape: tuple[int, ...]
     kind: str
     nbytes: int
-    rank: int | None = None   # owner of a per-rank dataset
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """Rank ``rank``'s leaf inside a packed per-rank dataset: bytes [start, start + nbytes)."""
+
+    rank: int
+    start: int
+    shape: tuple[int, ...]
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -54,19 +73,49 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class RankLayout:
+    """One rank's share of a layout: its pieces, and the dataset list where it must take part in
+    creating the file (collective HDF5 creation); ``None`` where rank 0 creates it alone."""
+
+    pieces: tuple[Piece, ...]
+    datasets: tuple[DatasetSpec, ...] | None = None
+
+
+@dataclass(frozen=True)
 class Layout:
     datasets: tuple[DatasetSpec, ...]
     pieces: tuple[Piece, ...]
+    parts: Mapping[int, tuple[RankPart, ...]] = field(default_factory=dict)  # per-rank datasets
+    world: int = 1
+    # signature of each rank's leaves (see :func:`signature`): a later save, or a requeued job
+    # reading it from the manifest, reuses this layout when its own leaves have the same one.
+    signatures: tuple[str, ...] = ()
+    _by_rank: dict[int, list[Piece]] = field(default_factory=dict, compare=False, repr=False)
 
     def pieces_of(self, rank: int) -> list[Piece]:
-        return [p for p in self.pieces if p.rank == rank]
+        if not self._by_rank and self.pieces:
+            for p in self.pieces:
+                self._by_rank.setdefault(p.rank, []).append(p)
+        return self._by_rank.get(rank, [])
+
+    def for_rank(self, rank: int, with_datasets: bool) -> RankLayout:
+        return RankLayout(tuple(self.pieces_of(rank)), self.datasets if with_datasets else None)
 
 
-def dataset_path(name: str, kind: str, rank: int | None) -> str:
-    # leaf names already start with their section ("replicated/...", "per_rank/...").
-    if kind == "per_rank":
-        return f"rank{rank:05d}/{name.split('/', 1)[1]}"
-    return name
+def signature(descs: Sequence[LeafDesc], align: int, world: int) -> str:
+    """A digest of one rank's leaf descriptions: equal digests on every rank mean the layout
+    built last time is the layout that would be built now."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{align}|{world}".encode())
+    for d in descs:
+        h.update(f"\0{d.name}\1{d.dtype}\1{d.shape}\1{d.kind}\1{d.nbytes}".encode())
+    return h.hexdigest()
+
+
+def packed_path(name: str, dtype: str, first_dtype: str) -> str:
+    """Dataset of a per-rank leaf: its name; a second dtype of the same name (ranks disagree)
+    gets a suffix no escaped key can produce ("%" appears in keys only as %XX)."""
+    return name if dtype == first_dtype else f"{name}%dtype={dtype}"
 
 
 def make_layout(per_rank_leaves: Sequence[Sequence[LeafDesc]], align: int = 4096) -> Layout:
@@ -90,27 +139,24 @@ def make_layout(per_rank_leaves: Sequence[Sequence[LeafDesc]], align: int = 4096
     repl_idx = []
     for l in repl0:
         repl_idx.append(len(datasets))
-        datasets.append(DatasetSpec(dataset_path(l.name, l.kind, None), l.name, l.dtype, l.shape,
-                                    "replicated", l.nbytes))
+        datasets.append(DatasetSpec(l.name, l.name, l.dtype, l.shape, "replicated", l.nbytes))
     pieces.extend(_split_replicated([datasets[i] for i in repl_idx], repl_idx, world, align))
 
     # Sharded: global dim 0 = sum of local dim 0, other dims equal.
-    shard_names = [l.name for l in per_rank_leaves[0] if l.kind == "sharded"]
-    for name in shard_names:
+    by_rank = [{l.name: l for l in leaves if l.kind == "sharded"} for leaves in per_rank_leaves]
+    for name in [l.name for l in per_rank_leaves[0] if l.kind == "sharded"]:
         locs = []
-        for r, leaves in enumerate(per_rank_leaves):
-            match = [l for l in leaves if l.name == name and l.kind == "sharded"]
-            if not match:
+        for r, mine_s in enumerate(by_rank):
+            if name not in mine_s:
                 raise CheckpointError(f"sharded tensor {name!r} is missing on rank {r}",
                                       hint="every rank must pass its Sharded(...) part, even with 0 rows")
-            locs.append(match[0])
+            locs.append(mine_s[name])
         base = locs[0]
         if any(l.dtype != base.dtype or l.shape[1:] != base.shape[1:] or len(l.shape) == 0 for l in locs):
             raise CheckpointError(f"sharded tensor {name!r} has different dtypes or trailing shapes per rank",
                                   hint="Sharded(...) parts must differ only in dim 0")
         rows = sum(l.shape[0] for l in locs)
-        row_bytes = (base.nbytes // base.shape[0]) if base.shape[0] else \
-            _row_bytes(locs)
+        row_bytes = (base.nbytes // base.shape[0]) if base.shape[0] else _row_bytes(locs)
         idx = len(datasets)
         datasets.append(DatasetSpec(name, name, base.dtype, (rows,) + tuple(base.shape[1:]), "sharded",
                                     rows * row_bytes))
@@ -120,17 +166,28 @@ def make_layout(per_rank_leaves: Sequence[Sequence[LeafDesc]], align: int = 4096
                 pieces.append(Piece(idx, r, off, off + l.nbytes, name, 0))
             off += l.nbytes
 
-    # Per-rank.
+    # Per-rank, packed: one dataset per (name, dtype), ranks' elements concatenated in rank order.
+    groups: dict[tuple[str, str], list[tuple[int, LeafDesc]]] = {}
+    first_dtype: dict[str, str] = {}
     for r, leaves in enumerate(per_rank_leaves):
         for l in leaves:
-            if l.kind != "per_rank":
-                continue
-            idx = len(datasets)
-            datasets.append(DatasetSpec(dataset_path(l.name, l.kind, r), l.name, l.dtype, l.shape,
-                                        "per_rank", l.nbytes, rank=r))
+            if l.kind == "per_rank":
+                first_dtype.setdefault(l.name, l.dtype)
+                groups.setdefault((l.name, l.dtype), []).append((r, l))
+    parts: dict[int, tuple[RankPart, ...]] = {}
+    for (name, dtype), members in groups.items():
+        idx = len(datasets)
+        total, elems, mine_p = 0, 0, []
+        for r, l in members:
+            mine_p.append(RankPart(r, total, tuple(l.shape), l.nbytes))
             if l.nbytes:
-                pieces.append(Piece(idx, r, 0, l.nbytes, l.name, 0))
-    return Layout(tuple(datasets), tuple(pieces))
+                pieces.append(Piece(idx, r, total, total + l.nbytes, name, 0))
+            total += l.nbytes
+            elems += math.prod(l.shape)
+        datasets.append(DatasetSpec(packed_path(name, dtype, first_dtype[name]), name, dtype, (elems,),
+                                    "per_rank", total))
+        parts[idx] = tuple(mine_p)
+    return Layout(tuple(datasets), tuple(pieces), parts, world)
 
 
 def _row_bytes(locs: Sequence[LeafDesc]) -> int:
@@ -152,20 +209,64 @@ def _split_replicated(dsets: Sequence[DatasetSpec], idxs: Sequence[int], world: 
         acc += d.nbytes
     # Cut points in the stream, snapped to an align multiple inside the dataset holding them.
     cuts = [0]
+    k = 0
     for r in range(1, world):
         target = total * r // world
-        k = max(i for i, s in enumerate(starts) if s <= target)
+        while k + 1 < len(starts) and starts[k + 1] <= target:
+            k += 1
         within = target - starts[k]
         within = min(dsets[k].nbytes, round(within / align) * align)
         cuts.append(max(cuts[-1], starts[k] + within))
     cuts.append(total)
     out: list[Piece] = []
+    j = 0
     for r in range(world):
         lo, hi = cuts[r], cuts[r + 1]
         if lo >= hi:
             continue
-        for d, idx, s in zip(dsets, idxs, starts):
+        while j < len(dsets) and starts[j] + dsets[j].nbytes <= lo:
+            j += 1
+        i = j
+        while i < len(dsets) and starts[i] < hi:
+            d, s = dsets[i], starts[i]
             a, b = max(lo, s), min(hi, s + d.nbytes)
             if a < b:
-                out.append(Piece(idx, r, a - s, b - s, d.name, a - s))
+                out.append(Piece(idxs[i], r, a - s, b - s, d.name, a - s))
+            i += 1
     return out
+
+
+def check_pieces(pieces: Sequence[Piece], descs: Sequence[LeafDesc]) -> None:
+    """Refuse a layout (cached, or rebuilt from a manifest) that does not fit this rank's leaves:
+    a piece of an unknown leaf or one reaching past the leaf's bytes would write a wrong file."""
+    size = {d.name: d.nbytes for d in descs}
+    for p in pieces:
+        n = size.get(p.leaf)
+        if n is None or not 0 <= p.src_start <= p.src_start + (p.stop - p.start) <= n or p.stop < p.start:
+            raise CheckpointError(f"the checkpoint layout does not fit this rank's state at {p.leaf!r}",
+                                  hint="report this; the layout is planned again at the next save")
+
+
+def layout_from_manifest(m: Mapping[str, Any]) -> Layout:
+    """The layout a (format 3) manifest was written with: datasets, pieces and per-rank parts."""
+    datasets: list[DatasetSpec] = []
+    parts: dict[int, tuple[RankPart, ...]] = {}
+    index: dict[str, int] = {}
+    for t in m["tensors"]:
+        if t["kind"] == "per_rank" and t.get("rank") is not None:
+            raise CheckpointCorrupt("a format-2 manifest has no reusable layout",
+                                    hint="the layout is planned from the state instead")
+        index[t["dataset"]] = len(datasets)
+        if t["kind"] == "per_rank":
+            parts[len(datasets)] = tuple(RankPart(int(r), int(s), tuple(sh), int(n))
+                                         for r, s, sh, n in t["parts"])
+        datasets.append(DatasetSpec(t["dataset"], t["name"], t["dtype"], tuple(t["shape"]), t["kind"],
+                                    int(t["nbytes"])))
+    pieces = []
+    for sh in m["shards"]:
+        i = index[sh["dataset"]]
+        d = datasets[i]
+        src = sh["start"] if d.kind == "replicated" else 0
+        pieces.append(Piece(i, int(sh["rank"]), int(sh["start"]), int(sh["stop"]), d.name, int(src)))
+    sigs = tuple(m.get("layout", {}).get("signatures", ()))
+    return Layout(tuple(datasets), tuple(pieces), parts, int(m["world_size"]), sigs)

@@ -32,8 +32,9 @@ from coci_hpc.checkpoint import integrity, perms
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 
 FORMAT = "coci-ckpt"
-FORMAT_VERSION = 2          # 2: CRC-32C shards ("crc"), the manifest's own checksum
-READABLE_VERSIONS = (1, 2)  # 1: zlib CRC-32 shards ("crc32"), no own checksum
+FORMAT_VERSION = 3             # 3: per-rank leaves packed, one dataset per leaf with its "parts"
+READABLE_VERSIONS = (1, 2, 3)  # 2: CRC-32C, one dataset per rank and per-rank leaf (rank00003/...)
+#                                1: zlib CRC-32 shards ("crc32"), no own checksum
 MAX_DEPTH = 64              # nesting of a manifest's JSON: deeper is damage, not training state
 MAX_NDIM = 32               # HDF5's own limit on dataset rank
 MANIFEST = "manifest.json"
@@ -251,11 +252,12 @@ def _schema_problem(m: dict[str, Any]) -> str | None:
                 or not isinstance(t.get("shape"), list) or not all(_is_int(x) for x in t["shape"]) \
                 or not _is_int(t.get("nbytes")) or not (t.get("rank") is None or _is_int(t.get("rank"))):
             return f"tensors[{i}] ({t.get('name')!r}) has a missing or invalid field"
-        if t["kind"] == "per_rank" and t["rank"] is None:
-            return f"tensors[{i}] ({t['name']!r}) is per-rank but names no rank"
+        packed = t["kind"] == "per_rank" and t["rank"] is None  # format 3: all ranks in one dataset
         itemsize = _itemsize(t["dtype"])
         if itemsize is None:
             return f"tensors[{i}] ({t['name']!r}) has dtype {t['dtype']!r}, which is never stored"
+        if packed and _parts_problem(t, itemsize, m["world_size"]):
+            return f"tensors[{i}] ({t['name']!r}) {_parts_problem(t, itemsize, m['world_size'])}"
         if len(t["shape"]) > MAX_NDIM or math.prod(t["shape"] or [1]) * itemsize != t["nbytes"]:
             return (f"tensors[{i}] ({t['name']!r}) has shape {t['shape'][:MAX_NDIM]} of {t['dtype']} "
                     f"but says it holds {t['nbytes']} bytes")
@@ -287,12 +289,26 @@ def _schema_problem(m: dict[str, Any]) -> str | None:
     return None
 
 
-def read_step(root: str | os.PathLike, step: int | None) -> dict[str, Any]:
-    if step is None:
-        step = latest_step(root)
-        if step is None:
-            raise CheckpointNotFound(f"no committed checkpoint under {root}",
-                                     hint="save one first, or check the directory")
+def _parts_problem(t: dict[str, Any], itemsize: int, world: int) -> str | None:
+    """What is wrong with the "parts" of a packed per-rank tensor (format 3): each saving rank's
+    [rank, start byte, shape, bytes], inside the dataset, not overlapping, one per rank."""
+    parts = t.get("parts")
+    if not isinstance(parts, list) or len(parts) > world:
+        return "is per-rank but has no valid 'parts' list"
+    ranks, pos = set(), 0
+    for p in parts:
+        if not (isinstance(p, list) and len(p) == 4 and _is_int(p[0]) and _is_int(p[1]) and _is_int(p[3])
+                and isinstance(p[2], list) and len(p[2]) <= MAX_NDIM and all(_is_int(x) for x in p[2])):
+            return "has a malformed entry in 'parts'"
+        if p[0] >= world or p[0] in ranks or p[1] < pos or p[1] + p[3] > t["nbytes"] \
+                or math.prod(p[2] or [1]) * itemsize != p[3]:
+            return f"has a part for rank {p[0]} that does not fit the dataset"
+        ranks.add(p[0])
+        pos = p[1] + p[3]
+    return None
+
+
+def read_step(root: str | os.PathLike, step: int) -> dict[str, Any]:
     return read(step_dir(root, step))
 
 

@@ -66,6 +66,7 @@ import torch
 
 from coci_hpc.checkpoint import engine
 from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint.coordinator import LayoutCache
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, aligned_empty, lower_thread_priority
@@ -144,7 +145,8 @@ class TwoPhaseSaver:
                  *, keep: int, on_busy: str = "wait", overlap: bool = True, rng: bool = True,
                  overlap_min_bytes: int = 1 << 20, direct: bool = True,
                  timeout_s: float | None = None,
-                 on_failure: Callable[[engine.Prepared, list[WriteItem], BaseException], None] | None = None) -> None:
+                 on_failure: Callable[[engine.Prepared, list[WriteItem], BaseException], None] | None = None,
+                 layouts: LayoutCache | None = None) -> None:
         if on_busy not in ON_BUSY:
             raise UsageError(f"on_busy={on_busy!r} is not one of {ON_BUSY}",
                              hint="'wait' blocks until the previous persist commits; 'skip' drops the new save")
@@ -154,6 +156,7 @@ class TwoPhaseSaver:
         self.direct = direct
         self.timeout_s = timeout_s
         self.on_failure = on_failure
+        self.layouts = layouts if layouts is not None else LayoutCache()
         self.buffers = HostBuffers()
         self._job: _Job | None = None
         self._pending: PendingMin | None = None
@@ -194,12 +197,13 @@ class TwoPhaseSaver:
         if self._job is not None:
             raise RuntimeError("TwoPhaseSaver.start with a save in flight: call make_room() first")
         skeletons, leaves = collect(state, rng=self.rng, defer_device=True, guarded=guarded)
-        prepared = engine.prepare(self.comm, self.root, step, skeletons, leaves, self.writer, self.tuning())
+        prepared = engine.prepare(self.comm, self.root, step, skeletons, leaves, self.writer, self.tuning(),
+                                  self.layouts)
         # Snapshot only the bytes this rank writes: 1/N of the replicated state plus its own.
         items: list[WriteItem] = []
         deferred = []
         used = set()
-        for p in prepared.my_pieces(self.comm.rank):
+        for p in prepared.my_pieces():
             leaf = prepared.leaves[p.leaf]
             key = f"{p.leaf}@{p.src_start}"
             used.add(key)

@@ -20,9 +20,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from coci_hpc.cli.common import UsageArgumentParser, run_cli
+from coci_hpc.errors import UsageError
 from coci_hpc.planner.policies import POLICY_NAMES, make_policy
+from coci_hpc.planner.profile import Profile
+from coci_hpc.runtime.attempts import LEAD_SPARE_S, suggested_lead_s
 from coci_hpc.submit import checks, executor
 from coci_hpc.submit.spec import build_spec
+
+DEFAULT_SIGNAL_LEAD = 90
 
 PROG = "coci-submit"
 
@@ -50,10 +55,17 @@ def _parser() -> argparse.ArgumentParser:
                         "(with dashes: --sbatch-arg=--exclusive)")
     c = p.add_argument_group("coci options")
     c.add_argument("--output-dir", help="logs and submitit's job folder (default ./coci-runs/<job-name>)")
-    c.add_argument("--ckpt-dir", help="checkpoints and events.jsonl (default <output-dir>/ckpt)")
+    c.add_argument("--ckpt-dir", help="checkpoints and events.jsonl (default <output-dir>/ckpt-<digest of script "
+                                      "and arguments>: the same command resumes, another gets its own)")
+    c.add_argument("--resume-from-other-run", action="store_true",
+                   help="let this command continue from the checkpoint of another command's run in --ckpt-dir "
+                        "(refused otherwise: one run, one directory)")
     c.add_argument("--policy", default="coci", help="checkpoint policy: " + ", ".join(POLICY_NAMES))
-    c.add_argument("--signal-lead", type=int, default=90,
+    c.add_argument("--signal-lead", type=int, default=None,
                    help="seconds of warning before the time limit (--signal=USR2@N; default 90)")
+    c.add_argument("--lead-from-profile", metavar="PROFILE.json",
+                   help="derive --signal-lead from a profile's step time and save cost (two steps + a save + "
+                        "the requeue + 30 s: what a stop at the time limit's warning needs)")
     c.add_argument("--max-requeues", type=int, default=10, help="give up after this many requeues (default 10)")
     c.add_argument("--no-progress-limit", type=int, default=3,
                    help="give up after this many restarts in a row from the same checkpoint (default 3)")
@@ -67,14 +79,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def _main(argv: Sequence[str] | None) -> int:
     a = _parser().parse_args(argv)
+    lead = _signal_lead(a.signal_lead, a.lead_from_profile)
     spec = build_spec(
         script=a.script, script_args=a.script_args, cwd=Path.cwd(), python=a.python,
         partition=a.partition, nodes=a.nodes, ntasks_per_node=a.ntasks_per_node, time=a.time,
         job_name=a.job_name, output_dir=a.output_dir, ckpt_dir=a.ckpt_dir, policy=a.policy,
-        signal_lead=a.signal_lead, max_requeues=a.max_requeues, no_progress_limit=a.no_progress_limit,
+        signal_lead=lead, max_requeues=a.max_requeues, no_progress_limit=a.no_progress_limit,
         mpi=a.mpi, gpus_per_node=a.gpus_per_node, cpus_per_task=a.cpus_per_task, mem=a.mem,
         account=a.account, qos=a.qos, constraint=a.constraint, array=a.array,
-        sbatch_args=a.sbatch_arg, validate_policy=make_policy)
+        sbatch_args=a.sbatch_arg, resume_from_other_run=a.resume_from_other_run, validate_policy=make_policy)
     checks.run_all(spec, dry_run=a.dry_run)
     if a.dry_run:
         print(executor.render(spec), end="")
@@ -93,6 +106,23 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"  checkpoints    {spec.ckpt_dir}/task<ID>  (ID 0..{spec.array[0] - 1})")
         print(f"  history        coci-status {shlex.quote(str(spec.ckpt_dir / 'task0'))}  (one per task)")
     return 0
+
+
+def _signal_lead(explicit: int | None, profile_path: str | None) -> int:
+    if profile_path is None:
+        return DEFAULT_SIGNAL_LEAD if explicit is None else explicit
+    if explicit is not None:
+        raise UsageError("--signal-lead and --lead-from-profile both given", hint="keep one of them")
+    prof = Profile.load(profile_path)
+    step_s = prof.measured_step_time()
+    if step_s is None:
+        raise UsageError(f"{profile_path} has no step time (step_time_s, or two samples with steps)",
+                         hint="give --signal-lead N instead, or a profile recorded by a run")
+    save_s = (prof.ckpt_cost_s or 0.0) + (prof.persist_s or 0.0)
+    lead = suggested_lead_s(step_s, save_s)
+    print(f"signal lead {lead}s from {profile_path}: 2 x {step_s:.1f}s steps + {save_s:.1f}s save + requeue "
+          f"+ {LEAD_SPARE_S:.0f}s spare", file=sys.stderr)
+    return lead
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,6 +33,15 @@ def _lead(text: str) -> float:
     return v
 
 
+def _flag(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
 # field -> (environment variable, parser, default)
 _FIELDS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "ckpt_dir": ("COCI_CKPT_DIR", str, None),
@@ -40,6 +49,8 @@ _FIELDS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
     "max_requeues": ("COCI_MAX_REQUEUES", _pos_int, None),       # None: no limit
     "no_progress_limit": ("COCI_NO_PROGRESS_LIMIT", _pos_int, 3),
     "signal_lead_s": ("COCI_SIGNAL_LEAD_S", _lead, None),
+    # the directory may hold another run's checkpoint (:mod:`.runrecord`); refused unless set
+    "resume_from_other_run": ("COCI_RESUME_FROM_OTHER_RUN", _flag, False),
 }
 
 
@@ -51,6 +62,7 @@ class SessionConfig:
     no_progress_limit: int
     signal_lead_s: float | None
     sources: Mapping[str, str]          # field -> "argument" | "environment" | "default"
+    resume_from_other_run: bool = False
 
 
 assert set(_FIELDS) == {f.name for f in fields(SessionConfig)} - {"sources"}, "table and dataclass disagree"
@@ -96,5 +108,5 @@ def resolve(explicit: Mapping[str, Any], environ: Mapping[str, str] | None = Non
                         max_requeues=None if values["max_requeues"] is None else int(values["max_requeues"]),
                         no_progress_limit=int(values["no_progress_limit"]),
                         signal_lead_s=None if values["signal_lead_s"] is None else float(values["signal_lead_s"]),
-                        sources=sources)
+                        sources=sources, resume_from_other_run=bool(values["resume_from_other_run"]))
     return cfg, conflicts

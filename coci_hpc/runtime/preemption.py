@@ -1,7 +1,8 @@
 """Preemption and time-limit handling: handlers record, the training loop acts at a step boundary.
 
 Slurm sends the job's ``--signal`` (e.g. ``--signal=USR1@60``) before the time limit and, with
-``preempt_send_user_signal``, on preemption, then SIGTERM when it ends the job. A handler that
+``preempt_send_user_signal``, on preemption, then SIGTERM when it ends the job; without that
+setting (most sites) a preemption is SIGTERM at the start of the partition's GraceTime. A handler that
 checkpoints runs at an arbitrary point inside a step (torn state, a collective half done on one
 rank), so :class:`SignalRecorder` only records. The loop calls :meth:`PreemptionGuard.stop_requested`
 once per step on every rank; it agrees across ranks (a rank that got no signal still stops at the

@@ -5,7 +5,8 @@ filesystem, no Slurm; the checks that need them live in :mod:`coci_hpc.submit.ch
 """
 from __future__ import annotations
 
-import math
+import hashlib
+import json
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
@@ -13,58 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coci_hpc.errors import UsageError
-
-# Slurm's --time formats (sbatch(1)): "minutes", "minutes:seconds", "hours:minutes:seconds",
-# "days-hours", "days-hours:minutes", "days-hours:minutes:seconds".
-_TIME_FORMATS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
-_UNLIMITED = ("INFINITE", "UNLIMITED")
-
-
-def parse_slurm_time(text: str) -> int | None:
-    """Slurm's ``--time`` value -> whole minutes (None = no limit).
-
-    Seconds are rounded up to the next minute, as slurmctld does (its limits are in minutes).
-    """
-    s = text.strip()
-    if s.upper() in _UNLIMITED:
-        return None
-    m = re.fullmatch(r"(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?", s)
-    if m:
-        days, hours, mins, secs = (int(g) if g is not None else 0 for g in m.groups())
-        if hours > 23 or mins > 59 or secs > 59:
-            raise _bad_time(text)
-    else:
-        parts = s.split(":")
-        if not all(p.isdigit() for p in parts) or len(parts) > 3:
-            raise _bad_time(text)
-        nums = [int(p) for p in parts]
-        days = 0
-        if len(nums) == 1:
-            hours, mins, secs = 0, nums[0], 0
-        elif len(nums) == 2:
-            hours, (mins, secs) = 0, nums
-            if secs > 59:
-                raise _bad_time(text)
-        else:
-            hours, mins, secs = nums
-            if mins > 59 or secs > 59:
-                raise _bad_time(text)
-    total_s = ((days * 24 + hours) * 60 + mins) * 60 + secs
-    if total_s <= 0:
-        raise UsageError(f"--time {text!r} is zero", hint=f"give a positive limit ({_TIME_FORMATS})")
-    return math.ceil(total_s / 60)
-
-
-def _bad_time(text: str) -> UsageError:
-    return UsageError(f"--time {text!r} is not a Slurm time",
-                      hint=f"use one of Slurm's formats: {_TIME_FORMATS} (e.g. --time 2:00:00)")
-
-
-def format_minutes(minutes: int) -> str:
-    """Whole minutes -> ``D-HH:MM:SS`` (how the history and dry run show a limit)."""
-    d, rem = divmod(minutes, 24 * 60)
-    h, m = divmod(rem, 60)
-    return f"{d}-{h:02d}:{m:02d}:00" if d else f"{h:02d}:{m:02d}:00"
+from coci_hpc.slurm.timefmt import limit_min
 
 
 def parse_array(text: str) -> tuple[int, int | None]:
@@ -225,6 +175,7 @@ class SubmitSpec:
     array: tuple[int, int | None] | None = None
     sbatch_args: tuple[tuple[str, str | bool], ...] = field(default_factory=tuple)
     time_unlimited: bool = False
+    resume_from_other_run: bool = False
 
     @property
     def log_dir(self) -> Path:
@@ -239,7 +190,15 @@ class SubmitSpec:
             "COCI_MAX_REQUEUES": str(self.max_requeues),
             "COCI_NO_PROGRESS_LIMIT": str(self.no_progress_limit),
             "COCI_SIGNAL_LEAD_S": str(self.signal_lead_s),
+            **({"COCI_RESUME_FROM_OTHER_RUN": "1"} if self.resume_from_other_run else {}),
         }
+
+
+def command_digest(script: Path, script_args: Sequence[str]) -> str:
+    """A short digest of the command (script path and arguments, ``%a`` unsubstituted): the default
+    checkpoint directory is ``<output-dir>/ckpt-<digest>``, so a sweep point never resumes another's."""
+    text = json.dumps([str(script), list(script_args)])
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 def _positive(name: str, value: int | None, *, zero_ok: bool = False) -> None:
@@ -256,12 +215,13 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
                gpus_per_node: int | None = None, cpus_per_task: int | None = None,
                mem: str | None = None, account: str | None = None, qos: str | None = None,
                constraint: str | None = None, array: str | None = None,
-               sbatch_args: Sequence[str] = (),
+               sbatch_args: Sequence[str] = (), resume_from_other_run: bool = False,
                validate_policy: Callable[[str], object] | None = None) -> SubmitSpec:
     """Validate the command line into a spec. Relative paths are taken from ``cwd``.
 
-    Defaults chosen so that submitting the same command again resumes the same run:
-    ``--output-dir`` is ``./coci-runs/<job-name>`` and ``--ckpt-dir`` is ``<output-dir>/ckpt``.
+    Defaults chosen so that submitting the same command again resumes the same run, and another
+    command (another seed of a sweep) gets another directory: ``--output-dir`` is
+    ``./coci-runs/<job-name>`` and ``--ckpt-dir`` is ``<output-dir>/ckpt-<digest of script and args>``.
     """
     for name, v in (("--nodes", nodes), ("--ntasks-per-node", ntasks_per_node),
                     ("--cpus-per-task", cpus_per_task), ("--signal-lead", signal_lead),
@@ -277,7 +237,7 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
                          hint="use pmix (default), pmi2 or none (see `srun --mpi=list`)")
     if validate_policy is not None:
         validate_policy(policy)
-    time_min = parse_slurm_time(time) if time is not None else None
+    time_min = limit_min(time) if time is not None else None
     if time_min is not None and signal_lead * 2 > time_min * 60:
         raise UsageError(f"--signal-lead {signal_lead}s is more than half of --time {time}",
                          hint="lower --signal-lead or raise --time: the job must train between warnings")
@@ -289,7 +249,7 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
     passed = tuple(parse_sbatch_arg(a) for a in sbatch_args)
     _check_sbatch_conflicts(passed, gpus_per_node=gpus_per_node, mem=mem, cpus_per_task=cpus_per_task)
     out = (cwd / (output_dir or f"coci-runs/{name}")).resolve()
-    ckpt = (cwd / ckpt_dir).resolve() if ckpt_dir else out / "ckpt"
+    ckpt = (cwd / ckpt_dir).resolve() if ckpt_dir else out / f"ckpt-{command_digest(script_path, script_args)}"
     return SubmitSpec(
         script=script_path, script_args=tuple(script_args), partition=partition, nodes=nodes,
         ntasks_per_node=ntasks_per_node, time_min=time_min, job_name=name, output_dir=out,
@@ -298,7 +258,7 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
         cpus_per_task=cpus_per_task, mem=mem, account=account, qos=qos, constraint=constraint,
         array=parse_array(array) if array is not None else None,
         sbatch_args=passed,
-        time_unlimited=time is not None and time_min is None)
+        time_unlimited=time is not None and time_min is None, resume_from_other_run=resume_from_other_run)
 
 
 def executor_parameters(spec: SubmitSpec, extra_env: Mapping[str, str] | None = None) -> dict:

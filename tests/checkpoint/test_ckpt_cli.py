@@ -58,7 +58,7 @@ def test_inspect_lists_tensors_dtypes_bytes_ranks(ckdir, capsys):
     assert "world_size 1" in out
     line = next(ln for ln in out.splitlines() if ln.startswith("replicated/model/bf16 "))
     assert "torch.bfloat16" in line and "3x5" in line and " 30 " in line and line.endswith(" 0")
-    assert any(ln.startswith("rank00000/__rng__/torch") for ln in out.splitlines())
+    assert any(ln.startswith("per_rank/__rng__/torch") for ln in out.splitlines())
 
 
 def test_cli_errors_have_exit_codes_and_run_as_module(tmp_path):

@@ -56,9 +56,13 @@ def test_replicated_bytes_are_split_across_ranks(shared_dir, comm):
     total = sum(per_rank)
     assert total == sum(t["nbytes"] for t in m["tensors"] if t["kind"] == "replicated")
     assert all(abs(b - total / comm.size) <= 8192 for b in per_rank), per_rank
-    # Each replicated dataset is stored once; per-rank state once per rank.
+    # Each replicated dataset is stored once; a per-rank leaf is ONE dataset packing every rank's
+    # part (file metadata grows with the leaves, not ranks x leaves), each rank writing its own.
     assert sum(1 for t in m["tensors"] if t["dataset"] == "replicated/model/fc1.weight") == 1
-    assert sorted(t["rank"] for t in m["tensors"] if t["name"] == "per_rank/__rng__/torch") == \
+    rng = [t for t in m["tensors"] if t["name"] == "per_rank/__rng__/torch"]
+    assert len(rng) == 1 and rng[0]["dataset"] == "per_rank/__rng__/torch" and rng[0]["rank"] is None
+    assert [p[0] for p in rng[0]["parts"]] == list(range(comm.size))
+    assert sorted(s["rank"] for s in m["shards"] if s["dataset"] == "per_rank/__rng__/torch") == \
         list(range(comm.size))
 
 

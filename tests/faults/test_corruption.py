@@ -228,9 +228,10 @@ def test_damage_in_one_ranks_shard_makes_every_rank_fall_back_together(tmp_path_
     last = comm.size - 1
     if comm.rank == 0:
         m = _manifest(root)
-        t = next(t for t in m["tensors"] if t["kind"] == "per_rank" and t["rank"] == last
-                 and t["nbytes"] > 16)
-        _flip(mf.step_dir(root, 2) / mf.DATA_FILE, t["offset"] + 7)
+        # per-rank leaves are packed: one dataset per leaf, each rank's part at its own start
+        t, part = next((t, p) for t in m["tensors"] if t["kind"] == "per_rank"
+                       for p in t["parts"] if p[0] == last and p[3] > 16)
+        _flip(mf.step_dir(root, 2) / mf.DATA_FILE, t["offset"] + part[1] + 7)
     comm.barrier()
     target = empty_state(comm.rank, comm.size)
     res = mgr.load_latest(target)

@@ -52,7 +52,7 @@ def test_ddp_without_mpi_matches_mpiexec_and_resumes_bit_exactly(tmp_path: Path)
     assert "final_params_sha256" not in out and "stopped at step" in out
     ev = read_events(tmp_path / "stop")
     assert [e["ranks"] for e in ev if e["event"] == "attempt_start"] == [2]
-    assert _hash(_torch_only(tmp_path / "stop", [])[0]) == ref
+    assert _hash(_torch_only(tmp_path / "stop", ["--step-time", "0.02"])[0]) == ref  # the same run
     # one process, plain python: resumes a 1-rank run after a hard kill
     one = _hash(run_ranks(0, TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "one")).stdout)
     p = subprocess.Popen([sys.executable, TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "kill"), "--step-time", "0.02"],
@@ -63,6 +63,6 @@ def test_ddp_without_mpi_matches_mpiexec_and_resumes_bit_exactly(tmp_path: Path)
         time.sleep(0.1)
     p.kill()
     p.wait()
-    assert _hash(run_ranks(0, TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "kill")).stdout) == one
+    assert _hash(run_ranks(0, TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "kill"), "--step-time", "0.02").stdout) == one
     starts = [e for e in read_events(tmp_path / "kill") if e["event"] == "attempt_start"]
     assert starts[-1]["prev_end"]["reason"] == "crash" and starts[-1]["resumed_step"] >= 20

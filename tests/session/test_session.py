@@ -410,3 +410,26 @@ def test_a_session_that_fails_to_start_gives_the_signals_back(tmp_path: Path) ->
     with pytest.raises(UsageError, match="keep"):
         Session(state, 10, ckpt_dir=tmp_path, policy="fixed:5", keep=0, environ=NO_SLURM)
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_short_signal_lead_stops_at_the_signals_own_boundary_and_warns_at_the_next_start(tmp_path: Path) -> None:
+    # 0.5 s steps against a 2 s lead: two steps + the requeue allowance do not fit, so the ranks
+    # agree at each boundary itself (decided after the attempt's first 3 timed steps).
+    env = {"COCI_SIGNAL_LEAD_S": "2"}
+    state, train_step = _training()
+    s = Session(state, 12, ckpt_dir=tmp_path, policy="fixed:100", environ=env)
+    with pytest.raises(SystemExit):
+        for step in s.steps():
+            s.observe(train_step())
+            time.sleep(0.5)
+            if step == 5:
+                os.kill(os.getpid(), signal.SIGUSR2)
+    stop = [e for e in read_events(tmp_path) if e["event"] == "stop"][0]
+    assert stop["step"] == 6                     # the pipelined agreement would have stopped at 7
+    state, train_step = _training()
+    s = Session(state, 12, ckpt_dir=tmp_path, policy="fixed:100", environ=env)
+    it = s.steps()
+    assert next(it) == 6
+    warn = [e for e in read_events(tmp_path) if e["event"] == "lead_warning"]
+    assert warn and "signal lead (2s) is shorter than a step" in warn[0]["message"] and warn[0]["step_s"] >= 0.5
+    it.close()

@@ -119,7 +119,9 @@ def test_max_requeues_and_no_progress_stop_a_job_with_a_message(slurm_cluster: S
               "--step-time", "0.05"]
     a = _submit(slurm_cluster, "-o", str(wd / "a.out"), *common, "--ckpt-dir", str(wd / "a"), "--policy", "fixed:10",
                 env=",COCI_MAX_REQUEUES=1")
-    b = _submit(slurm_cluster, "-o", str(wd / "b.out"), *common, "--ckpt-dir", str(wd / "b"),
+    # B's steps (6 s) outlast KillWait (5 s): a requeue by hand kills it before its stop-save, so
+    # every attempt starts from step 0 (a run that saves on SIGTERM in time makes progress instead).
+    b = _submit(slurm_cluster, "-o", str(wd / "b.out"), *common[:-1], "6", "--ckpt-dir", str(wd / "b"),
                 "--policy", "fixed:1000000", env=",COCI_NO_PROGRESS_LIMIT=1")
     # requeue by hand: A twice (after it checkpointed each time), B once (it never checkpoints)
     for n in (1, 2):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from coci_hpc.cli.submit import main
+from coci_hpc.submit.spec import command_digest
 
 
 def _run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
@@ -31,7 +32,8 @@ def test_dry_run_prints_the_batch_script_and_submits_nothing(fake_slurm, capsys)
         assert want in lines, f"{want!r} missing from:\n{out}"
     assert not any("wckey" in ln for ln in lines), "submitit's --wckey=submitit must be dropped"
     cwd = Path.cwd()
-    assert f"export COCI_CKPT_DIR={cwd / 'coci-runs/train/ckpt'}" in lines
+    digest = command_digest(cwd / "train.py", ["--lr", "3e-4", "--dry-run"])
+    assert f"export COCI_CKPT_DIR={cwd / 'coci-runs/train' / f'ckpt-{digest}'}" in lines
     assert "export COCI_POLICY=coci" in lines and "export COCI_SIGNAL_LEAD_S=60" in lines
     assert "export COCI_MAX_REQUEUES=10" in lines and "export COCI_NO_PROGRESS_LIMIT=3" in lines
     srun = [ln for ln in lines if ln.startswith("srun ")]
@@ -73,7 +75,7 @@ def test_array_dry_run_is_what_is_submitted(fake_slurm, capsys) -> None:
     rc, out, err = _run(capsys, "--array", "0-3%2", "train.py")
     assert rc == 0, err
     assert fake_slurm.sbatch_calls() == [dry]
-    assert "array tasks 4242_0..4242_3" in out and "ckpt/task<ID>  (ID 0..3)" in out
+    assert "array tasks 4242_0..4242_3" in out and f"ckpt-{command_digest(Path.cwd() / 'train.py', [])}/task<ID>  (ID 0..3)" in out
     # submitit's array path: one pickle per task, each running the same script
     assert len(list((Path.cwd() / "coci-runs/train/logs").glob("4242_*_submitted.pkl"))) == 4
 
@@ -138,6 +140,12 @@ def test_slurm_unreachable(fake_slurm, capsys) -> None:
 @pytest.mark.parametrize("argv,pattern", [
     (["--sbatch-arg", "signal=USR1@10"], r"sets --signal, which coci-submit manages"),
     (["--sbatch-arg=--time=5"], r"sets --time"),
+    (["--sbatch-arg=-t=10"], r"sets --time"),
+    (["--sbatch-arg", "sig=USR1@60"], r"sets --signal"),
+    (["--sbatch-arg", "par=gpu"], r"is ambiguous: it abbreviates --parsable, --partition"),
+    (["--gpus-per-node", "1", "--sbatch-arg", "gres=gpu:1"], r"conflicts with coci-submit's --gpus-per-node"),
+    (["--mem", "4G", "--sbatch-arg", "mem-per-cpu=1G"], r"conflicts with coci-submit's --mem"),
+    (["--sbatch-arg", "ntasks=4"], r"sets --ntasks, which coci-submit manages"),
     (["--sbatch-arg", "bad key"], r"is not an sbatch option"),
     (["--array", "1,3,5"], r"--array '1,3,5' is not supported"),
     (["--policy", "often"], r"unknown policy 'often'"),
@@ -161,4 +169,44 @@ def test_script_arguments_pass_untouched(fake_slurm, capsys) -> None:
     runner = delayed.function
     assert runner.args == ("--nodes", "9", "--time", "x", "--", "-p")
     assert runner.script == str(Path.cwd() / "train.py")
-    assert runner.env["COCI_CKPT_DIR"] == str(Path.cwd() / "coci-runs/train/ckpt")
+    digest = command_digest(Path.cwd() / "train.py", runner.args)
+    assert runner.env["COCI_CKPT_DIR"] == str(Path.cwd() / "coci-runs/train" / f"ckpt-{digest}")
+
+
+def test_the_default_ckpt_dir_is_distinct_per_command(fake_slurm, capsys) -> None:
+    """A sweep: train.py --seed 7 after --seed 0 must not resume seed 0's checkpoint."""
+    (Path.cwd() / "other.py").write_text("")
+    dirs = []
+    for argv in (["train.py", "--seed", "0"], ["train.py", "--seed", "7"], ["train.py", "--seed", "0"],
+                 ["--job-name", "train", "other.py", "--seed", "0"]):
+        rc, out, err = _run(capsys, *argv)
+        assert rc == 0, err
+        dirs.append(re.search(r"checkpoints\s+(\S+)", out).group(1))
+    assert dirs[0] == dirs[2]                           # the same command resumes the same run
+    assert len({dirs[0], dirs[1], dirs[3]}) == 3         # another seed, another script: their own
+    assert all(Path(d).parent == Path.cwd() / "coci-runs/train" for d in dirs)
+
+
+def test_resume_from_other_run_reaches_the_session(fake_slurm, capsys) -> None:
+    rc, dry, err = _run(capsys, "--dry-run", "--resume-from-other-run", "train.py")
+    assert rc == 0, err
+    assert "export COCI_RESUME_FROM_OTHER_RUN=1" in dry.splitlines()
+    rc, dry, err = _run(capsys, "--dry-run", "train.py")
+    assert "COCI_RESUME_FROM_OTHER_RUN" not in dry
+
+
+def test_signal_lead_derived_from_a_profile(fake_slurm, capsys, tmp_path) -> None:
+    # 60 s steps and 40 s saves: the default 90 s lead would end the job TIMEOUT (never requeued).
+    prof = tmp_path / "profile.json"
+    prof.write_text('{"samples": [], "step_time_s": 60.0, "ckpt_cost_s": 25.0, "persist_s": 15.0}')
+    rc, out, err = _run(capsys, "--time", "1:00:00", "--lead-from-profile", str(prof), "--dry-run", "train.py")
+    assert rc == 0, err
+    assert "#SBATCH --signal=USR2@200" in out.splitlines() and "export COCI_SIGNAL_LEAD_S=200" in out
+    assert "signal lead 200s from" in err
+    rc, out, err = _run(capsys, "--signal-lead", "60", "--lead-from-profile", str(prof), "--dry-run", "train.py")
+    assert rc != 0 and "both given" in err
+    prof.write_text('{"samples": []}')
+    rc, out, err = _run(capsys, "--lead-from-profile", str(prof), "--dry-run", "train.py")
+    assert rc != 0 and "no step time" in err
+    rc, out, err = _run(capsys, "--dry-run", "train.py")
+    assert "#SBATCH --signal=USR2@90" in out.splitlines()                 # the default is unchanged

@@ -11,10 +11,11 @@ from coci_hpc.runtime.config import resolve
 
 def test_environment_fills_what_the_script_leaves_out(tmp_path: Path) -> None:
     env = {"COCI_CKPT_DIR": str(tmp_path / "e"), "COCI_POLICY": "fixed:7", "COCI_MAX_REQUEUES": "4",
-           "COCI_NO_PROGRESS_LIMIT": "2", "COCI_SIGNAL_LEAD_S": "45"}
+           "COCI_NO_PROGRESS_LIMIT": "2", "COCI_SIGNAL_LEAD_S": "45", "COCI_RESUME_FROM_OTHER_RUN": "1"}
     cfg, conflicts = resolve({}, env)
     assert cfg.ckpt_dir == tmp_path / "e" and cfg.policy == "fixed:7"
     assert (cfg.max_requeues, cfg.no_progress_limit, cfg.signal_lead_s) == (4, 2, 45.0)
+    assert cfg.resume_from_other_run is True
     assert conflicts == [] and set(cfg.sources.values()) == {"environment"}
 
 

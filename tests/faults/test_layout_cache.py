@@ -1,0 +1,152 @@
+"""The layout cache (plan once, on the coordinator) must be invalidated whenever the state's shape
+changes, and never write a wrong layout. Runs under mpiexec -n 1 and -n 2 (`mpi` marker).
+
+Each case saves a state twice unchanged (the second save reuses the cached layout), then changes
+the state in one way, saves, and loads every step back bit-exact into states of the matching
+shapes; the manifest must describe the new shapes.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from coci_hpc.checkpoint import CheckpointManager, PerRank, Sharded
+from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint.layout import Piece, RankLayout
+from coci_hpc.comm import Comm
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+
+CHANGES = ["tensor_shape", "reshape_same_bytes", "dtype_same_bytes", "one_ranks_per_rank_size",
+           "sharded_rows_move", "leaf_added"]
+
+
+@pytest.fixture
+def comm() -> Comm:
+    return Comm.world()
+
+
+@pytest.fixture
+def shared_dir(comm: Comm):
+    path = comm.bcast(tempfile.mkdtemp(prefix="coci-layout-test-") if comm.rank == 0 else None)
+    yield Path(path)
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def make_state(rank: int, world: int, seed: int, change: str | None = None) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    w_shape, w_dtype = (4, 3), torch.float32
+    mine_len = 2 + rank
+    rows = [3] * world
+    if change == "tensor_shape":
+        w_shape = (5, 3)
+    elif change == "reshape_same_bytes":
+        w_shape = (3, 4)
+    elif change == "dtype_same_bytes":
+        w_dtype = torch.int32
+    elif change == "one_ranks_per_rank_size" and rank == world - 1:
+        mine_len = 7
+    elif change == "sharded_rows_move":
+        # rank 0 gains a row the last rank loses (one rank alone: it gains one)
+        rows = [3 + (r == 0) - (r == world - 1 and world > 1) for r in range(world)]
+    w = (torch.randn(w_shape, generator=g) * 100).to(w_dtype)
+    total = sum(rows)
+    glob = torch.randn(total, 2, generator=g, dtype=torch.float64)
+    lo = sum(rows[:rank])
+    state: dict[str, Any] = {
+        "model": {"w": w, "b": torch.randn(6, generator=g)},
+        "mine": PerRank({"x": torch.arange(mine_len, dtype=torch.int64) + 100 * rank + seed}),
+        "rows": Sharded(glob[lo:lo + rows[rank]].clone()),
+    }
+    if change == "leaf_added":
+        state["model"]["extra"] = torch.ones(2, 2)
+    return state
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for k in a["model"]:
+        assert a["model"][k].dtype == b["model"][k].dtype and torch.equal(a["model"][k], b["model"][k]), k
+    assert torch.equal(a["mine"].value["x"], b["mine"].value["x"])
+    assert torch.equal(a["rows"].local, b["rows"].local)
+
+
+def blank(state: dict[str, Any]) -> dict[str, Any]:
+    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+            "mine": PerRank({"x": torch.zeros_like(state["mine"].value["x"])}),
+            "rows": Sharded(torch.zeros_like(state["rows"].local))}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_changed_state_is_planned_again_and_loads_back(shared_dir, comm, change, mode):
+    mgr = CheckpointManager(shared_dir, comm=comm, rng=False, keep=5)
+    save = mgr.save if mode == "sync" else (lambda s, st: (mgr.save_async(s, st), mgr.wait()))
+    before = make_state(comm.rank, comm.size, 1)
+    save(1, before)
+    assert mgr._layouts.last["source"] == "planned"
+    save(2, before)
+    assert mgr._layouts.last["source"] == "cached"
+    after = make_state(comm.rank, comm.size, 3, change)
+    save(3, after)
+    assert mgr._layouts.last["source"] == "planned"   # every rank re-planned, not only the changed one
+    save(4, after)
+    assert mgr._layouts.last["source"] == "cached"
+
+    m = mf.read(mf.step_dir(shared_dir, 4))
+    w = next(t for t in m["tensors"] if t["name"] == "replicated/model/w")
+    assert tuple(w["shape"]) == tuple(after["model"]["w"].shape) and w["dtype"] == str(after["model"]["w"].dtype)
+    x = next(t for t in m["tensors"] if t["name"] == "per_rank/mine/x")
+    sizes = comm.allgather(after["mine"].value["x"].numel())
+    assert [p[2] for p in x["parts"]] == [[n] for n in sizes]
+    for step, expected in ((2, before), (4, after)):
+        target = blank(expected)
+        mgr.load(step, target)
+        assert_same(target, expected)
+    mgr.close()
+
+
+def test_a_cache_that_does_not_fit_the_leaves_is_not_used(shared_dir, comm):
+    """Even a cache whose digest matches (a bug, memory damage) is checked against the leaves:
+    pieces reaching past a leaf make every rank plan again instead of writing them."""
+    mgr = CheckpointManager(shared_dir, comm=comm, rng=False)
+    state = make_state(comm.rank, comm.size, 1)
+    mgr.save(1, state)
+    cache = mgr._layouts
+    assert cache.mine is not None
+    if comm.rank == comm.size - 1:
+        bad = [Piece(p.dataset, p.rank, p.start, p.stop + 64, p.leaf, p.src_start) for p in cache.mine.pieces]
+        cache.mine = RankLayout(tuple(bad), cache.mine.datasets)
+    mgr.save(2, state)
+    assert cache.last["source"] == "planned"
+    target = blank(state)
+    mgr.load(2, target)
+    assert_same(target, state)
+    mgr.close()
+
+
+def test_a_requeued_job_reuses_the_last_manifests_layout_only_if_it_fits(shared_dir, comm):
+    state = make_state(comm.rank, comm.size, 1)
+    with CheckpointManager(shared_dir, comm=comm, rng=False, keep=5) as mgr:
+        mgr.save(1, state)
+    with CheckpointManager(shared_dir, comm=comm, rng=False, keep=5) as mgr:  # the requeued job
+        mgr.save(2, state)
+        assert mgr._layouts.last["source"] == "manifest"
+        mgr.save(3, state)
+        assert mgr._layouts.last["source"] == "cached"
+        target = blank(state)
+        mgr.load(3, target)
+        assert_same(target, state)
+    changed = make_state(comm.rank, comm.size, 2, "one_ranks_per_rank_size")
+    with CheckpointManager(shared_dir, comm=comm, rng=False, keep=5) as mgr:
+        mgr.save(4, changed)
+        assert mgr._layouts.last["source"] == "planned"
+        target = blank(changed)
+        mgr.load(4, target)
+        assert_same(target, changed)
