@@ -149,8 +149,8 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
                 last.ended, last.ended_source = status, "sacct"
     loss_pts.sort(key=lambda p: (p[2], p[0]))
     for pl in peer_losses:
-        nxt = next((a for a in ordered if a.attempt == pl["attempt"] + 1), None)
-        pl["steps_lost"] = nxt.steps_lost if nxt is not None else None
+        after = [x for x in ordered if x.attempt == pl["attempt"] + 1]
+        pl["steps_lost"] = after[0].steps_lost if after else None
     return RunHistory(
         ckpt_dir=ckpt_dir, attempts=ordered, checkpoints=checkpoints,
         loss_steps=[p[0] for p in loss_pts], loss_values=[p[1] for p in loss_pts],

@@ -47,8 +47,15 @@ import numpy as np
 from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.checkpoint.state import collect
 from coci_hpc.comm import Comm
-from coci_hpc.errors import (CheckpointError, CheckpointOtherRun, CociError, GaveUpError, PeerLost, SlurmError,
-                             UsageError)
+from coci_hpc.errors import (
+    CheckpointError,
+    CheckpointOtherRun,
+    CociError,
+    GaveUpError,
+    PeerLost,
+    SlurmError,
+    UsageError,
+)
 from coci_hpc.planner.failures import FailureModel, from_mtbf
 from coci_hpc.runtime import attempts as att
 from coci_hpc.runtime import runrecord, signals

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 import socket
-from datetime import timedelta
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist

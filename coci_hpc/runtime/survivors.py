@@ -39,9 +39,9 @@ from coci_hpc.checkpoint import integrity
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.engine import make_step_dir
 from coci_hpc.checkpoint.h5file import create_datasets, file_kwargs
+from coci_hpc.checkpoint.layout import LeafDesc, make_layout
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.perms import set_file
-from coci_hpc.checkpoint.layout import LeafDesc, make_layout
 from coci_hpc.checkpoint.rawio import WriteItem, pread_into, write_posix
 from coci_hpc.checkpoint.state import PerRank, collect, empty_like_leaf, is_stateful, restore_rng, unflatten
 from coci_hpc.comm import Comm
@@ -175,7 +175,6 @@ def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: 
     if sharded:
         raise ValueError(f"Sharded tensor(s) {sharded[:3]} have rows only the lost rank held")
     repl = [l for l in leaves if l.kind == "replicated"]
-    arrays = {l.name: l.array for l in repl}
     descs_repl = [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in repl]
     all_descs = [descs_repl + [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in per_rank[r].leaves]
                  for r in range(size)]
@@ -183,11 +182,17 @@ def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: 
     directory = make_step_dir(Comm.serial(), root, step, tuning)
     data = directory / mf.DATA_FILE
     with h5py.File(data, "w", **file_kwargs(tuning.align, tuning.align_threshold)) as f:
-        offsets = create_datasets(f, plan)
+        offsets = create_datasets(f, plan.datasets)
     set_file(data, tuning.dir_mode)
-    shards = []
+    shards: list[dict[str, Any]] = []
+    offsets_of: list[int] = []
     for r in range(size):
-        mine = {**arrays, **{l.name: l.array for l in per_rank[r].leaves}}
+        mine: dict[str, np.ndarray] = {}
+        for leaf in (*repl, *per_rank[r].leaves):
+            if leaf.array is None:
+                raise ValueError(f"{leaf.name} is not in host memory (a device tensor): survivors' saves need "
+                                 f"CPU copies")
+            mine[leaf.name] = leaf.array
         pieces = plan.pieces_of(r)
         items = [WriteItem(offsets[p.dataset] + p.start,
                            mine[p.leaf].view(np.uint8)[p.src_start:p.src_start + (p.stop - p.start)])
@@ -195,29 +200,35 @@ def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: 
         crcs = write_posix(data, items)
         for p, it, crc in zip(pieces, items, crcs):
             shards.append({"file": mf.DATA_FILE, "dataset": plan.datasets[p.dataset].path, "rank": r,
-                           "start": p.start, "stop": p.stop, "crc32c": crc, "_offset": it.offset})
+                           "start": p.start, "stop": p.stop, "crc32c": crc})
+            offsets_of.append(it.offset)
     # Checked before it counts: every shard read back from the file matches its checksum.
     fd = os.open(data, os.O_RDONLY)
     try:
-        for s in shards:
-            n = s["stop"] - s["start"]
+        for s, off in zip(shards, offsets_of):
+            n = int(s["stop"]) - int(s["start"])
             buf = np.empty(n, dtype=np.uint8)
             if n:
-                pread_into(fd, buf, s.pop("_offset"))
-            else:
-                s.pop("_offset")
+                pread_into(fd, buf, off)
             if integrity.checksum(buf) != s["crc32c"]:
                 raise OSError(f"shard {s['dataset']}[{s['start']}:{s['stop']}] reads back with a wrong checksum")
     finally:
         os.close(fd)
-    tensors = [{"name": d.name, "dataset": d.path, "file": mf.DATA_FILE, "dtype": d.dtype, "shape": list(d.shape),
-                "kind": d.kind, "rank": d.rank, "nbytes": d.nbytes, "offset": offsets.get(i)}
-               for i, d in enumerate(plan.datasets)]
+    # The same manifest as engine.commit writes for a collective save of this layout.
+    tensors = []
+    for i, d in enumerate(plan.datasets):
+        entry: dict[str, Any] = {"name": d.name, "dataset": d.path, "file": mf.DATA_FILE, "dtype": d.dtype,
+                                 "shape": list(d.shape), "kind": d.kind, "rank": None, "nbytes": d.nbytes,
+                                 "offset": offsets.get(i)}
+        if d.kind == "per_rank":
+            entry["parts"] = [[p.rank, p.start, list(p.shape), p.nbytes] for p in plan.parts[i]]
+        tensors.append(entry)
     skeletons = {"replicated": skel["replicated"],
                  "per_rank": {str(r): per_rank[r].skeleton for r in range(size)}}
     m = mf.build(step=step, world_size=size, tensors=tensors, shards=shards, skeletons=skeletons,
                  files=[mf.DATA_FILE], backend=BACKEND,
-                 extra={"lustre": tuning.lustre, "align": tuning.align, "survivors_save": True})
+                 extra={"lustre": tuning.lustre, "align": tuning.align, "survivors_save": True,
+                        "layout": {"align": tuning.align, "signatures": list(plan.signatures)}})
     mf.commit(directory, m)
     mf.apply_retention(root, keep, background=False)
     return directory
