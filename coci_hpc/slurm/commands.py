@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from coci_hpc.errors import SlurmError
 from coci_hpc.slurm.timefmt import printed_s
