@@ -307,6 +307,12 @@ def main(argv=None) -> int:
                     "LANL histories in ../shared/data")
     ap.add_argument("--no-sparse", action="store_true",
                     help="replay only the histories as given, not their sparse versions")
+    ap.add_argument("--sparse-records", type=lambda t: [int(x) for x in t.split(",")],
+                    default=list(SPARSE_RECORDS), metavar="K[,K...]",
+                    help="records in the learning half of the sparse versions (default: "
+                    + ",".join(map(str, SPARSE_RECORDS)) + ")")
+    ap.add_argument("--sparse-draws", type=int, default=1,
+                    help="independent thinning/window draws per history and K (default 1)")
     ap.add_argument("--only", default="exponential,weibull,async,replay,paper",
                     help="comma-separated grids to run")
     a = ap.parse_args(argv)
@@ -339,10 +345,12 @@ def main(argv=None) -> int:
             if not a.no_sparse:
                 hist = acct.read_file(f, "events", skip_bad_lines=True)
                 n_c = n or len(hist.nodes_seen)
-                for k in SPARSE_RECORDS:
-                    for label, h in sparse_histories(f, n_c, a.seed + k, k):
-                        rows += replay_history(h, f"{os.path.basename(f)}:{label}{k}", n_c,
-                                               a.runs, a.seed)
+                for k in a.sparse_records:
+                    for d in range(a.sparse_draws):
+                        tag = f"{k}" if d == 0 else f"{k}#{d}"
+                        for label, h in sparse_histories(f, n_c, a.seed + k + 7919 * d, k):
+                            rows += replay_history(h, f"{os.path.basename(f)}:{label}{tag}",
+                                                   n_c, a.runs, a.seed)
         grids["replay"] = rows
         timing["replay"] = round(time.perf_counter() - t, 1)
     out: dict = {}

@@ -2,7 +2,7 @@
 
 A *state* given to :class:`~coci_hpc.checkpoint.api.CheckpointManager` is a mapping whose values
 are either *stateful* objects (``state_dict()`` / ``load_state_dict()``: a model, an optimizer, an
-LR scheduler, an AMP ``GradScaler``, a :class:`~coci_hpc.checkpoint.data.ResumableSampler`) or
+LR scheduler, an AMP ``GradScaler``, a :class:`~coci_hpc.runtime.data.ResumableSampler`) or
 plain trees of dicts/lists/tuples with JSON leaves and tensors (the training step, the planner
 state, user extras). Values are *replicated* by default (identical on every data-parallel rank);
 wrap a value in :class:`PerRank` for state that differs per rank, and a tensor in :class:`Sharded`

@@ -12,7 +12,8 @@ Policies (see :func:`make_policy`):
   shorter than the asynchronous persist time P; the remaining horizon cut into the optimal
   number of equal chunks (Bougeret et al., no trailing checkpoint); after a restart, when the
   fitted per-node Weibull shape is < 1, intervals that grow with the time since the failure.
-  Never measurably worse than Daly (benchmarks/planner_bench.py).
+  On a learned history of fewer than 150 incidents, Daly's plan on the record rate. Measured
+  against Daly on simulated and replayed histories in benchmarks/planner_bench.py (README).
 * ``coci-paper`` (the COCI paper's equal-loss-drop rule, uncapped, as published),
   ``coci-paper:capped`` (gaps capped at 2x Young), ``coci-paper:dp=S[,T]`` (data-parallel).
   For reproduction; equal-loss-drop spacing costs more than Daly in wall time (README).
@@ -292,8 +293,8 @@ class CociPaper(Policy):
 class CociDefault(Policy):
     """The default: Daly where failures are memoryless, better where there is structure.
 
-    1. The exponential-optimal period for the job rate (the caller gives the declustered rate
-       of unannounced interruptions) with the BLOCKING cost Tb, never below the persist time P
+    1. The exponential-optimal period for the job rate (the caller gives the rate of
+       unannounced incidents that hit a job on its nodes) with the BLOCKING cost Tb, never below the persist time P
        of an asynchronous save (overhead ~ Tb/tau + lambda (tau/2 + P + R): P does not move the
        optimum, it only bounds it below) nor below one step.
     2. The remaining horizon is cut into the optimal number of equal chunks (Bougeret et al.,
@@ -302,6 +303,8 @@ class CociDefault(Policy):
        hazard over the interval, from the time since the failure that restarted the job
        (``time_since_failure_s``; the failed node is fresh) or, without one, since ``t_now`` (:mod:`coci_hpc.planner.hazard`),
        and the last stretch is cut into equal chunks again at its mean hazard.
+    0. A learned history (``ctx.incidents`` set, :meth:`PlanContext.from_model`) of fewer
+       than ``min_incidents`` incidents gets Daly's own plan on the record rate instead.
     The convergence fit does not move checkpoints; it predicts the horizon (coci-plan).
     """
 
