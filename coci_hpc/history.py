@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from coci_hpc.errors import SlurmError, UsageError
-from coci_hpc.runtime.attempts import SlurmAttempt, parse_job_attempts, sacct_job_argv
 from coci_hpc.runtime.events import FILENAME, read_events
 from coci_hpc.slurm import commands
+from coci_hpc.slurm.sacct import SlurmAttempt, job_attempts
 
 
 @dataclass
@@ -35,6 +35,7 @@ class Attempt:
     last_step: int | None = None
     checkpoints: list[int] = field(default_factory=list)
     sacct_state: str | None = None
+    sacct_id: str | None = None               # what sacct knows the job as (array task: A_T)
     # Set when this attempt was started by coci-submit's relaunch loop inside the same allocation
     # (--spare-nodes): why, where, and the latency split (detect, process start, restore).
     in_place: dict[str, Any] | None = None
@@ -52,6 +53,9 @@ class RunHistory:
     final_step: int | None
     message: str
     sacct_note: str | None = None            # why Slurm's record is missing, when it is
+    # A peer rank lost mid-run: attempt, step saved by the survivors (or why not), seconds from
+    # the failure to the commit, the lost ranks, the steps the next attempt repeated.
+    peer_losses: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def steps_lost_total(self) -> int:
@@ -71,13 +75,18 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
 
     An attempt's end is what the NEXT attempt recorded about it (classified from Slurm's record),
     else its own ``stop``/``end`` record, else it is still running (or died without a trace yet).
-    sacct rows of a job are matched to that job's attempts in order.
+    sacct rows of a job are matched to that job's attempts by time (the row whose run contains the
+    attempt's start; a row the log never saw, e.g. an attempt that died before the Session wrote,
+    does not shift the others). ``sacct`` is keyed by :attr:`Attempt.sacct_id` (an array task's
+    ``A_T``: its raw job id is unknown to ``sacct -j``). A run whose last attempt Slurm ended
+    (cancelled, failed, ...) without an end record is not "running".
     """
     attempts: dict[int, Attempt] = {}
     checkpoints: list[dict[str, Any]] = []
     loss_pts: list[tuple[int, float, int]] = []
     status, final_step, message = "running", None, ""
     stops: dict[int, dict[str, Any]] = {}
+    peer_losses: list[dict[str, Any]] = []
     relaunches: dict[int, dict[str, Any]] = {}   # failed attempt -> the relaunch loop's record
     resumed_wall: dict[int, float] = {}
     for e in events:
@@ -86,7 +95,8 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
             attempts[n] = Attempt(
                 attempt=n, job_id=e.get("job_id"), nodes=list(e.get("nodes") or []), ranks=e.get("ranks"),
                 start_wall=e.get("wall"), resumed_step=e.get("resumed_step"), steps_lost=e.get("steps_lost"),
-                prev_end=dict(e.get("prev_end") or {}), restart_latency_s=None)
+                prev_end=dict(e.get("prev_end") or {}), restart_latency_s=None,
+                sacct_id=e.get("slurm_id") or e.get("job_id"))
             continue
         a = attempts.get(n)
         if ev == "relaunch":
@@ -104,6 +114,17 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
                 loss_pts.append((int(s), v, n))
         elif ev == "stop":
             stops[n] = e
+        elif ev == "peer_lost":
+            fail, commit = e.get("failure_wall"), e.get("commit_wall")
+            peer_losses.append({"attempt": n, "step": e.get("step"), "committed": bool(e.get("committed")),
+                                "after_failure_s": (commit - fail) if commit and fail else None,
+                                "lost_ranks": e.get("lost_ranks"), "reason": e.get("reason") or "",
+                                "fallback_step": e.get("fallback_step"), "steps_lost": None})
+            if e.get("committed"):
+                checkpoints.append({"step": e.get("step"), "kind": "survivors", "attempt": n,
+                                    "blocking_s": None, "persist_s": e.get("save_s")})
+                if a is not None and e.get("step") is not None:
+                    a.checkpoints.append(int(e["step"]))
         elif ev == "end":
             status, final_step, message = str(e.get("status")), e.get("step"), str(e.get("message") or "")
             if a is not None:
@@ -141,19 +162,39 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
     if status == "running" and ordered and ordered[-1].attempt in stops:
         status = "stopped"
     if sacct:
-        by_job: dict[str, list[Attempt]] = {}
         for a in ordered:
-            if a.job_id:
-                by_job.setdefault(str(a.job_id), []).append(a)
-        for job, rows in sacct.items():
-            for a, row in zip(by_job.get(job, []), rows):
+            row = _row_of(a, sacct.get(str(a.sacct_id)) or [])
+            if row is not None:
                 a.sacct_state = row.state
+        last = ordered[-1] if ordered else None
+        if status in ("running", "stopped") and last is not None and last.sacct_state in SLURM_ENDED:
+            requeued_stop = last.attempt in stops and stops[last.attempt].get("requeued")
+            if not requeued_stop and last.ended == "running":
+                status = last.sacct_state.lower()
+                last.ended, last.ended_source = status, "sacct"
     loss_pts.sort(key=lambda p: (p[2], p[0]))
+    for pl in peer_losses:
+        after = [x for x in ordered if x.attempt == pl["attempt"] + 1]
+        pl["steps_lost"] = after[0].steps_lost if after else None
     return RunHistory(
         ckpt_dir=ckpt_dir, attempts=ordered, checkpoints=checkpoints,
         loss_steps=[p[0] for p in loss_pts], loss_values=[p[1] for p in loss_pts],
         loss_attempts=[p[2] for p in loss_pts], status=status, final_step=final_step, message=message,
-        sacct_note=sacct_note)
+        sacct_note=sacct_note, peer_losses=peer_losses)
+
+
+# Slurm states after which nothing of the attempt runs any more (REQUEUED and PREEMPTED come back).
+SLURM_ENDED = ("CANCELLED", "FAILED", "COMPLETED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+               "DEADLINE")
+
+
+def _row_of(a: Attempt, rows: Sequence[SlurmAttempt], slack_s: float = 5.0) -> SlurmAttempt | None:
+    """The sacct row whose run contains the attempt's start (the latest that started before it)."""
+    if a.start_wall is None:
+        return None
+    fits = [r for r in rows if r.start is not None and r.start <= a.start_wall + slack_s
+            and (r.end is None or a.start_wall <= r.end + slack_s)]
+    return max(fits, key=lambda r: r.start or 0.0) if fits else None
 
 
 def load(ckpt_dir: str | Path, *, use_sacct: bool = True, runner: commands.Runner | None = None) -> RunHistory:
@@ -170,9 +211,10 @@ def load(ckpt_dir: str | Path, *, use_sacct: bool = True, runner: commands.Runne
     sacct: dict[str, list[SlurmAttempt]] = {}
     note = None if use_sacct else "not asked (--no-sacct)"
     if use_sacct:
-        for job in dict.fromkeys(str(e["job_id"]) for e in events if e.get("job_id")):
+        ids = (e.get("slurm_id") or e.get("job_id") for e in events if e.get("event") == "attempt_start")
+        for job in dict.fromkeys(str(j) for j in ids if j):
             try:
-                sacct[job] = parse_job_attempts(run(sacct_job_argv(job)), job)
+                sacct[job] = job_attempts(job, run)
             except SlurmError as exc:
                 note = f"sacct unavailable: {exc.message}"
                 break
@@ -218,6 +260,15 @@ def render_text(h: RunHistory) -> str:
     lines += ["", f"checkpoints: {len(h.checkpoints)} ("
               + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + f"): steps {steps or '-'}"
               + (f"; save stall mean {sum(blocking) / len(blocking):.3f}s" if blocking else "")]
+    for pl in h.peer_losses:
+        if pl["committed"]:
+            lines.append(f"attempt {pl['attempt']}: rank(s) {pl['lost_ranks']} lost; survivors' checkpoint of step "
+                         f"{pl['step']} committed {_s(pl['after_failure_s'])}s after the failure; "
+                         f"steps lost {_i(pl['steps_lost'])}")
+        else:
+            lines.append(f"attempt {pl['attempt']}: a rank was lost after step {pl['step']}; no survivors' "
+                         f"checkpoint ({pl['reason']}); fell back to step {_i(pl['fallback_step'])}; "
+                         f"steps lost {_i(pl['steps_lost'])}")
     lines.append(f"steps lost in total: {h.steps_lost_total}")
     for a in h.attempts:
         ip = a.in_place
@@ -235,7 +286,8 @@ def render_text(h: RunHistory) -> str:
 _ATTEMPT_COLOURS = ("tab:blue", "tab:cyan", "tab:green", "tab:olive", "tab:gray", "navy", "teal")
 # Colours for why an attempt ended (interruptions on the plot).
 _REASON_COLOURS = {"preemption": "tab:red", "time_limit": "tab:orange", "node_failure": "tab:purple",
-                   "requeue_by_hand": "tab:brown", "crash": "black"}
+                   "requeue_by_hand": "tab:brown", "crash": "black",
+                   "rank_failure": "tab:pink"}
 
 
 def plot(h: RunHistory, path: str | Path) -> Path:

@@ -38,25 +38,40 @@ import math
 import os
 import sys
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.checkpoint.state import collect
 from coci_hpc.comm import Comm
-from coci_hpc.errors import CheckpointOtherRun, CociError, GaveUpError, SlurmError, UsageError
+from coci_hpc.errors import (
+    CheckpointError,
+    CheckpointOtherRun,
+    CociError,
+    GaveUpError,
+    PeerLost,
+    SlurmError,
+    UsageError,
+)
 from coci_hpc.planner.failures import FailureModel, from_mtbf
 from coci_hpc.runtime import attempts as att
-from coci_hpc.runtime import runrecord
+from coci_hpc.runtime import runrecord, signals
 from coci_hpc.runtime.config import SessionConfig, resolve
+from coci_hpc.runtime.data import session_state
+from coci_hpc.runtime.distributed import default_comm
 from coci_hpc.runtime.events import FILENAME, EventLog, last_attempt, read_events
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, requeue_with_retries
 from coci_hpc.runtime.schedule import Schedule, make_schedule
-from coci_hpc.runtime.stepsync import StepSync
-from coci_hpc.slurm import commands, scontrol
-from coci_hpc.slurm.accounting import expand_hostlist, failure_model_from_cluster
+from coci_hpc.runtime.stepsync import MIN_DEADLINE_S, StepSync
+from coci_hpc.runtime.survivors import Survival
+from coci_hpc.slurm import commands, sacct, scontrol
 from coci_hpc.slurm.env import JobEnvironment
+from coci_hpc.slurm.failure_cache import Pending, failure_model_for_job
+from coci_hpc.slurm.failure_cache import describe as describe_history
+from coci_hpc.slurm.hostlist import expand_hostlist
 
 STATE_KEY = "coci_session"
 STOP = 1                    # stop level exchanged at the step boundary (MAX over ranks)
@@ -94,17 +109,25 @@ class Session:
                  signal_lead_s: float | None = None, comm: Any = None, keep: int = 2,
                  async_save: bool = True, failure_model: FailureModel | None = None,
                  horizon_s: float = 24 * 3600.0, environ: Mapping[str, str] | None = None,
-                 runner: commands.Runner | None = None, resume_from_other_run: bool | None = None) -> None:
+                 runner: commands.Runner | None = None, resume_from_other_run: bool | None = None,
+                 peer_timeout_s: float | None = None, survivors: bool | None = None) -> None:
         self._init_wall = time.time()
+        env = os.environ if environ is None else environ
+        # How long a peer may keep the step agreement waiting before it counts as lost (at least
+        # this, and 10 typical steps); survivors' saves on a peer loss (COCI_SURVIVORS=0: off).
+        self._min_deadline = float(peer_timeout_s if peer_timeout_s is not None
+                                   else env.get("COCI_PEER_TIMEOUT_S", MIN_DEADLINE_S))
+        self._survivors = survivors if survivors is not None else env.get("COCI_SURVIVORS", "1") != "0"
         if STATE_KEY in state:
             raise UsageError(f"the state key {STATE_KEY!r} is the session's own", hint="rename that entry")
         self.job = JobEnvironment.from_env(environ)
+        self._environ = environ
         explicit = {"ckpt_dir": None if ckpt_dir is None else os.fspath(ckpt_dir), "policy": policy,
                     "max_requeues": max_requeues, "no_progress_limit": no_progress_limit,
                     "signal_lead_s": signal_lead_s, "resume_from_other_run": resume_from_other_run}
         self.config: SessionConfig
         self.config, conflicts = resolve({k: v for k, v in explicit.items() if v is not None}, environ, self.job)
-        self.comm = _default_comm() if comm is None else Comm.wrap(comm)
+        self.comm = default_comm(environ) if comm is None else Comm.wrap(comm)
         self.rank = self.comm.rank
         self.total_steps = total_steps
         self.async_save = async_save
@@ -115,6 +138,7 @@ class Session:
         self.comm.run_step(lambda: self.config.ckpt_dir.mkdir(parents=True, exist_ok=True)
                            if self.rank == 0 else None, f"creating {self.config.ckpt_dir}")
         self.events_path = self.config.ckpt_dir / FILENAME
+        _watch_uncaught(self)
         # Handlers first: a signal during the restore below must not kill the process.
         self.recorder = SignalRecorder(DEFAULT_SIGNALS, chain=False).install()
         try:
@@ -125,14 +149,21 @@ class Session:
 
     def _setup(self, state: Mapping[str, Any], failure_model: FailureModel | None, horizon_s: float,
                keep: int) -> None:
+        user_state = session_state(state)
+        _check_saveable(user_state)
+        self._history_pending: Pending | None = None
         self.schedule: Schedule = make_schedule(
             self.config.policy, lambda: failure_model if failure_model is not None else self._failure_model(),
             nodes=self.job.num_nodes or self.comm.size, horizon_s=horizon_s, comm=self.comm)
-        self._state = {**state, STATE_KEY: _SessionState(self.schedule)}
+        self._state = {**user_state, STATE_KEY: _SessionState(self.schedule)}
         self.run_record = runrecord.current_run(sys.argv, self.comm.size)
         self._check_same_run()
         self.mgr = CheckpointManager(self.config.ckpt_dir, self.comm, keep=keep)
-        self.sync = StepSync(self.comm)
+        self.sync = StepSync(self.comm, self._min_deadline)
+        self._dt_ema = 0.0
+        per_node = (self.job.ntasks // self.job.num_nodes) if self.job.ntasks and self.job.num_nodes else 1
+        self.survival = Survival(self._state, self.comm, ranks_per_node=per_node, enabled=self._survivors,
+                                 skip=frozenset({STATE_KEY}))
         self.log = EventLog(self.events_path, attempt=1, job_id=self.job.job_id, enabled=self.rank == 0)
         self.step = 0                      # steps completed
         self._loss = math.nan
@@ -167,8 +198,16 @@ class Session:
             raise UsageError("session.steps() can run once per session", hint="create a new Session")
         self._started = True
         total = int(total)
+        step = 0
         try:
             step = self._begin()
+            if step > total:
+                self.mgr.close()
+                raise UsageError(f"total_steps={total} is lower than the step of the latest checkpoint in "
+                                 f"{self.config.ckpt_dir} ({step}): this run already went further, there "
+                                 f"is nothing to train and nothing was changed",
+                                 hint=f"pass total_steps >= {step} to continue that run, or a new "
+                                      f"checkpoint directory to start a new one")
             t = time.perf_counter()
             while step < total:
                 self._loss = math.nan
@@ -178,8 +217,17 @@ class Session:
                 self._after_step(step, now - t, total)
                 t = now
             self._finish(total)
+        except GeneratorExit:
+            # The loop body left early: a `break`, or an exception (a peer failure surfaces inside
+            # the user's step, e.g. gloo's "Connection reset by peer" in loss.backward()). A
+            # generator cannot see that exception, so ask the peers: a lost one does not answer.
+            if step < total and self.comm.size > 1 and not self.sync.probe(self.sync.deadline_s):
+                self._peer_lost(self.step, "an exception inside the step (the peers did not answer)", time.time())
+            raise
         finally:
             self.recorder.uninstall()
+            self.survival.remove_hooks()
+            signals.after_session()        # coci-submit's placeholders give the default action back
 
     def observe(self, loss: Any) -> None:
         """The step's loss (a float or a 0-d tensor); rank 0 records it for the planner and the log."""
@@ -207,7 +255,8 @@ class Session:
             assert info is not None
             verdict = self._record_start(info, resumed, restore_s)
             blocking = verdict is None and self._lead_check(warn=True)
-        verdict, self._blocking = self.comm.bcast((verdict, blocking))
+        verdict, self._blocking, self.log.attempt = self.comm.bcast((verdict, blocking, self.log.attempt))
+        self.survival.boundary(self.step)
         if verdict is not None:
             self.mgr.close()
             raise GaveUpError(verdict, hint="fix the cause shown in the previous attempts' logs, then "
@@ -222,12 +271,12 @@ class Session:
     def _read_history(self) -> dict[str, Any]:
         events = read_events(self.events_path)
         self.log.attempt = last_attempt(events) + 1
-        rows: list[att.SlurmAttempt] = []
+        rows: list[sacct.SlurmAttempt] = []
         sacct_error = None
         jid = self.job.requeue_id
         if jid is not None:
             try:
-                rows = att.parse_job_attempts(self._runner(att.sacct_job_argv(jid)), jid)
+                rows = sacct.job_attempts(jid, self._runner)
             except (SlurmError, OSError) as exc:
                 sacct_error = str(exc)
         return {"events": events, "rows": rows, "sacct_error": sacct_error}
@@ -241,7 +290,7 @@ class Session:
             info["sacct_error"] = f"sacct lists {len(rows)} attempt(s) of job {self.job.requeue_id}"
         prev_end = att.classify_previous(prev, prev_slurm, restart_count=rc, sacct_error=info["sacct_error"])
         lost = att.steps_lost(prev, resumed) if prev_end.reason != "none" else None
-        if prev_end.reason in ("node_failure", "crash") and prev_end.end_wall:
+        if prev_end.reason in ("node_failure", "crash", "rank_failure") and prev_end.end_wall:
             self.schedule.after_failure(time.time() - prev_end.end_wall)
         verdict = att.give_up_reason(events, resumed, prev_end.reason, job_id=self.job.job_id, restart_count=rc,
                                      max_requeues=self.config.max_requeues,
@@ -250,7 +299,7 @@ class Session:
         self.log.write("attempt_start", nodes=nodes, ranks=self.comm.size, run=self.run_record,
                        policy=self.config.policy,
                        restart_count=rc, prev_end=prev_end.to_dict(), resumed_step=resumed, steps_lost=lost,
-                       config_sources=dict(self.config.sources))
+                       config_sources=dict(self.config.sources), slurm_id=self.job.requeue_id)
         _say(f"attempt {self.log.attempt} (job {self.job.job_id}, restart {rc}) on {nodes or 'this host'}, "
              f"{self.comm.size} rank(s); previous end: {prev_end.reason} ({prev_end.detail}); "
              f"resumed from step {resumed}; steps lost {lost}")
@@ -269,14 +318,24 @@ class Session:
     # -- the step boundary ---------------------------------------------------------------------------
     def _after_step(self, step: int, dt: float, total: int) -> None:
         self.step = step
+        if self._history_pending is not None and self._history_pending.done():
+            self._use_fresh_history()
         if self.rank == 0:
             self._record_loss(step)
         self.schedule.observe(step, self._loss if self.rank == 0 else math.nan, dt)
-        if self._blocking:                      # this boundary's own agreement, completed at once
-            self.sync.send(STOP if self.recorder.received else 0,
-                           self.schedule.decide(step) if step < total else False, self._busy())
-        # What every rank agreed on (at the previous boundary when pipelined: the one collective).
-        level, save, busy = self.sync.receive()
+        self.survival.boundary(step)
+        self._dt_ema = dt if self._dt_ema == 0.0 else 0.9 * self._dt_ema + 0.1 * dt
+        self.sync.deadline_s = max(self._min_deadline, 10.0 * self._dt_ema)
+        t_wait = time.time()
+        try:
+            if self._blocking:                      # this boundary's own agreement, completed at once
+                self.sync.send(STOP if self.recorder.received else 0,
+                               self.schedule.decide(step) if step < total else False, self._busy())
+            # What every rank agreed on (at the previous boundary when pipelined: the one collective).
+            level, save, busy = self.sync.receive()
+        except PeerLost:
+            self._peer_lost(step, f"the step agreement after step {step} timed out "
+                                  f"({self.sync.deadline_s:.1f}s)", t_wait)
         if self.mgr.persist_in_flight and not busy:
             self._settle()
         if level >= STOP and step < total:      # a stop at the very end is just the end
@@ -297,8 +356,8 @@ class Session:
         """Rank 0: whether to agree on a stop at the boundary itself (True when the signal lead cannot
         cover two steps, a save and the requeue: the pipelined agreement stops one step later).
         With ``warn``, says so when even one step does not fit. Other ranks return False."""
-        if self.rank != 0:
-            return False
+        if self.rank != 0 or (not self.job.in_slurm_job and self.config.signal_lead_s is None):
+            return False                   # a run by hand has no warning signal to fit in
         lead = self.config.signal_lead_s if self.config.signal_lead_s is not None else att.DEFAULT_SIGNAL_LEAD_S
         c = self.schedule.costs()
         save_s = c.ckpt_s + c.persist_s if self.schedule.measured else None
@@ -397,8 +456,8 @@ class Session:
         if self.rank == 0:
             _say(f"stopped at step {step} ({reason}: {detail}): "
                  + ("checkpoint saved" if saved else f"resumes from step {self.mgr.latest_step()}")
-                 + (", job requeued" if requeue else "; not requeued (run again with the same arguments "
-                                                     "to resume)"))
+                 + (", job requeued" if requeue else "; Slurm requeues the job" if reason in att.SLURM_REQUEUES
+                    else "; not requeued (run again with the same arguments to resume)"))
         raise SystemExit(0)
 
     def _record_loss(self, step: int) -> None:
@@ -415,6 +474,80 @@ class Session:
         self._loss_n = 0
         self._last_flush = time.monotonic()
 
+    def _peer_lost(self, step: int, how: str, t_fail: float) -> None:
+        """A peer rank is gone: save from the survivors (:mod:`.runtime.survivors`), record it,
+        requeue the job (Slurm requeues a NODE_FAIL by itself; a crashed rank on a healthy node
+        needs us) and leave the process at once, with no MPI collective or finalize that would
+        wait for the dead rank. Never returns."""
+        from coci_hpc.runtime import survivors as sv
+
+        try:
+            t_detect = time.time()
+            _say(f"rank {self.rank}: peer lost at step {step}: {how}")
+            sv_ = self.survival
+            boundary = sv_.snapshot.step
+            root = self.config.ckpt_dir
+            out: sv.Outcome | None = None
+            reason = ""
+            if not sv_.enabled:
+                reason = sv_.why_not
+            elif sv_.opt_steps != sv_.snapshot.opt_steps:
+                reason = f"this rank's optimizer had already stepped past step {boundary} when the failure surfaced"
+            elif sv_.own is None or sv_.own.step != boundary:
+                reason = f"this rank holds no copy of its own per-rank state for step {boundary}"
+            if not reason:
+                assert sv_.partner is not None and sv_.own is not None
+                copy = sv_.partner.copy_for(boundary)
+                sv_.snapshot.rollback(self._state)
+                sv.restore_own_rng(sv_.own)
+                tuning = self.mgr._tuning
+                if tuning is None:
+                    from coci_hpc.checkpoint.lustre import tuning_for
+                    tuning = tuning_for(root, self.mgr.lustre, self.comm.size, self.mgr.access)
+                # Within Slurm's kill window: KillWait (5 s here, 30 s by default) after the node is DOWN.
+                # The planner's state_dict() broadcasts rank 0's view: take this survivor's own instead.
+                local = {**self._state, STATE_KEY: {"version": 1, "schedule": self.schedule._own_state()}}
+                out = sv.save(root, boundary, local, self.rank, self.comm.size, sv_.own,
+                              [copy] if copy is not None else [], tuning, self.mgr.keep, window_s=3.0)
+            else:
+                staging = sv.staging_dir(root, boundary)
+                staging.mkdir(mode=0o700, exist_ok=True)
+                out = sv.Outcome(boundary, writer=sv.claim(root, boundary), reason=reason)
+            if out.writer:
+                latest = mf_latest(root)       # not mgr.latest_step(): that is a collective
+                log = self.log if self.rank == 0 else EventLog(self.events_path, attempt=self.log.attempt,
+                                                               job_id=self.job.job_id, enabled=True)
+                if self.rank == 0:
+                    self._flush_losses()
+                log.write("peer_lost", step=boundary, how=how, survivor=self.rank, committed=out.committed,
+                          lost_ranks=out.ranks_from_partner, reason=out.reason, failure_wall=t_fail,
+                          detect_wall=t_detect, commit_wall=time.time() if out.committed else None,
+                          save_s=out.write_s, fallback_step=None if out.committed else latest)
+                if out.committed:
+                    _say(f"survivors' checkpoint of step {boundary} committed {time.time() - t_fail:.1f}s after "
+                         f"the failure (ranks {out.ranks_from_partner} from their partners' copies)")
+                else:
+                    _say(f"no survivors' checkpoint ({out.reason}); falling back to the last regular checkpoint "
+                         f"(step {latest})")
+                if self.job.in_slurm_job:
+                    try:
+                        requeue_with_retries(self.job.requeue_id or "", self._runner)
+                        _say("job requeued")
+                    except SlurmError as exc:
+                        _say(f"requeue failed ({exc}); Slurm requeues a NODE_FAIL job by itself")
+        except BaseException as exc:  # noqa: BLE001 - nothing may keep this rank from leaving
+            import traceback
+            traceback.print_exc()
+            _say(f"rank {self.rank}: the survivors' save failed ({exc}); the previous checkpoint stays latest")
+            if self.job.in_slurm_job:
+                try:
+                    requeue_with_retries(self.job.requeue_id or "", self._runner)
+                except SlurmError:
+                    pass
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(0)
+
     def _finish(self, total: int) -> None:
         self.sync.receive()                # complete the last boundary's allreduce on every rank
         self._settle()
@@ -426,26 +559,77 @@ class Session:
 
     # -- helpers -------------------------------------------------------------------------------------
     def _failure_model(self) -> FailureModel:
-        """Rank 0 reads the partition's failure history once per attempt; a logged fallback otherwise."""
+        """Rank 0: the partition's failure model, cached per partition and window and refreshed in
+        the background (:mod:`coci_hpc.slurm.failure_cache`); nothing is asked outside a job."""
+        default = from_mtbf(DEFAULT_MTBF_H * 3600)
         if self.rank != 0:
-            return from_mtbf(DEFAULT_MTBF_H * 3600)   # only rank 0 plans
-        part = self.job.partition
-        try:
-            model, summary = failure_model_from_cluster(part, window_days=HISTORY_DAYS, runner=self._runner)
-            _say(f"failure history of partition {part}: {summary.get('records')} unannounced end(s), "
-                 f"{summary.get('incidents')} incident(s) after declustering over {HISTORY_DAYS} days")
-            return model
-        except (CociError, OSError) as exc:
-            _say(f"failure history of partition {part} unavailable ({exc}); planning with a per-node "
-                 f"MTBF of {DEFAULT_MTBF_H:g} h")
-            return from_mtbf(DEFAULT_MTBF_H * 3600)
+            return default                    # only rank 0 plans
+        model, line, self._history_pending = failure_model_for_job(self.job, default, window_days=HISTORY_DAYS,
+                                                                   runner=self._runner, environ=self._environ)
+        _say(line + ("" if model is not default else f" (per-node MTBF {DEFAULT_MTBF_H:g} h)"))
+        return model
+
+    def _use_fresh_history(self) -> None:
+        """Rank 0, at a step boundary: the background read of the history finished."""
+        pending, self._history_pending = self._history_pending, None
+        got = pending.result() if pending is not None else None
+        if got is None:
+            _say(f"failure history of partition {self.job.partition} unavailable "
+                 f"({pending.error if pending else '?'}); keeping the model the attempt started with")
+            return
+        model, summary = got
+        if hasattr(self.schedule, "use_failure_model"):
+            self.schedule.use_failure_model(model)
+        _say(describe_history(self.job.partition or "", summary) + "; the plan now uses it")
 
 
-def _default_comm() -> Comm:
-    """MPI's world when launched by MPI; else a torch.distributed group of 2+ ranks (DDP without
-    MPI); else one process."""
-    world = Comm.world()
-    if world.is_mpi:
-        return world
-    from coci_hpc.comm_torch import TorchComm
-    return TorchComm.if_distributed() or world
+_active: list[weakref.ref[Session]] = []
+_hooked = False
+
+
+def _watch_uncaught(session: Session) -> None:
+    """An exception the user's code lets out of the loop ends the attempt: it is written to the
+    event log as the attempt's end (status "error"), so coci-status does not show it running.
+    sys.excepthook sees it under python/srun; coci-submit's runner calls :func:`record_uncaught`."""
+    global _hooked
+    _active[:] = [weakref.ref(session)]
+    if _hooked:
+        return
+    _hooked = True
+    previous = sys.excepthook
+
+    def hook(tp: type[BaseException], exc: BaseException, tb: Any) -> None:
+        record_uncaught(exc)
+        previous(tp, exc, tb)
+    sys.excepthook = hook
+
+
+def record_uncaught(exc: BaseException) -> None:
+    """Write ``end`` status "error" for the session of this process whose loop did not end."""
+    session = _active[0]() if _active else None
+    if session is None or isinstance(exc, SystemExit) or session.rank != 0 or not hasattr(session, "log"):
+        return
+    try:
+        mine = [e for e in read_events(session.events_path) if e.get("attempt") == session.log.attempt]
+        if mine and mine[-1].get("event") in ("end", "stop"):
+            return                          # the session recorded how it ended (gave up, stopped, ...)
+        session.log.write("end", step=session.step, status="error",
+                          message=f"{type(exc).__name__}: {exc}"[:2000])
+    except OSError:                         # the log's directory is gone: nothing to record into
+        pass
+
+
+def _check_saveable(state: Mapping[str, Any]) -> None:
+    """Refuse at Session() what the store could not save (a lock, a file, an arbitrary object: it
+    would fail at the first checkpoint, maybe an hour later). Flattening takes views, no copies."""
+    try:
+        collect(state, rng=False, defer_device=True)
+    except CheckpointError as exc:
+        raise UsageError(f"this state cannot be checkpointed: {exc.message}",
+                         hint=exc.hint or "keep tensors, numpy arrays, JSON values and objects with "
+                                          "state_dict()/load_state_dict() in the state") from exc
+
+
+def mf_latest(root: Any) -> int | None:
+    from coci_hpc.checkpoint import manifest
+    return manifest.latest_step(root)

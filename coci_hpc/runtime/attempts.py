@@ -1,7 +1,7 @@
 """Pure decisions about attempts: how the previous one ended, why we are stopping, when to give up.
 
-Inputs are Slurm's own record of the job (``sacct -X -D`` rows: one per attempt) and the session's
-event log; nothing here guesses from elapsed time. The callers (the Session, on rank 0) run the
+Inputs are Slurm's own record of the job (``sacct -X -D`` rows, one per attempt, read by
+:mod:`coci_hpc.slurm.sacct`) and the session's event log; nothing here guesses from elapsed time. The callers (the Session, on rank 0) run the
 commands once per attempt; these functions only decide, so they are tested without Slurm.
 """
 from __future__ import annotations
@@ -11,10 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coci_hpc.slurm.accounting import parse_time
+from coci_hpc.slurm.sacct import SlurmAttempt
 from coci_hpc.slurm.scontrol import JobState
-
-SACCT_FIELDS = ("JobID", "State", "Start", "End", "NodeList")
 
 # Slurm's end state of an attempt -> the contract's reason (when the session wrote no stop record).
 _STATE_REASON = {
@@ -33,43 +31,14 @@ TIME_LIMIT_MARGIN_S = 65.0
 
 
 @dataclass(frozen=True)
-class SlurmAttempt:
-    state: str
-    start: float | None
-    end: float | None
-    nodes: str
-
-
-@dataclass(frozen=True)
 class PrevEnd:
-    reason: str            # time_limit|preemption|node_failure|requeue_by_hand|crash|none
+    reason: str            # time_limit|preemption|node_failure|rank_failure|requeue_by_hand|crash|none
     source: str            # session|sacct|scontrol|none
     detail: str
     end_wall: float | None  # when the previous attempt stopped (stop record) or ended (Slurm)
 
     def to_dict(self) -> dict[str, Any]:
         return {"reason": self.reason, "source": self.source, "detail": self.detail}
-
-
-def sacct_job_argv(job_id: str) -> list[str]:
-    return ["sacct", "-X", "-D", "-P", "-n", "-j", job_id, "--format=" + ",".join(SACCT_FIELDS)]
-
-
-def parse_job_attempts(text: str, job_id: str) -> list[SlurmAttempt]:
-    """``sacct -X -D -P -n`` rows of one job, oldest attempt first (array tasks: ``A_T`` ids)."""
-    rows = []
-    for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) < len(SACCT_FIELDS) or parts[0] != job_id:
-            continue
-        state = parts[1].split()[0] if parts[1] else ""   # "CANCELLED by 0" -> CANCELLED
-        try:
-            start, end = parse_time(parts[2]), parse_time(parts[3])
-        except ValueError:
-            start, end = None, None
-        rows.append(SlurmAttempt(state, start, end, parts[4]))
-    rows.sort(key=lambda r: (r.start is None, r.start or 0.0))
-    return rows
 
 
 def previous_records(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -91,6 +60,16 @@ def classify_previous(prev_records: Sequence[dict[str, Any]], prev_slurm: SlurmA
     stop = next((e for e in reversed(prev_records) if e.get("event") == "stop"), None)
     end = next((e for e in reversed(prev_records) if e.get("event") == "end"), None)
     in_same_job = restart_count > 0
+    lost = next((e for e in reversed(prev_records) if e.get("event") == "peer_lost"), None)
+    if lost is not None and end is None:
+        # A rank vanished and a survivor recorded it: a node failure when Slurm says so, else a
+        # crashed rank on a healthy node (the survivors requeued the job themselves).
+        state = prev_slurm.state if in_same_job and prev_slurm is not None else ""
+        saved = (f"survivors' checkpoint of step {lost.get('step')}" if lost.get("committed")
+                 else f"no survivors' checkpoint ({lost.get('reason')})")
+        return PrevEnd("node_failure" if state == "NODE_FAIL" else "rank_failure", "session",
+                       f"rank(s) {lost.get('lost_ranks') or '?'} lost after step {lost.get('step')}; {saved}"
+                       + (f"; Slurm: {state}" if state else ""), float(lost.get("failure_wall") or lost["wall"]))
     if in_same_job and prev_slurm is not None:
         state = prev_slurm.state
         if stop is not None and state in ("REQUEUED", "PREEMPTED", "TIMEOUT", "COMPLETED", "CANCELLED"):
@@ -123,7 +102,7 @@ def last_step_seen(prev_records: Sequence[dict[str, Any]]) -> int | None:
         cand = None
         if ev == "losses" and e.get("steps"):
             cand = max(int(s) for s in e["steps"])
-        elif ev in ("checkpoint", "stop", "end", "resumed") and e.get("step") is not None:
+        elif ev in ("checkpoint", "stop", "end", "resumed", "peer_lost") and e.get("step") is not None:
             cand = int(e["step"])
         elif ev == "attempt_start" and e.get("resumed_step") is not None:
             cand = int(e["resumed_step"])
@@ -146,6 +125,8 @@ def steps_lost(prev_records: Sequence[dict[str, Any]], resumed_step: int | None)
 # Restarts that follow the session's own announced stop (the --signal warning of a time limit, a
 # preemption) are the job working as intended; these are the ones --max-requeues counts.
 UNANNOUNCED = ("node_failure", "crash", "requeue_by_hand")
+# Stops that Slurm itself follows with a requeue (of a --requeue job): the session must not add one.
+SLURM_REQUEUES = ("requeue_by_hand", "node_failure")
 # Time a stop keeps back for `scontrol requeue` (with its retries' first wait) and the exit.
 REQUEUE_ALLOWANCE_S = 3.0
 # The lead of coci-submit's and the templates' --signal (USR2@90) when the session is not told one.
@@ -260,7 +241,8 @@ def stop_reason(signal_name: str, job: JobState | None, *, now_wall: float, sign
                         f"the job is down; Slurm requeues a --requeue job)", False, end)
     if job.restarts > restart_count:
         return StopPlan("requeue_by_hand", f"SIGTERM; Slurm: Restarts={job.restarts} > this attempt's "
-                        f"{restart_count} (requeued from outside)", False, end)
+                        f"{restart_count} (requeued from outside: scontrol requeue, or a node failure Slurm requeues)",
+                        False, end)
     return StopPlan("cancelled", f"SIGTERM; Slurm: JobState={job.state}, PreemptTime=None (scancel or "
                     f"ended by Slurm): not requeued", False, end)
 

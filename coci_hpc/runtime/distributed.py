@@ -13,13 +13,15 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from coci_hpc.comm import Comm
-from coci_hpc.slurm.accounting import expand_hostlist
+from coci_hpc.errors import UsageError
 from coci_hpc.slurm.env import JobEnvironment
+from coci_hpc.slurm.hostlist import expand_hostlist
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,18 @@ def rendezvous(comm: Comm | None = None, job: JobEnvironment | None = None,
     return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, "single"
 
 
-def init_distributed(backend: str | None = None, comm: Comm | None = None) -> DistInfo:
-    """Initialise the default process group (also for one process, so DDP works unchanged)."""
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def init_distributed(backend: str | None = None, comm: Comm | None = None,
+                     timeout_s: float | None = None) -> DistInfo:
+    """Initialise the default process group (also for one process, so DDP works unchanged).
+
+    ``timeout_s`` (default ``COCI_DIST_TIMEOUT_S`` or 120 s) bounds every gloo/NCCL collective:
+    between separate hosts a dead peer sends no reset, and torch's default (30 min for gloo) would
+    keep the survivors waiting far past Slurm's kill window."""
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("COCI_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
                         dist.get_backend(), "initialized")
@@ -77,5 +89,33 @@ def init_distributed(backend: str | None = None, comm: Comm | None = None) -> Di
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
         dist.init_process_group(backend, init_method=f"tcp://{values['MASTER_ADDR']}:{values['MASTER_PORT']}",
-                                rank=rank, world_size=world)
+                                rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     return DistInfo(rank, world, local, backend, source)
+
+
+def default_comm(environ: Mapping[str, str] | None = None) -> Comm:
+    """The world the Session runs in: MPI's when launched by MPI; a torch.distributed group of 2+
+    ranks (DDP without MPI); else one process.
+
+    The launcher's own ``WORLD_SIZE`` (torchrun) wins over a one-rank MPI world: a script that
+    imports mpi4py under torchrun gets a singleton MPI world of 1 on every process, and each of
+    them would take itself for the only rank."""
+    env = os.environ if environ is None else environ
+    world = Comm.world()
+    try:
+        launcher_size = int(env.get("WORLD_SIZE") or 0)
+    except ValueError:
+        launcher_size = 0
+    if world.is_mpi and not (world.size == 1 and launcher_size > 1):
+        return world
+    from coci_hpc.comm_torch import TorchComm
+    group = TorchComm.if_distributed()
+    if group is not None:
+        return group
+    if launcher_size > 1:
+        raise UsageError(f"WORLD_SIZE={launcher_size} (torchrun or your launcher) but this process sees a "
+                         f"world of 1 ({'MPI singleton' if world.is_mpi else 'no MPI'}) and no torch.distributed "
+                         f"process group",
+                         hint="call coci_hpc.init_distributed() (or torch.distributed.init_process_group) "
+                              "before Session(), or launch with srun/mpiexec")
+    return world
