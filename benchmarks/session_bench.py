@@ -39,7 +39,7 @@ def worker(a: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import coci_hpc
-    from coci_hpc.checkpoint import ResumableSampler
+    from coci_hpc.runtime.data import ResumableSampler
 
     torch.set_num_threads(1)
     dist = coci_hpc.init_distributed()

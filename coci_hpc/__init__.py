@@ -3,8 +3,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from coci_hpc.runtime.signals import shield as _shield
+
 __version__ = "0.1.0"
 __all__ = ["Session", "init_distributed"]
+
+# As early as possible: DataLoader workers started after this (forked or spawned, before or
+# after Session()) do not die of the signals Slurm sends to every process of the job step.
+_shield()
 
 
 def __getattr__(name: str) -> Any:

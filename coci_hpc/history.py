@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from coci_hpc.errors import SlurmError, UsageError
-from coci_hpc.runtime.attempts import SlurmAttempt, parse_job_attempts, sacct_job_argv
 from coci_hpc.runtime.events import FILENAME, read_events
 from coci_hpc.slurm import commands
+from coci_hpc.slurm.sacct import SlurmAttempt, job_attempts
 
 
 @dataclass
@@ -35,6 +35,7 @@ class Attempt:
     last_step: int | None = None
     checkpoints: list[int] = field(default_factory=list)
     sacct_state: str | None = None
+    sacct_id: str | None = None               # what sacct knows the job as (array task: A_T)
 
 
 @dataclass
@@ -68,7 +69,11 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
 
     An attempt's end is what the NEXT attempt recorded about it (classified from Slurm's record),
     else its own ``stop``/``end`` record, else it is still running (or died without a trace yet).
-    sacct rows of a job are matched to that job's attempts in order.
+    sacct rows of a job are matched to that job's attempts by time (the row whose run contains the
+    attempt's start; a row the log never saw, e.g. an attempt that died before the Session wrote,
+    does not shift the others). ``sacct`` is keyed by :attr:`Attempt.sacct_id` (an array task's
+    ``A_T``: its raw job id is unknown to ``sacct -j``). A run whose last attempt Slurm ended
+    (cancelled, failed, ...) without an end record is not "running".
     """
     attempts: dict[int, Attempt] = {}
     checkpoints: list[dict[str, Any]] = []
@@ -81,7 +86,8 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
             attempts[n] = Attempt(
                 attempt=n, job_id=e.get("job_id"), nodes=list(e.get("nodes") or []), ranks=e.get("ranks"),
                 start_wall=e.get("wall"), resumed_step=e.get("resumed_step"), steps_lost=e.get("steps_lost"),
-                prev_end=dict(e.get("prev_end") or {}), restart_latency_s=None)
+                prev_end=dict(e.get("prev_end") or {}), restart_latency_s=None,
+                sacct_id=e.get("slurm_id") or e.get("job_id"))
             continue
         a = attempts.get(n)
         if ev == "resumed" and a is not None:
@@ -116,19 +122,36 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
     if status == "running" and ordered and ordered[-1].attempt in stops:
         status = "stopped"
     if sacct:
-        by_job: dict[str, list[Attempt]] = {}
         for a in ordered:
-            if a.job_id:
-                by_job.setdefault(str(a.job_id), []).append(a)
-        for job, rows in sacct.items():
-            for a, row in zip(by_job.get(job, []), rows):
+            row = _row_of(a, sacct.get(str(a.sacct_id)) or [])
+            if row is not None:
                 a.sacct_state = row.state
+        last = ordered[-1] if ordered else None
+        if status in ("running", "stopped") and last is not None and last.sacct_state in SLURM_ENDED:
+            requeued_stop = last.attempt in stops and stops[last.attempt].get("requeued")
+            if not requeued_stop and last.ended == "running":
+                status = last.sacct_state.lower()
+                last.ended, last.ended_source = status, "sacct"
     loss_pts.sort(key=lambda p: (p[2], p[0]))
     return RunHistory(
         ckpt_dir=ckpt_dir, attempts=ordered, checkpoints=checkpoints,
         loss_steps=[p[0] for p in loss_pts], loss_values=[p[1] for p in loss_pts],
         loss_attempts=[p[2] for p in loss_pts], status=status, final_step=final_step, message=message,
         sacct_note=sacct_note)
+
+
+# Slurm states after which nothing of the attempt runs any more (REQUEUED and PREEMPTED come back).
+SLURM_ENDED = ("CANCELLED", "FAILED", "COMPLETED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+               "DEADLINE")
+
+
+def _row_of(a: Attempt, rows: Sequence[SlurmAttempt], slack_s: float = 5.0) -> SlurmAttempt | None:
+    """The sacct row whose run contains the attempt's start (the latest that started before it)."""
+    if a.start_wall is None:
+        return None
+    fits = [r for r in rows if r.start is not None and r.start <= a.start_wall + slack_s
+            and (r.end is None or a.start_wall <= r.end + slack_s)]
+    return max(fits, key=lambda r: r.start or 0.0) if fits else None
 
 
 def load(ckpt_dir: str | Path, *, use_sacct: bool = True, runner: commands.Runner | None = None) -> RunHistory:
@@ -145,9 +168,10 @@ def load(ckpt_dir: str | Path, *, use_sacct: bool = True, runner: commands.Runne
     sacct: dict[str, list[SlurmAttempt]] = {}
     note = None if use_sacct else "not asked (--no-sacct)"
     if use_sacct:
-        for job in dict.fromkeys(str(e["job_id"]) for e in events if e.get("job_id")):
+        ids = (e.get("slurm_id") or e.get("job_id") for e in events if e.get("event") == "attempt_start")
+        for job in dict.fromkeys(str(j) for j in ids if j):
             try:
-                sacct[job] = parse_job_attempts(run(sacct_job_argv(job)), job)
+                sacct[job] = job_attempts(job, run)
             except SlurmError as exc:
                 note = f"sacct unavailable: {exc.message}"
                 break

@@ -38,25 +38,31 @@ import math
 import os
 import sys
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.checkpoint.state import collect
 from coci_hpc.comm import Comm
-from coci_hpc.errors import CheckpointOtherRun, CociError, GaveUpError, SlurmError, UsageError
+from coci_hpc.errors import CheckpointError, CheckpointOtherRun, CociError, GaveUpError, SlurmError, UsageError
 from coci_hpc.planner.failures import FailureModel, from_mtbf
 from coci_hpc.runtime import attempts as att
-from coci_hpc.runtime import runrecord
+from coci_hpc.runtime import runrecord, signals
 from coci_hpc.runtime.config import SessionConfig, resolve
+from coci_hpc.runtime.data import session_state
+from coci_hpc.runtime.distributed import default_comm
 from coci_hpc.runtime.events import FILENAME, EventLog, last_attempt, read_events
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, requeue_with_retries
 from coci_hpc.runtime.schedule import Schedule, make_schedule
 from coci_hpc.runtime.stepsync import StepSync
-from coci_hpc.slurm import commands, scontrol
-from coci_hpc.slurm.accounting import expand_hostlist, failure_model_from_cluster
+from coci_hpc.slurm import commands, sacct, scontrol
 from coci_hpc.slurm.env import JobEnvironment
+from coci_hpc.slurm.failure_cache import Pending, failure_model_for_job
+from coci_hpc.slurm.failure_cache import describe as describe_history
+from coci_hpc.slurm.hostlist import expand_hostlist
 
 STATE_KEY = "coci_session"
 STOP = 1                    # stop level exchanged at the step boundary (MAX over ranks)
@@ -99,12 +105,13 @@ class Session:
         if STATE_KEY in state:
             raise UsageError(f"the state key {STATE_KEY!r} is the session's own", hint="rename that entry")
         self.job = JobEnvironment.from_env(environ)
+        self._environ = environ
         explicit = {"ckpt_dir": None if ckpt_dir is None else os.fspath(ckpt_dir), "policy": policy,
                     "max_requeues": max_requeues, "no_progress_limit": no_progress_limit,
                     "signal_lead_s": signal_lead_s, "resume_from_other_run": resume_from_other_run}
         self.config: SessionConfig
         self.config, conflicts = resolve({k: v for k, v in explicit.items() if v is not None}, environ, self.job)
-        self.comm = _default_comm() if comm is None else Comm.wrap(comm)
+        self.comm = default_comm(environ) if comm is None else Comm.wrap(comm)
         self.rank = self.comm.rank
         self.total_steps = total_steps
         self.async_save = async_save
@@ -115,6 +122,7 @@ class Session:
         self.comm.run_step(lambda: self.config.ckpt_dir.mkdir(parents=True, exist_ok=True)
                            if self.rank == 0 else None, f"creating {self.config.ckpt_dir}")
         self.events_path = self.config.ckpt_dir / FILENAME
+        _watch_uncaught(self)
         # Handlers first: a signal during the restore below must not kill the process.
         self.recorder = SignalRecorder(DEFAULT_SIGNALS, chain=False).install()
         try:
@@ -125,10 +133,13 @@ class Session:
 
     def _setup(self, state: Mapping[str, Any], failure_model: FailureModel | None, horizon_s: float,
                keep: int) -> None:
+        user_state = session_state(state)
+        _check_saveable(user_state)
+        self._history_pending: Pending | None = None
         self.schedule: Schedule = make_schedule(
             self.config.policy, lambda: failure_model if failure_model is not None else self._failure_model(),
             nodes=self.job.num_nodes or self.comm.size, horizon_s=horizon_s, comm=self.comm)
-        self._state = {**state, STATE_KEY: _SessionState(self.schedule)}
+        self._state = {**user_state, STATE_KEY: _SessionState(self.schedule)}
         self.run_record = runrecord.current_run(sys.argv, self.comm.size)
         self._check_same_run()
         self.mgr = CheckpointManager(self.config.ckpt_dir, self.comm, keep=keep)
@@ -169,6 +180,13 @@ class Session:
         total = int(total)
         try:
             step = self._begin()
+            if step > total:
+                self.mgr.close()
+                raise UsageError(f"total_steps={total} is lower than the step of the latest checkpoint in "
+                                 f"{self.config.ckpt_dir} ({step}): this run already went further, there "
+                                 f"is nothing to train and nothing was changed",
+                                 hint=f"pass total_steps >= {step} to continue that run, or a new "
+                                      f"checkpoint directory to start a new one")
             t = time.perf_counter()
             while step < total:
                 self._loss = math.nan
@@ -180,6 +198,7 @@ class Session:
             self._finish(total)
         finally:
             self.recorder.uninstall()
+            signals.after_session()        # coci-submit's placeholders give the default action back
 
     def observe(self, loss: Any) -> None:
         """The step's loss (a float or a 0-d tensor); rank 0 records it for the planner and the log."""
@@ -222,12 +241,12 @@ class Session:
     def _read_history(self) -> dict[str, Any]:
         events = read_events(self.events_path)
         self.log.attempt = last_attempt(events) + 1
-        rows: list[att.SlurmAttempt] = []
+        rows: list[sacct.SlurmAttempt] = []
         sacct_error = None
         jid = self.job.requeue_id
         if jid is not None:
             try:
-                rows = att.parse_job_attempts(self._runner(att.sacct_job_argv(jid)), jid)
+                rows = sacct.job_attempts(jid, self._runner)
             except (SlurmError, OSError) as exc:
                 sacct_error = str(exc)
         return {"events": events, "rows": rows, "sacct_error": sacct_error}
@@ -250,7 +269,7 @@ class Session:
         self.log.write("attempt_start", nodes=nodes, ranks=self.comm.size, run=self.run_record,
                        policy=self.config.policy,
                        restart_count=rc, prev_end=prev_end.to_dict(), resumed_step=resumed, steps_lost=lost,
-                       config_sources=dict(self.config.sources))
+                       config_sources=dict(self.config.sources), slurm_id=self.job.requeue_id)
         _say(f"attempt {self.log.attempt} (job {self.job.job_id}, restart {rc}) on {nodes or 'this host'}, "
              f"{self.comm.size} rank(s); previous end: {prev_end.reason} ({prev_end.detail}); "
              f"resumed from step {resumed}; steps lost {lost}")
@@ -269,6 +288,8 @@ class Session:
     # -- the step boundary ---------------------------------------------------------------------------
     def _after_step(self, step: int, dt: float, total: int) -> None:
         self.step = step
+        if self._history_pending is not None and self._history_pending.done():
+            self._use_fresh_history()
         if self.rank == 0:
             self._record_loss(step)
         self.schedule.observe(step, self._loss if self.rank == 0 else math.nan, dt)
@@ -297,8 +318,8 @@ class Session:
         """Rank 0: whether to agree on a stop at the boundary itself (True when the signal lead cannot
         cover two steps, a save and the requeue: the pipelined agreement stops one step later).
         With ``warn``, says so when even one step does not fit. Other ranks return False."""
-        if self.rank != 0:
-            return False
+        if self.rank != 0 or (not self.job.in_slurm_job and self.config.signal_lead_s is None):
+            return False                   # a run by hand has no warning signal to fit in
         lead = self.config.signal_lead_s if self.config.signal_lead_s is not None else att.DEFAULT_SIGNAL_LEAD_S
         c = self.schedule.costs()
         save_s = c.ckpt_s + c.persist_s if self.schedule.measured else None
@@ -397,8 +418,8 @@ class Session:
         if self.rank == 0:
             _say(f"stopped at step {step} ({reason}: {detail}): "
                  + ("checkpoint saved" if saved else f"resumes from step {self.mgr.latest_step()}")
-                 + (", job requeued" if requeue else "; not requeued (run again with the same arguments "
-                                                     "to resume)"))
+                 + (", job requeued" if requeue else "; Slurm requeues the job" if reason in att.SLURM_REQUEUES
+                    else "; not requeued (run again with the same arguments to resume)"))
         raise SystemExit(0)
 
     def _record_loss(self, step: int) -> None:
@@ -426,26 +447,72 @@ class Session:
 
     # -- helpers -------------------------------------------------------------------------------------
     def _failure_model(self) -> FailureModel:
-        """Rank 0 reads the partition's failure history once per attempt; a logged fallback otherwise."""
+        """Rank 0: the partition's failure model, cached per partition and window and refreshed in
+        the background (:mod:`coci_hpc.slurm.failure_cache`); nothing is asked outside a job."""
+        default = from_mtbf(DEFAULT_MTBF_H * 3600)
         if self.rank != 0:
-            return from_mtbf(DEFAULT_MTBF_H * 3600)   # only rank 0 plans
-        part = self.job.partition
-        try:
-            model, summary = failure_model_from_cluster(part, window_days=HISTORY_DAYS, runner=self._runner)
-            _say(f"failure history of partition {part}: {summary.get('records')} unannounced end(s), "
-                 f"{summary.get('incidents')} incident(s) after declustering over {HISTORY_DAYS} days")
-            return model
-        except (CociError, OSError) as exc:
-            _say(f"failure history of partition {part} unavailable ({exc}); planning with a per-node "
-                 f"MTBF of {DEFAULT_MTBF_H:g} h")
-            return from_mtbf(DEFAULT_MTBF_H * 3600)
+            return default                    # only rank 0 plans
+        model, line, self._history_pending = failure_model_for_job(self.job, default, window_days=HISTORY_DAYS,
+                                                                   runner=self._runner, environ=self._environ)
+        _say(line + ("" if model is not default else f" (per-node MTBF {DEFAULT_MTBF_H:g} h)"))
+        return model
+
+    def _use_fresh_history(self) -> None:
+        """Rank 0, at a step boundary: the background read of the history finished."""
+        pending, self._history_pending = self._history_pending, None
+        got = pending.result() if pending is not None else None
+        if got is None:
+            _say(f"failure history of partition {self.job.partition} unavailable "
+                 f"({pending.error if pending else '?'}); keeping the model the attempt started with")
+            return
+        model, summary = got
+        if hasattr(self.schedule, "use_failure_model"):
+            self.schedule.use_failure_model(model)
+        _say(describe_history(self.job.partition or "", summary) + "; the plan now uses it")
 
 
-def _default_comm() -> Comm:
-    """MPI's world when launched by MPI; else a torch.distributed group of 2+ ranks (DDP without
-    MPI); else one process."""
-    world = Comm.world()
-    if world.is_mpi:
-        return world
-    from coci_hpc.comm_torch import TorchComm
-    return TorchComm.if_distributed() or world
+_active: list[weakref.ref[Session]] = []
+_hooked = False
+
+
+def _watch_uncaught(session: Session) -> None:
+    """An exception the user's code lets out of the loop ends the attempt: it is written to the
+    event log as the attempt's end (status "error"), so coci-status does not show it running.
+    sys.excepthook sees it under python/srun; coci-submit's runner calls :func:`record_uncaught`."""
+    global _hooked
+    _active[:] = [weakref.ref(session)]
+    if _hooked:
+        return
+    _hooked = True
+    previous = sys.excepthook
+
+    def hook(tp: type[BaseException], exc: BaseException, tb: Any) -> None:
+        record_uncaught(exc)
+        previous(tp, exc, tb)
+    sys.excepthook = hook
+
+
+def record_uncaught(exc: BaseException) -> None:
+    """Write ``end`` status "error" for the session of this process whose loop did not end."""
+    session = _active[0]() if _active else None
+    if session is None or isinstance(exc, SystemExit) or session.rank != 0 or not hasattr(session, "log"):
+        return
+    try:
+        mine = [e for e in read_events(session.events_path) if e.get("attempt") == session.log.attempt]
+        if mine and mine[-1].get("event") in ("end", "stop"):
+            return                          # the session recorded how it ended (gave up, stopped, ...)
+        session.log.write("end", step=session.step, status="error",
+                          message=f"{type(exc).__name__}: {exc}"[:2000])
+    except OSError:                         # the log's directory is gone: nothing to record into
+        pass
+
+
+def _check_saveable(state: Mapping[str, Any]) -> None:
+    """Refuse at Session() what the store could not save (a lock, a file, an arbitrary object: it
+    would fail at the first checkpoint, maybe an hour later). Flattening takes views, no copies."""
+    try:
+        collect(state, rng=False, defer_device=True)
+    except CheckpointError as exc:
+        raise UsageError(f"this state cannot be checkpointed: {exc.message}",
+                         hint=exc.hint or "keep tensors, numpy arrays, JSON values and objects with "
+                                          "state_dict()/load_state_dict() in the state") from exc

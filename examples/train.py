@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 import coci_hpc  # noqa: E402
-from coci_hpc.checkpoint import ResumableSampler  # noqa: E402
+from coci_hpc.runtime.data import ResumableSampler  # noqa: E402
 
 D_IN, HIDDEN, SAMPLES, BATCH = 16, 64, 2048, 32
 

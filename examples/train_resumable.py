@@ -28,10 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from coci_hpc.checkpoint import CheckpointManager, ResumableSampler
+from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.comm import Comm
 from coci_hpc.planner.failures import from_mtbf
 from coci_hpc.planner.profile import Profile
+from coci_hpc.runtime.data import ResumableSampler
 from coci_hpc.runtime.preemption import PreemptionGuard
 from coci_hpc.runtime.schedule import CheckpointSchedule
 

@@ -5,6 +5,7 @@ The two-phase save in :mod:`.twophase` reuses the same three steps with the writ
 """
 from __future__ import annotations
 
+import math
 import numbers
 import shutil
 from collections.abc import Mapping, Sequence
@@ -27,15 +28,18 @@ from coci_hpc.checkpoint.state import (
     Leaf,
     PerRank,
     Sharded,
+    _collect_tensors,
     apply,
     check_skeleton,
     current_trees,
     empty_like_leaf,
     is_stateful,
     iter_targets,
+    leaf_view,
+    storage_dtype,
 )
 from coci_hpc.comm import Comm
-from coci_hpc.errors import CheckpointError, CheckpointNotFound, CociError, UsageError
+from coci_hpc.errors import CheckpointError, UsageError
 
 
 @dataclass
@@ -252,46 +256,40 @@ class LoadResult:
     manifest: dict[str, Any]
 
 
-_LATEST_ATTEMPTS = 3  # a concurrent writer's retention can remove "latest" while we open it
-
-
-def load(comm: Comm, root: Path, step: int | None, state: Mapping[str, Any], *, rng: bool = True
-         ) -> LoadResult:
-    """Collective: every rank loads ``step`` (latest when None) into ``state`` in place.
+def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bool = True) -> LoadResult:
+    """Collective: every rank loads ``step`` into ``state`` in place (choosing the step, and
+    falling back from a damaged one, is :mod:`.recovery`'s).
 
     Everything is checked (manifest, datasets, shapes and dtypes against ``state``, the saved
-    trees against the objects they go into) on every rank, and the data is read into fresh
-    buffers, before the first byte goes into ``state``; objects whose ``load_state_dict``
-    refuses are rolled back (:func:`~coci_hpc.checkpoint.state.apply`). A failed load leaves
-    the state as it was.
+    trees against the objects they go into, the CRC of every byte) on every rank before the
+    first byte goes into ``state``; objects whose ``load_state_dict`` refuses are rolled back
+    (:func:`~coci_hpc.checkpoint.state.apply`). A failed load leaves the state as it was.
     """
     trees = current_trees(state)
     targets = dict(iter_targets(state, trees))
     local_rows = {n: t.local.shape[0] for n, t in targets.items() if isinstance(t, Sharded)}
     all_rows = comm.allgather(local_rows)
-    for attempt in range(_LATEST_ATTEMPTS):
-        # Rank 0 picks the step so that all ranks load the same one even while a writer commits.
-        chosen = comm.bcast(mf.latest_step(root) if step is None and comm.rank == 0 else step)
-        if chosen is None:
-            comm.run_step(lambda: mf.read_step(root, None), "finding the latest checkpoint")  # raises
-            raise CheckpointNotFound(f"no committed checkpoint under {root}", hint="save one first")
-        try:
-            m, reader = _open_checked(comm, root, chosen, state, targets, all_rows, trees)
-            break
-        except CociError:
-            # Asked for "latest" and a newer commit retired the chosen one meanwhile: choose again.
-            gone = comm.bcast(not (mf.step_dir(root, chosen) / mf.MANIFEST).is_file()
-                              if comm.rank == 0 else None)
-            if step is not None or not gone or attempt == _LATEST_ATTEMPTS - 1:
-                raise
+    m, reader = _open_checked(comm, root, step, state, targets, all_rows, trees)
+    chosen = step
     try:
-        tensors = comm.run_step(lambda: _read_all(comm, m, reader, targets, all_rows),
-                                f"reading checkpoint step {chosen}")
+        ranges = _ranges(comm.rank, m, all_rows)
+        # Pass 1: every byte any rank will install is checked (CRC of whole shards) before any
+        # buffer of the state is touched, each shard once per node (ranks of a node share the
+        # page cache); nothing is allocated per tensor.
+        node = _node_ranks(comm)
+
+        def check() -> set[tuple[str, int]]:
+            mine, needed = _my_checks(comm.rank, node, m, reader, all_rows)
+            reader.verify(mine)
+            return needed
+
+        needed = comm.run_step(check, f"checking checkpoint step {chosen}")
+        reader.trust(needed)  # every rank checked its part, or all would have raised above
+        # Pass 2: the checked bytes (now in the page cache) go straight into their final place.
+        return comm.run_step(lambda: _install(comm, m, state, reader, ranges, targets, rng, trees),
+                             f"loading checkpoint step {chosen} into the state")
     finally:
         reader.close()
-    # Every rank has all its bytes, checked, before any rank touches its state.
-    return comm.run_step(lambda: _apply_loaded(comm, m, state, tensors, rng, trees),
-                         f"loading checkpoint step {chosen} into the state")
 
 
 def _dtype_of(obj: Any) -> str:
@@ -396,37 +394,130 @@ def _open_checked(comm: Comm, root: Path, step: int, state: Mapping[str, Any],
     return m, opened[0]
 
 
-def _read_all(comm: Comm, m: dict[str, Any], reader: DatasetReader,
-              targets: Mapping[str, Any], all_rows: list[dict[str, int]]) -> dict[str, Any]:
-    rank = comm.rank
-    tensors: dict[str, Any] = {}
+def _ranges(rank: int, m: dict[str, Any], all_rows: list[dict[str, int]]
+            ) -> list[tuple[dict[str, Any], int, tuple[int, ...], int]]:
+    """(tensor entry, first byte, local shape, bytes) of everything ``rank`` loads."""
+    out = []
     for meta in _my_tensors(m, rank):
         shape = tuple(meta["shape"])
         start = 0
         if "part" in meta:  # this rank's leaf inside a packed per-rank dataset
             start, shape = meta["part"]
         elif meta["kind"] == "sharded":
-            tgt = targets[meta["name"]]
             before = sum(rows.get(meta["name"], 0) for rows in all_rows[:rank])
             row_bytes = meta["nbytes"] // shape[0] if shape[0] else 0
             start = before * row_bytes
-            shape = (tgt.local.shape[0],) + shape[1:]
-        # Always a fresh buffer, never the live tensor: a read or check that fails half way, or
-        # a load_state_dict that refuses, must leave the state untouched (costs one copy).
-        obj, dest = empty_like_leaf(meta["dtype"], shape)
-        reader.read(meta, dest, start)
-        tensors[meta["name"]] = obj
-    return tensors
+            shape = (all_rows[rank].get(meta["name"], 0),) + shape[1:]
+        nbytes = math.prod(shape) * storage_dtype(meta["dtype"]).itemsize
+        out.append((meta, start, shape, nbytes))
+    return out
 
 
-def _apply_loaded(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], tensors: dict[str, Any],
-                  rng: bool, trees: Mapping[str, Any]) -> LoadResult:
+def _node_ranks(comm: Comm) -> list[int]:
+    """The world ranks that share this rank's node (its shared-memory domain), sorted."""
+    if not comm.is_mpi:
+        return [comm.rank]
+    from mpi4py import MPI
+
+    node = comm.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return sorted(node.allgather(comm.rank))
+    finally:
+        node.Free()
+
+
+def _my_checks(rank: int, node: list[int], m: dict[str, Any], reader: DatasetReader,
+               all_rows: list[dict[str, int]]) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
+    """(shards this rank checks, shards it reads): the shards the ranks of a node read are
+    dealt out among the ranks that read each, so a node checks each shard once."""
+    needs = {r: reader.shards_of([(meta, start, start + n) for meta, start, _, n in _ranges(r, m, all_rows)])
+             for r in node}
+    mine = set()
+    for i, key in enumerate(sorted(set().union(*needs.values()))):
+        readers = [r for r in needs if key in needs[r]]
+        if readers[i % len(readers)] == rank:
+            mine.add(key)
+    return mine, needs[rank]
+
+
+def _owner(state: Mapping[str, Any], leaf: str) -> Any:
+    """The state value a leaf name ("replicated/<key>/...") belongs to."""
+    value = state.get(leaf.split("/", 2)[1])
+    return value.value if isinstance(value, PerRank) else value
+
+
+def _in_place(owner: Any) -> str | None:
+    """How a leaf of ``owner`` may be loaded into the tensor the state already has.
+
+    Modules, plain tensors and trees are written to only after every object that may refuse its
+    state accepted it, so writing their own buffers keeps the load all-or-nothing ("direct").
+    An optimizer keeps the state tensors it is given (``Optimizer.load_state_dict`` casts to the
+    parameter's dtype and device, which the checks made equal): it is loaded with its own
+    tensors, and once every refusable object accepted, the bytes go into whatever tensors its
+    ``state_dict()`` then names ("after"). Any other object might copy values while loading,
+    so its tensors are read into fresh buffers (None).
+    """
+    if isinstance(owner, torch.optim.Optimizer):
+        return "after"
+    if is_stateful(owner) and not isinstance(owner, torch.nn.Module):
+        return None
+    return "direct"
+
+
+def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: DatasetReader,
+             ranges: list[tuple[dict[str, Any], int, tuple[int, ...], int]], targets: Mapping[str, Any],
+             rng: bool, trees: Mapping[str, Any]) -> LoadResult:
+    """Put the checked bytes into the state: fresh buffers only where in place is not safe."""
+    tensors: dict[str, Any] = {}
+    direct: list[tuple[dict[str, Any], int, np.ndarray]] = []
+    after: list[tuple[dict[str, Any], int, tuple[int, ...], Any]] = []
+    for meta, start, shape, _ in ranges:
+        name = meta["name"]
+        tgt = targets.get(name)
+        how = _in_place(_owner(state, name)) if tgt is not None else None
+        view = leaf_view(tgt, meta["dtype"], shape) if how else None
+        if view is None:
+            # A fresh buffer, never the live tensor: an object that refuses its state, or copies
+            # it while loading, must see the checkpoint's bytes and leave the state as it was.
+            obj, dest = empty_like_leaf(meta["dtype"], shape)
+            reader.read_verified(meta, dest, start)
+            tensors[name] = obj
+            continue
+        tensors[name] = tgt.local if isinstance(tgt, Sharded) else tgt
+        if how == "direct":
+            direct.append((meta, start, view))
+        else:
+            after.append((meta, start, shape, _owner(state, name)))
+
+    def fill() -> None:
+        """Called once every refusable object accepted its state: from here on nothing refuses."""
+        for meta, start, view in direct:
+            reader.read_verified(meta, view, start)
+        now: dict[int, dict[str, Any]] = {}
+        for meta, start, shape, owner in after:
+            if id(owner) not in now:
+                key = meta["name"].split("/", 2)
+                now[id(owner)] = {}
+                _collect_tensors(owner.state_dict(), f"{key[0]}/{key[1]}", now[id(owner)])
+            live = now[id(owner)].get(meta["name"])
+            live_view = leaf_view(live, meta["dtype"], shape)
+            if live_view is not None:
+                reader.read_verified(meta, live_view, start)
+                continue
+            if not isinstance(live, torch.Tensor):
+                raise CheckpointError(f"{meta['name']!r}: the optimizer dropped this tensor while loading",
+                                      hint="report this; load with a freshly built optimizer")
+            obj, dest = empty_like_leaf(meta["dtype"], shape)
+            reader.read_verified(meta, dest, start)
+            with torch.no_grad():
+                live.copy_(obj)  # the optimizer cast it (dtype/device): copy with the same cast
+
     rank = comm.rank
     per_rank_skel = m["skeletons"]["per_rank"].get(str(rank), {})
     skeletons = {"replicated": m["skeletons"]["replicated"], "per_rank": per_rank_skel}
     with torch.no_grad():
         missing = apply(state, skeletons, tensors, rng=rng and str(rank) in m["skeletons"]["per_rank"],
-                        before=trees)
+                        before=trees, fill=fill)
     if rng and str(rank) not in m["skeletons"]["per_rank"]:
         missing.append("__rng__")
     return LoadResult(int(m["step"]), int(m["world_size"]), tuple(missing), m)

@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import weakref
@@ -35,6 +36,15 @@ _managers: list[weakref.ref[Any]] = []
 _failed = False
 _installed = False
 _previous_hook = sys.excepthook
+
+
+def _forget_in_child() -> None:
+    # A forked child (a DataLoader worker forked after the manager was made) runs threading's
+    # exit hooks when it ends: it must not close, and so release the lock of, its parent's managers.
+    _managers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def register(mgr: _Closable) -> None:

@@ -16,6 +16,7 @@ that cover it before the caller may use it. Any HDF5 error on damaged metadata b
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import stat
 from collections.abc import Mapping, Sequence
@@ -67,6 +68,8 @@ def file_kwargs(align: int, threshold: int) -> dict[str, Any]:
     return {"alignment_threshold": threshold, "alignment_interval": align}
 
 
+_MAP_MIN = 1 << 20       # checked bytes at least this large are copied through a mapping
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every (cached) page in one call
 _READ_CHUNK = 32 << 20  # bytes per read while checking: the CRC of one overlaps the next read
 
 # What h5py raises on damaged metadata (a flipped byte in an object header, a truncated B-tree).
@@ -137,6 +140,7 @@ class DatasetReader:
         self._algorithm: str | None = None
         self._shards: dict[str, list[Mapping[str, Any]]] = {}
         self._verified: set[tuple[str, int]] = set()
+        self._metas: dict[str, Mapping[str, Any]] = {}
         if manifest is not None:
             self._expect(manifest, names)
 
@@ -150,6 +154,7 @@ class DatasetReader:
                                     hint="the file does not belong to this manifest or was tampered "
                                          "with; load an older step")
         self._algorithm = manifest["checksum"]
+        self._metas = {t["dataset"]: t for t in manifest["tensors"] if t["file"] == mine}
         for sh in manifest["shards"]:
             if sh["file"] == mine:
                 self._shards.setdefault(sh["dataset"], []).append(sh)
@@ -294,6 +299,125 @@ class DatasetReader:
                     raise CheckpointCorrupt(f"{self.path}: reading {meta['dataset']!r} failed: {exc}",
                                             hint="the shard file is damaged; load an older step") from exc
             self._check(meta, sh, checksum(data, self._algorithm))
+
+    def shards_of(self, ranges: Sequence[tuple[Mapping[str, Any], int, int]]) -> set[tuple[str, int]]:
+        """Keys (dataset, first byte) of the shards overlapping byte ranges ``(meta, start, stop)``."""
+        out = set()
+        for meta, start, stop in ranges:
+            for sh in self._shards.get(meta["dataset"], ()):
+                if sh["stop"] > start and sh["start"] < stop and sh["stop"] > sh["start"]:
+                    out.add((meta["dataset"], sh["start"]))
+        return out
+
+    def trust(self, keys: set[tuple[str, int]]) -> None:
+        """Count shards another rank of this node checked (the same page cache) as checked."""
+        self._verified |= keys
+
+    def verify(self, keys: set[tuple[str, int]]) -> None:
+        """Check the shards named by ``keys`` (see :meth:`shards_of`), each whole, against their
+        checksums; raise CheckpointCorrupt naming the first bad one.
+
+        The bytes stream through two small reused buffers, so checking costs no fresh memory
+        (on this machine a first touch of fresh memory costs about 1 s per GB, twice the cold
+        read itself): a load checks everything first, then :meth:`read_verified` copies the
+        checked bytes, now in the page cache, straight into their final buffers. The whole
+        extent is announced to the kernel first (``WILLNEED``), so the disk reads ahead while
+        the CRCs run; the CRC of one chunk runs in the helper thread while the next is read.
+        """
+        if self._algorithm is None:
+            raise CheckpointCorrupt(f"{self.path}: no manifest to check against",
+                                    hint="open the reader with the checkpoint's manifest")
+        jobs = []
+        for dataset, first in keys - self._verified:
+            meta = self._metas[dataset]
+            sh = next(sh for sh in self._shards[dataset] if sh["start"] == first)
+            jobs.append((meta, sh, self.offset(meta) + first))
+        jobs.sort(key=lambda j: j[2])
+        for _, sh, at in jobs:
+            os.posix_fadvise(self._fd, at, sh["stop"] - sh["start"], os.POSIX_FADV_WILLNEED)
+        size = min(_READ_CHUNK, max((sh["stop"] - sh["start"] for _, sh, _ in jobs), default=0))
+        bufs = [np.empty(size, dtype=np.uint8) for _ in range(2)]
+        algorithm = self._algorithm
+        crcs = [0] * len(jobs)
+
+        def feed(j: int, part: np.ndarray) -> None:  # the helper thread: chunks arrive in order
+            crcs[j] = checksum(part, algorithm, crcs[j])
+
+        pending = None
+        k = 0
+        try:
+            for j, (meta, sh, at) in enumerate(jobs):
+                n = sh["stop"] - sh["start"]
+                for c0 in range(0, n, size):
+                    part = bufs[k % 2][:min(size, n - c0)]  # the other buffer is being checked
+                    k += 1
+                    try:
+                        pread_into(self._fd, part, at + c0)
+                    except (OSError, EOFError) as exc:
+                        raise CheckpointCorrupt(f"{self.path}: reading {meta['dataset']!r} failed: {exc}",
+                                                hint="the shard file is damaged or truncated; load an "
+                                                     "older step") from exc
+                    if pending is not None:
+                        pending.result()
+                    pending = background().submit(feed, j, part)
+        finally:
+            if pending is not None:
+                pending.result()
+        for (meta, sh, _), crc in zip(jobs, crcs):
+            self._check(meta, sh, crc)
+
+    def read_verified(self, meta: Mapping[str, Any], dest: np.ndarray, start: int = 0) -> None:
+        """Fill ``dest`` with bytes [start, start+dest.nbytes) of a dataset whose shards
+        :meth:`verify` already checked (a plain read: the checks are not paid twice)."""
+        if dest.nbytes == 0:
+            return
+        stop = start + dest.nbytes
+        if start < 0 or stop > int(meta["nbytes"]):
+            raise CheckpointCorrupt(f"{self.path}: read past the end of {meta['dataset']!r}",
+                                    hint="manifest and request disagree")
+        if self._algorithm is not None:
+            covered = [sh for sh in self._shards.get(meta["dataset"], ())
+                       if sh["stop"] > start and sh["start"] < stop and sh["stop"] > sh["start"]]
+            unchecked = [sh for sh in covered if (meta["dataset"], sh["start"]) not in self._verified]
+            if unchecked or not self._covered(covered, start, stop):
+                raise CheckpointCorrupt(f"{self.path}: bytes [{start}, {stop}) of {meta['dataset']!r} "
+                                        f"are not all covered by checked shards",
+                                        hint="the manifest was edited or damaged; load an older step")
+        at = self.offset(meta) + start
+        try:
+            if dest.nbytes < _MAP_MIN or not self._copy_mapped(dest, at):
+                pread_into(self._fd, dest, at)
+        except (OSError, EOFError) as exc:
+            raise CheckpointCorrupt(f"{self.path}: reading {meta['dataset']!r} failed: {exc}",
+                                    hint="the shard file is damaged or truncated; load an older step") from exc
+
+    def _copy_mapped(self, dest: np.ndarray, at: int) -> bool:
+        """Copy file bytes [at, at+dest.nbytes) into ``dest`` through a read-only mapping of the
+        (page-cached, checked) pages: one memcpy, about twice as fast here as a pread of cached
+        pages. False where the file cannot be mapped (the caller preads instead)."""
+        n = dest.nbytes
+        base = at - at % mmap.ALLOCATIONGRANULARITY
+        try:
+            mm = mmap.mmap(self._fd, at + n - base, flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                           prot=mmap.PROT_READ, offset=base)
+        except (OSError, ValueError):
+            return False
+        try:
+            src = np.frombuffer(mm, dtype=np.uint8, count=n, offset=at - base)
+            np.copyto(dest.reshape(-1).view(np.uint8), src)
+            del src
+        finally:
+            mm.close()
+        return True
+
+    @staticmethod
+    def _covered(shards: list[Mapping[str, Any]], start: int, stop: int) -> bool:
+        at = start
+        for sh in sorted(shards, key=lambda s: s["start"]):
+            if sh["start"] > at:
+                return False
+            at = max(at, sh["stop"])
+        return at >= stop
 
     def read_bytes(self, meta: Mapping[str, Any], start: int, stop: int) -> np.ndarray:
         self.offset(meta)  # the dataset lies inside the file: no allocation from a crafted size

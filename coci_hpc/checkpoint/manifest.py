@@ -308,12 +308,7 @@ def _parts_problem(t: dict[str, Any], itemsize: int, world: int) -> str | None:
     return None
 
 
-def read_step(root: str | os.PathLike, step: int | None) -> dict[str, Any]:
-    if step is None:
-        step = latest_step(root)
-        if step is None:
-            raise CheckpointNotFound(f"no committed checkpoint under {root}",
-                                     hint="save one first, or check the directory")
+def read_step(root: str | os.PathLike, step: int) -> dict[str, Any]:
     return read(step_dir(root, step))
 
 

@@ -2,7 +2,7 @@
 
 A *state* given to :class:`~coci_hpc.checkpoint.api.CheckpointManager` is a mapping whose values
 are either *stateful* objects (``state_dict()`` / ``load_state_dict()``: a model, an optimizer, an
-LR scheduler, an AMP ``GradScaler``, a :class:`~coci_hpc.checkpoint.data.ResumableSampler`) or
+LR scheduler, an AMP ``GradScaler``, a :class:`~coci_hpc.runtime.data.ResumableSampler`) or
 plain trees of dicts/lists/tuples with JSON leaves and tensors (the training step, the planner
 state, user extras). Values are *replicated* by default (identical on every data-parallel rank);
 wrap a value in :class:`PerRank` for state that differs per rank, and a tensor in :class:`Sharded`
@@ -16,7 +16,7 @@ tuples are encoded so the tree comes back with the same types.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -462,7 +462,8 @@ def _collect_tensors(tree: Any, prefix: str, out: dict[str, Any]) -> None:
 
 
 def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mapping[str, Any],
-          *, rng: bool = True, before: Mapping[str, Any] | None = None) -> list[str]:
+          *, rng: bool = True, before: Mapping[str, Any] | None = None,
+          fill: Callable[[], None] | None = None) -> list[str]:
     """Restore loaded trees into the user's state in place; return the keys that were missing.
 
     All or nothing: stateful objects that may refuse their input (optimizers, schedulers,
@@ -471,6 +472,8 @@ def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mappi
     :func:`current_trees`, taken before the load) and nothing else was touched. Modules, plain
     tensors, dicts and lists come after; their keys, shapes and dtypes were checked beforehand,
     and ``tensors`` are fresh buffers, so no byte reached the state before this point.
+    ``fill`` runs between the two groups: a load that writes the checked bytes into the state's
+    own tensors does it there, once no object can refuse any more.
     """
     missing: list[str] = []
     pending: list[tuple[str, Any, Any]] = []
@@ -499,6 +502,8 @@ def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mappi
             if before is not None and key in before:
                 inner.load_state_dict(before[key])
         raise
+    if fill is not None:
+        fill()
     for _key, inner, tree in pending:
         if is_stateful(inner) and not isinstance(inner, torch.nn.Module):
             continue

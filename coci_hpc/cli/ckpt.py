@@ -14,7 +14,7 @@ from pathlib import Path
 
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.h5file import DatasetReader
-from coci_hpc.cli.common import run_cli
+from coci_hpc.cli.common import UsageArgumentParser, run_cli
 from coci_hpc.errors import CheckpointCorrupt, CheckpointNotFound
 
 
@@ -139,7 +139,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="coci-ckpt", description=__doc__.split("\n")[0])
+    p = UsageArgumentParser(prog="coci-ckpt", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("list", help="list checkpoints")
     a.add_argument("dir")

@@ -41,7 +41,7 @@ from coci_hpc.planner.costs import DEFAULT_RESTART_S, Costs
 from coci_hpc.planner.policies import POLICY_NAMES, PlanContext, make_policy
 from coci_hpc.planner.profile import Profile
 from coci_hpc.slurm import accounting as acct
-from coci_hpc.slurm.commands import parse_duration as slurm_duration
+from coci_hpc.slurm.timefmt import span_s
 
 PROG = "coci-plan"
 DEFAULT_CKPT_COST_S = 30.0      # used only without a profile or --ckpt-cost, and said so
@@ -93,16 +93,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_duration(text: str, flag: str = "--horizon") -> float:
-    """3600, 90m, 24h, 2d, or Slurm's [D-]HH:MM:SS (one parser for both, the Slurm one)."""
-    t = str(text).strip()
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([smhd]?)", t)
+    """``flag``'s duration (:func:`coci_hpc.slurm.timefmt.span_s`: 3600, 90m, 24h, 2d, 1-12:00:00)."""
     try:
-        v = (float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
-             if m else slurm_duration(t))
+        v = span_s(text)
     except ValueError:
-        v = None
-    if v is None or not math.isfinite(v):
-        raise UsageError(f"bad duration {text!r} for {flag}", hint="e.g. 3600, 90m, 24h, 2d, 1-12:00:00")
+        raise UsageError(f"bad duration {text!r} for {flag}", hint="e.g. 3600, 90m, 24h, 2d, 1-12:00:00") from None
     if v <= 0:
         raise UsageError(f"{flag} must be > 0, got {text!r}", hint=f"e.g. {flag} 24h")
     return v
@@ -133,10 +128,21 @@ def build_failure_model(a, now: float) -> tuple[fmod.FailureModel, dict]:
                              hint="use one source")
         if not a.since:
             raise UsageError("--from-cluster needs --since", hint="e.g. --since 2026-01-01")
+        # Both are for files: the cluster's window ends now, and sinfo counts the partition's nodes.
+        if a.cluster_nodes is not None:
+            raise UsageError("--cluster-nodes is for --sacct-file/--events-file; --from-cluster counts the "
+                             "partition's nodes with sinfo", hint="drop --cluster-nodes (or --partition to "
+                                                                  "count another partition's nodes)")
+        if a.until:
+            raise UsageError("--until is for --sacct-file/--events-file; --from-cluster's window ends now",
+                             hint="drop --until, or save sacct/sacctmgr output to files for an older window")
         model, info = acct.failure_model_from_cluster(
             a.partition, since=a.since, confidence=a.confidence, skip_bad_lines=a.skip_bad_lines,
             maintenance_patterns=patterns, now_s=now)
     elif a.sacct_file or a.events_file:
+        if a.cluster_nodes is not None and a.cluster_nodes < 1:
+            raise UsageError(f"--cluster-nodes {a.cluster_nodes} must be at least 1",
+                             hint="the number of nodes in the cluster (or partition) the files cover")
         hist = acct.History()
         kw = {"skip_bad_lines": a.skip_bad_lines}
         if a.sacct_file:
@@ -217,10 +223,9 @@ def _main(argv: Sequence[str] | None) -> int:
         outcome = FitOutcome(None, "no loss samples (give --profile)")
         t_now, step_now = 0.0, 0
     horizon, horizon_src = _horizon(a, prof, outcome.fit, costs, t_now, step_now)
-    shape = model.hazard_shape
-    ctx = PlanContext(costs, model.job_rate(a.nodes), horizon, t_now, step_now,
-                      outcome.fit, outcome.reason, nodes=a.nodes, weibull_shape=shape,
-                      time_since_failure_s=since_failure)
+    ctx = PlanContext.from_model(model, costs, horizon, a.nodes, t_now=t_now, step_now=step_now,
+                                 fit=outcome.fit, fit_reason=outcome.reason,
+                                 time_since_failure_s=since_failure)
 
     names = list(dict.fromkeys([policy.name] + list(COMPARED)))
     policies = {n: (policy if n == policy.name else make_policy(n)) for n in names}

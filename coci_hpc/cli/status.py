@@ -31,15 +31,24 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--no-sacct", action="store_true", help="do not ask Slurm (the event log alone)")
     a = p.parse_args(argv)
     h = history.load(a.ckpt_dir, use_sacct=not a.no_sacct)
-    png = None if a.no_png else history.plot(h, a.png or Path(a.ckpt_dir) / "history.png")
+    png, png_error = None, None
+    if not a.no_png:
+        target = a.png or Path(a.ckpt_dir) / "history.png"
+        try:
+            png = history.plot(h, target)
+        except OSError as exc:     # a read-only run directory must not hide the table
+            png_error = f"loss plot not written to {target}: {exc.strerror or exc}; pass --png PATH or --no-png"
     if a.json:
         d = h.to_dict()
         d["png"] = str(png) if png else None
+        d["png_error"] = png_error
         print(json.dumps(d, indent=2))
     else:
         print(history.render_text(h))
         if png:
             print(f"loss plot: {png}")
+    if png_error:
+        print(f"{PROG}: {png_error}", file=sys.stderr)
     return 0
 
 

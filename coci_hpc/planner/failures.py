@@ -187,6 +187,7 @@ class FailureModel:
     events: tuple[FailureEvent, ...] = field(default=(), compare=False)
     n_records: int | None = None          # failure records before declustering (None: not counted)
     weibull_scale_s: float | None = None  # per-node Weibull scale, with weibull_shape
+    cluster_nodes: int | None = None      # nodes watched (node events): exposure = this x window
 
     @property
     def hazard_shape(self) -> float | None:
@@ -195,6 +196,32 @@ class FailureModel:
 
     def job_rate(self, nodes: int) -> float:
         return nodes * self.per_node_rate
+
+    def incident_job_rate(self, nodes: int) -> float:
+        """Incidents per second that touch a job on ``nodes`` nodes placed at random.
+
+        An incident on m of the cluster's N nodes hits such a job with probability
+        1 - C(N-m, n) / C(N, n): m/N for one node, 1 for the whole cluster. Counting each
+        incident once per node-rate (``job_rate``) undercounts for small jobs (an incident on
+        10 nodes is 10 failures for 10 one-node jobs); counting every record overcounts for
+        large ones (it is one failure for a job on all 10). Needs the incidents and N (node
+        events); otherwise, or with no incident, it is ``job_rate``."""
+        n_cl = self.cluster_nodes
+        if not n_cl or not self.events or self.exposure_node_s <= 0:
+            return self.job_rate(nodes)
+        if nodes >= n_cl:
+            hits = float(len(self.events))
+        else:
+            miss = {}
+            hits = 0.0
+            for e in self.events:
+                m = min(len(set(e.nodes)), n_cl)
+                if m not in miss:
+                    # C(N-m, n) / C(N, n) as a product, no huge integers
+                    miss[m] = math.prod((n_cl - m - i) / (n_cl - i) for i in range(nodes)) \
+                        if n_cl - m >= nodes else 0.0
+                hits += 1.0 - miss[m]
+        return hits * n_cl / self.exposure_node_s
 
     def job_mtbf_s(self, nodes: int) -> float:
         return 1.0 / self.job_rate(nodes)
@@ -223,7 +250,7 @@ class FailureModel:
                                  end_s=e.get("end_s")) for e in d.get("events", []))
         keys = ("per_node_rate", "ci_low", "ci_high", "confidence", "n_failures",
                 "exposure_node_s", "distribution", "weibull_shape", "weibull_lrt", "prior", "note",
-                "n_records", "weibull_scale_s")
+                "n_records", "weibull_scale_s", "cluster_nodes")
         return cls(**{k: d[k] for k in keys if k in d}, events=evs)
 
 
@@ -238,7 +265,7 @@ def from_mtbf(mtbf_node_s: float) -> FailureModel:
 
 def estimate(events: Sequence[FailureEvent], exposure_node_s: float, *, confidence: float = 0.9,
              weibull_min_gaps: int = WEIBULL_MIN_GAPS, basis: str = "",
-             n_records: int | None = None) -> FailureModel:
+             n_records: int | None = None, cluster_nodes: int | None = None) -> FailureModel:
     """Per-node failure rate from ``events`` (incidents) seen over ``exposure_node_s``
     node-seconds. The Weibull fit uses the gaps between failures of the same node.
 
@@ -276,4 +303,4 @@ def estimate(events: Sequence[FailureEvent], exposure_node_s: float, *, confiden
         else:
             note += f"; Weibull shape {wb.shape:.3g} not significantly different from 1"
     return FailureModel(rate, lo, hi, confidence, k, float(exposure_node_s), dist, shape, lrt,
-                        prior, note, tuple(events), n_records, wscale)
+                        prior, note, tuple(events), n_records, wscale, cluster_nodes)

@@ -33,11 +33,10 @@ class OnlinePlanner:
     def _make_plan(self, t_now: float, step_now: int) -> Plan:
         o = self.tracker.outcome
         fm = self.failure_model
-        shape = fm.hazard_shape
         age = None if self.time_since_failure_s is None else self.time_since_failure_s + t_now
-        ctx = PlanContext(self.costs, fm.job_rate(self.nodes), self.horizon_s,
-                          t_now, step_now, o.fit, o.reason, nodes=self.nodes,
-                          weibull_shape=shape, time_since_failure_s=age)
+        ctx = PlanContext.from_model(fm, self.costs, self.horizon_s, self.nodes, t_now=t_now,
+                                     step_now=step_now, fit=o.fit, fit_reason=o.reason,
+                                     time_since_failure_s=age)
         return self.policy.plan(ctx)
 
     def observe(self, step: int, time_s: float, loss: float) -> bool:

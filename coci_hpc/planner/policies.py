@@ -12,7 +12,8 @@ Policies (see :func:`make_policy`):
   shorter than the asynchronous persist time P; the remaining horizon cut into the optimal
   number of equal chunks (Bougeret et al., no trailing checkpoint); after a restart, when the
   fitted per-node Weibull shape is < 1, intervals that grow with the time since the failure.
-  Never measurably worse than Daly (benchmarks/planner_bench.py).
+  On a learned history of fewer than 150 incidents, Daly's plan on the record rate. Measured
+  against Daly on simulated and replayed histories in benchmarks/planner_bench.py (README).
 * ``coci-paper`` (the COCI paper's equal-loss-drop rule, uncapped, as published),
   ``coci-paper:capped`` (gaps capped at 2x Young), ``coci-paper:dp=S[,T]`` (data-parallel).
   For reproduction; equal-loss-drop spacing costs more than Daly in wall time (README).
@@ -29,6 +30,7 @@ from coci_hpc.errors import PlannerError, UsageError
 from coci_hpc.planner import horizon as endgame
 from coci_hpc.planner.convergence import CurveFit
 from coci_hpc.planner.costs import Costs
+from coci_hpc.planner.failures import JEFFREYS_PRIOR_FAILURES, FailureModel
 from coci_hpc.planner.hazard import JobHazard
 from coci_hpc.planner.plan import Checkpoint, Plan
 
@@ -50,6 +52,10 @@ class PlanContext:
     nodes: int = 1                  # the job's nodes (job_rate = nodes * per-node rate)
     weibull_shape: float | None = None        # per-node shape when the history prefers Weibull
     time_since_failure_s: float | None = None  # wall time since the failure that restarted the job
+    # How much history the rate came from: incidents it was declustered into and the job rate
+    # counted from the raw records (what Daly would use). None: the rate is given, not learned.
+    incidents: int | None = None
+    record_rate: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.job_rate > 0 and math.isfinite(self.job_rate)):
@@ -58,6 +64,20 @@ class PlanContext:
         if not (self.horizon_s > 0 and math.isfinite(self.horizon_s)):
             raise PlannerError(f"horizon must be > 0 seconds, got {self.horizon_s!r}",
                                hint="e.g. --horizon 24h")
+
+    @classmethod
+    def from_model(cls, model: FailureModel, costs: Costs, horizon_s: float, nodes: int,
+                   **kw) -> PlanContext:
+        """The context a failure model gives a job on ``nodes`` nodes: the declustered rate,
+        the Weibull shape when the history chose it, and how much history that rests on."""
+        learned = model.exposure_node_s > 0 and model.n_records is not None
+        rec = None
+        if learned:
+            k_rec = max(model.n_records or 0, model.n_failures)
+            rec = nodes * (k_rec if k_rec else JEFFREYS_PRIOR_FAILURES) / model.exposure_node_s
+        return cls(costs, model.incident_job_rate(nodes), horizon_s, nodes=nodes,
+                   weibull_shape=model.hazard_shape,
+                   incidents=model.n_failures if learned else None, record_rate=rec, **kw)
 
     @property
     def mtbf_s(self) -> float:
@@ -273,8 +293,8 @@ class CociPaper(Policy):
 class CociDefault(Policy):
     """The default: Daly where failures are memoryless, better where there is structure.
 
-    1. The exponential-optimal period for the job rate (the caller gives the declustered rate
-       of unannounced interruptions) with the BLOCKING cost Tb, never below the persist time P
+    1. The exponential-optimal period for the job rate (the caller gives the rate of
+       unannounced incidents that hit a job on its nodes) with the BLOCKING cost Tb, never below the persist time P
        of an asynchronous save (overhead ~ Tb/tau + lambda (tau/2 + P + R): P does not move the
        optimum, it only bounds it below) nor below one step.
     2. The remaining horizon is cut into the optimal number of equal chunks (Bougeret et al.,
@@ -283,11 +303,15 @@ class CociDefault(Policy):
        hazard over the interval, from the time since the failure that restarted the job
        (``time_since_failure_s``; the failed node is fresh) or, without one, since ``t_now`` (:mod:`coci_hpc.planner.hazard`),
        and the last stretch is cut into equal chunks again at its mean hazard.
+    0. A learned history (``ctx.incidents`` set, :meth:`PlanContext.from_model`) of fewer
+       than ``min_incidents`` incidents gets Daly's own plan on the record rate instead.
     The convergence fit does not move checkpoints; it predicts the horizon (coci-plan).
     """
 
     name = "coci"
     max_gap_factor = 20.0            # the hazard layer never leaves more than 20 Daly periods
+    # incidents a learned history needs before anything but Daly's plan (see plan())
+    min_incidents = 150
 
     def __init__(self) -> None:
         # hazard walks depend on (hazard, age, costs) only, not on where the job stands: a
@@ -315,6 +339,16 @@ class CociDefault(Policy):
         c = ctx.costs
         lam, tb, w = ctx.job_rate, c.ckpt_s, ctx.horizon_s
         lo = max(c.persist_s, c.step_time_s or 0.0, 1e-6)
+        if ctx.incidents is not None and ctx.incidents < self.min_incidents:
+            # A short history: the incident rate, the Weibull shape and the end game's chunk
+            # count would rest on a few dozen or hundred incidents. The refinements gain a few
+            # per cent; the rate alone is uncertain by 1/sqrt(k) (8 % at 150) and drifts more
+            # than that between the halves of a short window, and a lower rate than Daly's
+            # then costs more than the refinements gain. Replays of LANL histories thinned and
+            # cut to 15-300 records (benchmarks/planner_bench.py) lost up to 1.15x Daly below
+            # ~150 incidents with the refinements on. So: Daly's own plan on the record rate.
+            rec = ctx.record_rate if ctx.record_rate is not None else lam
+            return self._daly_fallback(ctx, rec, lo)
         daly = daly_interval(tb, 1.0 / lam)
         base = max(daly, lo)
         shape = ctx.weibull_shape
@@ -351,6 +385,19 @@ class CociDefault(Policy):
                       time_since_failure_s=ctx.time_since_failure_s, end_chunks=k)
         return Plan(self.name, self.name, _checkpoints(ctx, times), None, w, ctx.t_now,
                     ctx.step_now, lam, c, ctx.fit, None, params)
+
+
+    def _daly_fallback(self, ctx: PlanContext, rate: float, lo: float) -> Plan:
+        """Daly's own plan (its interval, uniform, on the record rate): what the default does
+        when the history is too short for its refinements to be more than noise."""
+        iv = max(daly_interval(ctx.costs.ckpt_s, 1.0 / rate), lo)
+        times = _uniform(ctx, iv)
+        why = (f"{ctx.incidents} incident(s) in the history, fewer than "
+               f"{self.min_incidents}: planned as daly on the record rate")
+        return Plan(self.name, "daly", _checkpoints(ctx, times), iv, ctx.horizon_s, ctx.t_now,
+                    ctx.step_now, rate, ctx.costs, ctx.fit, why,
+                    {"mode": "daly-fallback", "incidents": ctx.incidents, "daly_s": iv,
+                     "min_interval_s": lo, "persist_s": ctx.costs.persist_s})
 
 
 POLICY_NAMES = ("coci", "coci-paper", "coci-paper:capped", "coci-paper:dp=THETA_SCALE[,TS_SCALE]",

@@ -1,7 +1,7 @@
 """Pure decisions about attempts: how the previous one ended, why we are stopping, when to give up.
 
-Inputs are Slurm's own record of the job (``sacct -X -D`` rows: one per attempt) and the session's
-event log; nothing here guesses from elapsed time. The callers (the Session, on rank 0) run the
+Inputs are Slurm's own record of the job (``sacct -X -D`` rows, one per attempt, read by
+:mod:`coci_hpc.slurm.sacct`) and the session's event log; nothing here guesses from elapsed time. The callers (the Session, on rank 0) run the
 commands once per attempt; these functions only decide, so they are tested without Slurm.
 """
 from __future__ import annotations
@@ -11,10 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coci_hpc.slurm.accounting import parse_time
+from coci_hpc.slurm.sacct import SlurmAttempt
 from coci_hpc.slurm.scontrol import JobState
-
-SACCT_FIELDS = ("JobID", "State", "Start", "End", "NodeList")
 
 # Slurm's end state of an attempt -> the contract's reason (when the session wrote no stop record).
 _STATE_REASON = {
@@ -33,14 +31,6 @@ TIME_LIMIT_MARGIN_S = 65.0
 
 
 @dataclass(frozen=True)
-class SlurmAttempt:
-    state: str
-    start: float | None
-    end: float | None
-    nodes: str
-
-
-@dataclass(frozen=True)
 class PrevEnd:
     reason: str            # time_limit|preemption|node_failure|requeue_by_hand|crash|none
     source: str            # session|sacct|scontrol|none
@@ -49,27 +39,6 @@ class PrevEnd:
 
     def to_dict(self) -> dict[str, Any]:
         return {"reason": self.reason, "source": self.source, "detail": self.detail}
-
-
-def sacct_job_argv(job_id: str) -> list[str]:
-    return ["sacct", "-X", "-D", "-P", "-n", "-j", job_id, "--format=" + ",".join(SACCT_FIELDS)]
-
-
-def parse_job_attempts(text: str, job_id: str) -> list[SlurmAttempt]:
-    """``sacct -X -D -P -n`` rows of one job, oldest attempt first (array tasks: ``A_T`` ids)."""
-    rows = []
-    for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) < len(SACCT_FIELDS) or parts[0] != job_id:
-            continue
-        state = parts[1].split()[0] if parts[1] else ""   # "CANCELLED by 0" -> CANCELLED
-        try:
-            start, end = parse_time(parts[2]), parse_time(parts[3])
-        except ValueError:
-            start, end = None, None
-        rows.append(SlurmAttempt(state, start, end, parts[4]))
-    rows.sort(key=lambda r: (r.start is None, r.start or 0.0))
-    return rows
 
 
 def previous_records(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -146,6 +115,8 @@ def steps_lost(prev_records: Sequence[dict[str, Any]], resumed_step: int | None)
 # Restarts that follow the session's own announced stop (the --signal warning of a time limit, a
 # preemption) are the job working as intended; these are the ones --max-requeues counts.
 UNANNOUNCED = ("node_failure", "crash", "requeue_by_hand")
+# Stops that Slurm itself follows with a requeue (of a --requeue job): the session must not add one.
+SLURM_REQUEUES = ("requeue_by_hand", "node_failure")
 # Time a stop keeps back for `scontrol requeue` (with its retries' first wait) and the exit.
 REQUEUE_ALLOWANCE_S = 3.0
 # The lead of coci-submit's and the templates' --signal (USR2@90) when the session is not told one.
@@ -260,7 +231,8 @@ def stop_reason(signal_name: str, job: JobState | None, *, now_wall: float, sign
                         f"the job is down; Slurm requeues a --requeue job)", False, end)
     if job.restarts > restart_count:
         return StopPlan("requeue_by_hand", f"SIGTERM; Slurm: Restarts={job.restarts} > this attempt's "
-                        f"{restart_count} (requeued from outside)", False, end)
+                        f"{restart_count} (requeued from outside: scontrol requeue, or a node failure Slurm requeues)",
+                        False, end)
     return StopPlan("cancelled", f"SIGTERM; Slurm: JobState={job.state}, PreemptTime=None (scancel or "
                     f"ended by Slurm): not requeued", False, end)
 

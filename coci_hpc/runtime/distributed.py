@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from coci_hpc.comm import Comm
-from coci_hpc.slurm.accounting import expand_hostlist
+from coci_hpc.errors import UsageError
 from coci_hpc.slurm.env import JobEnvironment
+from coci_hpc.slurm.hostlist import expand_hostlist
 
 
 @dataclass(frozen=True)
@@ -79,3 +80,31 @@ def init_distributed(backend: str | None = None, comm: Comm | None = None) -> Di
         dist.init_process_group(backend, init_method=f"tcp://{values['MASTER_ADDR']}:{values['MASTER_PORT']}",
                                 rank=rank, world_size=world)
     return DistInfo(rank, world, local, backend, source)
+
+
+def default_comm(environ: Mapping[str, str] | None = None) -> Comm:
+    """The world the Session runs in: MPI's when launched by MPI; a torch.distributed group of 2+
+    ranks (DDP without MPI); else one process.
+
+    The launcher's own ``WORLD_SIZE`` (torchrun) wins over a one-rank MPI world: a script that
+    imports mpi4py under torchrun gets a singleton MPI world of 1 on every process, and each of
+    them would take itself for the only rank."""
+    env = os.environ if environ is None else environ
+    world = Comm.world()
+    try:
+        launcher_size = int(env.get("WORLD_SIZE") or 0)
+    except ValueError:
+        launcher_size = 0
+    if world.is_mpi and not (world.size == 1 and launcher_size > 1):
+        return world
+    from coci_hpc.comm_torch import TorchComm
+    group = TorchComm.if_distributed()
+    if group is not None:
+        return group
+    if launcher_size > 1:
+        raise UsageError(f"WORLD_SIZE={launcher_size} (torchrun or your launcher) but this process sees a "
+                         f"world of 1 ({'MPI singleton' if world.is_mpi else 'no MPI'}) and no torch.distributed "
+                         f"process group",
+                         hint="call coci_hpc.init_distributed() (or torch.distributed.init_process_group) "
+                              "before Session(), or launch with srun/mpiexec")
+    return world

@@ -224,6 +224,14 @@ class CheckpointSchedule(_Measured):
             if self.ckpt_costs:
                 self._replan()
 
+    def use_failure_model(self, model: FailureModel) -> None:
+        """Rank 0: a failure model that arrived after the start (the partition's history, read in
+        the background); the plan is remade from the last checkpoint, the loss fit is kept."""
+        self.failure_model = model
+        if self.comm.rank == 0 and self.planner is not None:
+            self.planner.failure_model = model
+            self._replan()
+
     # -- planning ------------------------------------------------------------------------------------
     def _replan(self) -> None:
         """Plan from the last checkpoint, not from now: a re-plan must not postpone protection."""

@@ -29,6 +29,7 @@ from coci_hpc.errors import InputFormatError, PlannerError, UsageError
 from coci_hpc.planner import failures as fmod
 from coci_hpc.planner.failures import FailureEvent, FailureModel, merge_events
 from coci_hpc.slurm.commands import Runner, run_command
+from coci_hpc.slurm.hostlist import expand_hostlist
 
 # Exact command lines (the lead captures tests/fixtures/slurm/real_*.txt with these, plus the
 # window arguments added by sacct_argv / sacctmgr_event_argv).
@@ -49,56 +50,6 @@ ANNOUNCED_STATES = ("PREEMPTED", "TIMEOUT", "DEADLINE")
 UNANNOUNCED_JOB_STATES = ("NODE_FAIL",)
 DEFAULT_WINDOW_DAYS = 30.0
 
-
-
-def expand_hostlist(expr: str) -> list[str]:
-    """Expand a Slurm hostlist: ``n[1-3,5]``, ``gpu[01-02]-ib[1-2]``, ``a1,b[2-3]``."""
-    expr = expr.strip()
-    if not expr or expr.lower() in ("none", "none assigned", "(null)"):
-        return []
-    parts, depth, cur = [], 0, ""
-    for ch in expr:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in hostlist {expr!r}")
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    if depth != 0:
-        raise ValueError(f"unbalanced '[' in hostlist {expr!r}")
-    parts.append(cur)
-    out: list[str] = []
-    for p in parts:
-        if p:
-            out.extend(_expand_one(p))
-    return out
-
-
-def _expand_one(p: str) -> list[str]:
-    m = re.search(r"\[([^\]]*)\]", p)
-    if not m:
-        if "[" in p or "]" in p:
-            raise ValueError(f"bad hostlist element {p!r}")
-        return [p]
-    head, body, tail = p[:m.start()], m.group(1), p[m.end():]
-    items: list[str] = []
-    for rng in body.split(","):
-        if re.fullmatch(r"\d+", rng):
-            items.append(rng)
-        elif re.fullmatch(r"\d+-\d+", rng):
-            a, b = rng.split("-")
-            if int(b) < int(a):
-                raise ValueError(f"descending range {rng!r}")
-            width = len(a) if a.startswith("0") else 0
-            items.extend(str(i).zfill(width) for i in range(int(a), int(b) + 1))
-        else:
-            raise ValueError(f"bad range {rng!r} in hostlist")
-    return [head + it + rest for it in items for rest in _expand_one(tail)]
 
 
 def parse_time(text: str) -> float | None:
@@ -414,7 +365,8 @@ def build_model(hist: History, window_start_s: float, window_end_s: float, *,
         exposure = hist.job_node_seconds_in(window_start_s, window_end_s)
         basis = f"job node-hours inside the window from {len(hist.jobs)} job record(s)"
     model = fmod.estimate(incidents, exposure, confidence=confidence, basis=basis,
-                          n_records=len(recs))
+                          n_records=len(recs),
+                          cluster_nodes=max(cluster_nodes, 1) if have_events else None)
     by_node: Counter = Counter(n for e in recs for n in e.nodes)
     announced = Counter(j.state for j in hist.jobs if j.state in ANNOUNCED_STATES
                         and j.end_s is not None and window_start_s <= j.end_s <= window_end_s + 1)

@@ -6,6 +6,7 @@ import subprocess
 from typing import Callable, Sequence
 
 from coci_hpc.errors import SlurmError
+from coci_hpc.slurm.timefmt import printed_s
 
 Runner = Callable[[Sequence[str]], str]
 
@@ -23,6 +24,12 @@ def run_command(argv: Sequence[str], timeout: float = 60.0) -> str:
     if p.returncode != 0:
         raise SlurmError(f"`{' '.join(argv)}` failed (exit {p.returncode}): {(p.stderr or p.stdout).strip()}")
     return p.stdout
+
+
+def partition_names(runner: Runner = run_command) -> list[str]:
+    """The cluster's partition names, from ``sinfo`` (the default one without its ``*``)."""
+    out = runner(["sinfo", "-h", "-o", "%P"])
+    return sorted({p.strip().rstrip("*") for p in out.split() if p.strip()})
 
 
 def requeue(job_id: str, runner: Runner = run_command) -> None:
@@ -63,21 +70,4 @@ def step_active(job_id: str, step_id: str, runner: Runner = run_command) -> bool
 def time_left_s(job_id: str, runner: Runner = run_command) -> float | None:
     """Seconds until the job's time limit, from Slurm (``squeue %L``); None when unlimited or unknown."""
     out = runner(["squeue", "-h", "-j", job_id, "-o", "%L"]).strip()
-    return parse_duration(out)
-
-
-def parse_duration(text: str) -> float | None:
-    """Slurm's ``[days-]hours:minutes:seconds`` / ``minutes:seconds`` -> seconds; UNLIMITED/INVALID -> None."""
-    text = text.strip()
-    if not text or text.upper() in ("UNLIMITED", "INVALID", "NOT_SET"):
-        return None
-    days = 0
-    parts = [float(x) for x in text.split("-", 1)[-1].split(":")]
-    if "-" in text:
-        days = int(text.split("-", 1)[0])
-        while len(parts) < 3:       # days-hours[:minutes[:seconds]]: the fields after the day are hours first
-            parts.append(0.0)
-    while len(parts) < 3:           # [[hours:]minutes:]seconds, as squeue prints %L
-        parts.insert(0, 0.0)
-    h, m, s = parts[-3:]
-    return days * 86400 + h * 3600 + m * 60 + s
+    return printed_s(out)

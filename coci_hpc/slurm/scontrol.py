@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass
 
 from coci_hpc.slurm.accounting import parse_time
-from coci_hpc.slurm.commands import Runner, parse_duration, run_command
+from coci_hpc.slurm.commands import Runner, run_command
+from coci_hpc.slurm.timefmt import printed_s
 
 DEFAULT_KILL_WAIT_S = 30.0     # Slurm's default KillWait, when the config cannot be read
 
@@ -89,7 +90,7 @@ def parse_grace_time(text: str) -> float:
         raise ValueError(f"no GraceTime in `scontrol show partition` output: {text[:200]!r}")
     if raw.isdigit():
         return float(raw)
-    secs = parse_duration(raw)
+    secs = printed_s(raw)
     return 0.0 if secs is None else secs
 
 

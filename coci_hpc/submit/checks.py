@@ -23,16 +23,10 @@ def check_script(script: Path) -> None:
         raise UsageError(f"training script {script} is not a file", hint="give the .py file, not a directory")
 
 
-def partitions(runner: commands.Runner = commands.run_command) -> list[str]:
-    """The cluster's partition names, from ``sinfo`` (the default one without its ``*``)."""
-    out = runner(["sinfo", "-h", "-o", "%P"])
-    return sorted({p.strip().rstrip("*") for p in out.split() if p.strip()})
-
-
 def check_partition(partition: str | None, runner: commands.Runner = commands.run_command) -> None:
     """An unknown partition names the real ones. None (the cluster's default) still needs Slurm up."""
     try:
-        names = partitions(runner)
+        names = commands.partition_names(runner)
     except SlurmError as exc:
         raise SlurmError(f"cannot list the cluster's partitions: {exc.message}",
                          hint=exc.hint or "is slurmctld up? (`scontrol ping`; the local cluster: "

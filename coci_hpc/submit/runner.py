@@ -40,6 +40,8 @@ class EarlySignals:
     else happens (the script ends or Slurm ends it).
     """
 
+    coci_placeholder = True     # runtime.signals.after_session: after the Session, the default action
+
     def __init__(self, signals: tuple[int, ...] = OWNED_SIGNALS, poll_s: float = 0.05) -> None:
         self.signals = signals
         self.poll_s = poll_s
@@ -121,13 +123,22 @@ class ScriptRunner:
             if exc.code in (None, 0):
                 return 0
             raise
-        except BaseException:
+        except BaseException as exc:
+            _record_uncaught(exc)
             _abort_other_ranks()
             raise
         return 0
 
     def __repr__(self) -> str:
         return f"ScriptRunner({self.script!r}, args={list(self.args)!r})"
+
+
+def _record_uncaught(exc: BaseException) -> None:
+    """The script's exception is the attempt's end in the event log (submitit catches it, so
+    sys.excepthook never sees it). Only when the script started a Session."""
+    session = sys.modules.get("coci_hpc.session")
+    if session is not None:
+        session.record_uncaught(exc)
 
 
 def _abort_other_ranks() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
@@ -15,58 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coci_hpc.errors import UsageError
-
-# Slurm's --time formats (sbatch(1)): "minutes", "minutes:seconds", "hours:minutes:seconds",
-# "days-hours", "days-hours:minutes", "days-hours:minutes:seconds".
-_TIME_FORMATS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
-_UNLIMITED = ("INFINITE", "UNLIMITED")
-
-
-def parse_slurm_time(text: str) -> int | None:
-    """Slurm's ``--time`` value -> whole minutes (None = no limit).
-
-    Seconds are rounded up to the next minute, as slurmctld does (its limits are in minutes).
-    """
-    s = text.strip()
-    if s.upper() in _UNLIMITED:
-        return None
-    m = re.fullmatch(r"(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?", s)
-    if m:
-        days, hours, mins, secs = (int(g) if g is not None else 0 for g in m.groups())
-        if hours > 23 or mins > 59 or secs > 59:
-            raise _bad_time(text)
-    else:
-        parts = s.split(":")
-        if not all(p.isdigit() for p in parts) or len(parts) > 3:
-            raise _bad_time(text)
-        nums = [int(p) for p in parts]
-        days = 0
-        if len(nums) == 1:
-            hours, mins, secs = 0, nums[0], 0
-        elif len(nums) == 2:
-            hours, (mins, secs) = 0, nums
-            if secs > 59:
-                raise _bad_time(text)
-        else:
-            hours, mins, secs = nums
-            if mins > 59 or secs > 59:
-                raise _bad_time(text)
-    total_s = ((days * 24 + hours) * 60 + mins) * 60 + secs
-    if total_s <= 0:
-        raise UsageError(f"--time {text!r} is zero", hint=f"give a positive limit ({_TIME_FORMATS})")
-    return math.ceil(total_s / 60)
-
-
-def _bad_time(text: str) -> UsageError:
-    return UsageError(f"--time {text!r} is not a Slurm time",
-                      hint=f"use one of Slurm's formats: {_TIME_FORMATS} (e.g. --time 2:00:00)")
-
-
-def format_minutes(minutes: int) -> str:
-    """Whole minutes -> ``D-HH:MM:SS`` (how the history and dry run show a limit)."""
-    d, rem = divmod(minutes, 24 * 60)
-    h, m = divmod(rem, 60)
-    return f"{d}-{h:02d}:{m:02d}:00" if d else f"{h:02d}:{m:02d}:00"
+from coci_hpc.slurm.timefmt import limit_min
 
 
 def parse_array(text: str) -> tuple[int, int | None]:
@@ -289,7 +237,7 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
                          hint="use pmix (default), pmi2 or none (see `srun --mpi=list`)")
     if validate_policy is not None:
         validate_policy(policy)
-    time_min = parse_slurm_time(time) if time is not None else None
+    time_min = limit_min(time) if time is not None else None
     if time_min is not None and signal_lead * 2 > time_min * 60:
         raise UsageError(f"--signal-lead {signal_lead}s is more than half of --time {time}",
                          hint="lower --signal-lead or raise --time: the job must train between warnings")

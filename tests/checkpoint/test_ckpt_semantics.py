@@ -17,7 +17,7 @@ from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.launch import check_launch
 from coci_hpc.checkpoint.lock import LOCK_FILE, CheckpointLocked, DirectoryLock, Holder, is_stale
 from coci_hpc.comm import Comm
-from coci_hpc.errors import CheckpointError, CommError, UsageError
+from coci_hpc.errors import CheckpointCorrupt, CheckpointError, CommError, UsageError
 from coci_hpc.slurm.env import JobEnvironment
 from tests.checkpoint.helpers import canonical, full_state
 
@@ -98,6 +98,38 @@ def test_an_optimizer_loaded_before_a_refusal_is_rolled_back(tmp_path):
     target["loader"] = ResumableSampler(100, seed=2)
     mgr.load(1, target)                                      # the same objects load fine afterwards
     assert canonical(target["optimizer"]) == canonical(full_state(1)["optimizer"])
+
+
+def _ptrs(state):
+    opt = state["optimizer"]
+    return ([p.data_ptr() for p in state["model"].parameters()] +
+            [v.data_ptr() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)])
+
+
+def test_a_load_fills_the_states_own_tensors_after_checking_every_shard(tmp_path):
+    """Issue 15: the checked bytes go into the model's and the optimizer's own tensors (no fresh
+    memory per tensor, which cost more than the read itself), yet a shard that fails its CRC
+    anywhere, even the last one read, still leaves every tensor as it was."""
+    mgr = CheckpointManager(tmp_path, comm=None)
+    mgr.save(1, full_state(1))
+    target = full_state(2)
+    ptrs = _ptrs(target)
+    mgr.load(1, target)
+    assert canonical(target) == canonical(full_state(1))
+    assert _ptrs(target) == ptrs                             # the same buffers, now holding step 1
+
+    m = json.loads((mf.step_dir(tmp_path, 1) / mf.MANIFEST).read_text())
+    last = max((t for t in m["tensors"] if t["nbytes"]), key=lambda t: t["offset"])
+    with open(mf.step_dir(tmp_path, 1) / mf.DATA_FILE, "r+b") as f:
+        f.seek(last["offset"] + last["nbytes"] - 1)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    target = full_state(2)
+    before = canonical(target)
+    with pytest.raises(CheckpointCorrupt, match="fails its checksum"):
+        mgr.load(1, target)
+    assert canonical(target) == before
 
 
 # --------------------------------------------------------------------- skeleton checks (#12)

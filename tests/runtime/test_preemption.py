@@ -9,7 +9,6 @@ import pytest
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CommError, SlurmError
 from coci_hpc.runtime.preemption import PreemptionGuard, SignalRecorder
-from coci_hpc.slurm.commands import parse_duration
 from coci_hpc.slurm.env import JobEnvironment
 
 
@@ -21,13 +20,6 @@ def test_job_environment_reads_the_table_and_types_values() -> None:
     assert JobEnvironment.from_env({}).in_slurm_job is False
     arr = JobEnvironment.from_env({"SLURM_JOB_ID": "43", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "3"})
     assert arr.requeue_id == "40_3"
-
-
-@pytest.mark.parametrize("text,seconds", [("1-02:03:04", 93784), ("02:03:04", 7384), ("3:04", 184),
-                                          ("1-12", 129600), ("1-12:30", 131400),  # D-HH, D-HH:MM
-                                          ("UNLIMITED", None), ("", None)])
-def test_parse_duration(text: str, seconds: float | None) -> None:
-    assert parse_duration(text) == seconds
 
 
 def test_recorder_only_records_and_restores_previous_handler() -> None:

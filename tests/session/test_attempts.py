@@ -7,28 +7,13 @@ import pytest
 
 from coci_hpc.runtime import attempts as att
 from coci_hpc.slurm import scontrol
+from coci_hpc.slurm.sacct import SlurmAttempt
 from coci_hpc.slurm.scontrol import JobState
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures" / "slurm"
 
-JOB = "41"
-SACCT = """41|PREEMPTED|2026-11-22T10:00:00|2026-11-22T10:00:09|n[1-2]
-41|NODE_FAIL|2026-11-22T10:00:30|2026-11-22T10:01:00|n[1-2]
-41|CANCELLED by 0|2026-11-22T10:01:40|2026-11-22T10:01:50|n1
-41|RUNNING|2026-11-22T10:02:10|Unknown|n[1-2]
-41.batch|RUNNING|2026-11-22T10:02:10|Unknown|n1
-"""
-
-
 def _stop(attempt: int, reason: str = "preemption") -> dict:
     return {"event": "stop", "attempt": attempt, "wall": 100.0, "step": 30, "reason": reason, "signal": "SIGUSR2"}
-
-
-def test_parse_job_attempts_keeps_the_job_rows_in_order() -> None:
-    rows = att.parse_job_attempts(SACCT, JOB)
-    assert [r.state for r in rows] == ["PREEMPTED", "NODE_FAIL", "CANCELLED", "RUNNING"]
-    assert rows[1].end is not None and rows[3].end is None
-    assert att.sacct_job_argv("7_1")[-2:] == ["7_1", "--format=JobID,State,Start,End,NodeList"]
 
 
 @pytest.mark.parametrize("records,state,expected", [
@@ -44,7 +29,7 @@ def test_parse_job_attempts_keeps_the_job_rows_in_order() -> None:
     ([_stop(1)], "NODE_FAIL", ("node_failure", "sacct")),               # the node died during the stop
 ])
 def test_previous_attempt_in_the_same_job(records: list, state: str, expected: tuple) -> None:
-    prev = att.SlurmAttempt(state, 0.0, 50.0, "n1")
+    prev = SlurmAttempt(state, 0.0, 50.0, "n1")
     got = att.classify_previous(records, prev, restart_count=1)
     assert (got.reason, got.source) == expected
     assert got.end_wall == (100.0 if got.source == "session" else 50.0)

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,11 +65,16 @@ def story() -> list[dict]:
     ]
 
 
+def _t(wall: float) -> str:
+    """sacct's local time of T0 + wall."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(T0 + wall))
+
+
 SACCT = "\n".join([
-    "77|PREEMPTED|2026-11-22T10:00:00|2026-11-22T10:00:25|n[1-2]",
-    "77|NODE_FAIL|2026-11-22T10:00:50|2026-11-22T10:01:40|n[1-2]",
-    "77|TIMEOUT|2026-11-22T10:02:00|2026-11-22T10:02:20|n[1,3]",
-    "77|COMPLETED|2026-11-22T10:02:50|2026-11-22T10:03:10|n[1-2]",
+    f"77|PREEMPTED|{_t(-2)}|{_t(26)}|n[1-2]",
+    f"77|NODE_FAIL|{_t(48)}|{_t(100)}|n[1-2]",
+    f"77|TIMEOUT|{_t(118)}|{_t(141)}|n[1,3]",
+    f"77|COMPLETED|{_t(168)}|{_t(191)}|n[1-2]",
 ]) + "\n"
 
 
@@ -130,3 +138,61 @@ def test_no_event_log(tmp_path: Path, capsys) -> None:
     assert main([str(tmp_path), "--no-sacct"]) == 2
     err = capsys.readouterr().err
     assert "no event log" in err and "array run" in err and "task3" in err
+
+
+# -- issue 12, item 11 ------------------------------------------------------------------------------
+def test_attempts_are_matched_to_sacct_rows_by_time(run_dir: Path) -> None:
+    # An attempt that died before its Session wrote anything (FAILED at 30-40 s) sits between the
+    # first and second logged attempts: by position every later attempt would get its neighbour's row.
+    rows = SACCT.splitlines()
+    extra = "\n".join([rows[0], f"77|FAILED|{_t(30)}|{_t(40)}|n[1-2]", *rows[1:]]) + "\n"
+    h = history.load(run_dir, runner=lambda argv: extra)
+    assert [a.sacct_state for a in h.attempts] == ["PREEMPTED", "NODE_FAIL", "TIMEOUT", "COMPLETED"]
+
+
+def test_array_tasks_are_asked_as_sacct_knows_them(tmp_path: Path) -> None:
+    # SLURM_JOB_ID of an array task (91) is not what `sacct -j` lists (90_1): ask for the A_T id.
+    none = {"reason": "none", "source": "none", "detail": "first attempt"}
+    (tmp_path / "events.jsonl").write_text(json.dumps(_rec("attempt_start", 1, 0, job="91", slurm_id="90_1",
+                                                           prev_end=none, nodes=["n1"], ranks=1)) + "\n"
+                                           + json.dumps(_rec("end", 1, 30, job="91", step=60,
+                                                             status="completed", message="")) + "\n")
+    asked = []
+
+    def sacct(argv):
+        asked.append(argv[argv.index("-j") + 1])
+        return f"90_1|COMPLETED|{_t(-1)}|{_t(31)}|n1\n" if "90_1" in argv else ""
+    h = history.load(tmp_path, runner=sacct)
+    assert asked == ["90_1"] and h.attempts[0].sacct_state == "COMPLETED"
+
+
+def test_a_cancelled_run_is_not_running(tmp_path: Path) -> None:
+    none = {"reason": "none", "source": "none", "detail": "first attempt"}
+    (tmp_path / "events.jsonl").write_text(
+        json.dumps(_rec("attempt_start", 1, 0, prev_end=none, nodes=["n1"], ranks=1)) + "\n"
+        + json.dumps(_losses(1, 20, 0, 40)) + "\n")
+    h = history.load(tmp_path, runner=lambda argv: f"77|CANCELLED by 0|{_t(-1)}|{_t(25)}|n1\n")
+    assert h.status == "cancelled" and h.attempts[0].ended == "cancelled"
+    assert history.load(tmp_path, runner=lambda argv: f"77|RUNNING|{_t(-1)}|Unknown|n1\n").status == "running"
+
+
+def test_the_table_is_printed_when_the_png_cannot_be_written(run_dir: Path, capsys) -> None:
+    assert main([str(run_dir), "--no-sacct", "--png", "/proc/no-such-dir/history.png"]) == 0
+    out, err = capsys.readouterr()
+    assert "4 attempt(s), job(s) 77, status completed at step 400" in out
+    assert "loss plot not written to /proc/no-such-dir/history.png" in err and "--no-png" in err
+
+
+def test_an_exception_in_the_users_loop_is_the_attempts_end(tmp_path: Path) -> None:
+    script = ("import torch, coci_hpc\n"
+              "m = torch.nn.Linear(2, 1)\n"
+              f"s = coci_hpc.Session({{'model': m}}, 50, ckpt_dir={str(tmp_path)!r}, policy='fixed:10')\n"
+              "for step in s.steps():\n"
+              "    if step == 12:\n"
+              "        raise ValueError('bad batch at 12')\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert p.returncode == 1 and "bad batch at 12" in p.stderr
+    h = history.load(tmp_path, use_sacct=False)
+    assert h.status == "error" and h.attempts[0].ended == "error" and h.final_step == 12
+    assert "ValueError: bad batch at 12" in h.message

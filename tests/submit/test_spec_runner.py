@@ -1,4 +1,5 @@
-"""The pure spec (Slurm time formats, arrays, pass-through options) and the in-process script runner."""
+"""The pure spec (arrays, pass-through options) and the in-process script runner (time formats:
+tests/slurm/test_timefmt.py)."""
 from __future__ import annotations
 
 import os
@@ -10,29 +11,9 @@ from pathlib import Path
 import pytest
 
 from coci_hpc.errors import UsageError
-from coci_hpc.submit.spec import build_spec, executor_parameters, parse_array, parse_sbatch_arg, parse_slurm_time
+from coci_hpc.submit.spec import build_spec, executor_parameters, parse_array, parse_sbatch_arg
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.mark.parametrize("text,minutes", [
-    ("30", 30), ("30:00", 30), ("0:30", 1), ("5:01", 6), ("2:00:00", 120), ("1-0", 1440), ("1-12", 2160),
-    ("1-2:30", 1590), ("1-02:30:30", 1591), ("90", 90), ("0:0:59", 1), (" 10 ", 10),
-])
-def test_slurm_time_formats(text: str, minutes: int) -> None:
-    assert parse_slurm_time(text) == minutes
-
-
-@pytest.mark.parametrize("text", ["INFINITE", "unlimited"])
-def test_unlimited_time(text: str) -> None:
-    assert parse_slurm_time(text) is None
-
-
-@pytest.mark.parametrize("text", ["", "1h", "1:2:3:4", "1-24", "1-1:60", "10:60", "1:60:00", "-1", "0", "0:00", "1.5"])
-def test_bad_slurm_time(text: str) -> None:
-    with pytest.raises(UsageError) as e:
-        parse_slurm_time(text)
-    assert e.value.hint and ("Slurm" in e.value.hint or "positive" in e.value.hint)
 
 
 def test_array_forms() -> None:

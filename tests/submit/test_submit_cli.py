@@ -140,6 +140,12 @@ def test_slurm_unreachable(fake_slurm, capsys) -> None:
 @pytest.mark.parametrize("argv,pattern", [
     (["--sbatch-arg", "signal=USR1@10"], r"sets --signal, which coci-submit manages"),
     (["--sbatch-arg=--time=5"], r"sets --time"),
+    (["--sbatch-arg=-t=10"], r"sets --time"),
+    (["--sbatch-arg", "sig=USR1@60"], r"sets --signal"),
+    (["--sbatch-arg", "par=gpu"], r"is ambiguous: it abbreviates --parsable, --partition"),
+    (["--gpus-per-node", "1", "--sbatch-arg", "gres=gpu:1"], r"conflicts with coci-submit's --gpus-per-node"),
+    (["--mem", "4G", "--sbatch-arg", "mem-per-cpu=1G"], r"conflicts with coci-submit's --mem"),
+    (["--sbatch-arg", "ntasks=4"], r"sets --ntasks, which coci-submit manages"),
     (["--sbatch-arg", "bad key"], r"is not an sbatch option"),
     (["--array", "1,3,5"], r"--array '1,3,5' is not supported"),
     (["--policy", "often"], r"unknown policy 'often'"),
