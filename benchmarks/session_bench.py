@@ -85,11 +85,11 @@ def worker(a: argparse.Namespace) -> None:
             s.observe(train_step())
         return a.steps / (marks[-1] - marks[0]), float(np.median(np.diff(marks)))
 
-    def boundary_cost_us(n: int = 5000) -> float:
+    def boundary_cost_us(n: int = 5000, survivors: bool = True) -> float:
         """The session's own cost per step: an empty loop body under the session (2 ranks: includes
         the allreduce latency), minus the same empty loop bare. Robust to foreign load."""
-        s = coci_hpc.Session({"model": model}, n, ckpt_dir=Path(a.tmp) / "empty", policy=f"fixed:{10 * n}",
-                             environ={})
+        s = coci_hpc.Session({"model": model, "optimizer": opt}, n, ckpt_dir=Path(a.tmp) / f"empty{survivors}",
+                             policy=f"fixed:{10 * n}", environ={}, survivors=survivors)
         loss = torch.tensor(1.0)
         for step in s.steps():
             if step == 100:
@@ -110,11 +110,17 @@ def worker(a: argparse.Namespace) -> None:
         rounds.append({"bare_steps_s": b, "session_steps_s": s, "ratio": s / b,
                        "bare_median_step_ms": 1000 * bm, "session_median_step_ms": 1000 * sm,
                        "median_step_ratio": bm / sm})
+    # With the survivors' partner copy (the default) and without it, side by side. The empty body
+    # calls no optimizer.step(), so the copy is taken at the boundary: the same work per step.
+    cost_bare_session = boundary_cost_us(survivors=False)
     cost = boundary_cost_us()
     step_ms = statistics.median(x["bare_median_step_ms"] for x in rounds)
     if dist.rank == 0:
         print(json.dumps({"ranks": dist.world_size, "boundary_cost_us": cost,
-                          "ratio_from_cost": step_ms / (step_ms + cost / 1000), "hidden": a.hidden, "batch": a.batch, "rounds": rounds,
+                          "ratio_from_cost": step_ms / (step_ms + cost / 1000),
+                          "boundary_cost_no_partner_us": cost_bare_session,
+                          "ratio_from_cost_no_partner": step_ms / (step_ms + cost_bare_session / 1000),
+                          "hidden": a.hidden, "batch": a.batch, "rounds": rounds,
                           "step_time_ms": statistics.median(x["bare_median_step_ms"] for x in rounds),
                           "ratio": statistics.median(x["ratio"] for x in rounds),
                           "median_step_ratio": statistics.median(x["median_step_ratio"] for x in rounds)}),
@@ -177,12 +183,14 @@ def main() -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps({"benchmark": "session_overhead", "results": results}, indent=1))
     print(f"\n{'ranks':>5} {'step ms':>8} {'bare steps/s':>13} {'session steps/s':>16} {'ratio':>7} "
-          f"{'median-step ratio':>18} {'session us/step':>16} {'ratio from cost':>16}  (medians over rounds)")
+          f"{'median-step ratio':>18} {'session us/step':>16} {'ratio from cost':>16} {'no-partner us/step':>19} "
+          f"{'ratio from cost, no partner':>28}  (medians over rounds)")
     for r in results:
         b = statistics.median(x["bare_steps_s"] for x in r["rounds"])
         s = statistics.median(x["session_steps_s"] for x in r["rounds"])
         print(f"{r['ranks']:>5} {r['step_time_ms']:>8.1f} {b:>13.1f} {s:>16.1f} {r['ratio']:>7.4f} "
-              f"{r['median_step_ratio']:>18.4f} {r['boundary_cost_us']:>16.1f} {r['ratio_from_cost']:>16.5f}")
+              f"{r['median_step_ratio']:>18.4f} {r['boundary_cost_us']:>16.1f} {r['ratio_from_cost']:>16.5f} "
+              f"{r['boundary_cost_no_partner_us']:>19.1f} {r['ratio_from_cost_no_partner']:>28.5f}")
     return 0
 
 

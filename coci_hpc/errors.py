@@ -93,6 +93,11 @@ class CommError(CociError):
         self.failed_ranks = dict(failed_ranks or {})
 
 
+class PeerLost(CommError):
+    """A peer rank vanished (crashed, killed, its node gone): a collective did not complete within
+    its deadline, or the transport reported the peer gone. The survivors save without it."""
+
+
 class GaveUpError(CociError):
     """A training session stopped for good: too many requeues, or restarts that make no progress."""
 

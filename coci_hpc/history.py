@@ -36,6 +36,9 @@ class Attempt:
     checkpoints: list[int] = field(default_factory=list)
     sacct_state: str | None = None
     sacct_id: str | None = None               # what sacct knows the job as (array task: A_T)
+    # Set when this attempt was started by coci-submit's relaunch loop inside the same allocation
+    # (--spare-nodes): why, where, and the latency split (detect, process start, restore).
+    in_place: dict[str, Any] | None = None
 
 
 @dataclass
@@ -50,6 +53,9 @@ class RunHistory:
     final_step: int | None
     message: str
     sacct_note: str | None = None            # why Slurm's record is missing, when it is
+    # A peer rank lost mid-run: attempt, step saved by the survivors (or why not), seconds from
+    # the failure to the commit, the lost ranks, the steps the next attempt repeated.
+    peer_losses: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def steps_lost_total(self) -> int:
@@ -80,6 +86,9 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
     loss_pts: list[tuple[int, float, int]] = []
     status, final_step, message = "running", None, ""
     stops: dict[int, dict[str, Any]] = {}
+    peer_losses: list[dict[str, Any]] = []
+    relaunches: dict[int, dict[str, Any]] = {}   # failed attempt -> the relaunch loop's record
+    resumed_wall: dict[int, float] = {}
     for e in events:
         n, ev = int(e.get("attempt") or 0), e.get("event")
         if ev == "attempt_start":
@@ -90,8 +99,11 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
                 sacct_id=e.get("slurm_id") or e.get("job_id"))
             continue
         a = attempts.get(n)
-        if ev == "resumed" and a is not None:
+        if ev == "relaunch":
+            relaunches[n] = e
+        elif ev == "resumed" and a is not None:
             a.restart_latency_s = e.get("restart_latency_s")
+            resumed_wall[n] = float(e.get("wall") or 0.0)
         elif ev == "checkpoint":
             checkpoints.append({"step": e.get("step"), "kind": e.get("kind"), "attempt": n,
                                 "blocking_s": e.get("blocking_s"), "persist_s": e.get("persist_s")})
@@ -102,6 +114,17 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
                 loss_pts.append((int(s), v, n))
         elif ev == "stop":
             stops[n] = e
+        elif ev == "peer_lost":
+            fail, commit = e.get("failure_wall"), e.get("commit_wall")
+            peer_losses.append({"attempt": n, "step": e.get("step"), "committed": bool(e.get("committed")),
+                                "after_failure_s": (commit - fail) if commit and fail else None,
+                                "lost_ranks": e.get("lost_ranks"), "reason": e.get("reason") or "",
+                                "fallback_step": e.get("fallback_step"), "steps_lost": None})
+            if e.get("committed"):
+                checkpoints.append({"step": e.get("step"), "kind": "survivors", "attempt": n,
+                                    "blocking_s": None, "persist_s": e.get("save_s")})
+                if a is not None and e.get("step") is not None:
+                    a.checkpoints.append(int(e["step"]))
         elif ev == "end":
             status, final_step, message = str(e.get("status")), e.get("step"), str(e.get("message") or "")
             if a is not None:
@@ -111,6 +134,23 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
         reason = nxt.prev_end.get("reason")
         if reason:
             prev.ended, prev.ended_source = str(reason), str(nxt.prev_end.get("source") or "")
+    for prev, nxt in zip(ordered, ordered[1:]):
+        r = relaunches.get(prev.attempt)
+        if r is None or r.get("action") != "relaunch":
+            continue
+        lost = "node_failure" if "lost" in str(r.get("reason")) else "crash"
+        prev.ended, prev.ended_source = f"{lost} (restarted in place)", "relaunch"
+        start, ended, decided = nxt.start_wall, r.get("step_ended_wall"), r.get("decided_wall")
+        res = resumed_wall.get(nxt.attempt)
+        nxt.in_place = {
+            "restart": r.get("restart"), "reason": r.get("reason"), "nodes": r.get("nodes"),
+            # From the failed step's end (srun returned) to the decision: settle time + Slurm queries.
+            "detect_s": decided - ended if decided and ended else None,
+            # From the decision to the Session's attempt_start: srun + interpreter + imports.
+            "process_start_s": start - decided if start and decided else None,
+            "restore_s": res - start if res and start else None,
+            "total_s": res - ended if res and ended else None,
+        }
     for a in ordered:
         if a.ended == "running" and a.attempt in stops:
             s = stops[a.attempt]
@@ -133,11 +173,14 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
                 status = last.sacct_state.lower()
                 last.ended, last.ended_source = status, "sacct"
     loss_pts.sort(key=lambda p: (p[2], p[0]))
+    for pl in peer_losses:
+        after = [x for x in ordered if x.attempt == pl["attempt"] + 1]
+        pl["steps_lost"] = after[0].steps_lost if after else None
     return RunHistory(
         ckpt_dir=ckpt_dir, attempts=ordered, checkpoints=checkpoints,
         loss_steps=[p[0] for p in loss_pts], loss_values=[p[1] for p in loss_pts],
         loss_attempts=[p[2] for p in loss_pts], status=status, final_step=final_step, message=message,
-        sacct_note=sacct_note)
+        sacct_note=sacct_note, peer_losses=peer_losses)
 
 
 # Slurm states after which nothing of the attempt runs any more (REQUEUED and PREEMPTED come back).
@@ -217,7 +260,23 @@ def render_text(h: RunHistory) -> str:
     lines += ["", f"checkpoints: {len(h.checkpoints)} ("
               + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + f"): steps {steps or '-'}"
               + (f"; save stall mean {sum(blocking) / len(blocking):.3f}s" if blocking else "")]
+    for pl in h.peer_losses:
+        if pl["committed"]:
+            lines.append(f"attempt {pl['attempt']}: rank(s) {pl['lost_ranks']} lost; survivors' checkpoint of step "
+                         f"{pl['step']} committed {_s(pl['after_failure_s'])}s after the failure; "
+                         f"steps lost {_i(pl['steps_lost'])}")
+        else:
+            lines.append(f"attempt {pl['attempt']}: a rank was lost after step {pl['step']}; no survivors' "
+                         f"checkpoint ({pl['reason']}); fell back to step {_i(pl['fallback_step'])}; "
+                         f"steps lost {_i(pl['steps_lost'])}")
     lines.append(f"steps lost in total: {h.steps_lost_total}")
+    for a in h.attempts:
+        ip = a.in_place
+        if ip:
+            lines.append(f"attempt {a.attempt}: restarted in place on {','.join(ip.get('nodes') or [])} "
+                         f"(in-place restart {ip.get('restart')}): {_s(ip.get('total_s'))}s = detect "
+                         f"{_s(ip.get('detect_s'))} + start {_s(ip.get('process_start_s'))} + restore "
+                         f"{_s(ip.get('restore_s'), 2)}; {ip.get('reason')}")
     if h.sacct_note:
         lines.append(f"sacct: {h.sacct_note}")
     return "\n".join(lines)
@@ -227,7 +286,8 @@ def render_text(h: RunHistory) -> str:
 _ATTEMPT_COLOURS = ("tab:blue", "tab:cyan", "tab:green", "tab:olive", "tab:gray", "navy", "teal")
 # Colours for why an attempt ended (interruptions on the plot).
 _REASON_COLOURS = {"preemption": "tab:red", "time_limit": "tab:orange", "node_failure": "tab:purple",
-                   "requeue_by_hand": "tab:brown", "crash": "black"}
+                   "requeue_by_hand": "tab:brown", "crash": "black",
+                   "rank_failure": "tab:pink"}
 
 
 def plot(h: RunHistory, path: str | Path) -> Path:

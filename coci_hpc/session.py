@@ -47,7 +47,15 @@ import numpy as np
 from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.checkpoint.state import collect
 from coci_hpc.comm import Comm
-from coci_hpc.errors import CheckpointError, CheckpointOtherRun, CociError, GaveUpError, SlurmError, UsageError
+from coci_hpc.errors import (
+    CheckpointError,
+    CheckpointOtherRun,
+    CociError,
+    GaveUpError,
+    PeerLost,
+    SlurmError,
+    UsageError,
+)
 from coci_hpc.planner.failures import FailureModel, from_mtbf
 from coci_hpc.runtime import attempts as att
 from coci_hpc.runtime import runrecord, signals
@@ -57,7 +65,8 @@ from coci_hpc.runtime.distributed import default_comm
 from coci_hpc.runtime.events import FILENAME, EventLog, last_attempt, read_events
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, requeue_with_retries
 from coci_hpc.runtime.schedule import Schedule, make_schedule
-from coci_hpc.runtime.stepsync import StepSync
+from coci_hpc.runtime.stepsync import MIN_DEADLINE_S, StepSync
+from coci_hpc.runtime.survivors import Survival
 from coci_hpc.slurm import commands, sacct, scontrol
 from coci_hpc.slurm.env import JobEnvironment
 from coci_hpc.slurm.failure_cache import Pending, failure_model_for_job
@@ -100,8 +109,15 @@ class Session:
                  signal_lead_s: float | None = None, comm: Any = None, keep: int = 2,
                  async_save: bool = True, failure_model: FailureModel | None = None,
                  horizon_s: float = 24 * 3600.0, environ: Mapping[str, str] | None = None,
-                 runner: commands.Runner | None = None, resume_from_other_run: bool | None = None) -> None:
+                 runner: commands.Runner | None = None, resume_from_other_run: bool | None = None,
+                 peer_timeout_s: float | None = None, survivors: bool | None = None) -> None:
         self._init_wall = time.time()
+        env = os.environ if environ is None else environ
+        # How long a peer may keep the step agreement waiting before it counts as lost (at least
+        # this, and 10 typical steps); survivors' saves on a peer loss (COCI_SURVIVORS=0: off).
+        self._min_deadline = float(peer_timeout_s if peer_timeout_s is not None
+                                   else env.get("COCI_PEER_TIMEOUT_S", MIN_DEADLINE_S))
+        self._survivors = survivors if survivors is not None else env.get("COCI_SURVIVORS", "1") != "0"
         if STATE_KEY in state:
             raise UsageError(f"the state key {STATE_KEY!r} is the session's own", hint="rename that entry")
         self.job = JobEnvironment.from_env(environ)
@@ -143,7 +159,11 @@ class Session:
         self.run_record = runrecord.current_run(sys.argv, self.comm.size)
         self._check_same_run()
         self.mgr = CheckpointManager(self.config.ckpt_dir, self.comm, keep=keep)
-        self.sync = StepSync(self.comm)
+        self.sync = StepSync(self.comm, self._min_deadline)
+        self._dt_ema = 0.0
+        per_node = (self.job.ntasks // self.job.num_nodes) if self.job.ntasks and self.job.num_nodes else 1
+        self.survival = Survival(self._state, self.comm, ranks_per_node=per_node, enabled=self._survivors,
+                                 skip=frozenset({STATE_KEY}))
         self.log = EventLog(self.events_path, attempt=1, job_id=self.job.job_id, enabled=self.rank == 0)
         self.step = 0                      # steps completed
         self._loss = math.nan
@@ -178,6 +198,7 @@ class Session:
             raise UsageError("session.steps() can run once per session", hint="create a new Session")
         self._started = True
         total = int(total)
+        step = 0
         try:
             step = self._begin()
             if step > total:
@@ -196,8 +217,16 @@ class Session:
                 self._after_step(step, now - t, total)
                 t = now
             self._finish(total)
+        except GeneratorExit:
+            # The loop body left early: a `break`, or an exception (a peer failure surfaces inside
+            # the user's step, e.g. gloo's "Connection reset by peer" in loss.backward()). A
+            # generator cannot see that exception, so ask the peers: a lost one does not answer.
+            if step < total and self.comm.size > 1 and not self.sync.probe(self.sync.deadline_s):
+                self._peer_lost(self.step, "an exception inside the step (the peers did not answer)", time.time())
+            raise
         finally:
             self.recorder.uninstall()
+            self.survival.remove_hooks()
             signals.after_session()        # coci-submit's placeholders give the default action back
 
     def observe(self, loss: Any) -> None:
@@ -226,7 +255,8 @@ class Session:
             assert info is not None
             verdict = self._record_start(info, resumed, restore_s)
             blocking = verdict is None and self._lead_check(warn=True)
-        verdict, self._blocking = self.comm.bcast((verdict, blocking))
+        verdict, self._blocking, self.log.attempt = self.comm.bcast((verdict, blocking, self.log.attempt))
+        self.survival.boundary(self.step)
         if verdict is not None:
             self.mgr.close()
             raise GaveUpError(verdict, hint="fix the cause shown in the previous attempts' logs, then "
@@ -260,7 +290,7 @@ class Session:
             info["sacct_error"] = f"sacct lists {len(rows)} attempt(s) of job {self.job.requeue_id}"
         prev_end = att.classify_previous(prev, prev_slurm, restart_count=rc, sacct_error=info["sacct_error"])
         lost = att.steps_lost(prev, resumed) if prev_end.reason != "none" else None
-        if prev_end.reason in ("node_failure", "crash") and prev_end.end_wall:
+        if prev_end.reason in ("node_failure", "crash", "rank_failure") and prev_end.end_wall:
             self.schedule.after_failure(time.time() - prev_end.end_wall)
         verdict = att.give_up_reason(events, resumed, prev_end.reason, job_id=self.job.job_id, restart_count=rc,
                                      max_requeues=self.config.max_requeues,
@@ -293,11 +323,19 @@ class Session:
         if self.rank == 0:
             self._record_loss(step)
         self.schedule.observe(step, self._loss if self.rank == 0 else math.nan, dt)
-        if self._blocking:                      # this boundary's own agreement, completed at once
-            self.sync.send(STOP if self.recorder.received else 0,
-                           self.schedule.decide(step) if step < total else False, self._busy())
-        # What every rank agreed on (at the previous boundary when pipelined: the one collective).
-        level, save, busy = self.sync.receive()
+        self.survival.boundary(step)
+        self._dt_ema = dt if self._dt_ema == 0.0 else 0.9 * self._dt_ema + 0.1 * dt
+        self.sync.deadline_s = max(self._min_deadline, 10.0 * self._dt_ema)
+        t_wait = time.time()
+        try:
+            if self._blocking:                      # this boundary's own agreement, completed at once
+                self.sync.send(STOP if self.recorder.received else 0,
+                               self.schedule.decide(step) if step < total else False, self._busy())
+            # What every rank agreed on (at the previous boundary when pipelined: the one collective).
+            level, save, busy = self.sync.receive()
+        except PeerLost:
+            self._peer_lost(step, f"the step agreement after step {step} timed out "
+                                  f"({self.sync.deadline_s:.1f}s)", t_wait)
         if self.mgr.persist_in_flight and not busy:
             self._settle()
         if level >= STOP and step < total:      # a stop at the very end is just the end
@@ -436,6 +474,80 @@ class Session:
         self._loss_n = 0
         self._last_flush = time.monotonic()
 
+    def _peer_lost(self, step: int, how: str, t_fail: float) -> None:
+        """A peer rank is gone: save from the survivors (:mod:`.runtime.survivors`), record it,
+        requeue the job (Slurm requeues a NODE_FAIL by itself; a crashed rank on a healthy node
+        needs us) and leave the process at once, with no MPI collective or finalize that would
+        wait for the dead rank. Never returns."""
+        from coci_hpc.runtime import survivors as sv
+
+        try:
+            t_detect = time.time()
+            _say(f"rank {self.rank}: peer lost at step {step}: {how}")
+            sv_ = self.survival
+            boundary = sv_.snapshot.step
+            root = self.config.ckpt_dir
+            out: sv.Outcome | None = None
+            reason = ""
+            if not sv_.enabled:
+                reason = sv_.why_not
+            elif sv_.opt_steps != sv_.snapshot.opt_steps:
+                reason = f"this rank's optimizer had already stepped past step {boundary} when the failure surfaced"
+            elif sv_.own is None or sv_.own.step != boundary:
+                reason = f"this rank holds no copy of its own per-rank state for step {boundary}"
+            if not reason:
+                assert sv_.partner is not None and sv_.own is not None
+                copy = sv_.partner.copy_for(boundary)
+                sv_.snapshot.rollback(self._state)
+                sv.restore_own_rng(sv_.own)
+                tuning = self.mgr._tuning
+                if tuning is None:
+                    from coci_hpc.checkpoint.lustre import tuning_for
+                    tuning = tuning_for(root, self.mgr.lustre, self.comm.size, self.mgr.access)
+                # Within Slurm's kill window: KillWait (5 s here, 30 s by default) after the node is DOWN.
+                # The planner's state_dict() broadcasts rank 0's view: take this survivor's own instead.
+                local = {**self._state, STATE_KEY: {"version": 1, "schedule": self.schedule._own_state()}}
+                out = sv.save(root, boundary, local, self.rank, self.comm.size, sv_.own,
+                              [copy] if copy is not None else [], tuning, self.mgr.keep, window_s=3.0)
+            else:
+                staging = sv.staging_dir(root, boundary)
+                staging.mkdir(mode=0o700, exist_ok=True)
+                out = sv.Outcome(boundary, writer=sv.claim(root, boundary), reason=reason)
+            if out.writer:
+                latest = mf_latest(root)       # not mgr.latest_step(): that is a collective
+                log = self.log if self.rank == 0 else EventLog(self.events_path, attempt=self.log.attempt,
+                                                               job_id=self.job.job_id, enabled=True)
+                if self.rank == 0:
+                    self._flush_losses()
+                log.write("peer_lost", step=boundary, how=how, survivor=self.rank, committed=out.committed,
+                          lost_ranks=out.ranks_from_partner, reason=out.reason, failure_wall=t_fail,
+                          detect_wall=t_detect, commit_wall=time.time() if out.committed else None,
+                          save_s=out.write_s, fallback_step=None if out.committed else latest)
+                if out.committed:
+                    _say(f"survivors' checkpoint of step {boundary} committed {time.time() - t_fail:.1f}s after "
+                         f"the failure (ranks {out.ranks_from_partner} from their partners' copies)")
+                else:
+                    _say(f"no survivors' checkpoint ({out.reason}); falling back to the last regular checkpoint "
+                         f"(step {latest})")
+                if self.job.in_slurm_job:
+                    try:
+                        requeue_with_retries(self.job.requeue_id or "", self._runner)
+                        _say("job requeued")
+                    except SlurmError as exc:
+                        _say(f"requeue failed ({exc}); Slurm requeues a NODE_FAIL job by itself")
+        except BaseException as exc:  # noqa: BLE001 - nothing may keep this rank from leaving
+            import traceback
+            traceback.print_exc()
+            _say(f"rank {self.rank}: the survivors' save failed ({exc}); the previous checkpoint stays latest")
+            if self.job.in_slurm_job:
+                try:
+                    requeue_with_retries(self.job.requeue_id or "", self._runner)
+                except SlurmError:
+                    pass
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(0)
+
     def _finish(self, total: int) -> None:
         self.sync.receive()                # complete the last boundary's allreduce on every rank
         self._settle()
@@ -516,3 +628,8 @@ def _check_saveable(state: Mapping[str, Any]) -> None:
         raise UsageError(f"this state cannot be checkpointed: {exc.message}",
                          hint=exc.hint or "keep tensors, numpy arrays, JSON values and objects with "
                                           "state_dict()/load_state_dict() in the state") from exc
+
+
+def mf_latest(root: Any) -> int | None:
+    from coci_hpc.checkpoint import manifest
+    return manifest.latest_step(root)

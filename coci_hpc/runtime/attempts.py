@@ -32,7 +32,7 @@ TIME_LIMIT_MARGIN_S = 65.0
 
 @dataclass(frozen=True)
 class PrevEnd:
-    reason: str            # time_limit|preemption|node_failure|requeue_by_hand|crash|none
+    reason: str            # time_limit|preemption|node_failure|rank_failure|requeue_by_hand|crash|none
     source: str            # session|sacct|scontrol|none
     detail: str
     end_wall: float | None  # when the previous attempt stopped (stop record) or ended (Slurm)
@@ -60,6 +60,16 @@ def classify_previous(prev_records: Sequence[dict[str, Any]], prev_slurm: SlurmA
     stop = next((e for e in reversed(prev_records) if e.get("event") == "stop"), None)
     end = next((e for e in reversed(prev_records) if e.get("event") == "end"), None)
     in_same_job = restart_count > 0
+    lost = next((e for e in reversed(prev_records) if e.get("event") == "peer_lost"), None)
+    if lost is not None and end is None:
+        # A rank vanished and a survivor recorded it: a node failure when Slurm says so, else a
+        # crashed rank on a healthy node (the survivors requeued the job themselves).
+        state = prev_slurm.state if in_same_job and prev_slurm is not None else ""
+        saved = (f"survivors' checkpoint of step {lost.get('step')}" if lost.get("committed")
+                 else f"no survivors' checkpoint ({lost.get('reason')})")
+        return PrevEnd("node_failure" if state == "NODE_FAIL" else "rank_failure", "session",
+                       f"rank(s) {lost.get('lost_ranks') or '?'} lost after step {lost.get('step')}; {saved}"
+                       + (f"; Slurm: {state}" if state else ""), float(lost.get("failure_wall") or lost["wall"]))
     if in_same_job and prev_slurm is not None:
         state = prev_slurm.state
         if stop is not None and state in ("REQUEUED", "PREEMPTED", "TIMEOUT", "COMPLETED", "CANCELLED"):
@@ -92,7 +102,7 @@ def last_step_seen(prev_records: Sequence[dict[str, Any]]) -> int | None:
         cand = None
         if ev == "losses" and e.get("steps"):
             cand = max(int(s) for s in e["steps"])
-        elif ev in ("checkpoint", "stop", "end", "resumed") and e.get("step") is not None:
+        elif ev in ("checkpoint", "stop", "end", "resumed", "peer_lost") and e.get("step") is not None:
             cand = int(e["step"])
         elif ev == "attempt_start" and e.get("resumed_step") is not None:
             cand = int(e["resumed_step"])

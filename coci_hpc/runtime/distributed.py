@@ -13,6 +13,7 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -63,8 +64,18 @@ def rendezvous(comm: Comm | None = None, job: JobEnvironment | None = None,
     return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, "single"
 
 
-def init_distributed(backend: str | None = None, comm: Comm | None = None) -> DistInfo:
-    """Initialise the default process group (also for one process, so DDP works unchanged)."""
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def init_distributed(backend: str | None = None, comm: Comm | None = None,
+                     timeout_s: float | None = None) -> DistInfo:
+    """Initialise the default process group (also for one process, so DDP works unchanged).
+
+    ``timeout_s`` (default ``COCI_DIST_TIMEOUT_S`` or 120 s) bounds every gloo/NCCL collective:
+    between separate hosts a dead peer sends no reset, and torch's default (30 min for gloo) would
+    keep the survivors waiting far past Slurm's kill window."""
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("COCI_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
                         dist.get_backend(), "initialized")
@@ -78,7 +89,7 @@ def init_distributed(backend: str | None = None, comm: Comm | None = None) -> Di
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
         dist.init_process_group(backend, init_method=f"tcp://{values['MASTER_ADDR']}:{values['MASTER_PORT']}",
-                                rank=rank, world_size=world)
+                                rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     return DistInfo(rank, world, local, backend, source)
 
 

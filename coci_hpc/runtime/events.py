@@ -7,7 +7,7 @@ last line. The writer starts a fresh line when it finds the file not ending in a
 
 Every record has ``v`` (format version, 1), ``event``, ``wall`` (unix seconds), ``attempt``
 (1-based, counted in this log) and ``job_id`` (Slurm's, or null). The events and their fields are
-listed in docs/session.md (attempt_start, resumed, checkpoint, losses, stop, end).
+listed in docs/session.md (attempt_start, resumed, checkpoint, losses, stop, end, peer_lost).
 """
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from typing import Any
 
 VERSION = 1
 FILENAME = "events.jsonl"
-EVENTS = ("attempt_start", "resumed", "checkpoint", "losses", "stop", "end", "lead_warning")
-PREV_END_REASONS = ("time_limit", "preemption", "node_failure", "requeue_by_hand", "cancelled", "terminated",
-                    "crash", "none")
+EVENTS = ("attempt_start", "resumed", "checkpoint", "losses", "stop", "end", "lead_warning", "peer_lost",
+          "relaunch")  # relaunch: written by coci-submit's relaunch loop (submit/relaunch.py), not the Session
+PREV_END_REASONS = ("time_limit", "preemption", "node_failure", "rank_failure", "requeue_by_hand", "cancelled",
+                    "terminated", "crash", "none")
 
 
 def _clean(x: Any) -> Any:

@@ -86,13 +86,16 @@ def shield(environ: Mapping[str, str] | None = None) -> str:
     # reverse order, and ours must kill the deaf workers before it waits for them.
     import multiprocessing.util  # noqa: F401
 
-    # multiprocessing starts its resource tracker with SIGTERM blocked around the spawn and then
-    # UNBLOCKS it in the calling thread: started later, it would undo the block below, and every
-    # worker spawned after it would die of SIGTERM. Started now, before the block, it never runs again.
-    from multiprocessing import resource_tracker
-    resource_tracker.ensure_running()
     _receiver = threading.Thread(target=_receive, name="coci-signals", daemon=True)
     _receiver.start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
+    # multiprocessing starts its resource tracker (at the first spawn) with SIGINT/SIGTERM blocked
+    # around the spawn and then UNBLOCKS them in the calling thread: started later, it would undo
+    # the block, and every worker spawned after it would die of SIGTERM. Started now, after the
+    # block (so the tracker itself is deaf and lives on: it is never started again), and the block
+    # made again.
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
     atexit.register(_kill_daemonic_children)
     return "shielded"

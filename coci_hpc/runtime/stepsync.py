@@ -15,19 +15,31 @@ sent: a signal stops the loop one step later than a blocking allreduce would, an
 decides one step ahead (``save`` is "save after the next step"). At a boundary the session first
 :meth:`receive` (and acts: commit, stop, save), then :meth:`send` the values for the next one,
 so what it sends already reflects a save it just started.
+
+It is also the session's failure detector: a peer that vanished (SIGKILL, its node gone) never
+joins the allreduce, and under ``srun --mpi=pmix`` nothing else tells the survivors (Open MPI does
+not abort them; verified, ../shared/slurm-on-one-machine.md). So completion is polled against a
+deadline, ``deadline_s`` (the session sets max(10 x the typical step, ``min_deadline_s``)), and a
+miss raises :class:`~coci_hpc.errors.PeerLost` instead of blocking forever.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 
 from coci_hpc.comm import Comm
+from coci_hpc.errors import PeerLost
+
+MIN_DEADLINE_S = 5.0     # what a peer gets to reach the boundary before it counts as lost
+SPIN_S = 0.002           # busy-poll this long (the usual case: the peers are microseconds away)
 
 
 class StepSync:
-    def __init__(self, comm: Comm) -> None:
+    def __init__(self, comm: Comm, deadline_s: float = MIN_DEADLINE_S) -> None:
         self.comm = comm
+        self.deadline_s = float(deadline_s)
         # Two send/receive pairs: one is in flight while the other is being filled.
         self._send = np.zeros((2, 3), dtype=np.float64)
         self._recv = np.zeros((2, 3), dtype=np.float64)
@@ -35,6 +47,7 @@ class StepSync:
         self._pending: Any = None
         self._have_prev = False
         self._mpi_max: Any = None
+        self.lost = False          # a deadline was missed: no collective on this comm any more
         if comm.mpi_comm is not None:
             from mpi4py import MPI
 
@@ -68,10 +81,46 @@ class StepSync:
         self._have_prev = True
         self._slot ^= 1
 
-    def _wait(self) -> None:
-        if self._pending is not None:
-            if hasattr(self._pending, "Wait"):
-                self._pending.Wait()
-            else:
-                self._pending.wait()
+    def probe(self, deadline_s: float | None = None) -> bool:
+        """Are all peers still there? Completes what is in flight, then one more round, each
+        against the deadline. True: everyone answered; False: some peer did not (``lost``)."""
+        if self.comm.size == 1:
+            return True
+        try:
+            self._wait(deadline_s)
+            self._have_prev = False
+            self._pending = self._start(self._send[self._slot], self._recv[self._slot])
+            self._wait(deadline_s)
+            return True
+        except PeerLost:
+            return False
+
+    def _wait(self, deadline_s: float | None = None) -> None:
+        req = self._pending
+        if req is None:
+            return
+        if self.lost:
+            raise PeerLost("a peer was already lost: no collective can complete")
+        test = getattr(req, "Test", None) or getattr(req, "is_completed", None)
+        if test is None:              # a handle that cannot be polled: wait as before
+            req.wait()
             self._pending = None
+            return
+        if not test():
+            limit = self.deadline_s if deadline_s is None else deadline_s
+            t0 = time.monotonic()
+            spin_until, end = t0 + SPIN_S, t0 + limit
+            while not test():
+                now = time.monotonic()
+                if now > end:
+                    self.lost = True
+                    raise PeerLost(f"the step agreement did not complete within {limit:.1f}s: a peer rank "
+                                   f"is gone (crashed, killed, or its node failed)",
+                                   hint="the survivors save from their own state; see the event log")
+                if now > spin_until:
+                    time.sleep(0.0005)
+        if hasattr(req, "Wait"):
+            req.Wait()            # completed: frees the MPI request
+        else:
+            req.wait()
+        self._pending = None

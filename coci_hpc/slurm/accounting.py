@@ -21,9 +21,9 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Sequence
 
 from coci_hpc.errors import InputFormatError, PlannerError, UsageError
 from coci_hpc.planner import failures as fmod
@@ -112,7 +112,7 @@ class History:
         self.first_s = t if self.first_s is None else min(self.first_s, t)
         self.last_s = t if self.last_s is None else max(self.last_s, t)
 
-    def merge(self, other: "History") -> "History":
+    def merge(self, other: History) -> History:
         h = History(self.events + other.events, self.jobs + other.jobs,
                     self.nodes_seen | other.nodes_seen, None, None,
                     self.skipped + other.skipped,

@@ -5,8 +5,8 @@ Everything else takes a :class:`JobEnvironment`; tests build one from a plain di
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Mapping
 
 # attribute -> (variable, type). Table-driven so that a new field is one line, not a new getter.
 _TABLE: dict[str, tuple[str, type]] = {
@@ -47,7 +47,7 @@ class JobEnvironment:
     submit_dir: str | None = None
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "JobEnvironment":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> JobEnvironment:
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
         for name, (var, typ) in _TABLE.items():

@@ -22,9 +22,10 @@ import os
 import re
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from coci_hpc.errors import CociError
 from coci_hpc.planner.failures import FailureModel

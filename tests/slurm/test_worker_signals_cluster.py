@@ -65,7 +65,7 @@ def test_dataloader_workers_preempted_via_template_and_coci_submit_end_bit_exact
     sjob = re.search(r"submitted job (\d+)", p.stdout).group(1)
     urgent = []
     for ckpt, node in ((tmpl_ckpt, "n1"), (sub_ckpt, "n2")):
-        _wait(f"the first checkpoint in {ckpt}", lambda: _checkpointed(ckpt), 300)
+        _wait(f"the first checkpoint in {ckpt}", lambda: _checkpointed(ckpt), 300)  # noqa: B023 - called before ckpt changes
         urgent.append(slurm_cluster.sbatch("-p", "urgent", "-N", "1", "-w", node, "-o", os.devnull,
                                            "--wrap", "sleep 1"))
     rows_t = slurm_cluster.wait_gone(tjob, timeout=400)

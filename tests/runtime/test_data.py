@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coci_hpc.checkpoint import ResumableSampler
 from coci_hpc.errors import CheckpointError, UsageError
+from coci_hpc.runtime.data import ResumableSampler
 
 
 def test_each_sample_once_per_epoch_across_a_restart_mid_epoch():

@@ -1,0 +1,348 @@
+"""A survivors' save: when a peer rank vanished, the ranks still alive write the checkpoint of the
+last step every rank finished, without any collective that includes the dead rank.
+
+What it writes is an ordinary checkpoint (same HDF5 file and manifest as the collective writer,
+world size N, so it loads through the normal path, N -> M reshard included, and counts for
+retention); only the way it gets written differs:
+
+1. each survivor posts into ``ROOT/.survivors-<step>/`` the per-rank state it holds for ``step``:
+   its own (rolled back to the step boundary, :class:`BoundarySnapshot`) and the copy its dead
+   partner sent it (:mod:`.partner`); JSON plus raw bytes, never pickle, written to a temporary
+   name and renamed;
+2. the first survivor to create ``claim`` (``O_EXCL``) writes the data file alone, with serial
+   h5py and ``pwrite``: the replicated state once (every survivor holds all of it in data-parallel
+   training), every rank's per-rank datasets from the posted states;
+3. it reads every shard back and checks its CRC-32C, then commits the manifest (temporary name,
+   fsync, rename) and applies retention. Any rank's state missing after ``window_s``, a
+   ``Sharded`` tensor (its rows on the dead rank are gone), a model that moved past the step, or a
+   failed check: nothing is committed and the previous regular checkpoint stays latest.
+
+``Sharded`` state (ZeRO-style partitioning, tensor rows split over ranks) cannot be rebuilt from
+the survivors and always falls back; replicated (DDP) and ``PerRank`` state gain.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from coci_hpc.checkpoint import integrity
+from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint.catalog import StepCatalog
+from coci_hpc.checkpoint.engine import make_step_dir
+from coci_hpc.checkpoint.h5file import create_datasets, file_kwargs
+from coci_hpc.checkpoint.layout import LeafDesc, make_layout
+from coci_hpc.checkpoint.lustre import IOTuning
+from coci_hpc.checkpoint.perms import set_file
+from coci_hpc.checkpoint.rawio import WriteItem, pread_into, write_posix
+from coci_hpc.checkpoint.state import PerRank, collect, empty_like_leaf, is_stateful, restore_rng, unflatten
+from coci_hpc.comm import Comm
+from coci_hpc.runtime.partner import RankState
+
+BACKEND = "hdf5-survivors"
+
+
+class BoundarySnapshot:
+    """The state that changes inside a step before ``optimizer.step()``, taken at each boundary.
+
+    A peer failure surfaces in the middle of the next step (in the gradient allreduce of
+    ``loss.backward()``): by then the sampler has drawn the next batch and forward has used the
+    RNG and updated module buffers, while parameters and optimizer state are still those of the
+    boundary (only ``optimizer.step()`` changes them; :attr:`opt_steps` tells whether it ran).
+    So every boundary keeps a copy of everything else: ``state_dict()`` of the stateful values
+    that are not modules or optimizers (sampler, scheduler, the session's own state), plain
+    trees, module buffers. :meth:`rollback` puts them back before the survivors' save collects.
+    """
+
+    def __init__(self, skip: frozenset[str] = frozenset()) -> None:
+        # Values whose state_dict() is a collective (the session's planner broadcasts rank 0's
+        # view): never called per step, and impossible once a peer is gone.
+        self.skip = skip
+        self.step = -1
+        self.values: dict[str, Any] = {}
+        self.buffers: dict[str, dict[str, torch.Tensor]] = {}
+        self.opt_steps = 0          # optimizer.step() calls seen when the snapshot was taken
+
+    def take(self, state: Mapping[str, Any], step: int, opt_steps: int) -> None:
+        self.step, self.opt_steps = step, opt_steps
+        for key, value in state.items():
+            if key in self.skip:
+                continue
+            inner = value.value if isinstance(value, PerRank) else value
+            if isinstance(inner, torch.optim.Optimizer):
+                continue        # its state only changes in step(); param_groups after it (scheduler)
+            if isinstance(inner, torch.nn.Module):
+                bufs = self.buffers.setdefault(key, {})
+                for name, b in inner.named_buffers():
+                    if name in bufs and bufs[name].shape == b.shape:
+                        bufs[name].copy_(b)
+                    else:
+                        bufs[name] = b.detach().clone()
+                continue
+            self.values[key] = copy.deepcopy(inner.state_dict() if is_stateful(inner) else inner)
+
+    def rollback(self, state: Mapping[str, Any]) -> None:
+        for key, value in state.items():
+            if key in self.skip:
+                continue
+            inner = value.value if isinstance(value, PerRank) else value
+            if isinstance(inner, torch.nn.Module):
+                saved = self.buffers.get(key, {})
+                with torch.no_grad():
+                    for name, b in inner.named_buffers():
+                        if name in saved:
+                            b.copy_(saved[name])
+            elif key in self.values:
+                if is_stateful(inner):
+                    inner.load_state_dict(copy.deepcopy(self.values[key]))
+                elif isinstance(inner, dict):
+                    inner.clear()
+                    inner.update(copy.deepcopy(self.values[key]))
+
+
+@dataclass
+class Outcome:
+    step: int
+    committed: bool = False
+    writer: bool = False            # this rank wrote the checkpoint
+    reason: str = ""                # why nothing was committed
+    ranks_from_partner: list[int] = field(default_factory=list)
+    write_s: float = 0.0
+    path: Path | None = None
+
+
+def staging_dir(root: Path, step: int) -> Path:
+    return root / f".survivors-{step:09d}"
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def post(root: Path, step: int, me: int, states: list[RankState]) -> Path:
+    """Put the per-rank states this survivor holds for ``step`` where the writer finds them."""
+    d = staging_dir(root, step)
+    d.mkdir(mode=0o700, exist_ok=True)
+    for rs in states:
+        _write_atomic(d / f"rank{rs.rank:05d}.from{me:05d}", rs.pack())
+    return d
+
+
+def claim(root: Path, step: int) -> bool:
+    try:
+        os.close(os.open(staging_dir(root, step) / "claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        return True
+    except FileExistsError:
+        return False
+
+
+def gather_posted(root: Path, step: int, size: int, window_s: float) -> dict[int, RankState]:
+    """The posted states, waiting up to ``window_s`` for every rank of ``size`` to be covered."""
+    d = staging_dir(root, step)
+    end = time.monotonic() + window_s
+    found: dict[int, RankState] = {}
+    while True:
+        for p in sorted(d.glob("rank*.from*")):
+            r = int(p.name[4:9])
+            if r not in found and 0 <= r < size:
+                rs = RankState.unpack(p.read_bytes())
+                if rs.step == step and rs.rank == r:
+                    found[r] = rs
+        if len(found) == size or time.monotonic() > end:
+            return found
+        time.sleep(0.05)
+
+
+def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: Mapping[int, RankState],
+                     size: int, tuning: IOTuning, keep: int) -> Path:
+    """One process writes the whole N-rank checkpoint of ``step`` and commits it after reading it
+    back. ``state`` (already rolled back) gives the replicated part; ``per_rank`` every rank's."""
+    skel, leaves = collect(state, rng=False)
+    sharded = [l.name for l in leaves if l.kind == "sharded"]
+    if sharded:
+        raise ValueError(f"Sharded tensor(s) {sharded[:3]} have rows only the lost rank held")
+    repl = [l for l in leaves if l.kind == "replicated"]
+    descs_repl = [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in repl]
+    all_descs = [descs_repl + [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in per_rank[r].leaves]
+                 for r in range(size)]
+    plan = make_layout(all_descs, align=tuning.align)
+    catalog = StepCatalog(root)  # one process writes: its catalog owns the step directory
+    directory = make_step_dir(Comm.serial(), catalog, step, tuning)
+    data = directory / mf.DATA_FILE
+    with h5py.File(data, "w", **file_kwargs(tuning.align, tuning.align_threshold)) as f:
+        offsets = create_datasets(f, plan.datasets)
+    set_file(data, tuning.dir_mode)
+    shards: list[dict[str, Any]] = []
+    offsets_of: list[int] = []
+    for r in range(size):
+        mine: dict[str, np.ndarray] = {}
+        for leaf in (*repl, *per_rank[r].leaves):
+            if leaf.array is None:
+                raise ValueError(f"{leaf.name} is not in host memory (a device tensor): survivors' saves need "
+                                 f"CPU copies")
+            mine[leaf.name] = leaf.array
+        pieces = plan.pieces_of(r)
+        items = [WriteItem(offsets[p.dataset] + p.start,
+                           mine[p.leaf].view(np.uint8)[p.src_start:p.src_start + (p.stop - p.start)])
+                 for p in pieces]
+        crcs = write_posix(data, items)
+        for p, it, crc in zip(pieces, items, crcs):
+            shards.append({"file": mf.DATA_FILE, "dataset": plan.datasets[p.dataset].path, "rank": r,
+                           "start": p.start, "stop": p.stop, "crc32c": crc})
+            offsets_of.append(it.offset)
+    # Checked before it counts: every shard read back from the file matches its checksum.
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        for s, off in zip(shards, offsets_of):
+            n = int(s["stop"]) - int(s["start"])
+            buf = np.empty(n, dtype=np.uint8)
+            if n:
+                pread_into(fd, buf, off)
+            if integrity.checksum(buf) != s["crc32c"]:
+                raise OSError(f"shard {s['dataset']}[{s['start']}:{s['stop']}] reads back with a wrong checksum")
+    finally:
+        os.close(fd)
+    # The same manifest as engine.commit writes for a collective save of this layout.
+    tensors = []
+    for i, d in enumerate(plan.datasets):
+        entry: dict[str, Any] = {"name": d.name, "dataset": d.path, "file": mf.DATA_FILE, "dtype": d.dtype,
+                                 "shape": list(d.shape), "kind": d.kind, "rank": None, "nbytes": d.nbytes,
+                                 "offset": offsets.get(i)}
+        if d.kind == "per_rank":
+            entry["parts"] = [[p.rank, p.start, list(p.shape), p.nbytes] for p in plan.parts[i]]
+        tensors.append(entry)
+    skeletons = {"replicated": skel["replicated"],
+                 "per_rank": {str(r): per_rank[r].skeleton for r in range(size)}}
+    m = mf.build(step=step, world_size=size, tensors=tensors, shards=shards, skeletons=skeletons,
+                 files=[mf.DATA_FILE], backend=BACKEND,
+                 extra={"lustre": tuning.lustre, "align": tuning.align, "survivors_save": True,
+                        "layout": {"align": tuning.align, "signatures": list(plan.signatures)}})
+    catalog.commit(step, m)
+    catalog.retain(keep, background=False)
+    return directory
+
+
+def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, own: RankState,
+         partner_copies: list[RankState], tuning: IOTuning, keep: int, window_s: float) -> Outcome:
+    """This survivor's part of the survivors' save of ``step``; see the module docstring."""
+    t0 = time.monotonic()
+    out = Outcome(step)
+    post(root, step, me, [own, *partner_copies])
+    if not claim(root, step):
+        out.reason = "another survivor writes"
+        return out
+    out.writer = True
+    found = gather_posted(root, step, size, window_s)
+    missing = [r for r in range(size) if r not in found]
+    if missing:
+        out.reason = (f"no state of rank(s) {missing} for step {step} reached the survivors "
+                      f"(their partner copy had not arrived)")
+        return out
+    # The lost ranks: their state came only from a partner's copy.
+    out.ranks_from_partner = sorted(r for r in found
+                                    if not (staging_dir(root, step) / f"rank{r:05d}.from{r:05d}").exists())
+    try:
+        out.path = write_checkpoint(root, step, state, found, size, tuning, keep)
+    except (OSError, ValueError, KeyError) as exc:
+        shutil.rmtree(mf.step_dir(root, step), ignore_errors=True)
+        out.reason = str(exc)
+        return out
+    shutil.rmtree(staging_dir(root, step), ignore_errors=True)
+    out.committed = True
+    out.write_s = time.monotonic() - t0
+    return out
+
+
+def restore_own_rng(own: RankState) -> None:
+    """Put this rank's RNG streams back to ``own`` (its boundary copy) before collecting."""
+    rng_skel = own.skeleton.get("__rng__")
+    if rng_skel is None:
+        return
+    tensors = {}
+    for leaf in own.leaves:
+        obj, view = empty_like_leaf(leaf.dtype, leaf.shape)
+        if leaf.array is not None:
+            view[:] = leaf.array
+        tensors[leaf.name] = obj
+    restore_rng(unflatten(rng_skel, tensors))
+
+
+class Survival:
+    """The session's side of a peer failure: the per-step copies and, when a peer is lost, the
+    survivors' save, the event record, the requeue and the exit.
+
+    Per step it costs one capture of the per-rank state (python/numpy/torch RNG: ~5 KB), its
+    ``Isend`` to the partner, an ``Iprobe`` for the copy coming the other way, and the
+    :class:`BoundarySnapshot` of the small replicated values.
+    """
+
+    def __init__(self, state: Mapping[str, Any], comm: Comm, *, ranks_per_node: int, enabled: bool = True,
+                 skip: frozenset[str] = frozenset()) -> None:
+        from coci_hpc.checkpoint.state import find_optimizers
+        from coci_hpc.runtime.partner import PartnerCopy
+
+        self.state = state
+        self.comm = comm
+        self.rank, self.size = comm.rank, comm.size
+        self.enabled = enabled and comm.is_mpi and comm.size > 1
+        self.why_not = "" if self.enabled else (
+            "survivors' saves are off (COCI_SURVIVORS=0)" if not enabled else
+            "survivors' saves need MPI and 2 or more ranks (the partner copies travel over MPI)")
+        self.partner = PartnerCopy(comm.mpi_comm.Dup(), ranks_per_node) if self.enabled else None
+        self.snapshot = BoundarySnapshot(skip)
+        self.own: RankState | None = None
+        self.opt_steps = 0
+        self._hook_mode = True          # copy at the optimizer step (see partner.py), else at the boundary
+        self._boundary = 0
+        self._hooks = []
+        if self.enabled:
+            opts = find_optimizers(dict(state))
+            self._hook_mode = bool(opts)
+            for opt in opts:
+                self._hooks.append(opt.register_step_pre_hook(self._pre_hook))
+
+    def _pre_hook(self, *_: Any) -> None:
+        self.opt_steps += 1
+        if not self._hook_mode:
+            return
+        if self.opt_steps - self.snapshot.opt_steps > 1:
+            self._hook_mode = False   # several optimizer steps per step: the boundary copy is the safe one
+            return
+        self._copy(self._boundary + 1)
+
+    def _copy(self, step: int) -> None:
+        from coci_hpc.runtime.partner import capture
+
+        self.own = capture(self.state, self.rank, step)
+        assert self.partner is not None
+        self.partner.send(self.own)
+
+    def boundary(self, step: int) -> None:
+        """At each step boundary (and after the restore): ``step`` steps are done."""
+        if not self.enabled:
+            return
+        if self.own is None or self.own.step != step or not self._hook_mode:
+            self._copy(step)
+        self._boundary = step
+        self.snapshot.take(self.state, step, self.opt_steps)
+        assert self.partner is not None
+        self.partner.drain()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,137 @@
+"""Peer-loss pieces that need no cluster: the agreement's deadline, the packed per-rank state, the
+boundary snapshot's rollback, the survivors' writer (its checkpoint loads through the normal path),
+and init_distributed's bounded collectives."""
+from __future__ import annotations
+
+import random
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from coci_hpc.checkpoint import CheckpointManager, PerRank, ResumableSampler, Sharded
+from coci_hpc.checkpoint.lustre import LustrePolicy, tuning_for
+from coci_hpc.comm import Comm
+from coci_hpc.errors import PeerLost
+from coci_hpc.runtime import distributed
+from coci_hpc.runtime import survivors as sv
+from coci_hpc.runtime.partner import RankState, capture
+from coci_hpc.runtime.stepsync import StepSync
+
+
+class _NeverDone:
+    def Test(self) -> bool:      # noqa: N802 - mpi4py's name
+        return False
+
+
+class _StuckComm(Comm):
+    """A peer that never joins: the allreduce request never completes."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.size = 2
+
+    def iallreduce_max_array(self, send, recv):
+        return _NeverDone()
+
+
+def test_agreement_with_a_vanished_peer_raises_peer_lost_within_the_deadline() -> None:
+    sync = StepSync(_StuckComm(), deadline_s=0.3)
+    sync.send(0, False, False)
+    t0 = time.monotonic()
+    with pytest.raises(PeerLost, match="did not complete within 0.3s"):
+        sync.receive()
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert sync.lost
+    assert StepSync(_StuckComm(), deadline_s=0.2).probe() is False
+
+
+def _state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return {"model": model, "optimizer": opt, "loader": ResumableSampler(64, seed=1, rank=0, world_size=2),
+            "extra": PerRank({"count": torch.tensor([seed])})}
+
+
+def test_rank_state_packs_without_pickle_and_round_trips() -> None:
+    random.seed(5)
+    np.random.seed(5)
+    rs = capture(_state(), rank=1, step=7)
+    data = rs.pack()
+    assert b"pickle" not in data and data[8:9] == b"{"          # a JSON header, then raw bytes
+    back = RankState.unpack(data)
+    assert (back.rank, back.step, back.skeleton) == (1, 7, rs.skeleton)
+    for a, b in zip(rs.leaves, back.leaves):
+        assert a.name == b.name and a.dtype == b.dtype and bytes(a.array.view(np.uint8)) == bytes(b.array.view(np.uint8))
+    with pytest.raises(ValueError, match="truncated"):
+        RankState.unpack(data[:-3])
+
+
+def test_boundary_snapshot_rolls_back_what_a_step_changed_before_optimizer_step() -> None:
+    st = _state()
+    snap = sv.BoundarySnapshot()
+    snap.take(st, 10, 0)
+    before = st["loader"].state_dict()
+    st["loader"].next_batch(8)                                 # the next step drew its batch...
+    assert st["loader"].state_dict() != before
+    snap.rollback(st)                                          # ...and the failure came in backward
+    assert st["loader"].state_dict() == before
+
+
+def test_survivors_checkpoint_loads_through_the_normal_path(tmp_path: Path) -> None:
+    """Rank 0 writes a 2-rank checkpoint alone, rank 1's per-rank state from its partner copy; a
+    2-rank load (run here as rank 1 of a fake world through the same reader) gets rank 1's RNG."""
+    st = _state()
+    own = capture(st, 0, 5)
+    torch.manual_seed(99)                                      # "rank 1" has other RNG streams
+    other = capture({**st, "extra": PerRank({"count": torch.tensor([41])})}, 1, 5)
+    tuning = tuning_for(tmp_path, LustrePolicy(), 2)
+    out = sv.save(tmp_path, 5, st, 0, 2, own, [other], tuning, keep=2, window_s=1.0)
+    assert out.committed and out.writer and out.ranks_from_partner == [1], out
+    assert not sv.staging_dir(tmp_path, 5).exists()
+    m = CheckpointManager(tmp_path, Comm.serial(), lock=False)
+    assert m.latest_step() == 5
+    fresh = _state(seed=3)
+    fresh["extra"] = PerRank({"count": torch.tensor([0])})
+    m.load(5, fresh)                                           # 2 -> 1 reshard: rank 0's per-rank state
+    assert torch.equal(fresh["model"].weight, st["model"].weight)
+    assert fresh["extra"].value["count"].item() == 0
+    import h5py
+
+    from coci_hpc.checkpoint import manifest as mf
+    man = mf.read(tmp_path / "step_000000005")
+    t = next(x for x in man["tensors"] if x["name"] == "per_rank/extra/count")
+    with h5py.File(tmp_path / "step_000000005" / "data.h5", "r") as f:   # rank 1's part, from the copy
+        raw = np.asarray(f[t["dataset"]][()]).view(np.uint8).reshape(-1)
+    got = {r: int(raw[start:start + n].view(np.int64)[0]) for r, start, _, n in t["parts"]}
+    assert got == {0: 0, 1: 41}
+
+
+def test_missing_partner_copy_or_sharded_state_commits_nothing(tmp_path: Path) -> None:
+    st = _state()
+    tuning = tuning_for(tmp_path, LustrePolicy(), 2)
+    out = sv.save(tmp_path, 5, st, 0, 2, capture(st, 0, 5), [], tuning, keep=2, window_s=0.3)
+    assert not out.committed and "rank(s) [1]" in out.reason
+    st2 = {**st, "emb": Sharded(torch.zeros(4, 2))}
+    out = sv.save(tmp_path, 6, st2, 0, 2, capture(st2, 0, 6), [capture(st2, 1, 6)], tuning, keep=2, window_s=0.3)
+    assert not out.committed and "Sharded" in out.reason and "emb" in out.reason
+    assert CheckpointManager(tmp_path, Comm.serial(), lock=False).latest_step() is None
+
+
+def test_init_distributed_bounds_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda *a, **k: seen.update(k))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    monkeypatch.setenv("COCI_DIST_TIMEOUT_S", "42")
+    distributed.init_distributed("gloo", comm=Comm.serial())
+    assert seen["timeout"] == timedelta(seconds=42)

@@ -1,0 +1,100 @@
+"""A rank that vanishes mid-run (issue 13), end to end through coci-submit on 2 nodes of the local
+cluster: the survivor notices within seconds, writes the checkpoint of the last step every rank
+finished (the lost rank's RNG streams from the copy its partner kept), requeues, and the run ends
+bit-identical to an uninterrupted one, having repeated at most one step."""
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from coci_hpc.runtime.events import read_events
+from tests.conftest import ROOT, SlurmCluster, run_ranks
+
+pytestmark = pytest.mark.slurm
+
+TRAIN = ROOT / "examples" / "train.py"
+STEPS, EVERY, SEED = 240, 1000, 5          # no regular checkpoint before the end: only survivors save
+HASH_RE = re.compile(r"final_params_sha256=([0-9a-f]{64})")
+STEP_RE = re.compile(r"^step=(\d+) ", re.M)
+
+
+def _cli(cluster: SlurmCluster, module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**cluster.env, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    wd = tmp_path_factory.mktemp("peer-ref")
+    ref = run_ranks(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--seed", str(SEED),
+                    "--policy", f"fixed:{EVERY}", "--ckpt-dir", str(wd / "ref"), timeout=300)
+    return HASH_RE.findall(ref.stdout)[-1]
+
+
+def _submit(cluster: SlurmCluster, wd: Path) -> tuple[str, Path, Path]:
+    ckpt = wd / "ckpt"
+    p = _cli(cluster, "coci_hpc.cli.submit", "--partition", "gpu", "--nodes", "2", "--time", "10",
+             "--job-name", "peer", "--output-dir", str(wd / "run"), "--ckpt-dir", str(ckpt),
+             "--policy", f"fixed:{EVERY}", str(TRAIN), "--steps", str(STEPS), "--seed", str(SEED),
+             "--step-time", "0.03", cwd=wd)
+    assert p.returncode == 0, p.stdout + p.stderr
+    job = re.search(r"submitted job (\d+)", p.stdout).group(1)
+    return job, ckpt, wd / "run" / "logs" / f"{job}_0_log.out"
+
+
+def _wait_step(log0: Path, at_least: int, timeout: float = 180) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        steps = STEP_RE.findall(log0.read_text()) if log0.exists() else []
+        if steps and int(steps[-1]) >= at_least:
+            return int(steps[-1])
+        assert time.monotonic() < deadline, f"rank 0 did not reach step {at_least}"
+        time.sleep(0.2)
+
+
+def _check_run(cluster: SlurmCluster, wd: Path, job: str, ckpt: Path, log0: Path, ref_hash: str,
+               first_state: tuple[str, ...]) -> dict:
+    rows = cluster.wait_gone(job, timeout=150)
+    text = log0.read_text()
+    err = (wd / "run" / "logs" / f"{job}_0_log.err").read_text()
+    print(text[-1500:], err[-4000:], rows, sep="\n")
+    states = [r["State"] for r in rows]
+    assert states[0] in first_state and states[-1] == "COMPLETED", rows
+    assert HASH_RE.findall(text)[-1] == ref_hash           # bit-exact with the uninterrupted run
+    events = read_events(ckpt)
+    lost = [e for e in events if e["event"] == "peer_lost"]
+    assert len(lost) == 1 and lost[0]["committed"], lost
+    assert lost[0]["lost_ranks"] == [1] and lost[0]["survivor"] == 0
+    starts = [e for e in events if e["event"] == "attempt_start"]
+    assert len(starts) == 2 and starts[1]["resumed_step"] == lost[0]["step"]
+    assert starts[1]["steps_lost"] is not None and starts[1]["steps_lost"] <= 1
+    st = _cli(cluster, "coci_hpc.cli.status", str(ckpt), "--json", "--no-png", cwd=wd)
+    assert st.returncode == 0, st.stderr
+    h = json.loads(st.stdout)
+    assert h["status"] == "completed" and h["final_step"] == STEPS
+    return {"lost": lost[0], "attempts": h["attempts"], "status": h}
+
+
+def test_sigkilled_rank_survivor_saves_requeues_and_ends_bit_exact(slurm_cluster: SlurmCluster,
+                                                                     reference: str) -> None:
+    wd = slurm_cluster.workdir / "peer-crash"
+    wd.mkdir()
+    job, ckpt, log0 = _submit(slurm_cluster, wd)
+    at = _wait_step(log0, random.randint(40, 120))
+    slurm_cluster.run(str(slurm_cluster.devcluster), "kill-tasks", "n2")   # rank 1 dies; no node goes down
+    res = _check_run(slurm_cluster, wd, job, ckpt, log0, reference, ("REQUEUED",))
+    assert res["lost"]["step"] >= at - 1
+    att = res["attempts"]
+    assert att[1]["prev_end"]["reason"] == "rank_failure", att[1]["prev_end"]
+    st = _cli(slurm_cluster, "coci_hpc.cli.status", str(ckpt), "--no-png", cwd=wd)
+    print(st.stdout)
+    assert "survivors' checkpoint" in st.stdout
+
