@@ -36,6 +36,9 @@ class Attempt:
     checkpoints: list[int] = field(default_factory=list)
     sacct_state: str | None = None
     sacct_id: str | None = None               # what sacct knows the job as (array task: A_T)
+    # Set when this attempt was started by coci-submit's relaunch loop inside the same allocation
+    # (--spare-nodes): why, where, and the latency split (detect, process start, restore).
+    in_place: dict[str, Any] | None = None
 
 
 @dataclass
@@ -84,6 +87,8 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
     status, final_step, message = "running", None, ""
     stops: dict[int, dict[str, Any]] = {}
     peer_losses: list[dict[str, Any]] = []
+    relaunches: dict[int, dict[str, Any]] = {}   # failed attempt -> the relaunch loop's record
+    resumed_wall: dict[int, float] = {}
     for e in events:
         n, ev = int(e.get("attempt") or 0), e.get("event")
         if ev == "attempt_start":
@@ -94,8 +99,11 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
                 sacct_id=e.get("slurm_id") or e.get("job_id"))
             continue
         a = attempts.get(n)
-        if ev == "resumed" and a is not None:
+        if ev == "relaunch":
+            relaunches[n] = e
+        elif ev == "resumed" and a is not None:
             a.restart_latency_s = e.get("restart_latency_s")
+            resumed_wall[n] = float(e.get("wall") or 0.0)
         elif ev == "checkpoint":
             checkpoints.append({"step": e.get("step"), "kind": e.get("kind"), "attempt": n,
                                 "blocking_s": e.get("blocking_s"), "persist_s": e.get("persist_s")})
@@ -126,6 +134,23 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
         reason = nxt.prev_end.get("reason")
         if reason:
             prev.ended, prev.ended_source = str(reason), str(nxt.prev_end.get("source") or "")
+    for prev, nxt in zip(ordered, ordered[1:]):
+        r = relaunches.get(prev.attempt)
+        if r is None or r.get("action") != "relaunch":
+            continue
+        lost = "node_failure" if "lost" in str(r.get("reason")) else "crash"
+        prev.ended, prev.ended_source = f"{lost} (restarted in place)", "relaunch"
+        start, ended, decided = nxt.start_wall, r.get("step_ended_wall"), r.get("decided_wall")
+        res = resumed_wall.get(nxt.attempt)
+        nxt.in_place = {
+            "restart": r.get("restart"), "reason": r.get("reason"), "nodes": r.get("nodes"),
+            # From the failed step's end (srun returned) to the decision: settle time + Slurm queries.
+            "detect_s": decided - ended if decided and ended else None,
+            # From the decision to the Session's attempt_start: srun + interpreter + imports.
+            "process_start_s": start - decided if start and decided else None,
+            "restore_s": res - start if res and start else None,
+            "total_s": res - ended if res and ended else None,
+        }
     for a in ordered:
         if a.ended == "running" and a.attempt in stops:
             s = stops[a.attempt]
@@ -245,6 +270,13 @@ def render_text(h: RunHistory) -> str:
                          f"checkpoint ({pl['reason']}); fell back to step {_i(pl['fallback_step'])}; "
                          f"steps lost {_i(pl['steps_lost'])}")
     lines.append(f"steps lost in total: {h.steps_lost_total}")
+    for a in h.attempts:
+        ip = a.in_place
+        if ip:
+            lines.append(f"attempt {a.attempt}: restarted in place on {','.join(ip.get('nodes') or [])} "
+                         f"(in-place restart {ip.get('restart')}): {_s(ip.get('total_s'))}s = detect "
+                         f"{_s(ip.get('detect_s'))} + start {_s(ip.get('process_start_s'))} + restore "
+                         f"{_s(ip.get('restore_s'), 2)}; {ip.get('reason')}")
     if h.sacct_note:
         lines.append(f"sacct: {h.sacct_note}")
     return "\n".join(lines)

@@ -23,14 +23,15 @@ import shutil
 import sys
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from coci_hpc.checkpoint import engine, exitguard, h5_parallel, perms, recovery, retire
+from coci_hpc.checkpoint import engine, exitguard, h5_parallel, perms, recovery
 from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint.catalog import ABANDONED, StepCatalog, is_no_space
 from coci_hpc.checkpoint.coordinator import LayoutCache
 from coci_hpc.checkpoint.h5_serial import SerialH5Writer
 from coci_hpc.checkpoint.launch import check_launch
@@ -103,10 +104,12 @@ class CheckpointManager:
         self.lustre: LustrePolicy = lustre or LustrePolicy()
         self.writer: StorageWriter = make_writer(self.comm, backend)
         self._tuning: IOTuning | None = None
+        self._catalog: StepCatalog = StepCatalog(self.root)  # rank 0's: lists the root once
         self._layouts: LayoutCache = LayoutCache()  # the last save's layout, reused while the state keeps its shape
         self._async: TwoPhaseSaver = TwoPhaseSaver(self.comm, self.root, self.writer, self.tuning, keep=keep,
                                     on_busy=on_busy, overlap=overlap, rng=rng, timeout_s=self.timeout_s,
-                                    on_failure=self._async_failed, layouts=self._layouts)
+                                    on_failure=self._async_failed, layouts=self._layouts,
+                                    catalog=self._catalog)
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._base: int | None = None   # the step loaded last: the next save retires newer ones
         self.stats: dict[str, float] = {}
@@ -155,16 +158,7 @@ class CheckpointManager:
         with Watchdog(self.comm, self.timeout_s, f"saving checkpoint step {step}") as dog:
             if self._before_save(step) == "skip":
                 return mf.step_dir(self.root, step)
-            for attempt in (0, 1):
-                try:
-                    directory = self._save_once(step, state, dog)
-                    break
-                except CociError as exc:
-                    if not retire.is_no_space(exc):
-                        raise
-                    if attempt == 0 and self.on_no_space == "retire_oldest" and self._free_space():
-                        continue
-                    raise self._no_space_error(step, exc) from exc
+            directory = self._with_space(step, lambda: self._save_once(step, state, dog))
         self.stats = {"save_s": time.perf_counter() - t0}
         return directory
 
@@ -172,23 +166,53 @@ class CheckpointManager:
         dog.enter("preparing the file (collective)", waiting_for_others=True)
         skeletons, leaves = collect(state, rng=self.rng)
         prepared = engine.prepare(self.comm, self.root, step, skeletons, leaves, self.writer, self.tuning(),
-                                  self._layouts)
-        try:
+                                  self._layouts, self._catalog)
+
+        def write() -> list[int]:
             dog.enter("writing its data")
             # Agree that every rank has its data before any collective write starts.
             items = self.comm.run_step(lambda: prepared.items(self.comm.rank),
                                        f"collecting the data of step {step}")
+            return engine.write_items(prepared, items, self.writer)
+
+        self._write_and_commit(prepared, write, dog)
+        return prepared.directory
+
+    def _write_and_commit(self, prepared: engine.Prepared, write: Callable[[], list[int]],
+                          dog: Watchdog | None = None) -> None:
+        """Collective, the end of one save transaction: write, agree, commit; on any failure the
+        step directory is discarded on every rank (nothing of it was committed)."""
+        try:
             crcs, error = None, None
             try:
-                crcs = engine.write_items(prepared, items, self.writer)
+                crcs = write()
             except Exception as exc:  # noqa: BLE001 - agreed on in commit
                 error = exc
-            dog.enter("waiting for the other ranks to commit", waiting_for_others=True)
+            if dog is not None:
+                dog.enter("waiting for the other ranks to commit", waiting_for_others=True)
             engine.commit(self.comm, prepared, crcs, error, self.keep)
         except BaseException:
             engine.discard(self.comm, prepared)  # raised on every rank: no partial step left
             raise
-        return prepared.directory
+
+    def _with_space(self, step: int, attempt: Callable[[], Any], failed: BaseException | None = None) -> Any:
+        """The one no-space policy, for the sync save and the async retry: run ``attempt`` (a save
+        transaction); on a full disk with on_no_space="retire_oldest", free space and run it
+        once more; otherwise (or if that fails too) raise a clear error. ``failed``: the first
+        attempt already failed with it (a background save)."""
+        for tries in (0, 1):
+            if failed is None:
+                try:
+                    return attempt()
+                except CociError as exc:
+                    failed = exc
+            if not is_no_space(failed):
+                raise failed
+            if tries == 0 and self.on_no_space == "retire_oldest" and self._free_space():
+                failed = None
+                continue
+            raise self._no_space_error(step, failed) from failed
+        raise AssertionError("unreachable")
 
     def _before_save(self, step: int) -> str:
         """Collective, before anything is written: lock check, rollback, leftovers, duplicates.
@@ -207,16 +231,16 @@ class CheckpointManager:
                 raise CheckpointLocked(f"the writer lock of {self.root} was removed or taken over by "
                                        f"another run", hint="two runs must not share a checkpoint directory")
             if base is not None:
-                retire.retire_abandoned(self.root, base)
-            committed = mf.committed_steps(self.root)
+                self._catalog.retire_abandoned(base)
+            committed = self._catalog.committed()
             if committed and step == committed[-1]:
                 return "skip"
             if committed and step < committed[-1]:
                 raise CheckpointError(
                     f"cannot save step {step}: step {committed[-1]} is newer and was not rolled back",
                     hint=f"load the step to continue from first (a save after a load moves the newer "
-                         f"steps to {self.root / retire.ABANDONED}), or use a new directory")
-            retire.remove_partial(self.root)
+                         f"steps to {self.root / ABANDONED}), or use a new directory")
+            self._catalog.remove_partial()
             return "go"
 
         outcome = self.comm.bcast(self.comm.run_step(decide, f"preparing to save step {step}"))
@@ -225,7 +249,7 @@ class CheckpointManager:
 
     def _free_space(self) -> bool:
         """Collective: on_no_space="retire_oldest": delete old checkpoints; True if any went."""
-        freed = self.comm.run_step(lambda: retire.retire_oldest(self.root) if self.comm.rank == 0 else None,
+        freed = self.comm.run_step(lambda: self._catalog.free_space() if self.comm.rank == 0 else None,
                                    "freeing space")
         freed = self.comm.bcast(freed)
         if freed and self.comm.rank == 0:
@@ -243,30 +267,18 @@ class CheckpointManager:
             f"no space left on the device of {self.root} for checkpoint step {step}{retried} "
             f"({free}); step {step} was not committed, its partial directory was removed and the "
             f"previous checkpoint is intact ({exc})",
-            hint=f"free space there (old runs, {self.root / retire.ABANDONED}), lower keep, or pass "
+            hint=f"free space there (old runs, {self.root / ABANDONED}), lower keep, or pass "
                  f"on_no_space='retire_oldest' to delete the older checkpoints (never the newest) "
                  f"and retry once")
 
     def _async_failed(self, prepared: engine.Prepared, items: list[WriteItem], exc: BaseException) -> None:
-        """A background save failed to commit (its directory is already removed): retry or explain."""
-        if not retire.is_no_space(exc):
-            raise exc
-        if self.on_no_space == "retire_oldest" and self._free_space():
-            try:
-                engine.recreate(self.comm, prepared, self.writer)
-                crcs, error = None, None
-                try:
-                    crcs = engine.write_items(prepared, items, None)  # the snapshot buffers, pwrite
-                except Exception as err:  # noqa: BLE001 - agreed on in commit
-                    error = err
-                engine.commit(self.comm, prepared, crcs, error, self.keep)
-                return
-            except CociError as again:
-                engine.discard(self.comm, prepared)
-                if not retire.is_no_space(again):
-                    raise
-                exc = again
-        raise self._no_space_error(prepared.step, exc) from exc
+        """A background save failed to commit (its directory is already removed): the same
+        no-space policy as a sync save, retrying with the snapshot it still holds."""
+        def retry() -> None:
+            engine.recreate(self.comm, prepared, self.writer)
+            self._write_and_commit(prepared, lambda: engine.write_items(prepared, items, None))  # pwrite
+
+        self._with_space(prepared.step, retry, failed=exc)
 
     def save_async(self, step: int, state: Mapping[str, Any]) -> str:
         """Collective: two-phase save. Returns "started" or "skipped" (on_busy="skip").
@@ -340,7 +352,10 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """Collective: the newest committed step (decided on rank 0), or None."""
-        return self.comm.bcast(mf.latest_step(self.root) if self.comm.rank == 0 else None)
+        if self.comm.rank != 0:
+            return self.comm.bcast(None)
+        # The writer (it holds the lock) keeps the catalog; a reader looks afresh each time.
+        return self.comm.bcast(self._catalog.latest() if self._lock is not None else mf.latest_step(self.root))
 
     def list(self) -> list[mf.CheckpointInfo]:
         """Local: committed checkpoints, oldest first."""

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
-import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,11 +16,11 @@ import numpy as np
 import torch
 
 from coci_hpc.checkpoint import manifest as mf
-from coci_hpc.checkpoint import perms
+from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.checkpoint.coordinator import LayoutCache, agree
 from coci_hpc.checkpoint.h5file import DatasetReader
 from coci_hpc.checkpoint.layout import DatasetSpec, Layout, LeafDesc, Piece, RankLayout
-from coci_hpc.checkpoint.lustre import IOTuning, apply_setstripe
+from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, write_posix
 from coci_hpc.checkpoint.state import (
@@ -56,6 +55,7 @@ class Prepared:
     tuning: IOTuning
     backend: str
     stats: dict[str, Any] = field(default_factory=dict)
+    catalog: StepCatalog | None = None  # rank 0's step catalog: owns the step directory
 
     @property
     def data_path(self) -> Path:
@@ -85,37 +85,34 @@ def check_step(step: Any) -> int:
 
 
 def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves: Sequence[Leaf],
-            writer: StorageWriter, tuning: IOTuning, layouts: LayoutCache | None = None) -> Prepared:
+            writer: StorageWriter, tuning: IOTuning, layouts: LayoutCache | None = None,
+            catalog: StepCatalog | None = None) -> Prepared:
     """Collective: agree on the layout, make the step directory and the file with all datasets.
 
     ``layouts``: the manager's cache of the last layout (:mod:`.coordinator`); without one the
     layout is planned again (or taken from the last manifest) every time.
     """
     step = check_step(step)
+    catalog = catalog if catalog is not None else StepCatalog(root)
     cache = layouts if layouts is not None else LayoutCache()
     descs = [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in leaves]
     mine, full = agree(comm, descs, tuning.align, cache, with_datasets=writer.collective_create,
-                       last_manifest=lambda: _last_manifest(root))
-    directory = mf.step_dir(root, step)
-    make_step_dir(comm, root, step, tuning)
+                       last_manifest=lambda: _last_manifest(catalog))
+    directory = make_step_dir(comm, catalog, step, tuning)
     try:
         created = writer.create(directory, _to_create(writer, mine, full), tuning)
         offsets = _share_offsets(comm, writer, cache, created)
     except BaseException:  # raised on every rank (the writers agree): leave no partial directory
-        def remove() -> None:
-            if comm.rank == 0:
-                shutil.rmtree(directory, ignore_errors=True)
-
-        comm.run_step(remove, f"removing the failed step {step}")
+        comm.run_step(lambda: _on_rank0(comm, catalog.discard, step), f"removing the failed step {step}")
         raise
     return Prepared(step, directory, mine, full, offsets, {l.name: l for l in leaves}, skeletons, tuning,
-                    writer.name, dict(cache.last))
+                    writer.name, dict(cache.last), catalog)
 
 
-def _last_manifest(root: Path) -> dict[str, Any] | None:
+def _last_manifest(catalog: StepCatalog) -> dict[str, Any] | None:
     """Rank 0, first save of a manager: the newest manifest, whose layout may be reused."""
-    step = mf.latest_step(root)
-    return None if step is None else mf.read(mf.step_dir(root, step))
+    step = catalog.latest()
+    return None if step is None else mf.read(mf.step_dir(catalog.root, step))
 
 
 def _to_create(writer: StorageWriter, mine: RankLayout, full: Layout | None) -> tuple[DatasetSpec, ...] | None:
@@ -148,32 +145,23 @@ def _share_offsets(comm: Comm, writer: StorageWriter, cache: LayoutCache, create
     return offsets
 
 
-def make_step_dir(comm: Comm, root: Path, step: int, tuning: IOTuning) -> Path:
-    """Collective: rank 0 creates the (empty) directory of ``step``; refuses a committed one."""
-    directory = mf.step_dir(root, step)
+def _on_rank0(comm: Comm, fn: Callable[..., Any], *args: Any) -> None:
+    """The catalog is rank 0's: the other ranks only take part in the agreement."""
+    if comm.rank == 0:
+        fn(*args)
 
-    def make_dir() -> None:
-        if comm.rank != 0:
-            return
-        if (directory / mf.MANIFEST).exists():
-            raise CheckpointError(f"step {step} is already committed in {root}",
-                                  hint="save under a new step number, or delete that checkpoint first")
-        if directory.exists():  # leftover of a writer that died before commit
-            shutil.rmtree(directory)
-        perms.make_dirs(root, tuning.dir_mode)   # modes from access=, not the umask
-        perms.make_dir(directory, tuning.dir_mode)
-        # The new entry must survive a crash before the manifest's own directory fsync: without
-        # it a power loss could keep the manifest's inode but lose the step directory's name.
-        mf.fsync_dir(root)
-        apply_setstripe(tuning, directory)
 
-    comm.run_step(make_dir, f"creating {directory}")
-    return directory
+def make_step_dir(comm: Comm, catalog: StepCatalog, step: int, tuning: IOTuning) -> Path:
+    """Collective: rank 0's catalog creates the (empty) directory of ``step``."""
+    comm.run_step(lambda: _on_rank0(comm, catalog.create, step, tuning),
+                  f"creating the directory of step {step} in {catalog.root}")
+    return mf.step_dir(catalog.root, step)
 
 
 def recreate(comm: Comm, prepared: Prepared, writer: StorageWriter) -> None:
     """Collective: make the directory and file of a failed save again, for a retry of its items."""
-    make_step_dir(comm, prepared.directory.parent, prepared.step, prepared.tuning)
+    assert prepared.catalog is not None
+    make_step_dir(comm, prepared.catalog, prepared.step, prepared.tuning)
     created = writer.create(prepared.directory, _to_create(writer, prepared.layout, prepared.full),
                             prepared.tuning)
 
@@ -187,11 +175,10 @@ def recreate(comm: Comm, prepared: Prepared, writer: StorageWriter) -> None:
 
 def discard(comm: Comm, prepared: Prepared) -> None:
     """Collective: remove the directory of a save that failed (nothing of it was committed)."""
-    def remove() -> None:
-        if comm.rank == 0 and not (prepared.directory / mf.MANIFEST).exists():
-            shutil.rmtree(prepared.directory, ignore_errors=True)
-
-    comm.run_step(remove, f"removing the failed step {prepared.step}")
+    catalog = prepared.catalog
+    assert catalog is not None
+    comm.run_step(lambda: _on_rank0(comm, catalog.discard, prepared.step),
+                  f"removing the failed step {prepared.step}")
 
 
 def write_items(prepared: Prepared, items: Sequence[WriteItem], writer: StorageWriter | None) -> list[int]:
@@ -240,8 +227,9 @@ def commit(comm: Comm, prepared: Prepared, crcs: list[int] | None, error: BaseEx
                      extra={"lustre": prepared.tuning.lustre, "align": prepared.tuning.align,
                             "layout": {"align": prepared.tuning.align,
                                        "signatures": list(layout.signatures)}})
-        mf.commit(prepared.directory, m)
-        return mf.apply_retention(prepared.directory.parent, keep)
+        assert prepared.catalog is not None
+        prepared.catalog.commit(prepared.step, m)
+        return prepared.catalog.retain(keep)
 
     removed = comm.run_step(write_manifest, f"committing checkpoint step {prepared.step}")
     return comm.bcast(removed)

@@ -21,8 +21,6 @@ import json
 import math
 import os
 import re
-import shutil
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +37,8 @@ MAX_DEPTH = 64              # nesting of a manifest's JSON: deeper is damage, no
 MAX_NDIM = 32               # HDF5's own limit on dataset rank
 MANIFEST = "manifest.json"
 DATA_FILE = "data.h5"
-_STEP_RE = re.compile(r"^step_(\d{9,})$")
+STEP_RE = re.compile(r"^step_(\d{9,})$")  # a step directory
+_STEP_RE = STEP_RE
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
@@ -312,53 +311,8 @@ def read_step(root: str | os.PathLike, step: int) -> dict[str, Any]:
     return read(step_dir(root, step))
 
 
-_reaper: threading.Thread | None = None
-
-
-def _reap(paths: list[Path]) -> None:
-    for p in paths:
-        shutil.rmtree(p, ignore_errors=True)
-
-
 def wait_for_deletions() -> None:
-    if _reaper is not None:
-        _reaper.join()
+    """Block until retired steps are deleted (the step catalog deletes them in the background)."""
+    from coci_hpc.checkpoint.catalog import wait_for_deletions as wait
 
-
-def apply_retention(root: str | os.PathLike, keep: int, *, background: bool = True) -> list[int]:
-    """Delete all but the newest ``keep`` committed checkpoints, plus stale uncommitted ones.
-
-    Called only right after a commit, so the newest checkpoint is always a committed one.
-    A victim is first made uncommitted (manifest unlinked) and renamed to ``.trash-...``, both
-    instant; its data is then removed by a background thread (unlinking GBs takes a while and
-    must not stall training). Returns the steps removed.
-    """
-    global _reaper
-    root = Path(root)
-    infos = scan(root)
-    committed = [c for c in infos if c.committed]
-    if not committed:
-        return []
-    newest = committed[-1].step
-    keep_steps = {c.step for c in committed[-max(1, keep):]}
-    removed, trash = [], [p for p in root.glob(".trash-*") if p.is_dir()]
-    for c in infos:
-        stale_partial = not c.committed and c.step < newest
-        if (c.committed and c.step not in keep_steps) or stale_partial:
-            # Remove the manifest first so a crash midway never leaves a "committed" half.
-            (c.path / MANIFEST).unlink(missing_ok=True)
-            target = root / f".trash-{c.path.name}-{os.getpid()}-{time.monotonic_ns()}"
-            try:
-                os.rename(c.path, target)
-            except OSError:
-                target = c.path
-            trash.append(target)
-            removed.append(c.step)
-    if trash:
-        wait_for_deletions()
-        if background:
-            _reaper = threading.Thread(target=_reap, args=(trash,), name="coci-retention", daemon=True)
-            _reaper.start()
-        else:
-            _reap(trash)
-    return removed
+    wait()

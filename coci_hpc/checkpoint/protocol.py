@@ -1,25 +1,42 @@
 """The storage protocol: how the checkpoint engine talks to a file backend.
 
-Call sequence for one save, and which rank makes each call (like torch.distributed.checkpoint's
-``StorageWriter``)::
+One save is one transaction, the same for the sync save, the async save and the async retry
+(``CheckpointManager._save_once`` / ``TwoPhaseSaver`` / ``_async_failed``); which rank makes
+each call (like torch.distributed.checkpoint's ``StorageWriter``)::
 
-    1. layout          ALL ranks, main thread (:mod:`~coci_hpc.checkpoint.coordinator`): one
-                       allreduce says whether any rank's leaves changed since the last save;
-                       only then rank 0 gathers the descriptions, builds the
-                       :class:`~coci_hpc.checkpoint.layout.Layout` and scatters each rank its
-                       own pieces. Unchanged state reuses each rank's cached pieces.
-    2. writer.create   ALL ranks, main thread, collective: make the step directory (Lustre
-                       striping), create the data file and every dataset (with
-                       ``collective_create`` every rank, with identical arguments; otherwise
-                       rank 0 alone, which then scatters each rank its datasets' offsets).
-    3. writer.write    EACH rank writes its own pieces. If ``writer.collective_write`` is true
-                       every rank must call it together (main thread only); otherwise it is
-                       independent and may run in a background thread (it touches no MPI).
-    4. commit          ALL ranks agree on success (one allgather); the COORDINATOR (rank 0)
-                       writes the manifest (temp, fsync, rename, fsync dir) and applies
-                       retention; a barrier ends the save.
+    0. before_save     RANK 0, then bcast: lock still held; from the step catalog
+                       (:mod:`~coci_hpc.checkpoint.catalog`, the root listed once per manager):
+                       rollback (newer steps -> abandoned/), duplicate or older step, partial
+                       leftovers removed.
+    1. prepare         ALL ranks (:func:`~coci_hpc.checkpoint.engine.prepare`):
+       a. layout         one allreduce says whether any rank's leaves changed since the last
+                         save; only then rank 0 gathers the descriptions, builds the
+                         :class:`~coci_hpc.checkpoint.layout.Layout` and scatters each rank
+                         its own pieces (:mod:`~coci_hpc.checkpoint.coordinator`).
+       b. catalog.create RANK 0: the step directory (Lustre striping), agreed by all.
+       c. writer.create  collective (``collective_create``: every rank, identical arguments;
+                         otherwise rank 0 alone, scattering each rank its datasets' offsets).
+    2. write           EACH rank its own pieces (``writer.write`` collective when
+                       ``collective_write``, else pwrite, possibly in a background thread that
+                       touches no MPI).
+    3. commit          ALL ranks agree on success (one gather); RANK 0 writes the manifest
+                       (``catalog.commit``: temp, fsync, rename, fsync dir), then
+                       ``catalog.retain(keep)``; the removed steps are broadcast.
+    on failure         ALL ranks: ``engine.discard`` (rank 0's catalog removes the directory);
+                       a full disk goes to the one no-space policy (``_with_space``: raise a
+                       clear error, or with on_no_space="retire_oldest" ``catalog.free_space``
+                       and run the transaction once more; an async save retries from its
+                       snapshot: ``engine.recreate`` then 2-3).
 
-Loading needs no protocol step beyond reading: every rank opens the files read-only on its own.
+File-system metadata operations of a save (rank 0 only; counted by
+:func:`~coci_hpc.checkpoint.catalog.metadata_ops`): no listing after the first save, one step
+directory and one data file created, the manifest created and renamed, and per retired step
+one unlink and one rename: independent of the steps kept and of the number of ranks.
+
+Loading (:func:`~coci_hpc.checkpoint.engine.load`): every rank opens the files read-only,
+checks the manifest against its state, then (1) checks the CRC of every shard it will read,
+each shard once per node, through two small reused buffers, and (2) only when every rank's
+checks passed, copies the checked bytes into the state's own tensors.
 """
 from __future__ import annotations
 

@@ -66,6 +66,7 @@ import torch
 
 from coci_hpc.checkpoint import engine
 from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.checkpoint.coordinator import LayoutCache
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
@@ -146,7 +147,7 @@ class TwoPhaseSaver:
                  overlap_min_bytes: int = 1 << 20, direct: bool = True,
                  timeout_s: float | None = None,
                  on_failure: Callable[[engine.Prepared, list[WriteItem], BaseException], None] | None = None,
-                 layouts: LayoutCache | None = None) -> None:
+                 layouts: LayoutCache | None = None, catalog: StepCatalog | None = None) -> None:
         if on_busy not in ON_BUSY:
             raise UsageError(f"on_busy={on_busy!r} is not one of {ON_BUSY}",
                              hint="'wait' blocks until the previous persist commits; 'skip' drops the new save")
@@ -157,6 +158,7 @@ class TwoPhaseSaver:
         self.timeout_s = timeout_s
         self.on_failure = on_failure
         self.layouts = layouts if layouts is not None else LayoutCache()
+        self.catalog = catalog if catalog is not None else StepCatalog(root)
         self.buffers = HostBuffers()
         self._job: _Job | None = None
         self._pending: PendingMin | None = None
@@ -198,7 +200,7 @@ class TwoPhaseSaver:
             raise RuntimeError("TwoPhaseSaver.start with a save in flight: call make_room() first")
         skeletons, leaves = collect(state, rng=self.rng, defer_device=True, guarded=guarded)
         prepared = engine.prepare(self.comm, self.root, step, skeletons, leaves, self.writer, self.tuning(),
-                                  self.layouts)
+                                  self.layouts, self.catalog)
         # Snapshot only the bytes this rank writes: 1/N of the replicated state plus its own.
         items: list[WriteItem] = []
         deferred = []

@@ -25,6 +25,7 @@ from coci_hpc.planner.policies import POLICY_NAMES, make_policy
 from coci_hpc.planner.profile import Profile
 from coci_hpc.runtime.attempts import LEAD_SPARE_S, suggested_lead_s
 from coci_hpc.submit import checks, executor
+from coci_hpc.submit.relaunch import DEFAULT_MAX_RESTARTS
 from coci_hpc.submit.spec import build_spec
 
 DEFAULT_SIGNAL_LEAD = 90
@@ -69,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--max-requeues", type=int, default=10, help="give up after this many requeues (default 10)")
     c.add_argument("--no-progress-limit", type=int, default=3,
                    help="give up after this many restarts in a row from the same checkpoint (default 3)")
+    c.add_argument("--spare-nodes", type=int, default=0, metavar="K",
+                   help="ask for --nodes + K nodes (--no-kill) and restart in place on the healthy ones when a node "
+                        "is lost or the ranks crash, instead of going back to the queue (default 0)")
+    c.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
+                   help=f"in-place restarts with --spare-nodes before falling back to requeue (a lost node) or "
+                        f"giving up (a crash with every node healthy) (default {DEFAULT_MAX_RESTARTS})")
     c.add_argument("--mpi", default="pmix", help="srun --mpi plugin that starts the ranks: pmix (default), pmi2, none")
     c.add_argument("--python", default=shlex.quote(sys.executable), help="interpreter on the nodes (default: this one)")
     c.add_argument("--dry-run", action="store_true", help="print the batch script; submit nothing")
@@ -87,14 +94,16 @@ def _main(argv: Sequence[str] | None) -> int:
         signal_lead=lead, max_requeues=a.max_requeues, no_progress_limit=a.no_progress_limit,
         mpi=a.mpi, gpus_per_node=a.gpus_per_node, cpus_per_task=a.cpus_per_task, mem=a.mem,
         account=a.account, qos=a.qos, constraint=a.constraint, array=a.array,
-        sbatch_args=a.sbatch_arg, resume_from_other_run=a.resume_from_other_run, validate_policy=make_policy)
+        sbatch_args=a.sbatch_arg, resume_from_other_run=a.resume_from_other_run,
+        spare_nodes=a.spare_nodes, max_restarts=a.max_restarts, validate_policy=make_policy)
     checks.run_all(spec, dry_run=a.dry_run)
     if a.dry_run:
         print(executor.render(spec), end="")
         return 0
     sub = executor.submit(spec)
     ids = sub.job_id if len(sub.task_ids) == 1 else f"{sub.job_id} (array tasks {sub.task_ids[0]}..{sub.task_ids[-1]})"
-    print(f"submitted job {ids}: {spec.nodes} node(s) x {spec.ntasks_per_node} rank(s)"
+    spares = f" (+{spec.spare_nodes} spare)" if spec.spare_nodes else ""
+    print(f"submitted job {ids}: {spec.nodes} node(s){spares} x {spec.ntasks_per_node} rank(s)"
           f"{' on ' + spec.partition if spec.partition else ''}")
     print(f"  batch script   {sub.batch_script}")
     print(f"  rank 0 log     {sub.log_paths[0]}")

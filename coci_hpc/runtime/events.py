@@ -20,7 +20,8 @@ from typing import Any
 
 VERSION = 1
 FILENAME = "events.jsonl"
-EVENTS = ("attempt_start", "resumed", "checkpoint", "losses", "stop", "end", "lead_warning", "peer_lost")
+EVENTS = ("attempt_start", "resumed", "checkpoint", "losses", "stop", "end", "lead_warning", "peer_lost",
+          "relaunch")  # relaunch: written by coci-submit's relaunch loop (submit/relaunch.py), not the Session
 PREV_END_REASONS = ("time_limit", "preemption", "node_failure", "rank_failure", "requeue_by_hand", "cancelled",
                     "terminated", "crash", "none")
 

@@ -37,6 +37,7 @@ import torch
 
 from coci_hpc.checkpoint import integrity
 from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.checkpoint.engine import make_step_dir
 from coci_hpc.checkpoint.h5file import create_datasets, file_kwargs
 from coci_hpc.checkpoint.layout import LeafDesc, make_layout
@@ -179,7 +180,8 @@ def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: 
     all_descs = [descs_repl + [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in per_rank[r].leaves]
                  for r in range(size)]
     plan = make_layout(all_descs, align=tuning.align)
-    directory = make_step_dir(Comm.serial(), root, step, tuning)
+    catalog = StepCatalog(root)  # one process writes: its catalog owns the step directory
+    directory = make_step_dir(Comm.serial(), catalog, step, tuning)
     data = directory / mf.DATA_FILE
     with h5py.File(data, "w", **file_kwargs(tuning.align, tuning.align_threshold)) as f:
         offsets = create_datasets(f, plan.datasets)
@@ -229,8 +231,8 @@ def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: 
                  files=[mf.DATA_FILE], backend=BACKEND,
                  extra={"lustre": tuning.lustre, "align": tuning.align, "survivors_save": True,
                         "layout": {"align": tuning.align, "signatures": list(plan.signatures)}})
-    mf.commit(directory, m)
-    mf.apply_retention(root, keep, background=False)
+    catalog.commit(step, m)
+    catalog.retain(keep, background=False)
     return directory
 
 

@@ -71,3 +71,46 @@ def time_left_s(job_id: str, runner: Runner = run_command) -> float | None:
     """Seconds until the job's time limit, from Slurm (``squeue %L``); None when unlimited or unknown."""
     out = runner(["squeue", "-h", "-j", job_id, "-o", "%L"]).strip()
     return printed_s(out)
+
+
+# sinfo's short states (%t) of a node that cannot take a step: down, drained or draining, failed,
+# booting, in maintenance, unknown; a trailing "*" means it does not respond.
+_UNHEALTHY = ("down", "drain", "drng", "fail", "boot", "maint", "unk", "inval", "futr", "pow", "npc")
+
+
+def hostnames(nodelist: str, runner: Runner = run_command) -> list[str]:
+    """A Slurm node list (``n[1-3]``) expanded, in Slurm's order (``scontrol show hostnames``)."""
+    if not nodelist.strip():
+        return []
+    return runner(["scontrol", "show", "hostnames", nodelist]).split()
+
+
+def job_nodes(job_id: str, runner: Runner = run_command) -> list[str]:
+    """The nodes the job holds now (``squeue %N``): with ``--no-kill`` a DOWN node leaves this list."""
+    return hostnames(runner(["squeue", "-h", "-j", job_id, "-o", "%N"]).strip(), runner)
+
+
+def unhealthy_nodes(nodes: Sequence[str], runner: Runner = run_command) -> dict[str, str]:
+    """The nodes of ``nodes`` that cannot take a step, with their sinfo state (``down*``, ``drain``...)."""
+    if not nodes:
+        return {}
+    out = runner(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"])
+    bad = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and (parts[1].endswith("*") or parts[1].rstrip("*~#!%$@^-").startswith(_UNHEALTHY)):
+            bad[parts[0]] = parts[1]
+    return bad
+
+
+def rank_step_argv(*, nodes: Sequence[str], ntasks_per_node: int, mpi: str, stdout: str, stderr: str,
+                   command: Sequence[str]) -> list[str]:
+    """The ``srun`` that starts the training ranks on exactly ``nodes``, inside the allocation.
+
+    ``--no-kill``: a node lost during the step ends only its own tasks, so the survivors stay free to
+    save (the node-failure design); ``--open-mode=append`` keeps every relaunch's output in one log.
+    """
+    return ["srun", "--no-kill", "--unbuffered", f"--nodes={len(nodes)}",
+            f"--ntasks={len(nodes) * ntasks_per_node}", f"--ntasks-per-node={ntasks_per_node}",
+            f"--nodelist={','.join(nodes)}", f"--mpi={mpi}", "--open-mode=append",
+            "--output", stdout, "--error", stderr, *command]

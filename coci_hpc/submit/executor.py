@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coci_hpc.errors import SlurmError, UsageError
+from coci_hpc.submit.relaunch import Relauncher
 from coci_hpc.submit.runner import ScriptRunner
 from coci_hpc.submit.spec import SubmitSpec, executor_parameters
 
@@ -48,7 +49,11 @@ def _executor(spec: SubmitSpec):
     return ex
 
 
-def _runner(spec: SubmitSpec) -> ScriptRunner:
+def _runner(spec: SubmitSpec) -> ScriptRunner | Relauncher:
+    if spec.spare_nodes:
+        return Relauncher(str(spec.script), spec.script_args, nodes=spec.nodes,
+                          ntasks_per_node=spec.ntasks_per_node, mpi=spec.mpi, python=spec.python,
+                          log_dir=str(spec.log_dir), max_restarts=spec.max_restarts)
     return ScriptRunner(str(spec.script), spec.script_args, spec.coci_env())
 
 

@@ -176,6 +176,13 @@ class SubmitSpec:
     sbatch_args: tuple[tuple[str, str | bool], ...] = field(default_factory=tuple)
     time_unlimited: bool = False
     resume_from_other_run: bool = False
+    spare_nodes: int = 0            # K extra nodes: restart in place on them (submit/relaunch.py)
+    max_restarts: int = 3           # in-place restarts before the requeue fallback / giving up
+
+    @property
+    def total_nodes(self) -> int:
+        """What the job asks Slurm for: the ranks' nodes plus the spares."""
+        return self.nodes + self.spare_nodes
 
     @property
     def log_dir(self) -> Path:
@@ -216,6 +223,7 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
                mem: str | None = None, account: str | None = None, qos: str | None = None,
                constraint: str | None = None, array: str | None = None,
                sbatch_args: Sequence[str] = (), resume_from_other_run: bool = False,
+               spare_nodes: int = 0, max_restarts: int = 3,
                validate_policy: Callable[[str], object] | None = None) -> SubmitSpec:
     """Validate the command line into a spec. Relative paths are taken from ``cwd``.
 
@@ -229,6 +237,11 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
         _positive(name, v)
     _positive("--gpus-per-node", gpus_per_node, zero_ok=True)
     _positive("--max-requeues", max_requeues, zero_ok=True)
+    _positive("--spare-nodes", spare_nodes, zero_ok=True)
+    _positive("--max-restarts", max_restarts, zero_ok=True)
+    if spare_nodes and array is not None:
+        raise UsageError("--spare-nodes cannot be combined with --array",
+                         hint="submit the sweep points as separate jobs to give each spare nodes, or drop --spare-nodes")
     if mem is not None and not _MEM_RE.fullmatch(mem):
         raise UsageError(f"--mem {mem!r} is not a Slurm memory size",
                          hint="give megabytes or a unit: --mem 4000, --mem 16G")
@@ -258,7 +271,8 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
         cpus_per_task=cpus_per_task, mem=mem, account=account, qos=qos, constraint=constraint,
         array=parse_array(array) if array is not None else None,
         sbatch_args=passed,
-        time_unlimited=time is not None and time_min is None, resume_from_other_run=resume_from_other_run)
+        time_unlimited=time is not None and time_min is None, resume_from_other_run=resume_from_other_run,
+        spare_nodes=spare_nodes, max_restarts=max_restarts)
 
 
 def executor_parameters(spec: SubmitSpec, extra_env: Mapping[str, str] | None = None) -> dict:
@@ -278,6 +292,19 @@ def executor_parameters(spec: SubmitSpec, extra_env: Mapping[str, str] | None = 
         "additional_parameters": {"requeue": True, **dict(spec.sbatch_args)},
         "setup": [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())],
     }
+    if spec.spare_nodes:
+        # N+K nodes that outlive a lost one (--no-kill); the relaunch loop runs once in the batch
+        # shell (no srun around submitit's runner) and starts the ranks' srun steps itself.
+        params["nodes"] = spec.total_nodes
+        params["use_srun"] = False
+        params["additional_parameters"]["no-kill"] = True
+        params["setup"] = [
+            f"# coci relaunch loop: the ranks run on {spec.nodes} of these {spec.total_nodes} nodes, started by",
+            f"#   srun --no-kill --nodes={spec.nodes} --nodelist=<{spec.nodes} healthy nodes> --mpi={spec.mpi} "
+            f"python -m coci_hpc.submit.rank SCRIPT ARGS",
+            f"# and again on the healthy ones when that step fails (up to --max-restarts {spec.max_restarts}"
+            " in place), else scontrol requeue",
+            *params["setup"]]
     # No --time: the partition's default limit (submitit would otherwise write its own 5 minutes).
     params["time"] = "INFINITE" if spec.time_unlimited else spec.time_min
     for key in ("partition", "gpus_per_node", "cpus_per_task", "mem", "account", "qos", "constraint"):

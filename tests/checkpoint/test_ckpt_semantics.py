@@ -65,8 +65,10 @@ def test_going_back_without_a_load_is_refused_and_a_new_rollback_keeps_both_aban
 def test_a_partial_step_left_by_a_crash_is_removed_at_the_next_save(tmp_path):
     mgr = CheckpointManager(tmp_path, comm=None)
     mgr.save(1, {"w": torch.ones(2)})
+    mgr.close()                                              # the job crashed while saving step 7:
     (mf.step_dir(tmp_path, 7)).mkdir()                       # newer than latest: retention kept it
     (mf.step_dir(tmp_path, 7) / "data.h5").write_bytes(b"x" * 100)
+    mgr = CheckpointManager(tmp_path, comm=None)             # the restarted job
     mgr.save(2, {"w": torch.ones(2)})
     assert [c.step for c in mf.scan(tmp_path)] == [1, 2]
 

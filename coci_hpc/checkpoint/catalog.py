@@ -1,0 +1,298 @@
+"""The step catalog: the one owner of the step directories of a checkpoint root.
+
+Rank 0 of a writing :class:`~coci_hpc.checkpoint.api.CheckpointManager` lists the root ONCE
+(the first time it needs to know), then keeps the list in memory and updates it as it creates,
+commits, retires and discards steps, like orbax's ``CheckpointManager``. The manager holds the
+directory lock (:mod:`.lock`), so no other writer changes the root behind its back; readers
+that do not hold the lock (``load_latest`` of another job, ``coci-ckpt``) list afresh.
+
+Everything that happens to a step directory is here: creation (:meth:`StepCatalog.create`),
+commit bookkeeping, retention (:meth:`~StepCatalog.retain`), discarding a failed save,
+rollback (:meth:`~StepCatalog.retire_abandoned`: committed steps newer than the one loaded move
+to ``ROOT/abandoned/``), partial leftovers of crashed saves (:meth:`~StepCatalog.remove_partial`)
+and freeing space on a full disk (:meth:`~StepCatalog.free_space`).
+
+**Metadata operations are counted** (:data:`OPS`, :func:`metadata_ops`): every directory
+listing, stat, create, rename and remove the catalog and the manifest commit make. On Lustre
+each is a metadata-server round trip; a save makes a fixed number of them, independent of the
+number of checkpoints kept and of the number of ranks (only rank 0 makes them).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import perms
+from coci_hpc.checkpoint.lustre import IOTuning, apply_setstripe
+from coci_hpc.errors import CheckpointError
+
+ABANDONED = "abandoned"
+TRASH_PREFIX = ".trash-"
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded", "errno = 28", "errno 28",
+                  "disk full")  # rawio reports short writes as "(disk full?)"
+
+
+@dataclass
+class MetadataOps:
+    """File-system metadata operations made by this process (rank 0 makes all of a save's)."""
+
+    listings: int = 0   # directory listings (readdir of a whole directory)
+    stats: int = 0      # stat/lookup of one name (exists, is_file, is_dir)
+    creates: int = 0    # mkdir, file creation
+    renames: int = 0
+    removes: int = 0    # unlink of a file, removal of a directory (counted once per directory)
+
+    def total(self) -> int:
+        return self.listings + self.stats + self.creates + self.renames + self.removes
+
+    def snapshot(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total()}
+
+    def reset(self) -> None:
+        self.listings = self.stats = self.creates = self.renames = self.removes = 0
+
+
+OPS = MetadataOps()
+"""The process-wide counter (what ``benchmarks/scale_bench.py`` reads around a save)."""
+
+
+def metadata_ops() -> dict[str, int]:
+    """The counts so far: ``{"listings", "stats", "creates", "renames", "removes", "total"}``."""
+    return OPS.snapshot()
+
+
+def reset_metadata_ops() -> None:
+    OPS.reset()
+
+
+def is_no_space(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an error it wraps, or a rank's message in a CommError) is a full disk."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
+            return True
+        if any(t in str(exc) for t in _NO_SPACE_TEXT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+_reaper: threading.Thread | None = None
+
+
+def _reap(paths: list[Path]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def wait_for_deletions() -> None:
+    """Block until the background deletion of retired steps has finished."""
+    if _reaper is not None:
+        _reaper.join()
+
+
+def _remove_tree(path: Path) -> None:
+    OPS.removes += 1
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class StepCatalog:
+    """Rank 0's view of ``root``: {step: committed?}, listed once, then kept up to date."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self._steps: dict[int, bool] | None = None
+        self._trash: list[Path] = []      # retired steps whose data is still being removed
+        self._root_ready = False
+
+    # ----------------------------------------------------------------------------- reading
+    def _list(self) -> dict[int, bool]:
+        if self._steps is None:
+            self.refresh()
+        assert self._steps is not None
+        return self._steps
+
+    def refresh(self) -> None:
+        """List the root (one listing, plus one lookup of the manifest per step directory)."""
+        OPS.listings += 1
+        steps: dict[int, bool] = {}
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            entries = []
+        for e in entries:
+            m = mf.STEP_RE.match(e.name)
+            if m and e.is_dir(follow_symlinks=False):  # d_type from the listing: no stat
+                OPS.stats += 1
+                steps[int(m.group(1))] = os.path.isfile(os.path.join(e.path, mf.MANIFEST))
+            elif e.name.startswith(TRASH_PREFIX) and e.is_dir(follow_symlinks=False):
+                self._trash.append(Path(e.path))  # a deletion a crash interrupted
+        self._steps = dict(sorted(steps.items()))
+        self._root_ready = bool(entries) or self.root.is_dir()
+
+    def committed(self) -> list[int]:
+        return [s for s, c in self._list().items() if c]
+
+    def latest(self) -> int | None:
+        steps = self.committed()
+        return steps[-1] if steps else None
+
+    def partial(self) -> list[int]:
+        return [s for s, c in self._list().items() if not c]
+
+    # ----------------------------------------------------------------------------- writing
+    def create(self, step: int, tuning: IOTuning) -> Path:
+        """Make the (empty) directory of ``step``; refuse a committed one, replace a leftover."""
+        steps = self._list()
+        directory = mf.step_dir(self.root, step)
+        if steps.get(step):
+            raise CheckpointError(f"step {step} is already committed in {self.root}",
+                                  hint="save under a new step number, or delete that checkpoint first")
+        if step in steps:  # leftover of a writer that died before commit
+            _remove_tree(directory)
+        if not self._root_ready:
+            OPS.creates += 1
+            perms.make_dirs(self.root, tuning.dir_mode)   # modes from access=, not the umask
+            self._root_ready = True
+        OPS.creates += 1
+        try:
+            perms.make_dir(directory, tuning.dir_mode)
+        except FileExistsError:  # the catalog missed it (someone else made it): start it afresh
+            _remove_tree(directory)
+            perms.make_dir(directory, tuning.dir_mode)
+        steps[step] = False
+        self._steps = dict(sorted(steps.items()))
+        # The new entry must survive a crash before the manifest's own directory fsync: without
+        # it a power loss could keep the manifest's inode but lose the step directory's name.
+        mf.fsync_dir(self.root)
+        apply_setstripe(tuning, directory)
+        return directory
+
+    def commit(self, step: int, manifest: dict[str, Any]) -> Path:
+        """Write the manifest of ``step`` (temp name, fsync, rename, directory fsync): from
+        here on the step is committed."""
+        OPS.creates += 1
+        OPS.renames += 1
+        path = mf.commit(mf.step_dir(self.root, step), manifest)
+        steps = self._list()
+        steps[step] = True
+        self._steps = dict(sorted(steps.items()))
+        return path
+
+    def discard(self, step: int) -> None:
+        """Remove the directory of a save that failed (never a committed step)."""
+        directory = mf.step_dir(self.root, step)
+        OPS.stats += 1
+        if (directory / mf.MANIFEST).exists():  # the commit got as far as the manifest
+            self._list()[step] = True
+            return
+        _remove_tree(directory)
+        OPS.stats += 1
+        if directory.exists():  # could not be removed: a partial leftover, retention retries
+            self._list()[step] = False
+        else:
+            self._list().pop(step, None)
+
+    def retain(self, keep: int, *, background: bool = True) -> list[int]:
+        """Delete all but the newest ``keep`` committed steps, and partial steps older than the
+        newest. A victim is made uncommitted first (manifest unlinked), then renamed to
+        ``.trash-...`` (both instant); a background thread removes its data. Returns the steps."""
+        global _reaper
+        steps = self._list()
+        committed = [s for s, c in steps.items() if c]
+        if not committed:
+            return []
+        newest = committed[-1]
+        keep_steps = set(committed[-max(1, keep):])
+        removed = []
+        for step, is_committed in list(steps.items()):
+            if (is_committed and step not in keep_steps) or (not is_committed and step < newest):
+                path = mf.step_dir(self.root, step)
+                if is_committed:  # manifest first: a crash midway never leaves a "committed" half
+                    OPS.removes += 1
+                    (path / mf.MANIFEST).unlink(missing_ok=True)
+                target = self.root / f"{TRASH_PREFIX}{path.name}-{os.getpid()}-{time.monotonic_ns()}"
+                OPS.renames += 1
+                try:
+                    os.rename(path, target)
+                except OSError:
+                    target = path
+                self._trash.append(target)
+                del steps[step]
+                removed.append(step)
+        if self._trash:
+            trash, self._trash = self._trash, []
+            wait_for_deletions()
+            if background:
+                _reaper = threading.Thread(target=_reap, args=(trash,), name="coci-retention", daemon=True)
+                _reaper.start()
+            else:
+                _reap(trash)
+        return removed
+
+    def retire_abandoned(self, base: int) -> list[int]:
+        """Rollback: move committed steps newer than ``base`` to ``ROOT/abandoned/`` (renamed,
+        never deleted); partial ones are removed. Returns the steps moved."""
+        moved = []
+        steps = self._list()
+        for step, is_committed in list(steps.items()):
+            if step <= base:
+                continue
+            path = mf.step_dir(self.root, step)
+            del steps[step]
+            if not is_committed:
+                _remove_tree(path)
+                continue
+            dest_dir = self.root / ABANDONED
+            OPS.creates += 1
+            dest_dir.mkdir(exist_ok=True)
+            dest = dest_dir / path.name
+            OPS.stats += 1
+            if dest.exists():  # abandoned twice (two rollbacks past the same step): keep both
+                dest = dest_dir / f"{path.name}.{time.strftime('%Y%m%dT%H%M%S')}.{os.getpid()}"
+            OPS.renames += 1
+            os.rename(path, dest)
+            moved.append(step)
+        if moved:
+            mf.fsync_dir(self.root)
+        return moved
+
+    def remove_partial(self) -> list[int]:
+        """Delete uncommitted step directories (saves that never committed)."""
+        removed = self.partial()
+        for step in removed:
+            _remove_tree(mf.step_dir(self.root, step))
+            del self._list()[step]
+        return removed
+
+    def free_space(self) -> list[str]:
+        """A full disk: delete all abandoned checkpoints, then every committed one but the
+        newest, and retired data still being removed. Returns what went."""
+        freed = []
+        abandoned = self.root / ABANDONED
+        if abandoned.is_dir():
+            OPS.listings += 1
+            for p in sorted(abandoned.iterdir()):
+                _remove_tree(p)
+                freed.append(f"{ABANDONED}/{p.name}")
+        for step in self.committed()[:-1]:
+            path = mf.step_dir(self.root, step)
+            OPS.removes += 1
+            (path / mf.MANIFEST).unlink(missing_ok=True)  # uncommitted first: a crash midway is safe
+            _remove_tree(path)
+            del self._list()[step]
+            freed.append(path.name)
+        wait_for_deletions()
+        OPS.listings += 1
+        for p in self.root.glob(f"{TRASH_PREFIX}*"):  # retention's background deletions not finished
+            _remove_tree(p)
+        return freed

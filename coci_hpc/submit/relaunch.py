@@ -1,0 +1,190 @@
+"""Restart in place: keep the allocation and relaunch the ranks on spare nodes (``--spare-nodes K``).
+
+With spare nodes, coci-submit asks Slurm for N+K nodes with ``--no-kill`` and submitit runs a
+:class:`Relauncher` once, in the batch shell (``use_srun=False``), instead of one copy of the
+script per task. The relauncher starts the ranks itself, ``srun --no-kill`` on N healthy nodes of
+the allocation, and when that step fails (a node lost, a rank that exits non-zero: NCCL/CUDA error,
+crash) it starts them again on N healthy nodes, excluding the ones Slurm reports down, the SCR
+``scr_srun`` model. Each relaunch resumes from the newest committed checkpoint: the Session does
+that by itself, as after a requeue. Requeue stays the fallback: fewer than N healthy nodes left, or
+``--max-restarts`` in-place restarts spent on node failures. A run that keeps crashing with every
+node healthy ends after ``--max-restarts`` with the reason (:class:`~coci_hpc.errors.GaveUpError`).
+
+Preemption and the time limit are the Session's: it saves and requeues (``scontrol requeue``) at a
+step boundary, and the relauncher, which saw the signal too (or the step end with status 0), does
+not relaunch.
+
+:func:`decide` is the whole policy, pure; :class:`Relauncher` is its I/O.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from coci_hpc.errors import GaveUpError, SlurmError
+from coci_hpc.runtime.events import FILENAME as EVENTS_FILE
+from coci_hpc.runtime.events import EventLog, read_events
+from coci_hpc.runtime.preemption import DEFAULT_SIGNALS
+from coci_hpc.slurm import commands
+from coci_hpc.slurm.env import JobEnvironment
+
+DEFAULT_MAX_RESTARTS = 3
+# Seconds between a failed step and the look at node states. A node killed hard is marked DOWN by
+# slurmctld only when it misses its heartbeat (SlurmdTimeout); the step's survivors usually notice
+# first (a connection reset). Looking a moment later keeps the relaunch off a node about to go DOWN.
+DEFAULT_SETTLE_S = 2.0
+ENV_RESTARTS = "COCI_INPLACE_RESTARTS"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do after the rank step ended: ``done``, ``stop``, ``relaunch``, ``requeue``, ``give_up``."""
+
+    action: str
+    reason: str
+    nodes: tuple[str, ...] = ()
+
+
+def choose_nodes(held: Sequence[str], unhealthy: Mapping[str, str], needed: int) -> tuple[str, ...] | None:
+    """The first ``needed`` healthy nodes of the allocation, in Slurm's order; None when too few."""
+    healthy = [n for n in held if n not in unhealthy]
+    return tuple(healthy[:needed]) if len(healthy) >= needed else None
+
+
+def decide(*, rc: int, signaled: bool, held: Sequence[str], unhealthy: Mapping[str, str], needed: int,
+           restarts_done: int, max_restarts: int) -> Decision:
+    """The relaunch policy for one ended rank step. Pure.
+
+    ``held``: the nodes the job holds now; ``unhealthy``: those Slurm reports down/drained/not
+    responding (with their state). ``restarts_done``: in-place restarts already made in this job.
+    """
+    if rc == 0:
+        return Decision("done", "the ranks ended with status 0")
+    if signaled:
+        # Preemption, the time limit or scancel: the Session saved and requeued (or was cancelled).
+        return Decision("stop", f"the ranks ended with status {rc} after a signal to the job: "
+                                "Slurm's stop, not a failure to restart from")
+    lost = sorted(unhealthy)
+    what = f"node(s) {','.join(f'{n} ({unhealthy[n]})' for n in lost)} lost" if lost else \
+        f"the ranks exited with status {rc} (no node down)"
+    nodes = choose_nodes(held, unhealthy, needed)
+    if nodes is None:
+        healthy = len(held) - len([n for n in held if n in unhealthy])
+        return Decision("requeue", f"{what}; {healthy} healthy node(s) left in the allocation, {needed} "
+                                   "needed: back to the queue")
+    if restarts_done >= max_restarts:
+        if lost:
+            return Decision("requeue", f"{what}; the {max_restarts} in-place restart(s) of --max-restarts "
+                                       "are spent: back to the queue")
+        return Decision("give_up", f"{what}, again after {max_restarts} in-place restart(s) "
+                                   f"(--max-restarts {max_restarts}); see the rank logs for the error")
+    return Decision("relaunch", f"{what}; restart {restarts_done + 1} of {max_restarts} in place "
+                                f"on {','.join(nodes)}", nodes)
+
+
+class _SignalRecord:
+    """Record-only handlers in the batch shell: a signal to the job means Slurm is stopping it."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
+
+    def install(self) -> _SignalRecord:
+        for s in DEFAULT_SIGNALS:  # replaces submitit's USR2 handler, which would requeue by itself
+            signal.signal(s, self._handle)
+        return self
+
+
+@dataclass
+class Relauncher:
+    """The callable submitit runs once in the batch shell when ``--spare-nodes`` is given."""
+
+    script: str
+    args: tuple[str, ...]
+    nodes: int
+    ntasks_per_node: int
+    mpi: str
+    python: str                      # shell-quoted, as coci-submit's --python
+    log_dir: str
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    settle_s: float = DEFAULT_SETTLE_S
+    env: dict[str, str] = field(default_factory=dict)
+
+    def rank_command(self) -> list[str]:
+        return [*shlex.split(self.python), "-u", "-m", "coci_hpc.submit.rank", self.script, *self.args]
+
+    def step_argv(self, nodes: Sequence[str]) -> list[str]:
+        logs = Path(self.log_dir)
+        return commands.rank_step_argv(nodes=nodes, ntasks_per_node=self.ntasks_per_node, mpi=self.mpi,
+                                       stdout=str(logs / "%j_%t_log.out"), stderr=str(logs / "%j_%t_log.err"),
+                                       command=self.rank_command())
+
+    def __call__(self) -> int:
+        sig = _SignalRecord().install()
+        os.environ.update(self.env)
+        job = JobEnvironment.from_env()
+        if job.job_id is None:
+            raise SlurmError("the relaunch loop runs inside a Slurm job (SLURM_JOB_ID is not set)",
+                             hint="submit with coci-submit --spare-nodes K")
+        ckpt = os.environ.get("COCI_CKPT_DIR")
+        held = commands.job_nodes(job.job_id)
+        nodes = choose_nodes(held, commands.unhealthy_nodes(held), self.nodes)
+        if nodes is None:
+            _say(f"fewer than {self.nodes} healthy nodes in the allocation {held}: requeued")
+            commands.requeue(job.requeue_id or job.job_id)
+            return 0
+        restarts = 0
+        while True:
+            _say(f"starting {self.nodes} node(s) x {self.ntasks_per_node} rank(s) on {','.join(nodes)}"
+                 + (f" (in-place restart {restarts})" if restarts else ""))
+            env = {**os.environ, ENV_RESTARTS: str(restarts)}
+            rc = subprocess.call(self.step_argv(nodes), env=env)
+            ended = time.time()
+            if rc != 0 and not sig.received:
+                time.sleep(self.settle_s)
+            held = commands.job_nodes(job.job_id) if rc != 0 else list(nodes)
+            bad = commands.unhealthy_nodes(held) if rc != 0 else {}
+            # A node Slurm already took out of the job (--no-kill shrinks it) is lost too.
+            bad.update({n: "left the job" for n in nodes if rc != 0 and n not in held})
+            d = decide(rc=rc, signaled=bool(sig.received), held=held, unhealthy=bad, needed=self.nodes,
+                       restarts_done=restarts, max_restarts=self.max_restarts)
+            decided = time.time()
+            _say(f"rank step ended (status {rc}): {d.action}: {d.reason}")
+            if d.action == "done":
+                return 0
+            if d.action == "stop":
+                return 0 if rc == 0 else rc
+            if ckpt:
+                _record(Path(ckpt), job.job_id, restart=restarts + (d.action == "relaunch"), rc=rc,
+                        action=d.action, reason=d.reason, lost=bad, nodes=list(d.nodes),
+                        step_ended_wall=ended, decided_wall=decided)
+            if d.action == "give_up":
+                raise GaveUpError(d.reason, hint="fix the error in the rank logs, then submit the same command "
+                                                 "again: it resumes from the newest checkpoint")
+            if d.action == "requeue":
+                commands.requeue(job.requeue_id or job.job_id)
+                return 0  # Slurm ends this batch shell and starts the job again
+            restarts += 1
+            nodes = d.nodes
+
+
+def _record(ckpt: Path, job_id: str, **fields: object) -> None:
+    """Append the relaunch to the run's event log (the Session writes the rest), as the failed attempt."""
+    if not ckpt.is_dir():
+        return
+    attempt = sum(1 for e in read_events(ckpt / EVENTS_FILE) if e.get("event") == "attempt_start")
+    EventLog(ckpt / EVENTS_FILE, attempt=max(attempt, 1), job_id=job_id).write("relaunch", **fields)
+
+
+def _say(msg: str) -> None:
+    print(f"coci-relaunch: {msg}", file=sys.stderr, flush=True)

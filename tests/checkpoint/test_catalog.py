@@ -1,0 +1,81 @@
+"""The step catalog (issue 15): rank 0 lists the checkpoint root once and keeps the list; a
+save's file-system metadata operations are counted and do not grow with the steps kept."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from coci_hpc.checkpoint import CheckpointManager, catalog
+from coci_hpc.checkpoint import manifest as mf
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def listings(monkeypatch):
+    """Counts real directory listings (os.scandir / os.listdir), whoever makes them."""
+    seen: list[str] = []
+    real_scandir, real_listdir = os.scandir, os.listdir
+
+    def scandir(path="."):
+        seen.append(str(path))
+        return real_scandir(path)
+
+    def listdir(path="."):
+        seen.append(str(path))
+        return real_listdir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    monkeypatch.setattr(os, "listdir", listdir)
+    return seen
+
+
+def _saves(root, keep: int, n: int, listings: list[str]) -> list[dict[str, int]]:
+    mgr = CheckpointManager(root, comm=None, keep=keep)
+    per_save = []
+    for step in range(1, n + 1):
+        catalog.wait_for_deletions()
+        before = catalog.metadata_ops()
+        listings.clear()
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+        assert mgr.latest_step() == step
+        after = catalog.metadata_ops()
+        per_save.append({k: after[k] - before[k] for k in after} | {"real_listings": len(
+            [p for p in listings if os.path.realpath(p).startswith(os.path.realpath(root))])})
+    mgr.close()
+    return per_save
+
+
+def test_a_save_lists_the_root_once_then_never_and_its_metadata_ops_do_not_grow_with_keep(tmp_path, listings):
+    few = _saves(tmp_path / "keep1", 1, 8, listings)
+    many = _saves(tmp_path / "keep5", 5, 8, listings)
+    for run in (few, many):
+        assert run[0]["listings"] == 1 and run[0]["real_listings"] >= 1   # the first save lists once
+        for ops in run[1:]:
+            assert ops["listings"] == 0 and ops["real_listings"] == 0, run  # then the catalog knows
+    # Steady state (retention removing one step per save): the same count whatever keep is.
+    assert few[-1] == many[-1], (few, many)
+    assert few[-1]["total"] == few[-2]["total"]
+    assert few[-1]["creates"] >= 2 and few[-1]["renames"] >= 2   # step dir + manifest; manifest + trash
+
+
+def test_the_catalog_follows_rollback_retention_and_partial_leftovers(tmp_path):
+    root = tmp_path / "ck"
+    root.mkdir()
+    (mf.step_dir(root, 9)).mkdir()                             # a crashed save of an earlier job
+    mgr = CheckpointManager(root, comm=None, keep=2)
+    s = {"w": torch.zeros(2)}
+    for step in (1, 2, 3):
+        mgr.save(step, s)
+    catalog.wait_for_deletions()
+    assert [c.step for c in mf.scan(root)] == [2, 3] and mgr.latest_step() == 3
+    mgr.load(2, s)
+    mgr.save(4, s)                                             # rollback: 3 moves to abandoned/
+    catalog.wait_for_deletions()
+    assert [c.step for c in mf.scan(root)] == [2, 4] and mgr.latest_step() == 4
+    assert (root / catalog.ABANDONED / "step_000000003" / mf.MANIFEST).is_file()
+    mgr.close()
+    reader = CheckpointManager(root, comm=None, lock=False)    # a reader lists afresh
+    assert reader.latest_step() == 4

@@ -1,0 +1,94 @@
+"""The in-place restart policy (submit/relaunch.decide), the Slurm adapters it uses, and what
+`coci-submit --spare-nodes` renders (the dry run: N+K nodes, --no-kill, the relaunch loop)."""
+from __future__ import annotations
+
+import pytest
+
+from coci_hpc.cli.submit import main as submit_main
+from coci_hpc.errors import UsageError
+from coci_hpc.slurm import commands
+from coci_hpc.submit.relaunch import Relauncher, choose_nodes, decide
+from coci_hpc.submit.spec import build_spec, executor_parameters
+
+HELD = ["n1", "n2", "n3"]
+
+
+def _decide(**kw):
+    base = dict(rc=1, signaled=False, held=HELD, unhealthy={}, needed=2, restarts_done=0, max_restarts=3)
+    return decide(**{**base, **kw})
+
+
+def test_success_and_slurm_stops_are_not_relaunched() -> None:
+    assert _decide(rc=0).action == "done"
+    assert _decide(rc=143, signaled=True).action == "stop"   # preemption/time limit: the Session requeued
+
+
+def test_lost_node_relaunches_on_the_healthy_ones() -> None:
+    d = _decide(held=["n1", "n3"], unhealthy={})            # --no-kill: the DOWN node left the job
+    assert d.action == "relaunch" and d.nodes == ("n1", "n3")
+    d = _decide(unhealthy={"n2": "down*"})                  # still listed, but down
+    assert d.action == "relaunch" and d.nodes == ("n1", "n3") and "n2 (down*) lost" in d.reason
+
+
+def test_crash_with_every_node_healthy_relaunches_then_gives_up() -> None:
+    d = _decide(rc=1, restarts_done=2)
+    assert d.action == "relaunch" and d.nodes == ("n1", "n2") and "restart 3 of 3" in d.reason
+    d = _decide(rc=1, restarts_done=3)
+    assert d.action == "give_up" and "status 1" in d.reason and "--max-restarts 3" in d.reason
+    assert _decide(rc=1, max_restarts=0).action == "give_up"
+
+
+def test_requeue_when_too_few_nodes_or_budget_spent_on_node_losses() -> None:
+    d = _decide(held=["n1", "n3"], unhealthy={"n3": "down*"})
+    assert d.action == "requeue" and "1 healthy node(s) left" in d.reason
+    d = _decide(held=["n1", "n3"], unhealthy={"n2": "down"}, restarts_done=3)
+    assert d.action == "requeue" and "spent" in d.reason
+
+
+def test_choose_nodes_keeps_slurm_order() -> None:
+    assert choose_nodes(["n1", "n2", "n3"], {"n1": "drain"}, 2) == ("n2", "n3")
+    assert choose_nodes(["n1"], {}, 2) is None
+
+
+def test_unhealthy_nodes_reads_sinfo_states() -> None:
+    out = "n1 alloc\nn2 down*\nn3 idle*\nn4 drng\nn5 mix\n"
+    calls = []
+
+    def runner(argv):
+        calls.append(list(argv))
+        return out
+    assert commands.unhealthy_nodes(["n1", "n2", "n3", "n4", "n5"], runner) == \
+        {"n2": "down*", "n3": "idle*", "n4": "drng"}
+    assert calls[0][:4] == ["sinfo", "-h", "-N", "-n"]
+
+
+def test_rank_step_is_srun_no_kill_on_exactly_the_chosen_nodes() -> None:
+    r = Relauncher("/w/train.py", ("--steps", "5"), nodes=2, ntasks_per_node=2, mpi="pmix",
+                   python="'/my py/python'", log_dir="/w/logs")
+    argv = r.step_argv(("n1", "n3"))
+    assert argv[:2] == ["srun", "--no-kill"]
+    assert "--nodelist=n1,n3" in argv and "--nodes=2" in argv and "--ntasks=4" in argv and "--mpi=pmix" in argv
+    assert argv[argv.index("--output") + 1] == "/w/logs/%j_%t_log.out"
+    assert argv[-7:] == ["/my py/python", "-u", "-m", "coci_hpc.submit.rank", "/w/train.py", "--steps", "5"]
+
+
+def test_spec_asks_for_n_plus_k_nodes_without_srun(tmp_path) -> None:
+    spec = build_spec(script="t.py", script_args=[], cwd=tmp_path, python="python", nodes=2, spare_nodes=1,
+                      max_restarts=5)
+    p = executor_parameters(spec)
+    assert p["nodes"] == 3 and p["use_srun"] is False and p["additional_parameters"]["no-kill"] is True
+    plain = executor_parameters(build_spec(script="t.py", script_args=[], cwd=tmp_path, python="python", nodes=2))
+    assert plain["nodes"] == 2 and "use_srun" not in plain and "no-kill" not in plain["additional_parameters"]
+    with pytest.raises(UsageError, match="--spare-nodes cannot be combined with --array"):
+        build_spec(script="t.py", script_args=[], cwd=tmp_path, python="python", spare_nodes=1, array="2")
+    with pytest.raises(UsageError, match="--spare-nodes -1"):
+        build_spec(script="t.py", script_args=[], cwd=tmp_path, python="python", spare_nodes=-1)
+
+
+def test_dry_run_shows_spare_nodes_and_the_relaunch_loop(fake_slurm, capsys) -> None:
+    assert submit_main(["--nodes", "2", "--spare-nodes", "1", "--max-restarts", "4", "--dry-run",
+                        "train.py", "--lr", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --nodes=3" in out and "#SBATCH --no-kill" in out and "#SBATCH --requeue" in out
+    assert "srun --no-kill --nodes=2" in out and "--max-restarts 4" in out
+    assert "\nsrun " not in out and "submitit.core._submit" in out  # the loop, not srun, runs submitit's runner

@@ -1,0 +1,129 @@
+"""`coci-submit --spare-nodes` on the local cluster switched to 3 nodes (and back): a crash and a hard
+node failure are restarted inside the allocation, never requeued, and the run ends bit-exact; a script
+that crashes every time ends after --max-restarts with the reason."""
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coci_hpc.runtime.events import read_events
+from tests.conftest import ROOT, SlurmCluster, run_ranks
+
+pytestmark = pytest.mark.slurm
+
+TRAIN = ROOT / "examples" / "train.py"
+STEPS, EVERY, SEED = 400, 50, 5
+HASH_RE = re.compile(r"final_params_sha256=([0-9a-f]{64})")
+
+
+@pytest.fixture(scope="module")
+def three_nodes(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+    """The shared cluster with 3 nodes for this module; back to the default 2 nodes whatever happens."""
+    dc = str(slurm_cluster.devcluster)
+    try:
+        slurm_cluster.run(dc, "down", timeout=120)
+        slurm_cluster.run(dc, "up", "--nodes", "3", timeout=300)
+        yield slurm_cluster
+    finally:
+        slurm_cluster.run(dc, "down", check=False, timeout=120)
+        slurm_cluster.run(dc, "up", "--nodes", "2", timeout=300)
+
+
+def _submit(cluster: SlurmCluster, wd: Path, *args: str) -> str:
+    env = {**cluster.env, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "coci_hpc.cli.submit", "--partition", "gpu", "--time", "10",
+                        "--signal-lead", "60", "--output-dir", str(wd / "run"), *args],
+                       capture_output=True, text=True, env=env, cwd=wd, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return re.search(r"submitted job (\d+)", p.stdout).group(1)
+
+
+def _wait_for(pred, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _n_attempts(ckpt: Path) -> int:
+    return sum(e["event"] == "attempt_start" for e in read_events(ckpt))
+
+
+def test_crash_then_node_failure_restart_in_place_bit_exact(three_nodes: SlurmCluster) -> None:
+    cluster = three_nodes
+    wd = cluster.workdir / "relaunch"
+    wd.mkdir()
+    train_args = ["--steps", str(STEPS), "--seed", str(SEED)]
+    ref = run_ranks(2, "-m", "mpi4py", str(TRAIN), *train_args, "--policy", f"fixed:{EVERY}",
+                    "--ckpt-dir", str(wd / "ref"), timeout=300)
+    ref_hash = HASH_RE.findall(ref.stdout)[-1]
+
+    ckpt = wd / "ckpt"
+    job = _submit(cluster, wd, "--nodes", "2", "--spare-nodes", "1", "--ckpt-dir", str(ckpt),
+                  "--policy", f"fixed:{EVERY}", str(TRAIN), *train_args, "--step-time", "0.05")
+    failures = []
+    try:
+        # 1. A crash (rank 1's processes SIGKILLed, no node down): restarted in place on the same nodes.
+        _wait_for(lambda: any(e["event"] == "checkpoint" for e in read_events(ckpt)), "the first checkpoint", 180)
+        time.sleep(random.uniform(0, 1.5))
+        failures.append(("crash", time.time()))
+        cluster.run(str(cluster.devcluster), "kill-tasks", "n2")
+        _wait_for(lambda: _n_attempts(ckpt) >= 2 and any(e["event"] == "resumed" and e["attempt"] == 2
+                                                         for e in read_events(ckpt)), "the restart", 60)
+        # 2. A hard node failure at a random step: n2 dies, Slurm marks it DOWN 1 s later.
+        time.sleep(random.uniform(1, 3))
+        failures.append(("node", time.time()))
+        cluster.run(str(cluster.devcluster), "fail", "n2", "--hard", "--delay", "1")
+        rows = cluster.wait_gone(job, timeout=300)
+    finally:
+        cluster.run(str(cluster.devcluster), "recover", "n2", check=False)
+    logs = wd / "run" / "logs"
+    out = (logs / f"{job}_0_log.out").read_text()
+    err = (logs / f"{job}_0_log.err").read_text()
+    print(out[-3000:], err[-4000:], rows, sep="\n")
+    events = read_events(ckpt)
+    relaunches = [e for e in events if e["event"] == "relaunch"]
+    resumed = [e for e in events if e["event"] == "resumed"]
+    print(json.dumps(relaunches, indent=1))
+    # One sacct attempt, COMPLETED: never requeued (a --no-kill job that lost a node also shows the
+    # RESIZING record of its shrink, same job, no restart).
+    states = [r["State"] for r in rows]
+    assert states[-1] == "COMPLETED" and set(states) <= {"RESIZING", "COMPLETED"}, rows
+    assert HASH_RE.findall(out)[-1] == ref_hash
+    assert [r["action"] for r in relaunches] == ["relaunch", "relaunch"]
+    assert relaunches[0]["nodes"] == ["n1", "n2"] and "no node down" in relaunches[0]["reason"]
+    assert relaunches[1]["nodes"] == ["n1", "n3"] and "n2 (" in relaunches[1]["reason"]
+    assert _n_attempts(ckpt) == 3 and len(resumed) == 2
+    latencies = [r["wall"] - t for (_, t), r in zip(failures, resumed)]
+    lost = [e.get("steps_lost") for e in events if e["event"] == "attempt_start"][1:]
+    print("restart latency (failure -> resumed) s:", [round(x, 2) for x in latencies], "steps lost:", lost)
+    st = subprocess.run([sys.executable, "-m", "coci_hpc.cli.status", str(ckpt), "--no-png"], capture_output=True,
+                        text=True, env={**cluster.env, "PYTHONPATH": str(ROOT)}, timeout=120)
+    print(st.stdout)
+    assert st.returncode == 0 and "attempt 3: restarted in place on n1,n3" in st.stdout, st.stdout + st.stderr
+    assert all(0 < x <= 15 for x in latencies), latencies
+
+
+def test_crash_every_time_ends_after_max_restarts(three_nodes: SlurmCluster) -> None:
+    cluster = three_nodes
+    wd = cluster.workdir / "relaunch-crash"
+    wd.mkdir()
+    (wd / "crash.py").write_text("import sys\nprint('crashing', flush=True)\nsys.exit(3)\n")
+    job = _submit(cluster, wd, "--nodes", "2", "--spare-nodes", "1", "--max-restarts", "2",
+                  "--ckpt-dir", str(wd / "ckpt"), str(wd / "crash.py"))
+    rows = cluster.wait_gone(job, timeout=120)
+    out = (wd / "run" / "logs" / f"{job}_0_log.out").read_text()
+    err = (wd / "run" / "logs" / f"{job}_0_log.err").read_text()
+    print(out, err[-3000:], rows, sep="\n")
+    assert [r["State"] for r in rows] == ["FAILED"], rows
+    assert out.count("crashing") == 3   # rank 0: the first launch and 2 restarts
+    assert "again after 2 in-place restart(s) (--max-restarts 2)" in err
+    assert "exited with status 3" in err
