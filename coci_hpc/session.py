@@ -479,6 +479,7 @@ class Session:
         requeue the job (Slurm requeues a NODE_FAIL by itself; a crashed rank on a healthy node
         needs us) and leave the process at once, with no MPI collective or finalize that would
         wait for the dead rank. Never returns."""
+        in_place = "COCI_INPLACE_RESTARTS" in os.environ  # set by submit/relaunch.py for its rank steps
         from coci_hpc.runtime import survivors as sv
 
         try:
@@ -529,7 +530,9 @@ class Session:
                 else:
                     _say(f"no survivors' checkpoint ({out.reason}); falling back to the last regular checkpoint "
                          f"(step {latest})")
-                if self.job.in_slurm_job:
+                if in_place:
+                    _say("coci-submit's relaunch loop restarts the ranks in place (--spare-nodes): no requeue")
+                elif self.job.in_slurm_job:
                     try:
                         requeue_with_retries(self.job.requeue_id or "", self._runner)
                         _say("job requeued")
@@ -546,7 +549,8 @@ class Session:
                     pass
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        os._exit(0)
+        # Under the relaunch loop a non-zero status is what makes it restart the ranks in place.
+        os._exit(1 if in_place else 0)
 
     def _finish(self, total: int) -> None:
         self.sync.receive()                # complete the last boundary's allreduce on every rank
