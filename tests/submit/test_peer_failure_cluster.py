@@ -105,3 +105,16 @@ def test_sigkilled_rank_survivor_saves_requeues_and_ends_bit_exact(slurm_cluster
     print(st.stdout)
     assert "survivors' checkpoint" in st.stdout    # committed, or "no survivors' checkpoint (why)"
 
+
+def test_hard_node_failure_resumes_from_survivors_checkpoint(slurm_cluster: SlurmCluster, reference: str) -> None:
+    wd = slurm_cluster.workdir / "peer-node"
+    wd.mkdir()
+    job, ckpt, log0 = _submit(slurm_cluster, wd)
+    _wait_step(log0, random.randint(40, 120))
+    try:
+        slurm_cluster.run(str(slurm_cluster.devcluster), "fail", "n2", "--hard", "--delay", "5")
+        slurm_cluster.wait_state(job, ("PENDING",), timeout=60)
+    finally:
+        slurm_cluster.run(str(slurm_cluster.devcluster), "recover", "n2")
+    res = _check_run(slurm_cluster, wd, job, ckpt, log0, reference, ("REQUEUED", "NODE_FAIL"))
+    assert res["attempts"][1]["prev_end"]["reason"] in ("rank_failure", "node_failure")
