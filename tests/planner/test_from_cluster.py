@@ -63,7 +63,9 @@ def test_failed_node_appears_in_plan(slurm_cluster):
     assert out["mtbf_hours"] > 0
     assert out["checkpoints"] and out["checkpoints"][0]["time_s"] > 0
     assert out["interval_s"] is not None          # the default needs no profile
-    assert out["fallback"] is None
+    # One incident is a sparse history: the default plans exactly as Daly and says why (issue 16).
+    assert out["effective_policy"] == "daly", out
+    assert "fewer than 150" in out["fallback"], out["fallback"]
 
 
 def test_from_cluster_counts_the_node_failure_not_the_preemption(slurm_cluster):
