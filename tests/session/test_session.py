@@ -348,6 +348,18 @@ def _stop_and_ckpts(tmp_path: Path) -> tuple[dict, list[tuple[int, str]]]:
     return stop, [(x["step"], x["kind"]) for x in ev if x["event"] == "checkpoint"]
 
 
+def _requeued_attempt_start(tmp_path: Path) -> dict:
+    """The next attempt after a stop at step 15: it resumes at 15; its attempt_start record."""
+    rows = "99|REQUEUED|2026-11-22T10:00:00|2026-11-22T10:00:20|n1\n99|RUNNING|2026-11-22T10:00:40|Unknown|n1\n"
+    state, _ = _training()
+    s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", environ=_slurm_env(1), runner=FakeSlurm(rows))
+    it = s.steps()
+    assert next(it) == 15
+    start = [x for x in read_events(tmp_path) if x["event"] == "attempt_start"][-1]
+    it.close()
+    return start
+
+
 def test_sigterm_preemption_saves_and_requeues(tmp_path: Path) -> None:
     # No preempt_send_user_signal: SIGTERM at the start of the grace time, PreemptTime in Slurm's record.
     slurm = FakeSlurm("99|RUNNING|2026-11-22T10:00:00|Unknown|n1\n", show_job(preempt_ago_s=1, state="SIGNALING"))
@@ -356,14 +368,8 @@ def test_sigterm_preemption_saves_and_requeues(tmp_path: Path) -> None:
     assert (stop["reason"], stop["requeued"], stop["saved"], stop["step"]) == ("preemption", True, True, 15)
     assert ckpts == [(10, "planned"), (15, "stop")] and slurm.requeued()
     assert ["scontrol", "show", "partition", "gpu"] in slurm.calls          # the window is the GraceTime
-    rows = "99|REQUEUED|2026-11-22T10:00:00|2026-11-22T10:00:20|n1\n99|RUNNING|2026-11-22T10:00:40|Unknown|n1\n"
-    state, _ = _training()
-    s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", environ=_slurm_env(1), runner=FakeSlurm(rows))
-    it = s.steps()
-    assert next(it) == 15
-    start = [x for x in read_events(tmp_path) if x["event"] == "attempt_start"][-1]
+    start = _requeued_attempt_start(tmp_path)
     assert start["prev_end"]["reason"] == "preemption" and start["steps_lost"] == 0
-    it.close()
 
 
 def test_sigterm_from_scancel_saves_and_is_not_requeued(tmp_path: Path) -> None:
@@ -381,14 +387,8 @@ def test_sigterm_of_a_requeue_by_hand_saves_and_leaves_the_requeue_to_slurm(tmp_
     stop, ckpts = _stop_and_ckpts(tmp_path)
     assert (stop["reason"], stop["requeued"], stop["saved"]) == ("requeue_by_hand", False, True)
     assert not slurm.requeued()
-    rows = "99|REQUEUED|2026-11-22T10:00:00|2026-11-22T10:00:20|n1\n99|RUNNING|2026-11-22T10:00:40|Unknown|n1\n"
-    state, _ = _training()
-    s = Session(state, 30, ckpt_dir=tmp_path, policy="fixed:10", environ=_slurm_env(1), runner=FakeSlurm(rows))
-    it = s.steps()
-    assert next(it) == 15
-    start = [x for x in read_events(tmp_path) if x["event"] == "attempt_start"][-1]
+    start = _requeued_attempt_start(tmp_path)
     assert start["prev_end"]["reason"] == "requeue_by_hand" and start["steps_lost"] == 0
-    it.close()
 
 
 def test_a_save_that_cannot_end_before_the_kill_is_skipped_and_the_preempted_job_still_requeues(
