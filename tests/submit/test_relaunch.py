@@ -92,3 +92,21 @@ def test_dry_run_shows_spare_nodes_and_the_relaunch_loop(fake_slurm, capsys) -> 
     assert "#SBATCH --nodes=3" in out and "#SBATCH --no-kill" in out and "#SBATCH --requeue" in out
     assert "srun --no-kill --nodes=2" in out and "--max-restarts 4" in out
     assert "\nsrun " not in out and "submitit.core._submit" in out  # the loop, not srun, runs submitit's runner
+
+
+def test_a_session_that_gave_up_is_never_relaunched(tmp_path) -> None:
+    """The Session's no-progress guard now sees in-place restarts; when it gives up (non-zero exit)
+    the loop must end the job with that reason instead of relaunching into the same verdict."""
+    from coci_hpc.runtime.events import EventLog
+    from coci_hpc.submit.relaunch import _session_gave_up
+
+    d = _decide(rc=1, gave_up="4 attempts in a row started from step 40")
+    assert d.action == "give_up" and "training session gave up: 4 attempts in a row" in d.reason
+    assert _decide(rc=0, gave_up="x").action == "done"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    assert _session_gave_up(ckpt) is None
+    EventLog(ckpt / "events.jsonl", attempt=1, job_id="7").write("end", step=40, status="error", message="boom")
+    assert _session_gave_up(ckpt) is None
+    EventLog(ckpt / "events.jsonl", attempt=2, job_id="7").write("end", step=40, status="gave_up", message="no progress")
+    assert _session_gave_up(ckpt) == "no progress"
