@@ -23,6 +23,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,12 @@ DEFAULT_MAX_RESTARTS = 3
 # after its tasks ended is caught by the next step's failure (one more in-place restart).
 DEFAULT_SETTLE_S = 0.0
 ENV_RESTARTS = "COCI_INPLACE_RESTARTS"
+# Seconds a rank step may go on after srun reported one of its tasks lost (killed, exited non-zero,
+# node failure) before the loop ends it. The survivors normally save and exit within the peer
+# deadline (5 s) plus a save bounded by Slurm's KillWait; one stuck in a collective with the dead
+# rank (seen here: a node lost during a parallel-HDF5 checkpoint write) would otherwise hold the
+# allocation until the time limit.
+DEFAULT_STEP_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,7 @@ class Relauncher:
     log_dir: str
     max_restarts: int = DEFAULT_MAX_RESTARTS
     settle_s: float = DEFAULT_SETTLE_S
+    step_grace_s: float = DEFAULT_STEP_GRACE_S
     env: dict[str, str] = field(default_factory=dict)
 
     def rank_command(self) -> list[str]:
@@ -134,6 +142,9 @@ class Relauncher:
         return commands.rank_step_argv(nodes=nodes, ntasks_per_node=self.ntasks_per_node, mpi=self.mpi,
                                        stdout=str(logs / "%j_%t_log.out"), stderr=str(logs / "%j_%t_log.err"),
                                        command=self.rank_command())
+
+    def run_step(self, argv: Sequence[str], env: Mapping[str, str]) -> int:
+        return watch_step(argv, env, self.step_grace_s)
 
     def __call__(self) -> int:
         sig = _SignalRecord().install()
@@ -154,7 +165,7 @@ class Relauncher:
             _say(f"starting {self.nodes} node(s) x {self.ntasks_per_node} rank(s) on {','.join(nodes)}"
                  + (f" (in-place restart {restarts})" if restarts else ""))
             env = {**os.environ, ENV_RESTARTS: str(restarts)}
-            rc = subprocess.call(self.step_argv(nodes), env=env)
+            rc = self.run_step(self.step_argv(nodes), env)
             ended = time.time()
             if rc != 0 and not sig.received and self.settle_s > 0:
                 time.sleep(self.settle_s)
@@ -183,6 +194,41 @@ class Relauncher:
                 return 0  # Slurm ends this batch shell and starts the job again
             restarts += 1
             nodes = d.nodes
+
+
+def watch_step(argv: Sequence[str], env: Mapping[str, str] | None, grace_s: float, poll_s: float = 0.2) -> int:
+    """Run the rank step (srun) to its end and return its status; srun's own lines pass through
+    to this process's stderr. Once srun reports a task lost, the step gets ``grace_s`` seconds to
+    end by itself (the survivors' save), then it is ended (:func:`commands.end_step_signals`)."""
+    p = subprocess.Popen(list(argv), env=None if env is None else dict(env), stderr=subprocess.PIPE,
+                         text=True, bufsize=1, errors="replace")
+    lost_at: list[float] = []
+
+    def pump() -> None:
+        assert p.stderr is not None
+        for line in p.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            if not lost_at and commands.SRUN_TASK_LOSS.search(line):
+                lost_at.append(time.monotonic())
+    reader = threading.Thread(target=pump, name="coci-srun-stderr", daemon=True)
+    reader.start()
+    ended_at: float | None = None
+    while True:
+        try:
+            rc = p.wait(timeout=poll_s)
+            break
+        except subprocess.TimeoutExpired:
+            now = time.monotonic()
+            if ended_at is None and lost_at and now - lost_at[0] > grace_s:
+                _say(f"a task of the rank step was lost {now - lost_at[0]:.0f}s ago and the step is still "
+                     f"running (a survivor stuck in a collective with the lost rank?): ending the step")
+                commands.end_step_signals(p)
+                ended_at = now
+            elif ended_at is not None and now - ended_at > 30:
+                p.kill()
+    reader.join(timeout=5)
+    return rc
 
 
 def _session_gave_up(ckpt: Path) -> str | None:

@@ -155,7 +155,8 @@ def test_two_node_failures_with_one_spare_second_requeues_bit_exact(three_nodes:
                   "the in-place restart", 90)
         time.sleep(random.uniform(0.5, 2))
         cluster.run(dc, "fail", "n3", "--hard", "--delay", "1")
-        _wait_for(lambda: len(relaunches()) >= 2, "the second decision", 90)
+        # (up to the loop's 60 s step grace when the loss caught the survivor inside a checkpoint write)
+        _wait_for(lambda: len(relaunches()) >= 2, "the second decision", 150)
     finally:
         # The requeued job asks for its nodes again: give them back.
         cluster.run(dc, "recover", "n2", check=False)
@@ -168,9 +169,11 @@ def test_two_node_failures_with_one_spare_second_requeues_bit_exact(three_nodes:
     events = read_events(ckpt)
     assert [(r["action"], r["nodes"]) for r in relaunches()] == [("relaunch", ["n1", "n3"]), ("requeue", [])]
     assert "1 healthy node(s) left" in relaunches()[1]["reason"]
+    # sacct -D of a --no-kill job that shrank and was requeued: RESIZING rows, then COMPLETED (the
+    # requeue shows in Slurm's restart count, SLURM_RESTART_COUNT 1 in the third attempt).
     states = [r["State"] for r in rows]
-    assert states[-1] == "COMPLETED" and "REQUEUED" in states, rows
+    assert states[-1] == "COMPLETED" and set(states) <= {"RESIZING", "REQUEUED", "COMPLETED"}, rows
     starts = [e for e in events if e["event"] == "attempt_start"]
-    assert len(starts) == 3 and starts[2]["restart_count"] == 1
+    assert len(starts) == 3 and [s["restart_count"] for s in starts] == [0, 0, 1]
     assert starts[2]["prev_end"]["reason"] == "node_failure"
     assert HASH_RE.findall(out)[-1] == ref_hash
