@@ -279,7 +279,15 @@ class Session:
                 rows = sacct.job_attempts(jid, self._runner)
             except (SlurmError, OSError) as exc:
                 sacct_error = str(exc)
-        return {"events": events, "rows": rows, "sacct_error": sacct_error}
+        # A survivors' save killed before its manifest (SIGKILL at KillWait, a second failure):
+        # its staging goes now, its data file at the next save (an uncommitted leftover).
+        from coci_hpc.runtime.survivors import sweep_torn
+        recorded = {e.get("step") for e in att.previous_records(events) if e.get("event") == "peer_lost"}
+        torn = [s for s in sweep_torn(self.config.ckpt_dir) if s not in recorded]   # recorded: a fallback
+        if torn:
+            _say(f"the survivors' save of step(s) {torn} never committed (killed before its manifest); "
+                 f"resuming from the latest committed checkpoint instead")
+        return {"events": events, "rows": rows, "sacct_error": sacct_error, "torn": torn}
 
     def _record_start(self, info: dict[str, Any], resumed: int | None, restore_s: float) -> str | None:
         events, rows = info["events"], info["rows"]
@@ -290,6 +298,8 @@ class Session:
             info["sacct_error"] = f"sacct lists {len(rows)} attempt(s) of job {self.job.requeue_id}"
         prev_end = att.classify_previous(prev, prev_slurm, restart_count=rc, sacct_error=info["sacct_error"])
         lost = att.steps_lost(prev, resumed) if prev_end.reason != "none" else None
+        if info.get("torn"):        # the torn save's step was finished by every rank (no record says so)
+            lost = max(lost or 0, max(info["torn"]) - (resumed or 0))
         if prev_end.reason in ("node_failure", "crash", "rank_failure") and prev_end.end_wall:
             self.schedule.after_failure(time.time() - prev_end.end_wall)
         verdict = att.give_up_reason(events, resumed, prev_end.reason, job_id=self.job.job_id, restart_count=rc,
@@ -299,6 +309,7 @@ class Session:
         self.log.write("attempt_start", nodes=nodes, ranks=self.comm.size, run=self.run_record,
                        policy=self.config.policy,
                        restart_count=rc, prev_end=prev_end.to_dict(), resumed_step=resumed, steps_lost=lost,
+                       torn_survivors_saves=info.get("torn") or [],
                        config_sources=dict(self.config.sources), slurm_id=self.job.requeue_id)
         _say(f"attempt {self.log.attempt} (job {self.job.job_id}, restart {rc}) on {nodes or 'this host'}, "
              f"{self.comm.size} rank(s); previous end: {prev_end.reason} ({prev_end.detail}); "
