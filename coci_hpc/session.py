@@ -498,9 +498,10 @@ class Session:
                 reason = f"this rank holds no copy of its own per-rank state for step {boundary}"
             if not reason:
                 assert sv_.partner is not None and sv_.own is not None
-                copy = sv_.partner.copy_for(boundary)
+                copy = sv_.partner.copy_for(boundary)       # decoded only now, off the per-step path
+                own = sv_.own.state()
                 sv_.snapshot.rollback(self._state)
-                sv.restore_own_rng(sv_.own)
+                sv.restore_own_rng(own)
                 tuning = self.mgr._tuning
                 if tuning is None:
                     from coci_hpc.checkpoint.lustre import tuning_for
@@ -508,7 +509,7 @@ class Session:
                 # Within Slurm's kill window: KillWait (5 s here, 30 s by default) after the node is DOWN.
                 # The planner's state_dict() broadcasts rank 0's view: take this survivor's own instead.
                 local = {**self._state, STATE_KEY: {"version": 1, "schedule": self.schedule._own_state()}}
-                out = sv.save(root, boundary, local, self.rank, self.comm.size, sv_.own,
+                out = sv.save(root, boundary, local, self.rank, self.comm.size, own,
                               [copy] if copy is not None else [], tuning, self.mgr.keep, window_s=3.0)
             else:
                 staging = sv.staging_dir(root, boundary)

@@ -285,15 +285,16 @@ class Survival:
     """The session's side of a peer failure: the per-step copies and, when a peer is lost, the
     survivors' save, the event record, the requeue and the exit.
 
-    Per step it costs one capture of the per-rank state (python/numpy/torch RNG: ~5 KB), its
-    ``Isend`` to the partner, an ``Iprobe`` for the copy coming the other way, and the
-    :class:`BoundarySnapshot` of the small replicated values.
+    Per step it costs one raw capture of the per-rank state (python/numpy/torch RNG: ~10 KB
+    copied from the generators into a preallocated buffer, :class:`~.partner.Capturer`), its
+    ``Isend`` to the partner in three pieces, ``Iprobe``/``Recv`` of the copy coming the other way
+    into preallocated buffers, and the :class:`BoundarySnapshot` of the small replicated values.
     """
 
     def __init__(self, state: Mapping[str, Any], comm: Comm, *, ranks_per_node: int, enabled: bool = True,
                  skip: frozenset[str] = frozenset()) -> None:
         from coci_hpc.checkpoint.state import find_optimizers
-        from coci_hpc.runtime.partner import PartnerCopy
+        from coci_hpc.runtime.partner import Capturer, PackedCopy, PartnerCopy
 
         self.state = state
         self.comm = comm
@@ -303,8 +304,9 @@ class Survival:
             "survivors' saves are off (COCI_SURVIVORS=0)" if not enabled else
             "survivors' saves need MPI and 2 or more ranks (the partner copies travel over MPI)")
         self.partner = PartnerCopy(comm.mpi_comm.Dup(), ranks_per_node) if self.enabled else None
+        self.capturer = Capturer(state, self.rank) if self.enabled else None
         self.snapshot = BoundarySnapshot(skip)
-        self.own: RankState | None = None
+        self.own: PackedCopy | None = None    # this rank's last copy, undecoded
         self.opt_steps = 0
         self._hook_mode = True          # copy at the optimizer step (see partner.py), else at the boundary
         self._boundary = 0
@@ -325,11 +327,10 @@ class Survival:
         self._copy(self._boundary + 1)
 
     def _copy(self, step: int) -> None:
-        from coci_hpc.runtime.partner import capture
-
-        self.own = capture(self.state, self.rank, step)
-        assert self.partner is not None
-        self.partner.send(self.own)
+        assert self.partner is not None and self.capturer is not None
+        self.own, sendable = self.capturer.capture(step, keep=self.partner.ref)
+        if sendable:
+            self.partner.send(self.own)
 
     def boundary(self, step: int) -> None:
         """At each step boundary (and after the restore): ``step`` steps are done."""
