@@ -267,6 +267,41 @@ def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, ow
     return out
 
 
+def has_sharded(tree: Any, _depth: int = 0) -> bool:
+    """Whether a state holds ``Sharded`` tensors (rows only one rank has: a survivors' save of it
+    falls back), in its plain trees or in a stateful value's ``state_dict()``."""
+    from coci_hpc.checkpoint.state import Sharded
+
+    if _depth > 32:
+        return False
+    if isinstance(tree, Sharded):
+        return True
+    if isinstance(tree, PerRank):
+        return has_sharded(tree.value, _depth + 1)
+    if isinstance(tree, (torch.nn.Module, torch.optim.Optimizer)):
+        return False            # their state_dict() holds plain tensors
+    if is_stateful(tree):
+        return has_sharded(tree.state_dict(), _depth + 1)
+    if isinstance(tree, Mapping):
+        return any(has_sharded(v, _depth + 1) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(has_sharded(v, _depth + 1) for v in tree)
+    return False
+
+
+def coverage_estimate(events: list[dict[str, Any]], eligible: bool) -> float:
+    """The share of failures the planner may count on the survivors' save to cover (they lose
+    ~one step instead of the work since the last checkpoint): 0 when the run cannot gain (saves
+    off, no MPI, one rank, ``Sharded`` state), else Laplace's rule of succession over this run's
+    ``peer_lost`` records, (committed + 1) / (records + 2): 1/2 before any failure, 0.9 after
+    8 committed saves of 8, lower with every fallback."""
+    if not eligible:
+        return 0.0
+    records = [e for e in events if e.get("event") == "peer_lost"]
+    committed = sum(1 for e in records if e.get("committed"))
+    return (committed + 1) / (len(records) + 2)
+
+
 def restore_own_rng(own: RankState) -> None:
     """Put this rank's RNG streams back to ``own`` (its boundary copy) before collecting."""
     rng_skel = own.skeleton.get("__rng__")
