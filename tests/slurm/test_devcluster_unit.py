@@ -100,19 +100,26 @@ def test_kill_tasks_kills_only_that_nodes_job_processes(dc) -> None:
     dc.ETC.mkdir(parents=True)
     dc.SLURM_CONF.write_text(dc.render_slurm_conf(2, "localhost"))  # not write_config: it links /etc/slurm
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
-    task = subprocess.Popen(["sleep", "60"], env={**base, "SLURMD_NODENAME": "n2", "SLURM_JOB_ID": "7"})
-    other = subprocess.Popen(["sleep", "60"], env={**base, "SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "7"})
-    daemon = subprocess.Popen(["sleep", "60"], env={**base, "SLURMD_NODENAME": "n2"})
+    conf = {"SLURM_CONF": str(dc.SLURM_CONF)}            # what slurmd gives every task it starts
+    task = subprocess.Popen(["sleep", "60"],
+                            env={**base, **conf, "SLURMD_NODENAME": "n2", "SLURM_JOB_ID": "7"})
+    other = subprocess.Popen(["sleep", "60"],
+                             env={**base, **conf, "SLURMD_NODENAME": "n1", "SLURM_JOB_ID": "7"})
+    daemon = subprocess.Popen(["sleep", "60"], env={**base, **conf, "SLURMD_NODENAME": "n2"})
+    # A task of another cluster on this machine (a shared dev cluster while this test runs): not ours.
+    foreign = subprocess.Popen(["sleep", "60"], env={**base, "SLURM_CONF": "/elsewhere/slurm.conf",
+                                                     "SLURMD_NODENAME": "n2", "SLURM_JOB_ID": "7"})
     try:
         assert task.pid in dc.job_processes("n2")
         assert other.pid not in dc.job_processes("n2") and daemon.pid not in dc.job_processes("n2")
+        assert foreign.pid not in dc.job_processes("n2")
         killed = dc.cmd_kill_tasks("n2")
         assert task.pid in killed
         assert task.wait(5) == -9                      # SIGKILL: nothing it could act on
-        assert other.poll() is None and daemon.poll() is None
+        assert other.poll() is None and daemon.poll() is None and foreign.poll() is None
         with pytest.raises(dc.DevclusterError, match="no node 'n9'"):
             dc.cmd_kill_tasks("n9")
     finally:
-        for p in (task, other, daemon):
+        for p in (task, other, daemon, foreign):
             p.kill()
             p.wait()
