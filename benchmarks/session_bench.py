@@ -14,7 +14,8 @@ throughput of one round swings by tens of percent, so the median-step ratio (med
 time over median session step time, per round) is printed too: it ignores bursts of foreign load.
 Last, the session's own cost per step is measured directly (an empty loop body under the session
 vs bare, 5,000 steps; with 2 ranks it includes the allreduce's latency) and turned into the ratio
-it implies at the measured step time: step / (step + cost).
+it implies at the measured step time: step / (step + cost); with the survivors' partner copy
+(the default) and without it, in --cost-rounds alternating rounds, medians.
 """
 from __future__ import annotations
 
@@ -85,10 +86,10 @@ def worker(a: argparse.Namespace) -> None:
             s.observe(train_step())
         return a.steps / (marks[-1] - marks[0]), float(np.median(np.diff(marks)))
 
-    def boundary_cost_us(n: int = 5000, survivors: bool = True) -> float:
+    def boundary_cost_us(n: int = 5000, survivors: bool = True, r: int = 0) -> float:
         """The session's own cost per step: an empty loop body under the session (2 ranks: includes
         the allreduce latency), minus the same empty loop bare. Robust to foreign load."""
-        s = coci_hpc.Session({"model": model, "optimizer": opt}, n, ckpt_dir=Path(a.tmp) / f"empty{survivors}",
+        s = coci_hpc.Session({"model": model, "optimizer": opt}, n, ckpt_dir=Path(a.tmp) / f"empty{survivors}{r}",
                              policy=f"fixed:{10 * n}", environ={}, survivors=survivors)
         loss = torch.tensor(1.0)
         for step in s.steps():
@@ -110,15 +111,23 @@ def worker(a: argparse.Namespace) -> None:
         rounds.append({"bare_steps_s": b, "session_steps_s": s, "ratio": s / b,
                        "bare_median_step_ms": 1000 * bm, "session_median_step_ms": 1000 * sm,
                        "median_step_ratio": bm / sm})
-    # With the survivors' partner copy (the default) and without it, side by side. The empty body
-    # calls no optimizer.step(), so the copy is taken at the boundary: the same work per step.
-    cost_bare_session = boundary_cost_us(survivors=False)
-    cost = boundary_cost_us()
+    # With the survivors' partner copy (the default) and without it, side by side: alternating
+    # rounds (which goes first alternates too), the median of each side, so that foreign load
+    # on a shared machine hits both alike. The empty body calls no optimizer.step(), so the copy
+    # is taken at the boundary: the same work per step.
+    costs_off: list[float] = []
+    costs_on: list[float] = []
+    for r in range(a.cost_rounds):
+        for surv in ((False, True) if r % 2 == 0 else (True, False)):
+            (costs_on if surv else costs_off).append(boundary_cost_us(survivors=surv, r=r))
+    cost_bare_session = statistics.median(costs_off)
+    cost = statistics.median(costs_on)
     step_ms = statistics.median(x["bare_median_step_ms"] for x in rounds)
     if dist.rank == 0:
         print(json.dumps({"ranks": dist.world_size, "boundary_cost_us": cost,
                           "ratio_from_cost": step_ms / (step_ms + cost / 1000),
                           "boundary_cost_no_partner_us": cost_bare_session,
+                          "boundary_cost_rounds_us": costs_on, "boundary_cost_no_partner_rounds_us": costs_off,
                           "ratio_from_cost_no_partner": step_ms / (step_ms + cost_bare_session / 1000),
                           "hidden": a.hidden, "batch": a.batch, "rounds": rounds,
                           "step_time_ms": statistics.median(x["bare_median_step_ms"] for x in rounds),
@@ -156,6 +165,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cost-rounds", type=int, default=3,
+                    help="alternating rounds of the boundary cost with and without the partner copy")
     ap.add_argument("--latency", metavar="CKPT_DIR", help="print the restart latency split from CKPT_DIR/events.jsonl")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
@@ -171,7 +182,7 @@ def main() -> int:
         try:
             args = [sys.executable, "-m", "mpi4py", __file__, "--worker", "--tmp", tmp, "--hidden", str(a.hidden),
                     "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
-                    "--rounds", str(a.rounds)]
+                    "--rounds", str(a.rounds), "--cost-rounds", str(a.cost_rounds)]
             cmd = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", str(n), *args]
             env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
             p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)

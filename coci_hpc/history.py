@@ -99,6 +99,11 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
                 start_wall=e.get("wall"), resumed_step=e.get("resumed_step"), steps_lost=e.get("steps_lost"),
                 prev_end=dict(e.get("prev_end") or {}), restart_latency_s=None,
                 sacct_id=e.get("slurm_id") or e.get("job_id"))
+            for step in e.get("torn_survivors_saves") or []:
+                # The previous attempt's survivors were killed mid-save: no peer_lost record of theirs.
+                peer_losses.append({"attempt": n - 1, "step": step, "committed": False, "after_failure_s": None,
+                                    "lost_ranks": None, "reason": "the survivors' save was killed before "
+                                    "its manifest", "fallback_step": e.get("resumed_step"), "steps_lost": None})
             continue
         a = attempts.get(n)
         if ev == "relaunch":

@@ -290,7 +290,22 @@ class Session:
                 rows = sacct.job_attempts(jid, self._runner)
             except (SlurmError, OSError) as exc:
                 sacct_error = str(exc)
-        return {"events": events, "rows": rows, "sacct_error": sacct_error}
+        # A survivors' save killed before its manifest (SIGKILL at KillWait, a second failure):
+        # its staging goes now, its data file at the next save (an uncommitted leftover).
+        from coci_hpc.runtime.survivors import sweep_torn
+        recorded = {e.get("step") for e in att.previous_records(events) if e.get("event") == "peer_lost"}
+        torn = [s for s in sweep_torn(self.config.ckpt_dir) if s not in recorded]   # recorded: a fallback
+        if torn:
+            _say(f"the survivors' save of step(s) {torn} never committed (killed before its manifest); "
+                 f"resuming from the latest committed checkpoint instead")
+        return {"events": events, "rows": rows, "sacct_error": sacct_error, "torn": torn}
+
+    def _survivor_coverage(self, events: list[dict[str, Any]]) -> float:
+        """Rank 0: the share of failures the planner may count as ~one step lost (survivors' saves)."""
+        from coci_hpc.runtime import survivors as sv
+
+        user = {k: v for k, v in self._state.items() if k != STATE_KEY}
+        return sv.coverage_estimate(events, self.survival.enabled and not sv.has_sharded(user))
 
     def _record_start(self, info: dict[str, Any], resumed: int | None, restore_s: float) -> str | None:
         events, rows = info["events"], info["rows"]
@@ -301,8 +316,12 @@ class Session:
             info["sacct_error"] = f"sacct lists {len(rows)} attempt(s) of job {self.job.requeue_id}"
         prev_end = att.classify_previous(prev, prev_slurm, restart_count=rc, sacct_error=info["sacct_error"])
         lost = att.steps_lost(prev, resumed) if prev_end.reason != "none" else None
+        if info.get("torn"):        # the torn save's step was finished by every rank (no record says so)
+            lost = max(lost or 0, max(info["torn"]) - (resumed or 0))
         if prev_end.reason in ("node_failure", "crash", "rank_failure") and prev_end.end_wall:
             self.schedule.after_failure(time.time() - prev_end.end_wall)
+        coverage = self._survivor_coverage(events)
+        self.schedule.use_survivor_coverage(coverage)
         verdict = att.give_up_reason(events, resumed, prev_end.reason, job_id=self.job.job_id, restart_count=rc,
                                      max_requeues=self.config.max_requeues,
                                      no_progress_limit=self.config.no_progress_limit,
@@ -312,7 +331,9 @@ class Session:
         self.log.write("attempt_start", nodes=nodes, ranks=self.comm.size, run=self.run_record,
                        policy=self.config.policy,
                        restart_count=rc, prev_end=prev_end.to_dict(), resumed_step=resumed, steps_lost=lost,
+                       torn_survivors_saves=info.get("torn") or [],
                        config_sources=dict(self.config.sources), slurm_id=self.job.requeue_id,
+                       survivor_coverage=coverage,
                        in_place_restart=self._in_place, process_wall=self._process_wall,
                        session_wall=self._init_wall)
         _say(f"attempt {self.log.attempt} (job {self.job.job_id}, restart {rc}) on {nodes or 'this host'}, "
@@ -517,9 +538,10 @@ class Session:
                 reason = f"this rank holds no copy of its own per-rank state for step {boundary}"
             if not reason:
                 assert sv_.partner is not None and sv_.own is not None
-                copy = sv_.partner.copy_for(boundary)
+                copy = sv_.partner.copy_for(boundary)       # decoded only now, off the per-step path
+                own = sv_.own.state()
                 sv_.snapshot.rollback(self._state)
-                sv.restore_own_rng(sv_.own)
+                sv.restore_own_rng(own)
                 tuning = self.mgr._tuning
                 if tuning is None:
                     from coci_hpc.checkpoint.lustre import tuning_for
@@ -527,7 +549,7 @@ class Session:
                 # Within Slurm's kill window: KillWait (5 s here, 30 s by default) after the node is DOWN.
                 # The planner's state_dict() broadcasts rank 0's view: take this survivor's own instead.
                 local = {**self._state, STATE_KEY: {"version": 1, "schedule": self.schedule._own_state()}}
-                out = sv.save(root, boundary, local, self.rank, self.comm.size, sv_.own,
+                out = sv.save(root, boundary, local, self.rank, self.comm.size, own,
                               [copy] if copy is not None else [], tuning, self.mgr.keep, window_s=3.0)
             else:
                 staging = sv.staging_dir(root, boundary)

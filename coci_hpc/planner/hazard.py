@@ -32,6 +32,9 @@ class JobHazard:
     shape: float
     nodes: int
     fresh_node: bool = True          # a node came back from a failure at age 0
+    # The share of failures that roll back to a checkpoint (1 - the survivors' save coverage):
+    # covered failures are a random thinning, so the hazard that matters scales by it.
+    rollback_fraction: float = 1.0
 
     @property
     def scale_s(self) -> float:
@@ -44,9 +47,8 @@ class JobHazard:
         from scipy.special import gammaincc  # not at import: a training rank's start pays for it
         q = float(gammaincc(1.0 / self.shape, x))
         residual = -math.log(max(q, 1e-300))
-        if self.fresh_node:
-            return x + (self.nodes - 1) * residual
-        return self.nodes * residual
+        h = x + (self.nodes - 1) * residual if self.fresh_node else self.nodes * residual
+        return h * self.rollback_fraction if self.rollback_fraction != 1.0 else h
 
     def mean_rate(self, age_s: float, span_s: float) -> float:
         return (self.cumulative(age_s + span_s) - self.cumulative(age_s)) / span_s

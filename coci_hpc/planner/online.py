@@ -15,11 +15,13 @@ from coci_hpc.planner.policies import PlanContext, make_policy
 class OnlinePlanner:
     def __init__(self, policy: str, failure_model: FailureModel, nodes: int, costs: Costs,
                  horizon_s: float, *, refit_every: int = 50, drift_tol: float = 0.05,
-                 time_since_failure_s: float | None = None) -> None:
+                 time_since_failure_s: float | None = None, survivor_coverage: float = 0.0) -> None:
         """``time_since_failure_s``: wall time since the failure that made this a restart (None:
         a fresh start, or unknown); with a decreasing hazard the default policy checkpoints more
-        often right after a failure. It ages with training time from t = 0."""
+        often right after a failure. It ages with training time from t = 0.
+        ``survivor_coverage``: the share of failures a survivors' save covers (PlanContext)."""
         self.policy_spec = policy
+        self.survivor_coverage = float(survivor_coverage)
         self.time_since_failure_s = time_since_failure_s
         self.policy = make_policy(policy)
         self.failure_model = failure_model
@@ -36,7 +38,7 @@ class OnlinePlanner:
         age = None if self.time_since_failure_s is None else self.time_since_failure_s + t_now
         ctx = PlanContext.from_model(fm, self.costs, self.horizon_s, self.nodes, t_now=t_now,
                                      step_now=step_now, fit=o.fit, fit_reason=o.reason,
-                                     time_since_failure_s=age)
+                                     time_since_failure_s=age, survivor_coverage=self.survivor_coverage)
         return self.policy.plan(ctx)
 
     def observe(self, step: int, time_s: float, loss: float) -> bool:
@@ -78,7 +80,8 @@ class OnlinePlanner:
                 "horizon_s": self.horizon_s, "costs": self.costs.to_dict(),
                 "failure_model": self.failure_model.to_dict(), "tracker": self.tracker.to_state(),
                 "plan": self.plan.to_dict(), "replans": self.replans,
-                "time_since_failure_s": self.time_since_failure_s}
+                "time_since_failure_s": self.time_since_failure_s,
+                "survivor_coverage": self.survivor_coverage}
 
     @classmethod
     def from_state(cls, state: dict) -> OnlinePlanner:
@@ -95,4 +98,5 @@ class OnlinePlanner:
         obj.plan = Plan.from_dict(state["plan"])
         obj.replans = int(state.get("replans", 0))
         obj.time_since_failure_s = state.get("time_since_failure_s")
+        obj.survivor_coverage = float(state.get("survivor_coverage") or 0.0)
         return obj

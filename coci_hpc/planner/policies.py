@@ -56,6 +56,11 @@ class PlanContext:
     # counted from the raw records (what Daly would use). None: the rate is given, not learned.
     incidents: int | None = None
     record_rate: float | None = None
+    # The fraction of the failures in job_rate that the survivors' save covers (a lost rank or
+    # node in data-parallel training: runtime/survivors.py): such a failure loses about one step,
+    # not the work since the last checkpoint, so only the rest, job_rate * (1 - coverage),
+    # drives the interval (the default policy's). 0: every failure rolls back to a checkpoint.
+    survivor_coverage: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.job_rate > 0 and math.isfinite(self.job_rate)):
@@ -64,6 +69,10 @@ class PlanContext:
         if not (self.horizon_s > 0 and math.isfinite(self.horizon_s)):
             raise PlannerError(f"horizon must be > 0 seconds, got {self.horizon_s!r}",
                                hint="e.g. --horizon 24h")
+        c = self.survivor_coverage
+        if not (isinstance(c, (int, float)) and 0.0 <= c <= 1.0):
+            raise PlannerError(f"survivor_coverage must be a fraction in [0, 1], got {c!r}",
+                               hint="the share of failures a survivors' save turns into a ~one-step loss")
 
     @classmethod
     def from_model(cls, model: FailureModel, costs: Costs, horizon_s: float, nodes: int,
@@ -82,6 +91,11 @@ class PlanContext:
     @property
     def mtbf_s(self) -> float:
         return 1.0 / self.job_rate
+
+    @property
+    def uncovered(self) -> float:
+        """The fraction of failures that still roll back to the last checkpoint."""
+        return 1.0 - float(self.survivor_coverage)
 
     def step_at(self, t: float) -> int | None:
         st = self.costs.step_time_s
@@ -305,6 +319,10 @@ class CociDefault(Policy):
        and the last stretch is cut into equal chunks again at its mean hazard.
     0. A learned history (``ctx.incidents`` set, :meth:`PlanContext.from_model`) of fewer
        than ``min_incidents`` incidents gets Daly's own plan on the record rate instead.
+    Survivors' saves: every rate above is the rate of failures that roll back to a checkpoint,
+    ``job_rate * (1 - survivor_coverage)`` (a covered failure loses ~one step whatever the
+    interval); at first order the interval grows by 1 / sqrt(1 - coverage) (coverage 0.9:
+    x sqrt(10) ~ 3.2). Coverage 0 gives exactly the plan without it.
     The convergence fit does not move checkpoints; it predicts the horizon (coci-plan).
     """
 
@@ -337,8 +355,14 @@ class CociDefault(Policy):
 
     def plan(self, ctx: PlanContext) -> Plan:
         c = ctx.costs
-        lam, tb, w = ctx.job_rate, c.ckpt_s, ctx.horizon_s
+        # Only the failures the survivors' save does not cover lose the work since the last
+        # checkpoint (the others lose ~one step whatever the interval): Daly's rule on that rate.
+        # With coverage 0 this is the job rate itself, and the plan is exactly the one without it.
+        keep = ctx.uncovered
+        lam, tb, w = ctx.job_rate * keep, c.ckpt_s, ctx.horizon_s
         lo = max(c.persist_s, c.step_time_s or 0.0, 1e-6)
+        if lam <= 0.0:
+            return self._no_rollback(ctx, lo)
         if ctx.incidents is not None and ctx.incidents < self.min_incidents:
             # A short history: the incident rate, the Weibull shape and the end game's chunk
             # count would rest on a few dozen or hundred incidents. The refinements gain a few
@@ -347,13 +371,15 @@ class CociDefault(Policy):
             # then costs more than the refinements gain. Replays of LANL histories thinned and
             # cut to 15-300 records (benchmarks/planner_bench.py) lost up to 1.15x Daly below
             # ~150 incidents with the refinements on. So: Daly's own plan on the record rate.
-            rec = ctx.record_rate if ctx.record_rate is not None else lam
+            rec = ctx.record_rate * keep if ctx.record_rate is not None else lam
             return self._daly_fallback(ctx, rec, lo)
         daly = daly_interval(tb, 1.0 / lam)
         base = max(daly, lo)
         shape = ctx.weibull_shape
         hazard = shape is not None and 0 < shape < 1
         params: dict[str, Any] = {"daly_s": daly, "min_interval_s": lo, "persist_s": c.persist_s}
+        if ctx.survivor_coverage:
+            params.update(survivor_coverage=ctx.survivor_coverage, rollback_rate_per_s=lam)
         if not hazard:
             if w / base > MAX_CHECKPOINTS:
                 raise PlannerError(f"interval {base:.3g} s gives over {MAX_CHECKPOINTS} "
@@ -364,11 +390,11 @@ class CociDefault(Policy):
             times = [ctx.t_now + iv * i for i in range(1, k)]
             params.update(mode="exponential", chunks=k)
             return Plan(self.name, self.name, _checkpoints(ctx, times), iv, w, ctx.t_now,
-                        ctx.step_now, lam, c, ctx.fit, None, params)
+                        ctx.step_now, ctx.job_rate, c, ctx.fit, None, params)
         assert shape is not None  # hazard implies a shape
         since = ctx.time_since_failure_s
         fresh = since is not None
-        hz = JobHazard(lam / max(ctx.nodes, 1), float(shape), max(ctx.nodes, 1), fresh)
+        hz = JobHazard(ctx.job_rate / max(ctx.nodes, 1), float(shape), max(ctx.nodes, 1), fresh, keep)
         # without a known failure, every node is of unknown age, seen to survive from t_now
         age0 = float(since) if since is not None else 0.0
         end = ctx.t_now + w
@@ -384,8 +410,15 @@ class CociDefault(Policy):
         params.update(mode="hazard", weibull_shape=shape,
                       time_since_failure_s=ctx.time_since_failure_s, end_chunks=k)
         return Plan(self.name, self.name, _checkpoints(ctx, times), None, w, ctx.t_now,
-                    ctx.step_now, lam, c, ctx.fit, None, params)
+                    ctx.step_now, ctx.job_rate, c, ctx.fit, None, params)
 
+
+    def _no_rollback(self, ctx: PlanContext, lo: float) -> Plan:
+        """Every failure is covered by the survivors' save: none rolls back to a checkpoint, so
+        the plan has none before the horizon (stop-saves and the final save still happen)."""
+        return Plan(self.name, self.name, (), ctx.horizon_s, ctx.horizon_s, ctx.t_now, ctx.step_now, ctx.job_rate,
+                    ctx.costs, ctx.fit, None, {"mode": "all-covered", "survivor_coverage": ctx.survivor_coverage,
+                                               "min_interval_s": lo})
 
     def _daly_fallback(self, ctx: PlanContext, rate: float, lo: float) -> Plan:
         """Daly's own plan (its interval, uniform, on the record rate): what the default does
@@ -397,7 +430,8 @@ class CociDefault(Policy):
         return Plan(self.name, "daly", _checkpoints(ctx, times), iv, ctx.horizon_s, ctx.t_now,
                     ctx.step_now, rate, ctx.costs, ctx.fit, why,
                     {"mode": "daly-fallback", "incidents": ctx.incidents, "daly_s": iv,
-                     "min_interval_s": lo, "persist_s": ctx.costs.persist_s})
+                     "min_interval_s": lo, "persist_s": ctx.costs.persist_s,
+                     **({"survivor_coverage": ctx.survivor_coverage} if ctx.survivor_coverage else {})})
 
 
 POLICY_NAMES = ("coci", "coci-paper", "coci-paper:capped", "coci-paper:dp=THETA_SCALE[,TS_SCALE]",

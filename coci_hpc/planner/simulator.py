@@ -292,14 +292,22 @@ Replanner = Callable[[float, float, "float | None"], Sequence[float]]
 
 
 def run_adaptive(planner: Replanner, work_s: float, failures: np.ndarray, costs: Costs,
-                 trace_until_s: float = math.inf, age0_s: float | None = None) -> RunResult:
+                 trace_until_s: float = math.inf, age0_s: float | None = None,
+                 covered: np.ndarray | None = None, covered_lost_s: float = 0.0,
+                 covered_save_s: float = 0.0) -> RunResult:
     """One job that re-plans after every restart, with asynchronous saves.
 
     A save blocks training for Tb (``costs.ckpt_s``), then persists for P (``persist_s``) in the
     background: only a persisted save can be restored, and the next save waits for the previous
     one to persist (the wait is a stall). A failure costs Tr of restart (again if it fails during
     the restart) and rolls back to the last persisted save. ``age0_s``: time since the last
-    failure at the job's start (None: unknown, stationary)."""
+    failure at the job's start (None: unknown, stationary).
+
+    Survivors' saves: ``covered[i]`` marks failure i as one the survivors' save handles (a lost
+    rank or node in data-parallel training). It loses at most ``covered_lost_s`` of work (the
+    step in progress) instead of everything since the last persisted save, and costs
+    ``covered_save_s`` (the survivors writing) before the restart Tr. None: no failure is covered
+    (the same run as without the argument)."""
     tb, tp, tr = costs.ckpt_s, costs.persist_s, costs.restart_s
     w = p = safe = 0.0
     pend: float | None = None                    # progress of a save still persisting
@@ -313,10 +321,14 @@ def run_adaptive(planner: Replanner, work_s: float, failures: np.ndarray, costs:
         f = failures[fi] if fi < nfail_total else math.inf
         target = plan[k] if k < len(plan) else work_s
         reach = w + (target - p)
+        hit = covered is not None and fi < nfail_total and bool(covered[fi])
         if f < reach:                                     # failed while computing
             if pend is not None and pend_done <= f:
                 safe = pend
-            lost += p + (f - w) - safe
+            x = p + (f - w)
+            if hit:                                       # the survivors save the last finished step
+                safe = max(safe, x - covered_lost_s)
+            lost += x - safe
         else:
             w, p = reach, target
             if target >= work_s:
@@ -337,11 +349,13 @@ def run_adaptive(planner: Replanner, work_s: float, failures: np.ndarray, costs:
             ck += f - w                                   # failed waiting for it or during it
             if pend is not None and pend_done <= f:
                 safe = pend
+            if hit:                                       # at a step boundary: nothing lost
+                safe = p
             lost += p - safe
         # the failure at f: restart (again if it fails during the restart), roll back
         nf += 1
         fi += 1
-        w = f + tr
+        w = f + (covered_save_s if hit else 0.0) + tr
         last = f
         while fi < nfail_total and failures[fi] < w:
             nf += 1
@@ -372,12 +386,24 @@ def node_traces(rng: np.random.Generator, per_node_rate: float, nodes: int, unti
 
 def overhead_adaptive(planners: dict[str, Replanner], traces: Sequence[np.ndarray],
                       work_s: float, costs: Costs, trace_until_s: float = math.inf,
-                      ages: Sequence[float | None] | None = None) -> dict[str, np.ndarray]:
-    """Wall-time overhead (wall - work) of every planner on every trace (the same traces)."""
+                      ages: Sequence[float | None] | None = None,
+                      covered: Sequence[np.ndarray] | None = None, covered_lost_s: float = 0.0,
+                      covered_save_s: float = 0.0) -> dict[str, np.ndarray]:
+    """Wall-time overhead (wall - work) of every planner on every trace (the same traces, and
+    the same failures covered by survivors' saves: :func:`covered_flags`)."""
     ages = list(ages) if ages is not None else [None] * len(traces)
-    return {name: np.array([run_adaptive(pl, work_s, tr, costs, trace_until_s, a).overhead_s
-                            for tr, a in zip(traces, ages)])
+    cov: list[np.ndarray | None] = list(covered) if covered is not None else [None] * len(traces)
+    return {name: np.array([run_adaptive(pl, work_s, tr, costs, trace_until_s, a, c, covered_lost_s,
+                                         covered_save_s).overhead_s
+                            for tr, a, c in zip(traces, ages, cov)])
             for name, pl in planners.items()}
+
+
+def covered_flags(rng: np.random.Generator, traces: Sequence[np.ndarray], coverage: float) -> list[np.ndarray]:
+    """Which failures of each trace a survivors' save covers: each independently with probability
+    ``coverage`` (common random numbers: every policy sees the same ones). Draw them from an
+    rng of their own, so the traces do not change with the coverage."""
+    return [rng.random(t.size) < coverage for t in traces]
 
 
 SIM_RUNS = 300

@@ -69,6 +69,7 @@ class _Measured:
         self.last_saved_time_s = 0.0
         self.observe_every_s = float(observe_every_s)
         self._stop_wall: float | None = None   # set in the state of a stop-save only
+        self.survivor_coverage = 0.0           # share of failures a survivors' save covers (rank 0)
 
     # -- the loop's calls --------------------------------------------------------------------------
     def observe(self, step: int, loss: float, step_seconds: float) -> None:
@@ -118,6 +119,11 @@ class _Measured:
         if self.in_place and self.inplace_restart_costs:
             return statistics.median(self.inplace_restart_costs)
         return statistics.median(self.restart_costs) if self.restart_costs else ASSUMED_RESTART_S
+
+    def use_survivor_coverage(self, coverage: float) -> None:
+        """Rank 0: the share of failures that lose ~one step (survivors' saves) instead of the work
+        since the last checkpoint (:func:`coci_hpc.runtime.survivors.coverage_estimate`)."""
+        self.survivor_coverage = min(1.0, max(0.0, float(coverage)))
 
     def resumed(self, step: int) -> float | None:
         """Collective; call once state is restored from the checkpoint of ``step``.
@@ -249,6 +255,14 @@ class CheckpointSchedule(_Measured):
             if self.ckpt_costs:
                 self._replan()
 
+    def use_survivor_coverage(self, coverage: float) -> None:
+        super().use_survivor_coverage(coverage)
+        if self.comm.rank == 0 and self.planner is not None and \
+                self.planner.survivor_coverage != self.survivor_coverage:
+            self.planner.survivor_coverage = self.survivor_coverage
+            if self.ckpt_costs:
+                self._replan()
+
     def use_failure_model(self, model: FailureModel) -> None:
         """Rank 0: a failure model that arrived after the start (the partition's history, read in
         the background); the plan is remade from the last checkpoint, the loss fit is kept."""
@@ -265,7 +279,8 @@ class CheckpointSchedule(_Measured):
         if self.planner is None:
             self.planner = OnlinePlanner(self.policy, self.failure_model, self.nodes, self.costs(),
                                          self.horizon_s, refit_every=self.refit_every,
-                                         time_since_failure_s=self._since_failure_s)
+                                         time_since_failure_s=self._since_failure_s,
+                                         survivor_coverage=self.survivor_coverage)
         self.planner.replan(self.last_saved_step, self.last_saved_time_s, self.costs())
 
     def next_step(self) -> int | None:

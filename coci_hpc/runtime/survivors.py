@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,6 +50,10 @@ from coci_hpc.comm import Comm
 from coci_hpc.runtime.partner import RankState
 
 BACKEND = "hdf5-survivors"
+# FAULT INJECTION, test-only (like COCI_FORCE_FSTYPE): the writer sleeps this many seconds after
+# its shards are written and checked, before the manifest, so that a test can kill the survivors
+# mid-save (tests/submit/test_peer_failure_cluster.py). Never set it for a real run.
+FAULT_PAUSE_ENV = "COCI_FAULT_SURVIVORS_PAUSE_S"
 
 
 class BoundarySnapshot:
@@ -216,6 +221,7 @@ def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: 
                 raise OSError(f"shard {s['dataset']}[{s['start']}:{s['stop']}] reads back with a wrong checksum")
     finally:
         os.close(fd)
+    _fault_pause(step)
     # The same manifest as engine.commit writes for a collective save of this layout.
     tensors = []
     for i, d in enumerate(plan.datasets):
@@ -236,6 +242,32 @@ def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: 
     return directory
 
 
+def _fault_pause(step: int) -> None:
+    pause = float(os.environ.get(FAULT_PAUSE_ENV) or 0)
+    if pause > 0:
+        print(f"coci: FAULT INJECTION ({FAULT_PAUSE_ENV}={pause:g}): the survivors' save of step {step} "
+              f"pauses before its manifest", file=sys.stderr, flush=True)
+        time.sleep(pause)
+
+
+def sweep_torn(root: Path) -> list[int]:
+    """Before a new attempt starts: remove the staging directories of earlier survivors' saves
+    and return the steps whose save did not commit (a fallback its writer recorded, or a writer
+    killed mid-save: its data file without a manifest is an uncommitted leftover the catalog
+    removes at the next save). A claim left behind would otherwise keep a later survivors' save of
+    the same step from being written."""
+    torn = []
+    for d in sorted(root.glob(".survivors-*")):
+        try:
+            step = int(d.name.split("-", 1)[1])
+        except ValueError:
+            continue
+        if not (mf.step_dir(root, step) / mf.MANIFEST).is_file():
+            torn.append(step)
+        shutil.rmtree(d, ignore_errors=True)
+    return torn
+
+
 def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, own: RankState,
          partner_copies: list[RankState], tuning: IOTuning, keep: int, window_s: float) -> Outcome:
     """This survivor's part of the survivors' save of ``step``; see the module docstring."""
@@ -246,6 +278,10 @@ def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, ow
         out.reason = "another survivor writes"
         return out
     out.writer = True
+    sharded = [l.name for l in collect(state, rng=False)[1] if l.kind == "sharded"]
+    if sharded:        # decided before waiting for the partner copies: they cannot change it
+        out.reason = f"Sharded tensor(s) {sharded[:3]} have rows only the lost rank held"
+        return out
     found = gather_posted(root, step, size, window_s)
     missing = [r for r in range(size) if r not in found]
     if missing:
@@ -267,6 +303,41 @@ def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, ow
     return out
 
 
+def has_sharded(tree: Any, _depth: int = 0) -> bool:
+    """Whether a state holds ``Sharded`` tensors (rows only one rank has: a survivors' save of it
+    falls back), in its plain trees or in a stateful value's ``state_dict()``."""
+    from coci_hpc.checkpoint.state import Sharded
+
+    if _depth > 32:
+        return False
+    if isinstance(tree, Sharded):
+        return True
+    if isinstance(tree, PerRank):
+        return has_sharded(tree.value, _depth + 1)
+    if isinstance(tree, (torch.nn.Module, torch.optim.Optimizer)):
+        return False            # their state_dict() holds plain tensors
+    if is_stateful(tree):
+        return has_sharded(tree.state_dict(), _depth + 1)
+    if isinstance(tree, Mapping):
+        return any(has_sharded(v, _depth + 1) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(has_sharded(v, _depth + 1) for v in tree)
+    return False
+
+
+def coverage_estimate(events: list[dict[str, Any]], eligible: bool) -> float:
+    """The share of failures the planner may count on the survivors' save to cover (they lose
+    ~one step instead of the work since the last checkpoint): 0 when the run cannot gain (saves
+    off, no MPI, one rank, ``Sharded`` state), else Laplace's rule of succession over this run's
+    ``peer_lost`` records, (committed + 1) / (records + 2): 1/2 before any failure, 0.9 after
+    8 committed saves of 8, lower with every fallback."""
+    if not eligible:
+        return 0.0
+    records = [e for e in events if e.get("event") == "peer_lost"]
+    committed = sum(1 for e in records if e.get("committed"))
+    return (committed + 1) / (len(records) + 2)
+
+
 def restore_own_rng(own: RankState) -> None:
     """Put this rank's RNG streams back to ``own`` (its boundary copy) before collecting."""
     rng_skel = own.skeleton.get("__rng__")
@@ -285,15 +356,16 @@ class Survival:
     """The session's side of a peer failure: the per-step copies and, when a peer is lost, the
     survivors' save, the event record, the requeue and the exit.
 
-    Per step it costs one capture of the per-rank state (python/numpy/torch RNG: ~5 KB), its
-    ``Isend`` to the partner, an ``Iprobe`` for the copy coming the other way, and the
-    :class:`BoundarySnapshot` of the small replicated values.
+    Per step it costs one raw capture of the per-rank state (python/numpy/torch RNG: ~10 KB
+    copied from the generators into a preallocated buffer, :class:`~.partner.Capturer`), its
+    ``Isend`` to the partner in three pieces, ``Iprobe``/``Recv`` of the copy coming the other way
+    into preallocated buffers, and the :class:`BoundarySnapshot` of the small replicated values.
     """
 
     def __init__(self, state: Mapping[str, Any], comm: Comm, *, ranks_per_node: int, enabled: bool = True,
                  skip: frozenset[str] = frozenset()) -> None:
         from coci_hpc.checkpoint.state import find_optimizers
-        from coci_hpc.runtime.partner import PartnerCopy
+        from coci_hpc.runtime.partner import Capturer, PackedCopy, PartnerCopy
 
         self.state = state
         self.comm = comm
@@ -303,8 +375,9 @@ class Survival:
             "survivors' saves are off (COCI_SURVIVORS=0)" if not enabled else
             "survivors' saves need MPI and 2 or more ranks (the partner copies travel over MPI)")
         self.partner = PartnerCopy(comm.mpi_comm.Dup(), ranks_per_node) if self.enabled else None
+        self.capturer = Capturer(state, self.rank) if self.enabled else None
         self.snapshot = BoundarySnapshot(skip)
-        self.own: RankState | None = None
+        self.own: PackedCopy | None = None    # this rank's last copy, undecoded
         self.opt_steps = 0
         self._hook_mode = True          # copy at the optimizer step (see partner.py), else at the boundary
         self._boundary = 0
@@ -325,11 +398,10 @@ class Survival:
         self._copy(self._boundary + 1)
 
     def _copy(self, step: int) -> None:
-        from coci_hpc.runtime.partner import capture
-
-        self.own = capture(self.state, self.rank, step)
-        assert self.partner is not None
-        self.partner.send(self.own)
+        assert self.partner is not None and self.capturer is not None
+        self.own, sendable = self.capturer.capture(step, keep=self.partner.ref)
+        if sendable:
+            self.partner.send(self.own)
 
     def boundary(self, step: int) -> None:
         """At each step boundary (and after the restore): ``step`` steps are done."""
