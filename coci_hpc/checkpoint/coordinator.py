@@ -1,10 +1,10 @@
 """Plan once, on the coordinator, and cache it.
 
-Every rank describes its leaves (name, dtype, shape, kind, size) and keeps a digest of that
-description (:func:`~coci_hpc.checkpoint.layout.signature`) with the part of the layout it got
-last time (:class:`LayoutCache`). A save then costs:
+Every rank describes its leaves (name, dtype, shape, kind, size) and keeps that description
+with the part of the layout it got last time (:class:`LayoutCache`). A save then costs:
 
-* unchanged state (the common case): ONE allreduce of a flag ("my digest changed?"); each rank
+* unchanged state (the common case): ONE allreduce of a flag ("my leaves changed?"); each rank
+  compares its descriptions with the cached ones (one C-level tuple comparison, no digest) and
   reuses its cached pieces. Nothing proportional to the number of ranks is sent or received.
 * changed state (first save, a tensor changed shape, a rank's per-rank state changed size):
   rank 0 gathers the descriptions, builds the :class:`~coci_hpc.checkpoint.layout.Layout` and
@@ -14,8 +14,12 @@ last time (:class:`LayoutCache`). A save then costs:
   scatters each rank the digest it was made for, and if every rank's leaves still match, scatters
   the pieces of that layout: no gather of descriptions, no planning.
 
-Only rank 0 keeps the whole layout (it writes the manifest). Pieces that come from a cache or a
-manifest are checked against the rank's own leaves before any byte is written.
+Only rank 0 keeps the whole layout (it writes the manifest). Pieces that come from a manifest
+are checked against the rank's own leaves before any byte is written; cached pieces are reused
+only for descriptions equal to the ones they were made for and only while their hash is the one
+taken then (a cache changed behind the manager's back is planned again, never written). The
+digest of the descriptions (:func:`~coci_hpc.checkpoint.layout.signature`) is what the manifest
+records for a requeued job; it is computed only when the layout is made again.
 """
 from __future__ import annotations
 
@@ -49,6 +53,25 @@ class LayoutCache:
     full: Layout | None = None            # rank 0 only
     offsets: dict[int, int] | None = None  # file offsets of the datasets this rank writes (rank 0: all)
     last: dict[str, Any] = field(default_factory=dict)  # how the last save got its layout
+    # What ``mine`` was made for or checked against: (align, world, this rank's descriptions),
+    # and the hash of ``mine.pieces`` then. A save whose descriptions equal ``key`` (one C-level
+    # tuple comparison, no digest of the leaves) and whose pieces still hash to ``fingerprint``
+    # reuses them without checking them against the leaves again.
+    key: tuple[Any, ...] | None = None
+    fingerprint: int | None = None
+    # The commit's per-rank skeletons: each rank sends its own only when it differs from the
+    # one it sent last (``sent_skeleton``, pickled: 1, 1.0 and True differ); rank 0 keeps the
+    # last one of every rank (``skeletons``), so an unchanged save sends rank 0 O(1) per rank.
+    sent_skeleton: bytes | None = None
+    skeletons: dict[int, Any] = field(default_factory=dict)
+
+    def remember(self, key: tuple[Any, ...], sig: str, mine: RankLayout, full: Layout | None) -> None:
+        self.key, self.signature, self.mine, self.full, self.offsets = key, sig, mine, full, None
+        self.fingerprint = hash(mine.pieces)
+
+    def reusable(self, key: tuple[Any, ...]) -> bool:
+        """The cached pieces are the ones made for exactly these leaves, unchanged since."""
+        return self.mine is not None and self.key == key and hash(self.mine.pieces) == self.fingerprint
 
 
 def agree(comm: Comm, descs: Sequence[LeafDesc], align: int, cache: LayoutCache, *, with_datasets: bool,
@@ -58,15 +81,20 @@ def agree(comm: Comm, descs: Sequence[LeafDesc], align: int, cache: LayoutCache,
     ``with_datasets``: every rank takes part in creating the file, so every rank needs the
     dataset list. ``last_manifest``: rank 0 only, the newest committed manifest or None.
     Updates ``cache``; ``cache.last`` records the source ("cached", "manifest", "planned").
+
+    A cached save costs this rank one comparison of its descriptions with the last save's, one
+    hash of its own pieces, and one allreduce of 8 bytes; the digest of the descriptions
+    (:func:`~coci_hpc.checkpoint.layout.signature`, for the manifest) is computed only when the
+    layout is made again.
     """
     t0 = time.perf_counter()
-    sig = signature(descs, align, comm.size)
-    mine_state = _NO_CACHE if cache.signature is None or cache.mine is None else \
-        _SAME if cache.signature == sig and _fits(cache.mine, descs) else _CHANGED
+    key = (align, comm.size, tuple(descs))
+    mine_state = _SAME if cache.reusable(key) else _NO_CACHE if cache.mine is None else _CHANGED
     agreed = comm.allreduce_max(mine_state)
     source = "cached"
     mine, full = cache.mine, cache.full
     if agreed != _SAME:
+        sig = signature(descs, align, comm.size)
         got = _from_manifest(comm, sig, descs, align, with_datasets, last_manifest) \
             if agreed == _NO_CACHE else None
         if got is not None:
@@ -74,20 +102,10 @@ def agree(comm: Comm, descs: Sequence[LeafDesc], align: int, cache: LayoutCache,
         else:
             source = "planned"
             mine, full = _plan(comm, descs, align, with_datasets)
-        cache.signature, cache.mine, cache.full, cache.offsets = sig, mine, full, None
+        cache.remember(key, sig, mine, full)
     assert mine is not None
     cache.last = {"source": source, "plan_s": time.perf_counter() - t0}
     return mine, full
-
-
-def _fits(mine: RankLayout, descs: Sequence[LeafDesc]) -> bool:
-    """The cached pieces fit this rank's leaves (O(own pieces)); a cache that does not, whatever
-    the reason, is never used: the layout is planned again."""
-    try:
-        check_pieces(mine.pieces, descs)
-    except CheckpointError:
-        return False
-    return True
 
 
 def _plan(comm: Comm, descs: Sequence[LeafDesc], align: int, with_datasets: bool

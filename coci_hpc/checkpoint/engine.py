@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import pickle
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.checkpoint.coordinator import LayoutCache, agree
 from coci_hpc.checkpoint.h5file import DatasetReader
-from coci_hpc.checkpoint.layout import DatasetSpec, Layout, LeafDesc, Piece, RankLayout
+from coci_hpc.checkpoint.layout import DatasetSpec, Layout, Piece, RankLayout, describe
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, write_posix
@@ -56,6 +57,7 @@ class Prepared:
     backend: str
     stats: dict[str, Any] = field(default_factory=dict)
     catalog: StepCatalog | None = None  # rank 0's step catalog: owns the step directory
+    layouts: LayoutCache | None = None  # the manager's cache (also of the commit's skeletons)
 
     @property
     def data_path(self) -> Path:
@@ -95,7 +97,7 @@ def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves
     step = check_step(step)
     catalog = catalog if catalog is not None else StepCatalog(root)
     cache = layouts if layouts is not None else LayoutCache()
-    descs = [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in leaves]
+    descs = describe(leaves)
     mine, full = agree(comm, descs, tuning.align, cache, with_datasets=writer.collective_create,
                        last_manifest=lambda: _last_manifest(catalog))
     directory = make_step_dir(comm, catalog, step, tuning)
@@ -106,7 +108,7 @@ def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves
         comm.run_step(lambda: _on_rank0(comm, catalog.discard, step), f"removing the failed step {step}")
         raise
     return Prepared(step, directory, mine, full, offsets, {l.name: l for l in leaves}, skeletons, tuning,
-                    writer.name, dict(cache.last), catalog)
+                    writer.name, dict(cache.last), catalog, cache)
 
 
 def _last_manifest(catalog: StepCatalog) -> dict[str, Any] | None:
@@ -200,12 +202,27 @@ def commit(comm: Comm, prepared: Prepared, crcs: list[int] | None, error: BaseEx
     Returns the steps removed by retention.
     """
     comm.check(error, f"writing checkpoint step {prepared.step}")
-    gathered = comm.gather({"crcs": crcs, "per_rank": prepared.skeletons["per_rank"]})
+    skeleton, blob = _skeleton_to_send(prepared)
+    gathered = comm.gather({"crcs": crcs, "per_rank": skeleton})
+    cache = prepared.layouts
+    if cache is not None:  # rank 0 received it: from now on both sides know this skeleton
+        cache.sent_skeleton = blob
+        for r, g in enumerate(gathered or ()):
+            if g["per_rank"] is not None:
+                cache.skeletons[r] = g["per_rank"]
 
     def write_manifest() -> list[int]:
         if comm.rank != 0:
             return []
         assert gathered is not None and prepared.full is not None
+        if any(g["per_rank"] is None for g in gathered):
+            assert cache is not None
+            for r, g in enumerate(gathered):
+                if g["per_rank"] is None:
+                    if r not in cache.skeletons:
+                        raise CheckpointError(f"rank {r} sent no skeleton and none is cached",
+                                              hint="report this; save again under a new step")
+                    g["per_rank"] = cache.skeletons[r]
         layout = prepared.full
         tensors = []
         for i, d in enumerate(layout.datasets):
@@ -235,6 +252,16 @@ def commit(comm: Comm, prepared: Prepared, crcs: list[int] | None, error: BaseEx
     return comm.bcast(removed)
 
 
+def _skeleton_to_send(prepared: Prepared) -> tuple[Any, bytes | None]:
+    """(what this rank sends rank 0 as its per-rank skeleton, its pickled form): None when it is
+    the one this rank sent at the last commit of the same manager (rank 0 still has it)."""
+    skeleton = prepared.skeletons["per_rank"]
+    if prepared.layouts is None:
+        return skeleton, None
+    blob = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+    return (None if blob == prepared.layouts.sent_skeleton else skeleton), blob
+
+
 # ------------------------------------------------------------------------------------ load
 @dataclass(frozen=True)
 class LoadResult:
@@ -261,19 +288,20 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
     chosen = step
     try:
         ranges = _ranges(comm.rank, m, all_rows)
-        # Pass 1: every byte any rank will install is checked (CRC of whole shards) before any
-        # buffer of the state is touched, each shard once per node (ranks of a node share the
-        # page cache); nothing is allocated per tensor.
+        # Pass 1: every byte any rank will install is checked (CRC of whole shards, straight
+        # over the file's mapping) before any buffer of the state is touched, each shard once per
+        # node (ranks of a node share the page cache); nothing is allocated per tensor.
         node = _node_ranks(comm)
 
         def check() -> set[tuple[str, int]]:
             mine, needed = _my_checks(comm.rank, node, m, reader, all_rows)
             reader.verify(mine)
+            reader.prefetch(needed - mine)  # what the other ranks of the node check
             return needed
 
         needed = comm.run_step(check, f"checking checkpoint step {chosen}")
         reader.trust(needed)  # every rank checked its part, or all would have raised above
-        # Pass 2: the checked bytes (now in the page cache) go straight into their final place.
+        # Pass 2: the checked bytes, still mapped, go straight into their final place (one memcpy).
         return comm.run_step(lambda: _install(comm, m, state, reader, ranges, targets, rng, trees),
                              f"loading checkpoint step {chosen} into the state")
     finally:

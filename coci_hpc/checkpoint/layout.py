@@ -21,18 +21,26 @@ import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError
 
 
-@dataclass(frozen=True)
-class LeafDesc:
+class LeafDesc(NamedTuple):
+    """One leaf as the planner sees it. A tuple, so that comparing a rank's whole list with the
+    previous save's (the cached save's only per-leaf work) runs in C, not per leaf in Python."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
     kind: str
     nbytes: int
+
+
+def describe(leaves: Sequence[Any]) -> list[LeafDesc]:
+    """The descriptions of ``leaves`` (anything with name, dtype, shape, kind, nbytes)."""
+    new = tuple.__new__  # LeafDesc(...) would run a Python-level __new__ per leaf
+    return [new(LeafDesc, (l.name, l.dtype, l.shape, l.kind, l.nbytes)) for l in leaves]
 
 
 @dataclass(frozen=True)
@@ -57,11 +65,11 @@ class RankPart:
     nbytes: int
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """Bytes [start, stop) of dataset ``dataset`` (index into the layout), written by ``rank``.
 
-    ``src_start`` is where the bytes begin in that rank's local leaf buffer.
+    ``src_start`` is where the bytes begin in that rank's local leaf buffer. A tuple: a rank's
+    cached pieces are fingerprinted with one C-level ``hash`` per save (:mod:`.coordinator`).
     """
 
     dataset: int

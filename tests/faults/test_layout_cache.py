@@ -23,7 +23,7 @@ from coci_hpc.comm import Comm
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
 CHANGES = ["tensor_shape", "reshape_same_bytes", "dtype_same_bytes", "one_ranks_per_rank_size",
-           "sharded_rows_move", "leaf_added"]
+           "sharded_rows_move", "leaf_added", "leaf_renamed", "leaves_reordered"]
 
 
 @pytest.fixture
@@ -67,6 +67,10 @@ def make_state(rank: int, world: int, seed: int, change: str | None = None) -> d
     }
     if change == "leaf_added":
         state["model"]["extra"] = torch.ones(2, 2)
+    elif change == "leaf_renamed":  # same bytes, same shapes, another name
+        state["model"] = {"w": state["model"]["w"], "bias": state["model"]["b"]}
+    elif change == "leaves_reordered":  # same leaves, another order of the datasets
+        state["model"] = {"b": state["model"]["b"], "w": state["model"]["w"]}
     return state
 
 
@@ -113,8 +117,9 @@ def test_a_changed_state_is_planned_again_and_loads_back(shared_dir, comm, chang
 
 
 def test_a_cache_that_does_not_fit_the_leaves_is_not_used(shared_dir, comm):
-    """Even a cache whose digest matches (a bug, memory damage) is checked against the leaves:
-    pieces reaching past a leaf make every rank plan again instead of writing them."""
+    """Even a cache made for the same leaves is not trusted once its pieces changed after they
+    were made or checked (a bug, memory damage): pieces reaching past a leaf make every rank
+    plan again instead of writing them."""
     mgr = CheckpointManager(shared_dir, comm=comm, rng=False)
     state = make_state(comm.rank, comm.size, 1)
     mgr.save(1, state)
@@ -150,3 +155,41 @@ def test_a_requeued_job_reuses_the_last_manifests_layout_only_if_it_fits(shared_
         target = blank(changed)
         mgr.load(4, target)
         assert_same(target, changed)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_commit_sends_a_ranks_skeleton_only_when_it_changed(shared_dir, comm, mode):
+    """Rank 0 reuses the per-rank skeleton it has while a rank's is unchanged (1, 1.0 and True
+    count as changes), and every manifest holds each rank's skeleton of that very save."""
+    mgr = CheckpointManager(shared_dir, comm=comm, rng=False, keep=10)
+    sent: list[Any] = []
+    gather = mgr.comm.gather
+
+    def spy(obj, root=0):  # type: ignore[no-untyped-def]
+        if isinstance(obj, dict) and "crcs" in obj:
+            sent.append(obj["per_rank"])
+        return gather(obj, root)
+
+    mgr.comm.gather = spy  # type: ignore[method-assign]
+    last = comm.rank == comm.size - 1
+    values = [1, 1, True, 1.0, 1.0, "one", 2]
+    for step, v in enumerate(values, 1):
+        state = make_state(comm.rank, comm.size, 1)
+        state["mine"] = PerRank({"x": state["mine"].value["x"], "pos": v if last else 7})
+        if mode == "sync":
+            mgr.save(step, state)
+        else:
+            mgr.save_async(step, state)
+            mgr.wait()
+    mgr.close()
+    unchanged = [s is None for s in sent]
+    if last:
+        assert unchanged == [False, True, False, False, True, False, False]
+    else:
+        assert unchanged == [False] + [True] * (len(values) - 1)
+    for step, v in enumerate(values, 1):
+        skel = mf.read(mf.step_dir(shared_dir, step))["skeletons"]["per_rank"]
+        assert sorted(skel) == [str(r) for r in range(comm.size)]
+        got = skel[str(comm.size - 1)]["mine"]["pos"]
+        assert type(got) is type(v) and got == v, (step, got, v)
+        assert all(skel[str(r)]["mine"]["pos"] == 7 for r in range(comm.size - 1))
