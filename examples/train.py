@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 import coci_hpc  # noqa: E402
+from coci_hpc.checkpoint import Sharded  # noqa: E402
 from coci_hpc.runtime.data import ResumableSampler  # noqa: E402
 
 D_IN, HIDDEN, SAMPLES, BATCH = 16, 64, 2048, 32
@@ -58,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default=None,
                     help="checkpoint policy: coci, young, daly, checkfreq, fixed:N (default: $COCI_POLICY or coci)")
     ap.add_argument("--step-time", type=float, default=0.0, help="seconds of pretend extra work per step")
+    ap.add_argument("--sharded-state", action="store_true",
+                    help="add a Sharded tensor to the state (an EMA of the first layer's weights, its rows "
+                         "split over the ranks, ZeRO-style): such state cannot be rebuilt from the survivors "
+                         "of a lost rank, so a peer failure falls back to the last regular checkpoint")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -75,8 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     x, y = (t.to(device) for t in make_data())
     sampler = ResumableSampler(SAMPLES, seed=args.seed, rank=dist.rank, world_size=dist.world_size)
 
-    session = coci_hpc.Session({"model": model, "optimizer": opt, "scheduler": sched, "loader": sampler},
-                               total_steps=args.steps, ckpt_dir=args.ckpt_dir, policy=args.policy)
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "loader": sampler}
+    rows = slice(dist.rank * HIDDEN // dist.world_size, (dist.rank + 1) * HIDDEN // dist.world_size)
+    if args.sharded_state:
+        state["weight_ema"] = Sharded(model[0].weight.detach()[rows].clone())
+    session = coci_hpc.Session(state, total_steps=args.steps, ckpt_dir=args.ckpt_dir, policy=args.policy)
     for step in session.steps():
         idx = torch.from_numpy(sampler.next_batch(BATCH)).to(device)
         loss = F.mse_loss(ddp(x[idx]), y[idx])
@@ -84,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         opt.step()
         sched.step()
+        if args.sharded_state:              # does not touch the model: the final hash stays the same
+            state["weight_ema"].local.mul_(0.99).add_(model[0].weight.detach()[rows], alpha=0.01)
         if args.step_time:
             time.sleep(args.step_time)
         session.observe(loss.detach())

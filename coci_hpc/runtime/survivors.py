@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,6 +50,11 @@ from coci_hpc.comm import Comm
 from coci_hpc.runtime.partner import RankState
 
 BACKEND = "hdf5-survivors"
+DRAIN_EVERY = 4        # boundaries between taking in the partner's copies (they wait in MPI's queue)
+# FAULT INJECTION, test-only (like COCI_FORCE_FSTYPE): the writer sleeps this many seconds after
+# its shards are written and checked, before the manifest, so that a test can kill the survivors
+# mid-save (tests/submit/test_peer_failure_cluster.py). Never set it for a real run.
+FAULT_PAUSE_ENV = "COCI_FAULT_SURVIVORS_PAUSE_S"
 
 
 class BoundarySnapshot:
@@ -216,6 +222,7 @@ def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: 
                 raise OSError(f"shard {s['dataset']}[{s['start']}:{s['stop']}] reads back with a wrong checksum")
     finally:
         os.close(fd)
+    _fault_pause(step)
     # The same manifest as engine.commit writes for a collective save of this layout.
     tensors = []
     for i, d in enumerate(plan.datasets):
@@ -236,6 +243,32 @@ def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: 
     return directory
 
 
+def _fault_pause(step: int) -> None:
+    pause = float(os.environ.get(FAULT_PAUSE_ENV) or 0)
+    if pause > 0:
+        print(f"coci: FAULT INJECTION ({FAULT_PAUSE_ENV}={pause:g}): the survivors' save of step {step} "
+              f"pauses before its manifest", file=sys.stderr, flush=True)
+        time.sleep(pause)
+
+
+def sweep_torn(root: Path) -> list[int]:
+    """Before a new attempt starts: remove the staging directories of earlier survivors' saves
+    and return the steps whose save did not commit (a fallback its writer recorded, or a writer
+    killed mid-save: its data file without a manifest is an uncommitted leftover the catalog
+    removes at the next save). A claim left behind would otherwise keep a later survivors' save of
+    the same step from being written."""
+    torn = []
+    for d in sorted(root.glob(".survivors-*")):
+        try:
+            step = int(d.name.split("-", 1)[1])
+        except ValueError:
+            continue
+        if not (mf.step_dir(root, step) / mf.MANIFEST).is_file():
+            torn.append(step)
+        shutil.rmtree(d, ignore_errors=True)
+    return torn
+
+
 def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, own: RankState,
          partner_copies: list[RankState], tuning: IOTuning, keep: int, window_s: float) -> Outcome:
     """This survivor's part of the survivors' save of ``step``; see the module docstring."""
@@ -246,6 +279,10 @@ def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, ow
         out.reason = "another survivor writes"
         return out
     out.writer = True
+    sharded = [l.name for l in collect(state, rng=False)[1] if l.kind == "sharded"]
+    if sharded:        # decided before waiting for the partner copies: they cannot change it
+        out.reason = f"Sharded tensor(s) {sharded[:3]} have rows only the lost rank held"
+        return out
     found = gather_posted(root, step, size, window_s)
     missing = [r for r in range(size) if r not in found]
     if missing:
@@ -345,6 +382,7 @@ class Survival:
         self.opt_steps = 0
         self._hook_mode = True          # copy at the optimizer step (see partner.py), else at the boundary
         self._boundary = 0
+        self._drains = 0
         self._hooks = []
         if self.enabled:
             opts = find_optimizers(dict(state))
@@ -376,7 +414,12 @@ class Survival:
         self._boundary = step
         self.snapshot.take(self.state, step, self.opt_steps)
         assert self.partner is not None
-        self.partner.drain()
+        # What arrived waits in MPI's queue (eager: it stays there if its sender dies) and
+        # copy_for() drains before it decodes, so taking it in every few steps is enough.
+        self._drains += 1
+        if self._drains >= DRAIN_EVERY:
+            self._drains = 0
+            self.partner.drain()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -135,3 +135,51 @@ def test_init_distributed_bounds_collectives(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("COCI_DIST_TIMEOUT_S", "42")
     distributed.init_distributed("gloo", comm=Comm.serial())
     assert seen["timeout"] == timedelta(seconds=42)
+
+
+def test_a_writer_killed_before_its_manifest_leaves_the_previous_checkpoint_and_is_swept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The survivors' writer SIGKILLed mid-save (here in a forked child, paused by the test-only
+    fault hook after its shards and before its manifest): step 4 stays latest; the next attempt's
+    sweep names the torn step and removes its staging; the next save removes its data file."""
+    import os
+    import signal
+
+    from coci_hpc.checkpoint import manifest as mf
+    from coci_hpc.history import build, render_text
+
+    st = _state()
+    tuning = tuning_for(tmp_path, LustrePolicy(), 2)
+    assert sv.save(tmp_path, 4, st, 0, 2, capture(st, 0, 4), [capture(st, 1, 4)], tuning, keep=2,
+                   window_s=1.0).committed
+    monkeypatch.setenv(sv.FAULT_PAUSE_ENV, "60")
+    pid = os.fork()
+    if pid == 0:                                               # the writer, to be killed mid-save
+        try:
+            sv.save(tmp_path, 9, st, 0, 2, capture(st, 0, 9), [capture(st, 1, 9)], tuning, keep=2, window_s=1.0)
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 30
+    while not (mf.step_dir(tmp_path, 9) / mf.DATA_FILE).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)                                            # in the pause: shards written, no manifest
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert (mf.step_dir(tmp_path, 9) / mf.DATA_FILE).exists()
+    assert not (mf.step_dir(tmp_path, 9) / mf.MANIFEST).exists()
+    m = CheckpointManager(tmp_path, Comm.serial())
+    assert m.latest_step() == 4                                # the torn save never counts
+    assert sv.sweep_torn(tmp_path) == [9] and not sv.staging_dir(tmp_path, 9).exists()
+    assert sv.sweep_torn(tmp_path) == []
+    fresh = _state(seed=3)
+    m.load_latest(fresh)
+    assert torch.equal(fresh["model"].weight, st["model"].weight)
+    m.save(6, fresh)                                           # the catalog removes the leftover
+    assert not mf.step_dir(tmp_path, 9).exists()
+    m.close()
+    h = build([{"event": "attempt_start", "attempt": 1, "wall": 1.0},
+               {"event": "attempt_start", "attempt": 2, "wall": 9.0, "resumed_step": 4, "steps_lost": 5,
+                "torn_survivors_saves": [9]}], str(tmp_path))
+    assert h.peer_losses[0]["attempt"] == 1 and h.peer_losses[0]["step"] == 9 and not h.peer_losses[0]["committed"]
+    text = render_text(h)
+    assert "killed before its manifest" in text and "fell back to step 4" in text and "steps lost 5" in text, text

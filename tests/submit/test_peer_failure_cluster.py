@@ -1,7 +1,9 @@
 """A rank that vanishes mid-run (issue 13), end to end through coci-submit on 2 nodes of the local
 cluster: the survivor notices within seconds, writes the checkpoint of the last step every rank
 finished (the lost rank's RNG streams from the copy its partner kept), requeues, and the run ends
-bit-identical to an uninterrupted one, having repeated at most one step."""
+bit-identical to an uninterrupted one, having repeated at most one step. Where the survivors cannot
+save (killed mid-save; ``Sharded`` state) the run falls back to its last regular checkpoint, says
+so, and still ends bit-identical."""
 from __future__ import annotations
 
 import json
@@ -25,8 +27,9 @@ HASH_RE = re.compile(r"final_params_sha256=([0-9a-f]{64})")
 STEP_RE = re.compile(r"^step=(\d+) ", re.M)
 
 
-def _cli(cluster: SlurmCluster, module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**cluster.env, "PYTHONPATH": str(ROOT)}
+def _cli(cluster: SlurmCluster, module: str, *args: str, cwd: Path,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**cluster.env, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=120)
 
@@ -39,12 +42,13 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     return HASH_RE.findall(ref.stdout)[-1]
 
 
-def _submit(cluster: SlurmCluster, wd: Path) -> tuple[str, Path, Path]:
+def _submit(cluster: SlurmCluster, wd: Path, every: int = EVERY, extra: tuple[str, ...] = (),
+            env: dict[str, str] | None = None) -> tuple[str, Path, Path]:
     ckpt = wd / "ckpt"
     p = _cli(cluster, "coci_hpc.cli.submit", "--partition", "gpu", "--nodes", "2", "--time", "10",
              "--job-name", "peer", "--output-dir", str(wd / "run"), "--ckpt-dir", str(ckpt),
-             "--policy", f"fixed:{EVERY}", str(TRAIN), "--steps", str(STEPS), "--seed", str(SEED),
-             "--step-time", "0.03", cwd=wd)
+             "--policy", f"fixed:{every}", str(TRAIN), "--steps", str(STEPS), "--seed", str(SEED),
+             "--step-time", "0.03", *extra, cwd=wd, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     job = re.search(r"submitted job (\d+)", p.stdout).group(1)
     return job, ckpt, wd / "run" / "logs" / f"{job}_0_log.out"
@@ -118,3 +122,90 @@ def test_hard_node_failure_resumes_from_survivors_checkpoint(slurm_cluster: Slur
         slurm_cluster.run(str(slurm_cluster.devcluster), "recover", "n2")
     res = _check_run(slurm_cluster, wd, job, ckpt, log0, reference, ("REQUEUED", "NODE_FAIL"))
     assert res["attempts"][1]["prev_end"]["reason"] in ("rank_failure", "node_failure")
+
+
+def _regular_checkpoints(events: list[dict], attempt: int) -> list[int]:
+    return [int(e["step"]) for e in events if e["event"] == "checkpoint" and e.get("attempt") == attempt
+            and e.get("kind") != "final"]
+
+
+def _no_leftovers(ckpt: Path) -> None:
+    assert not list(ckpt.glob(".survivors-*")), sorted(p.name for p in ckpt.iterdir())
+    torn = [p.name for p in ckpt.glob("step_*") if not (p / "manifest.json").exists()]
+    assert not torn, torn
+
+
+def test_survivors_killed_mid_save_leave_the_previous_checkpoint(slurm_cluster: SlurmCluster,
+                                                                 reference: str) -> None:
+    """The node fails hard; the survivor's writer pauses after its shards, before its manifest (the
+    test-only fault hook), and is SIGKILLed there by Slurm itself (NODE_FAIL: SIGTERM, KillWait,
+    SIGKILL). The requeued run loads the last regular checkpoint, never the torn one, says what
+    happened, removes the leftovers, and ends bit-exact."""
+    wd = slurm_cluster.workdir / "peer-torn"
+    wd.mkdir()
+    job, ckpt, log0 = _submit(slurm_cluster, wd, every=40, env={"COCI_FAULT_SURVIVORS_PAUSE_S": "120"})
+    err0 = wd / "run" / "logs" / f"{job}_0_log.err"
+    _wait_step(log0, random.randint(90, 110))   # between the checkpoints at 80 and 120
+    fail = subprocess.Popen([str(slurm_cluster.devcluster), "fail", "n2", "--hard", "--delay", "15"],
+                            env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "FAULT INJECTION" not in (err0.read_text() if err0.exists() else ""):
+            assert time.monotonic() < deadline, "the survivor never reached its save"
+            time.sleep(0.2)
+        # The writer is in its pause: the shards are on disk, the manifest is not.
+        assert list(ckpt.glob(".survivors-*/claim"))
+        assert fail.wait(timeout=60) == 0, fail.stdout.read() if fail.stdout else ""
+        slurm_cluster.wait_state(job, ("PENDING",), timeout=60)
+    finally:
+        if fail.poll() is None:
+            fail.kill()
+        slurm_cluster.run(str(slurm_cluster.devcluster), "recover", "n2")
+    rows = slurm_cluster.wait_gone(job, timeout=150)
+    text = log0.read_text()
+    print(text[-800:], err0.read_text()[-3000:], rows, sep="\n")
+    assert rows[0]["State"] in ("NODE_FAIL", "REQUEUED") and rows[-1]["State"] == "COMPLETED", rows
+    assert HASH_RE.findall(text)[-1] == reference
+    events = read_events(ckpt)
+    assert not [e for e in events if e["event"] == "peer_lost"]     # the writer died before recording
+    starts = [e for e in events if e["event"] == "attempt_start"]
+    assert len(starts) == 2
+    torn = starts[1]["torn_survivors_saves"]
+    assert len(torn) == 1
+    before = _regular_checkpoints(events, 1)
+    assert before and starts[1]["resumed_step"] == before[-1] < torn[0], (before, torn, starts[1])
+    assert starts[1]["steps_lost"] >= torn[0] - before[-1]      # the torn save's step was reached
+    _no_leftovers(ckpt)
+    st = _cli(slurm_cluster, "coci_hpc.cli.status", str(ckpt), "--no-png", cwd=wd)
+    print(st.stdout)
+    assert f"after step {torn[0]}; no survivors' checkpoint (the survivors' save was killed before its " \
+           f"manifest); fell back to step {before[-1]}" in st.stdout
+
+
+def test_sharded_state_on_the_lost_rank_falls_back_and_says_so(slurm_cluster: SlurmCluster, reference: str) -> None:
+    """examples/train.py --sharded-state (a ZeRO-style Sharded tensor): rank 1 SIGKILLed; its rows
+    are gone, so the survivor commits nothing, names the tensor, and the requeued run resumes from
+    the last regular checkpoint and ends bit-exact."""
+    wd = slurm_cluster.workdir / "peer-sharded"
+    wd.mkdir()
+    job, ckpt, log0 = _submit(slurm_cluster, wd, every=40, extra=("--sharded-state",))
+    _wait_step(log0, random.randint(90, 110))
+    slurm_cluster.run(str(slurm_cluster.devcluster), "kill-tasks", "n2")
+    rows = slurm_cluster.wait_gone(job, timeout=150)
+    text = log0.read_text()
+    err = (wd / "run" / "logs" / f"{job}_0_log.err").read_text()
+    print(text[-800:], err[-3000:], rows, sep="\n")
+    assert rows[0]["State"] == "REQUEUED" and rows[-1]["State"] == "COMPLETED", rows
+    assert HASH_RE.findall(text)[-1] == reference
+    events = read_events(ckpt)
+    lost = [e for e in events if e["event"] == "peer_lost"]
+    assert len(lost) == 1 and not lost[0]["committed"], lost
+    assert "Sharded" in lost[0]["reason"] and "weight_ema" in lost[0]["reason"], lost
+    before = _regular_checkpoints(events, 1)
+    starts = [e for e in events if e["event"] == "attempt_start"]
+    assert before and lost[0]["fallback_step"] == before[-1] == starts[1]["resumed_step"], (before, lost, starts)
+    assert "no survivors' checkpoint (Sharded" in err
+    _no_leftovers(ckpt)
+    st = _cli(slurm_cluster, "coci_hpc.cli.status", str(ckpt), "--no-png", cwd=wd)
+    print(st.stdout)
+    assert "no survivors' checkpoint (Sharded tensor(s)" in st.stdout and f"fell back to step {before[-1]}" in st.stdout
