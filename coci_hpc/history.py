@@ -89,9 +89,11 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
     peer_losses: list[dict[str, Any]] = []
     relaunches: dict[int, dict[str, Any]] = {}   # failed attempt -> the relaunch loop's record
     resumed_wall: dict[int, float] = {}
+    starts: dict[int, dict[str, Any]] = {}       # attempt -> its attempt_start record
     for e in events:
         n, ev = int(e.get("attempt") or 0), e.get("event")
         if ev == "attempt_start":
+            starts[n] = e
             attempts[n] = Attempt(
                 attempt=n, job_id=e.get("job_id"), nodes=list(e.get("nodes") or []), ranks=e.get("ranks"),
                 start_wall=e.get("wall"), resumed_step=e.get("resumed_step"), steps_lost=e.get("steps_lost"),
@@ -122,6 +124,7 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
         elif ev == "peer_lost":
             fail, commit = e.get("failure_wall"), e.get("commit_wall")
             peer_losses.append({"attempt": n, "step": e.get("step"), "committed": bool(e.get("committed")),
+                                "failure_wall": fail,
                                 "after_failure_s": (commit - fail) if commit and fail else None,
                                 "lost_ranks": e.get("lost_ranks"), "reason": e.get("reason") or "",
                                 "fallback_step": e.get("fallback_step"), "steps_lost": None})
@@ -143,19 +146,10 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
         r = relaunches.get(prev.attempt)
         if r is None or r.get("action") != "relaunch":
             continue
-        lost = "node_failure" if "lost" in str(r.get("reason")) else "crash"
+        lost = "node_failure" if r.get("lost") or "lost" in str(r.get("reason")) else "crash"
         prev.ended, prev.ended_source = f"{lost} (restarted in place)", "relaunch"
-        start, ended, decided = nxt.start_wall, r.get("step_ended_wall"), r.get("decided_wall")
-        res = resumed_wall.get(nxt.attempt)
-        nxt.in_place = {
-            "restart": r.get("restart"), "reason": r.get("reason"), "nodes": r.get("nodes"),
-            # From the failed step's end (srun returned) to the decision: settle time + Slurm queries.
-            "detect_s": decided - ended if decided and ended else None,
-            # From the decision to the Session's attempt_start: srun + interpreter + imports.
-            "process_start_s": start - decided if start and decided else None,
-            "restore_s": res - start if res and start else None,
-            "total_s": res - ended if res and ended else None,
-        }
+        nxt.in_place = in_place_split(r, [p for p in peer_losses if p["attempt"] == prev.attempt],
+                                      starts.get(nxt.attempt) or {}, resumed_wall.get(nxt.attempt))
     for a in ordered:
         if a.ended == "running" and a.attempt in stops:
             s = stops[a.attempt]
@@ -186,6 +180,36 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
         loss_steps=[p[0] for p in loss_pts], loss_values=[p[1] for p in loss_pts],
         loss_attempts=[p[2] for p in loss_pts], status=status, final_step=final_step, message=message,
         sacct_note=sacct_note, peer_losses=peer_losses)
+
+
+def _gap(a: Any, b: Any) -> float | None:
+    return float(b) - float(a) if a is not None and b is not None else None
+
+
+def in_place_split(relaunch: dict[str, Any], peer_losses: Sequence[dict[str, Any]],
+                   start: dict[str, Any], resumed_wall: float | None) -> dict[str, Any]:
+    """An in-place restart's latency, failure -> first resumed step, in the order it is paid:
+
+    - ``detect_s``: the failure (a survivor's view of it, ``peer_lost``; else the step's end) ->
+      the rank step ended (the survivors' detection and save, srun's end);
+    - ``decide_s``: -> the relaunch loop's decision (Slurm asked about the nodes);
+    - ``relaunch_s``: -> the new rank processes exist (srun's launch);
+    - ``process_start_s``: -> the Session is created (interpreter, imports, MPI and torch set-up);
+    - ``restore_s``: -> the first resumed step (event log and checkpoint read).
+    Parts the records do not hold (an older log) are None; ``total_s`` is then from the step's end.
+    """
+    ended, decided = relaunch.get("step_ended_wall"), relaunch.get("decided_wall")
+    fails = [float(p["failure_wall"]) for p in peer_losses if p.get("failure_wall")]
+    failure = min(fails) if fails else ended
+    proc, session = start.get("process_wall"), start.get("session_wall")
+    res = resumed_wall
+    return {
+        "restart": relaunch.get("restart"), "reason": relaunch.get("reason"), "nodes": relaunch.get("nodes"),
+        "detect_s": _gap(failure, ended), "decide_s": _gap(ended, decided),
+        "relaunch_s": _gap(decided, proc), "process_start_s": _gap(proc, session) if proc else _gap(decided, session),
+        "restore_s": _gap(session, res) if session else _gap(start.get("wall"), res),
+        "total_s": _gap(failure, res),
+    }
 
 
 # Slurm states after which nothing of the attempt runs any more (REQUEUED and PREEMPTED come back).
@@ -280,7 +304,8 @@ def render_text(h: RunHistory) -> str:
         if ip:
             lines.append(f"attempt {a.attempt}: restarted in place on {','.join(ip.get('nodes') or [])} "
                          f"(in-place restart {ip.get('restart')}): {_s(ip.get('total_s'))}s = detect "
-                         f"{_s(ip.get('detect_s'))} + start {_s(ip.get('process_start_s'))} + restore "
+                         f"{_s(ip.get('detect_s'))} + decide {_s(ip.get('decide_s'))} + relaunch "
+                         f"{_s(ip.get('relaunch_s'))} + start {_s(ip.get('process_start_s'))} + restore "
                          f"{_s(ip.get('restore_s'), 2)}; {ip.get('reason')}")
     if h.sacct_note:
         lines.append(f"sacct: {h.sacct_note}")
@@ -295,8 +320,46 @@ _REASON_COLOURS = {"preemption": "tab:red", "time_limit": "tab:orange", "node_fa
                    "rank_failure": "tab:pink"}
 
 
+@dataclass(frozen=True)
+class Interruption:
+    """One end of an attempt that another attempt followed, as the plot marks it."""
+
+    step: int                 # where the attempt stopped (its last step seen)
+    reason: str               # preemption, time_limit, node_failure, crash, ...
+    resumed_step: int | None  # where the next attempt resumed (steps in between were repeated)
+    steps_lost: int
+    in_place: bool            # restarted inside the allocation (--spare-nodes), not through the queue
+    latency_s: float | None   # failure (or stop) -> first resumed step
+
+
+def interruptions(h: RunHistory) -> list[Interruption]:
+    """The interruptions of a run, in order: what the PNG draws (pure, so it is tested apart)."""
+    out = []
+    for a, nxt in zip(h.attempts, h.attempts[1:]):
+        x = a.last_step if a.last_step is not None else nxt.resumed_step
+        if x is None:
+            continue
+        lat = (nxt.in_place or {}).get("total_s") if nxt.in_place else (nxt.restart_latency_s or {}).get("total")
+        out.append(Interruption(int(x), a.ended.split(" ")[0], nxt.resumed_step, nxt.steps_lost or 0,
+                                nxt.in_place is not None, None if lat is None else float(lat)))
+    return out
+
+
 def plot(h: RunHistory, path: str | Path) -> Path:
     """PNG of the loss curve, one colour per attempt, with checkpoints and interruptions marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = figure(h)
+    out = Path(path)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def figure(h: RunHistory) -> Any:
+    """The matplotlib figure :func:`plot` writes (the caller closes it)."""
     import matplotlib
     import numpy as np
     matplotlib.use("Agg")
@@ -331,33 +394,35 @@ def plot(h: RunHistory, path: str | Path) -> Path:
                 clip_on=False, zorder=5, label=f"checkpoint ({kind})")
     seen: set[str] = set()
     labels: list[str] = []
-    for a, nxt in zip(h.attempts, h.attempts[1:]):
-        reason = a.ended.split(" ")[0]
-        x = a.last_step if a.last_step is not None else nxt.resumed_step
-        if x is None:
-            continue
-        colour = _REASON_COLOURS.get(reason, "black")
-        ax.axvline(x, color=colour, ls="--", lw=1.2, label=None if reason in seen else f"interrupted: {reason}")
-        seen.add(reason)
-        if nxt.resumed_step is not None and nxt.resumed_step < x:
-            ax.axvspan(nxt.resumed_step, x, color=colour, alpha=0.12, lw=0)
+    for it in interruptions(h):
+        colour = _REASON_COLOURS.get(it.reason, "black")
+        # Through the queue: dashed; restarted inside the allocation (spare nodes): dotted, and the
+        # label says so with its latency (seconds, where the queue costs tens).
+        label = f"restarted in place: {it.reason}" if it.in_place else f"interrupted: {it.reason}"
+        ax.axvline(it.step, color=colour, ls=":" if it.in_place else "--", lw=1.6 if it.in_place else 1.2,
+                   label=None if label in seen else label)
+        seen.add(label)
+        if it.resumed_step is not None and it.resumed_step < it.step:
+            ax.axvspan(it.resumed_step, it.step, color=colour, alpha=0.12, lw=0)
+        text = f"{it.reason}\n{it.steps_lost} lost"
+        if it.in_place:
+            text += "\nin place" + ("" if it.latency_s is None else f" {it.latency_s:.0f}s")
         # Interruptions close together would print over each other: step the labels down.
-        ax.annotate(f"{reason}\n{nxt.steps_lost or 0} lost", (x, ymax), xytext=(3, -4 - 26 * (len(labels) % 3)),
+        ax.annotate(text, (it.step, ymax), xytext=(3, -4 - 34 * (len(labels) % 3)),
                     textcoords="offset points", va="top", fontsize=8, color=colour,
                     bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8})
-        labels.append(reason)
+        labels.append(it.reason)
     ax.set_ylim(ymin, ymax)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     lat = [float(a.restart_latency_s["total"]) for a in h.attempts
            if a.restart_latency_s and a.restart_latency_s.get("total") is not None]
-    ax.set_title(f"{Path(h.ckpt_dir).parent.name}/{Path(h.ckpt_dir).name}: {len(h.attempts)} attempts, {h.status}, "
+    n_in_place = sum(1 for a in h.attempts if a.in_place)
+    ax.set_title(f"{Path(h.ckpt_dir).parent.name}/{Path(h.ckpt_dir).name}: {len(h.attempts)} attempts"
+                 + (f" ({n_in_place} restarted in place)" if n_in_place else "") + f", {h.status}, "
                  f"{h.steps_lost_total} steps lost"
                  + (f", restart latency mean {sum(lat) / len(lat):.0f}s" if lat else ""), fontsize=11)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return fig

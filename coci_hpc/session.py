@@ -64,6 +64,7 @@ from coci_hpc.runtime.data import session_state
 from coci_hpc.runtime.distributed import default_comm
 from coci_hpc.runtime.events import FILENAME, EventLog, last_attempt, read_events
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, requeue_with_retries
+from coci_hpc.runtime.procinfo import process_start_wall
 from coci_hpc.runtime.schedule import Schedule, make_schedule
 from coci_hpc.runtime.stepsync import MIN_DEADLINE_S, StepSync
 from coci_hpc.runtime.survivors import Survival
@@ -74,6 +75,7 @@ from coci_hpc.slurm.failure_cache import describe as describe_history
 from coci_hpc.slurm.hostlist import expand_hostlist
 
 STATE_KEY = "coci_session"
+ENV_INPLACE = "COCI_INPLACE_RESTARTS"   # set by submit/relaunch.py for the rank steps it starts
 STOP = 1                    # stop level exchanged at the step boundary (MAX over ranks)
 LOSS_BUFFER = 4096          # losses kept between flushes (rank 0), preallocated
 LOSS_FLUSH_S = 5.0          # at most one losses record per this many seconds between checkpoints
@@ -113,6 +115,10 @@ class Session:
                  peer_timeout_s: float | None = None, survivors: bool | None = None) -> None:
         self._init_wall = time.time()
         env = os.environ if environ is None else environ
+        # coci-submit's relaunch loop (--spare-nodes) numbers its in-place restarts of the ranks
+        # (0: its first launch); absent: not under that loop.
+        self._in_place: int | None = int(env[ENV_INPLACE]) if env.get(ENV_INPLACE, "").isdigit() else None
+        self._process_wall = process_start_wall()
         # How long a peer may keep the step agreement waiting before it counts as lost (at least
         # this, and 10 typical steps); survivors' saves on a peer loss (COCI_SURVIVORS=0: off).
         self._min_deadline = float(peer_timeout_s if peer_timeout_s is not None
@@ -154,14 +160,16 @@ class Session:
         self._history_pending: Pending | None = None
         self.schedule: Schedule = make_schedule(
             self.config.policy, lambda: failure_model if failure_model is not None else self._failure_model(),
-            nodes=self.job.num_nodes or self.comm.size, horizon_s=horizon_s, comm=self.comm)
+            nodes=self.job.step_num_nodes or self.job.num_nodes or self.comm.size, horizon_s=horizon_s,
+            comm=self.comm, in_place=self._in_place is not None)
         self._state = {**user_state, STATE_KEY: _SessionState(self.schedule)}
         self.run_record = runrecord.current_run(sys.argv, self.comm.size)
         self._check_same_run()
         self.mgr = CheckpointManager(self.config.ckpt_dir, self.comm, keep=keep)
         self.sync = StepSync(self.comm, self._min_deadline)
         self._dt_ema = 0.0
-        per_node = (self.job.ntasks // self.job.num_nodes) if self.job.ntasks and self.job.num_nodes else 1
+        used_nodes = self.job.step_num_nodes or self.job.num_nodes   # the step's: spare nodes run no rank
+        per_node = (self.job.ntasks // used_nodes) if self.job.ntasks and used_nodes else 1
         self.survival = Survival(self._state, self.comm, ranks_per_node=per_node, enabled=self._survivors,
                                  skip=frozenset({STATE_KEY}))
         self.log = EventLog(self.events_path, attempt=1, job_id=self.job.job_id, enabled=self.rank == 0)
@@ -221,8 +229,9 @@ class Session:
             # The loop body left early: a `break`, or an exception (a peer failure surfaces inside
             # the user's step, e.g. gloo's "Connection reset by peer" in loss.backward()). A
             # generator cannot see that exception, so ask the peers: a lost one does not answer.
+            t_fail = time.time()       # when the failure surfaced here, before the probe's deadline
             if step < total and self.comm.size > 1 and not self.sync.probe(self.sync.deadline_s):
-                self._peer_lost(self.step, "an exception inside the step (the peers did not answer)", time.time())
+                self._peer_lost(self.step, "an exception inside the step (the peers did not answer)", t_fail)
             raise
         finally:
             self.recorder.uninstall()
@@ -274,7 +283,9 @@ class Session:
         rows: list[sacct.SlurmAttempt] = []
         sacct_error = None
         jid = self.job.requeue_id
-        if jid is not None:
+        # An in-place restart is the same Slurm attempt: sacct says nothing about the previous
+        # one (the relaunch record does), and the query would sit on the restart's critical path.
+        if jid is not None and not self._in_place:
             try:
                 rows = sacct.job_attempts(jid, self._runner)
             except (SlurmError, OSError) as exc:
@@ -313,14 +324,18 @@ class Session:
         self.schedule.use_survivor_coverage(coverage)
         verdict = att.give_up_reason(events, resumed, prev_end.reason, job_id=self.job.job_id, restart_count=rc,
                                      max_requeues=self.config.max_requeues,
-                                     no_progress_limit=self.config.no_progress_limit)
-        nodes = expand_hostlist(self.job.nodelist) if self.job.nodelist else []
+                                     no_progress_limit=self.config.no_progress_limit,
+                                     in_place_restart=self._in_place or 0)
+        nodes = expand_hostlist(self.job.step_nodelist or self.job.nodelist or "") \
+            if (self.job.step_nodelist or self.job.nodelist) else []
         self.log.write("attempt_start", nodes=nodes, ranks=self.comm.size, run=self.run_record,
                        policy=self.config.policy,
                        restart_count=rc, prev_end=prev_end.to_dict(), resumed_step=resumed, steps_lost=lost,
                        torn_survivors_saves=info.get("torn") or [],
                        config_sources=dict(self.config.sources), slurm_id=self.job.requeue_id,
-                       survivor_coverage=coverage)
+                       survivor_coverage=coverage,
+                       in_place_restart=self._in_place, process_wall=self._process_wall,
+                       session_wall=self._init_wall)
         _say(f"attempt {self.log.attempt} (job {self.job.job_id}, restart {rc}) on {nodes or 'this host'}, "
              f"{self.comm.size} rank(s); previous end: {prev_end.reason} ({prev_end.detail}); "
              f"resumed from step {resumed}; steps lost {lost}")
@@ -330,8 +345,12 @@ class Session:
             return verdict
         if resumed is not None:
             cur = rows[-1] if rows and rows[-1].state == "RUNNING" else None
-            lat = att.latency_split(prev_end.end_wall, cur.start if cur else None, self._init_wall,
-                                    time.time(), restore_s)
+            # In place, the "requeue" part is the relaunch loop's (failure -> these processes
+            # exist): Slurm's row started with the allocation, long before.
+            began = self._process_wall if self._in_place else (cur.start if cur else None)
+            lat = att.latency_split(prev_end.end_wall, began, self._init_wall, time.time(), restore_s)
+            if self._in_place and prev_end.reason != "none" and lat["total"] is not None:
+                self.schedule.restarted_in_place(float(lat["total"]))
             self.log.write("resumed", step=resumed, restart_latency_s=lat)
             _say(f"resumed from step {resumed}: restart latency {lat}")
         return None
@@ -500,7 +519,7 @@ class Session:
         requeue the job (Slurm requeues a NODE_FAIL by itself; a crashed rank on a healthy node
         needs us) and leave the process at once, with no MPI collective or finalize that would
         wait for the dead rank. Never returns."""
-        in_place = "COCI_INPLACE_RESTARTS" in os.environ  # set by submit/relaunch.py for its rank steps
+        in_place = self._in_place is not None
         from coci_hpc.runtime import survivors as sv
 
         try:

@@ -288,19 +288,20 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
     chosen = step
     try:
         ranges = _ranges(comm.rank, m, all_rows)
-        # Pass 1: every byte any rank will install is checked (CRC of whole shards) before any
-        # buffer of the state is touched, each shard once per node (ranks of a node share the
-        # page cache); nothing is allocated per tensor.
+        # Pass 1: every byte any rank will install is checked (CRC of whole shards, straight
+        # over the file's mapping) before any buffer of the state is touched, each shard once per
+        # node (ranks of a node share the page cache); nothing is allocated per tensor.
         node = _node_ranks(comm)
 
         def check() -> set[tuple[str, int]]:
             mine, needed = _my_checks(comm.rank, node, m, reader, all_rows)
             reader.verify(mine)
+            reader.prefetch(needed - mine)  # what the other ranks of the node check
             return needed
 
         needed = comm.run_step(check, f"checking checkpoint step {chosen}")
         reader.trust(needed)  # every rank checked its part, or all would have raised above
-        # Pass 2: the checked bytes (now in the page cache) go straight into their final place.
+        # Pass 2: the checked bytes, still mapped, go straight into their final place (one memcpy).
         return comm.run_step(lambda: _install(comm, m, state, reader, ranges, targets, rng, trees),
                              f"loading checkpoint step {chosen} into the state")
     finally:

@@ -16,7 +16,6 @@ that cover it before the caller may use it. Any HDF5 error on damaged metadata b
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import stat
 from collections.abc import Mapping, Sequence
@@ -28,7 +27,7 @@ import numpy as np
 
 from coci_hpc.checkpoint.integrity import checksum
 from coci_hpc.checkpoint.layout import DatasetSpec
-from coci_hpc.checkpoint.rawio import background, pread_into
+from coci_hpc.checkpoint.rawio import FileMap, load_helper, pread_into
 from coci_hpc.checkpoint.state import storage_dtype
 from coci_hpc.errors import CheckpointCorrupt
 
@@ -68,13 +67,28 @@ def file_kwargs(align: int, threshold: int) -> dict[str, Any]:
     return {"alignment_threshold": threshold, "alignment_interval": align}
 
 
-_MAP_MIN = 1 << 20       # checked bytes at least this large are copied through a mapping
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every (cached) page in one call
-_READ_CHUNK = 32 << 20  # bytes per read while checking: the CRC of one overlaps the next read
+_READ_CHUNK = 32 << 20  # bytes per read (or per CRC call over the mapping) while checking
 
 # What h5py raises on damaged metadata (a flipped byte in an object header, a truncated B-tree).
 _H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError, IndexError, OverflowError,
               SystemError)
+
+
+_SPLIT_COPY = 64 << 20  # copies at least this large run in two threads (memory bandwidth)
+
+
+def _copy(dest: np.ndarray, src: np.ndarray) -> None:
+    """``dest[:] = src`` for 1-D byte arrays; a large copy is split with the load's helper
+    thread (numpy releases the GIL), which a single core's memcpy leaves idle."""
+    if dest.nbytes < _SPLIT_COPY:
+        np.copyto(dest, src)
+        return
+    half = dest.nbytes // 2
+    other = load_helper().submit(np.copyto, dest[half:], src[half:])
+    try:
+        np.copyto(dest[:half], src[:half])
+    finally:
+        other.result()
 
 
 def _hard_links_only(h5: h5py.File, path: Path) -> list[str]:
@@ -141,6 +155,7 @@ class DatasetReader:
         self._shards: dict[str, list[Mapping[str, Any]]] = {}
         self._verified: set[tuple[str, int]] = set()
         self._metas: dict[str, Mapping[str, Any]] = {}
+        self._map: FileMap | None | bool = False  # False: not tried yet (see _mapped)
         if manifest is not None:
             self._expect(manifest, names)
 
@@ -160,8 +175,18 @@ class DatasetReader:
                 self._shards.setdefault(sh["dataset"], []).append(sh)
 
     def close(self) -> None:
+        if isinstance(self._map, FileMap):
+            self._map.close()
+        self._map = None
         self._h5.close()
         os.close(self._fd)
+
+    def _mapped(self) -> FileMap | None:
+        """The file's read-only mapping (made once, kept until :meth:`close`), or None."""
+        if self._map is False:
+            self._map = FileMap.open(self._fd, self._size)
+        assert self._map is not True
+        return self._map
 
     def __enter__(self) -> DatasetReader:
         return self
@@ -268,7 +293,7 @@ class DatasetReader:
                 pread_into(self._fd, flat[c0:c1], file_off + c0)
                 if pending is not None:
                     pending.result()
-                pending = background().submit(feed, c0, c1)
+                pending = load_helper().submit(feed, c0, c1)
         finally:
             if pending is not None:
                 pending.result()
@@ -317,14 +342,17 @@ class DatasetReader:
         """Check the shards named by ``keys`` (see :meth:`shards_of`), each whole, against their
         checksums; raise CheckpointCorrupt naming the first bad one.
 
-        The bytes stream through two small reused buffers, so checking costs no fresh memory
-        (on this machine a first touch of fresh memory costs about 1 s per GB, twice the cold
-        read itself): a load checks everything first, then :meth:`read_verified` copies the
-        checked bytes, now in the page cache, straight into their final buffers. The whole
-        extent is announced to the kernel first (``WILLNEED``), so the disk reads ahead while
-        the CRCs run; the CRC of one chunk runs in the helper thread while the next is read.
+        The whole extent is announced to the kernel first (``WILLNEED``), so the disk reads
+        ahead while the CRCs run; the CRC of one chunk runs in the load's helper thread while
+        the next is read. The CRCs run straight over the file's mapping
+        (:class:`~coci_hpc.checkpoint.rawio.FileMap`): no byte is copied and no fresh memory
+        is touched (on this machine a first touch of fresh memory costs about as much as the
+        cold read itself). :meth:`read_verified` then copies the checked bytes, still mapped,
+        straight into their final buffers: one memcpy in all. Without a mapping the bytes
+        stream through two small reused buffers instead (a copy more).
         """
-        if self._algorithm is None:
+        algorithm = self._algorithm
+        if algorithm is None:
             raise CheckpointCorrupt(f"{self.path}: no manifest to check against",
                                     hint="open the reader with the checkpoint's manifest")
         jobs = []
@@ -335,9 +363,9 @@ class DatasetReader:
         jobs.sort(key=lambda j: j[2])
         for _, sh, at in jobs:
             os.posix_fadvise(self._fd, at, sh["stop"] - sh["start"], os.POSIX_FADV_WILLNEED)
+        fmap = self._mapped()
         size = min(_READ_CHUNK, max((sh["stop"] - sh["start"] for _, sh, _ in jobs), default=0))
-        bufs = [np.empty(size, dtype=np.uint8) for _ in range(2)]
-        algorithm = self._algorithm
+        bufs = [] if fmap is not None else [np.empty(size, dtype=np.uint8) for _ in range(2)]
         crcs = [0] * len(jobs)
 
         def feed(j: int, part: np.ndarray) -> None:  # the helper thread: chunks arrive in order
@@ -349,22 +377,49 @@ class DatasetReader:
             for j, (meta, sh, at) in enumerate(jobs):
                 n = sh["stop"] - sh["start"]
                 for c0 in range(0, n, size):
-                    part = bufs[k % 2][:min(size, n - c0)]  # the other buffer is being checked
-                    k += 1
+                    m = min(size, n - c0)
                     try:
-                        pread_into(self._fd, part, at + c0)
+                        if fmap is not None:
+                            part = fmap.view(at + c0, m)
+                        else:
+                            part = bufs[k % 2][:m]  # the other buffer is being checked
+                            pread_into(self._fd, part, at + c0)
                     except (OSError, EOFError) as exc:
                         raise CheckpointCorrupt(f"{self.path}: reading {meta['dataset']!r} failed: {exc}",
                                                 hint="the shard file is damaged or truncated; load an "
                                                      "older step") from exc
+                    k += 1
                     if pending is not None:
                         pending.result()
-                    pending = background().submit(feed, j, part)
+                    pending = load_helper().submit(feed, j, part)
+                    del part
         finally:
             if pending is not None:
                 pending.result()
+            pending = None
         for (meta, sh, _), crc in zip(jobs, crcs):
             self._check(meta, sh, crc)
+
+    def prefetch(self, keys: set[tuple[str, int]]) -> None:
+        """Read in and map the shards named by ``keys`` without checking them: the shards another
+        rank of this node checks, which this rank copies afterwards. Done while that rank may
+        still be reading them (the page cache is shared, nothing is read twice), so that the
+        copy after the agreement is a plain memcpy."""
+        fmap = self._mapped()
+        for dataset, first in sorted(keys, key=lambda k: (self.offset(self._metas[k[0]]), k[1])):
+            meta = self._metas[dataset]
+            sh = next(sh for sh in self._shards[dataset] if sh["start"] == first)
+            at, n = self.offset(meta) + first, sh["stop"] - sh["start"]
+            if fmap is None:
+                os.posix_fadvise(self._fd, at, n, os.POSIX_FADV_WILLNEED)
+                continue
+            try:
+                for c0 in range(0, n, _READ_CHUNK):
+                    fmap.populate(at + c0, min(_READ_CHUNK, n - c0))
+            except OSError as exc:
+                raise CheckpointCorrupt(f"{self.path}: reading {meta['dataset']!r} failed: {exc}",
+                                        hint="the shard file is damaged or truncated; load an older "
+                                             "step") from exc
 
     def read_verified(self, meta: Mapping[str, Any], dest: np.ndarray, start: int = 0) -> None:
         """Fill ``dest`` with bytes [start, start+dest.nbytes) of a dataset whose shards
@@ -384,31 +439,15 @@ class DatasetReader:
                                         f"are not all covered by checked shards",
                                         hint="the manifest was edited or damaged; load an older step")
         at = self.offset(meta) + start
+        fmap = self._mapped()
         try:
-            if dest.nbytes < _MAP_MIN or not self._copy_mapped(dest, at):
+            if fmap is None:
                 pread_into(self._fd, dest, at)
+            else:
+                _copy(dest.reshape(-1).view(np.uint8), fmap.view(at, dest.nbytes))
         except (OSError, EOFError) as exc:
             raise CheckpointCorrupt(f"{self.path}: reading {meta['dataset']!r} failed: {exc}",
                                     hint="the shard file is damaged or truncated; load an older step") from exc
-
-    def _copy_mapped(self, dest: np.ndarray, at: int) -> bool:
-        """Copy file bytes [at, at+dest.nbytes) into ``dest`` through a read-only mapping of the
-        (page-cached, checked) pages: one memcpy, about twice as fast here as a pread of cached
-        pages. False where the file cannot be mapped (the caller preads instead)."""
-        n = dest.nbytes
-        base = at - at % mmap.ALLOCATIONGRANULARITY
-        try:
-            mm = mmap.mmap(self._fd, at + n - base, flags=mmap.MAP_SHARED | _MAP_POPULATE,
-                           prot=mmap.PROT_READ, offset=base)
-        except (OSError, ValueError):
-            return False
-        try:
-            src = np.frombuffer(mm, dtype=np.uint8, count=n, offset=at - base)
-            np.copyto(dest.reshape(-1).view(np.uint8), src)
-            del src
-        finally:
-            mm.close()
-        return True
 
     @staticmethod
     def _covered(shards: list[Mapping[str, Any]], start: int, stop: int) -> bool:

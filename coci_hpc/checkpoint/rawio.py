@@ -54,11 +54,23 @@ def lower_thread_priority(nice: int = 10) -> None:
 
 
 def background() -> ThreadPoolExecutor:
-    """The one helper thread for checksums (writes and checked reads), at a lower priority."""
+    """The one helper thread for checksums of writes, at a lower priority."""
     global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(1, thread_name_prefix="coci-crc", initializer=lower_thread_priority)
     return _pool
+
+
+_load_pool: ThreadPoolExecutor | None = None
+
+
+def load_helper() -> ThreadPoolExecutor:
+    """The one helper thread of a load, at normal priority: a load blocks the training loop,
+    so its checksums and copies must not yield to other work as a background persist does."""
+    global _load_pool
+    if _load_pool is None:
+        _load_pool = ThreadPoolExecutor(1, thread_name_prefix="coci-load")
+    return _load_pool
 
 
 def pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
@@ -191,3 +203,87 @@ def pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
         if n <= 0:
             raise EOFError(f"file ends at offset {offset + done}, {len(mv) - done} bytes short")
         done += n
+
+
+_MADV_POPULATE_READ = 22  # Linux >= 5.14: map (and read in) a range; errors come back as errno
+_libc: Any = None
+
+
+def _madvise() -> Any:
+    global _libc
+    if _libc is None:
+        import ctypes
+        import ctypes.util
+
+        name = ctypes.util.find_library("c")
+        _libc = ctypes.CDLL(name, use_errno=True) if name else False
+        if _libc:
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _libc.madvise.restype = ctypes.c_int
+    return _libc.madvise if _libc else None
+
+
+class FileMap:
+    """A read-only shared mapping of a whole file, for reading checked bytes without copies.
+
+    A load reads each byte twice: once to check its CRC, once into the state. Through a
+    mapping both are plain memory reads of the page cache (no copy into a user buffer first),
+    and the pages stay mapped between the two. Every range is populated with
+    ``MADV_POPULATE_READ`` before it is touched, so a read error (a bad sector, an I/O error on
+    a parallel file system, a file truncated under us) comes back here as an OSError, never
+    as a SIGBUS in the middle of a memcpy. :meth:`open` returns None where this is not
+    available (no mmap, a kernel before 5.14, an empty file): the caller preads instead.
+    """
+
+    def __init__(self, mm: Any, arr: np.ndarray) -> None:
+        self._mm = mm
+        self._arr: np.ndarray | None = arr
+        self._base = int(arr.ctypes.data)
+
+    @classmethod
+    def open(cls, fd: int, size: int) -> FileMap | None:
+        import mmap
+
+        if size <= 0 or _madvise() is None:
+            return None
+        try:
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except (OSError, ValueError):
+            return None
+        fm = cls(mm, np.frombuffer(mm, dtype=np.uint8))
+        try:
+            fm.populate(0, 1)
+        except OSError:  # EINVAL: the kernel has no MADV_POPULATE_READ (or the read failed)
+            fm.close()
+            return None
+        return fm
+
+    def populate(self, at: int, n: int) -> None:
+        """Map bytes [at, at+n), reading them in if needed; OSError if they cannot be read."""
+        if n <= 0:
+            return
+        page = _PAGE
+        a0 = (self._base + at) // page * page
+        a1 = -(-(self._base + at + n) // page) * page
+        madvise = _madvise()
+        if madvise(a0, a1 - a0, _MADV_POPULATE_READ) != 0:
+            import ctypes
+
+            err = ctypes.get_errno()
+            raise OSError(err, f"reading bytes [{at}, {at + n}) of the file failed: {os.strerror(err)}")
+
+    def view(self, at: int, n: int) -> np.ndarray:
+        """Bytes [at, at+n) as a read-only array, populated first (see :meth:`populate`)."""
+        assert self._arr is not None
+        self.populate(at, n)
+        return self._arr[at:at + n]
+
+    def close(self) -> None:
+        self._arr = None
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still alive somewhere: the mapping goes with it
+            pass
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

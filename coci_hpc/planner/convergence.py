@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import OptimizeWarning, curve_fit
 
 MIN_POINTS = 6
 MIN_R2 = 0.3          # below this the curve explains too little of the loss variation to plan on
@@ -131,6 +130,9 @@ def fit_curve(times: Sequence[float] | np.ndarray, losses: Sequence[float] | np.
         return FitOutcome(None, "loss is not decreasing over the samples (log-loss slope "
                           f"{b1 / span:.3g}/s, +2se not below 0): non-monotone or flat",
                           n_dropped=dropped)
+
+    # Here, not at import: scipy.optimize costs every training rank ~1 s at each (re)start.
+    from scipy.optimize import OptimizeWarning, curve_fit
 
     tss = float(((y - y.mean()) ** 2).sum())
     cands: dict[str, tuple[float, float, float, float]] = {}   # kind -> (k, logamp, floor, rss)

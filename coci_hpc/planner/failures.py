@@ -14,12 +14,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-from scipy import stats
 
 from coci_hpc.errors import PlannerError
 
 JEFFREYS_PRIOR_FAILURES = 0.5
-LRT_CRITICAL = stats.chi2.ppf(0.95, 1)   # Weibull vs exponential: one extra parameter
+# chi2_1's 95 % quantile (scipy.stats.chi2.ppf(0.95, 1); tests/planner check it): Weibull vs
+# exponential, one extra parameter. A literal, so that importing this module does not import
+# scipy.stats (~2 s, paid by every training rank at start and restart).
+LRT_CRITICAL = 3.841458820694124
 WEIBULL_MIN_GAPS = 8
 MAX_OUTAGE_S = 7 * 86400.0             # older records are never the same failure
 MERGE_WINDOW_S = 600.0                   # DRAIN+DOWN of one node, or NODE_FAIL + node DOWN = one failure
@@ -151,6 +153,7 @@ def fit_weibull(gaps_s: Sequence[float], min_gaps: int = WEIBULL_MIN_GAPS) -> We
     g = np.asarray([x for x in gaps_s if x > 0 and math.isfinite(x)], dtype=float)
     if g.size < 3:
         return None
+    from scipy import stats  # here, not at import: see LRT_CRITICAL
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")      # identical gaps: scipy warns, the fit is still defined
         shape, _, scale = stats.weibull_min.fit(g, floc=0)
@@ -163,6 +166,7 @@ def fit_weibull(gaps_s: Sequence[float], min_gaps: int = WEIBULL_MIN_GAPS) -> We
 
 def poisson_interval(k: int, exposure: float, confidence: float = 0.9) -> tuple[float, float]:
     """Exact (Garwood) two-sided interval for a Poisson rate: k events over ``exposure``."""
+    from scipy import stats
     alpha = 1.0 - confidence
     lo = 0.0 if k == 0 else stats.chi2.ppf(alpha / 2, 2 * k) / (2 * exposure)
     hi = stats.chi2.ppf(1 - alpha / 2, 2 * k + 2) / (2 * exposure)

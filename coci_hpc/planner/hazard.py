@@ -25,8 +25,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scipy.special import gammaincc
-
 
 @dataclass(frozen=True)
 class JobHazard:
@@ -46,6 +44,7 @@ class JobHazard:
         """H(age) since the restart; the fresh node's Weibull term plus the others' constant rate."""
         a = max(age_s, 0.0)
         x = (a / self.scale_s) ** self.shape
+        from scipy.special import gammaincc  # not at import: a training rank's start pays for it
         q = float(gammaincc(1.0 / self.shape, x))
         residual = -math.log(max(q, 1e-300))
         h = x + (self.nodes - 1) * residual if self.fresh_node else self.nodes * residual

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import math
 
-from scipy.special import lambertw
-
 
 def bougeret_k0(rate: float, work_s: float, ckpt_s: float) -> float:
     """The real-valued optimum K0 = lambda*W / (1 + W0(-exp(-lambda*C - 1)))."""
+    from scipy.special import lambertw  # not at import: a training rank's start pays for it
     w = lambertw(-math.exp(-rate * ckpt_s - 1.0), 0).real
     return rate * work_s / (1.0 + w)
 

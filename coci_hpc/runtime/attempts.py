@@ -61,6 +61,17 @@ def classify_previous(prev_records: Sequence[dict[str, Any]], prev_slurm: SlurmA
     end = next((e for e in reversed(prev_records) if e.get("event") == "end"), None)
     in_same_job = restart_count > 0
     lost = next((e for e in reversed(prev_records) if e.get("event") == "peer_lost"), None)
+    relaunch = next((e for e in reversed(prev_records) if e.get("event") == "relaunch"), None)
+    if relaunch is not None and relaunch.get("action") in ("relaunch", "requeue") and end is None:
+        # coci-submit's relaunch loop (--spare-nodes) saw the step fail and asked Slurm about the
+        # nodes, then restarted the ranks inside the allocation (Slurm's attempt row is still this
+        # one) or requeued the job (Slurm's row then says REQUEUED, not why).
+        failed = relaunch.get("lost") or {}
+        when = (lost.get("failure_wall") or lost.get("wall")) if lost is not None else relaunch.get("step_ended_wall")
+        return PrevEnd("node_failure" if failed else "crash", "relaunch",
+                       f"{relaunch.get('reason')}" + ("" if lost is None else f"; rank(s) {lost.get('lost_ranks') or '?'} "
+                                                      f"lost after step {lost.get('step')}"),
+                       None if when is None else float(when))
     if lost is not None and end is None:
         # A rank vanished and a survivor recorded it: a node failure when Slurm says so, else a
         # crashed rank on a healthy node (the survivors requeued the job themselves).
@@ -261,7 +272,7 @@ def _this_jobs_starts(events: Sequence[dict[str, Any]], job_id: str | None) -> l
 
 def give_up_reason(events: Sequence[dict[str, Any]], resumed_step: int | None, prev_end_reason: str, *,
                    job_id: str | None, restart_count: int, max_requeues: int | None,
-                   no_progress_limit: int) -> str | None:
+                   no_progress_limit: int, in_place_restart: int = 0) -> str | None:
     """Why this attempt must not train (None: go on).
 
     Only restarts of this one job count (a new job, a run by hand and a restart count of 0 start
@@ -269,15 +280,18 @@ def give_up_reason(events: Sequence[dict[str, Any]], resumed_step: int | None, p
     unannounced end (:data:`UNANNOUNCED`: node failures, crashes, requeues by hand), never the
     session's own stops for a time limit or a preemption, as submitit's ``max_num_timeout`` keeps
     timeouts apart. No progress: this attempt and the ``no_progress_limit`` attempts of this job
-    before it all resumed from the same step.
+    before it all resumed from the same step, whether they came back through the queue or were
+    restarted in place by coci-submit's relaunch loop (``in_place_restart``: this attempt's number
+    of in-place restarts in its allocation, ``COCI_INPLACE_RESTARTS``). In-place restarts are not
+    requeues: ``--max-restarts`` bounds them, ``--max-requeues`` does not count them.
     """
-    if restart_count <= 0:
+    if restart_count <= 0 and in_place_restart <= 0:
         return None
     starts = _this_jobs_starts(events, job_id)
     if max_requeues is not None:
-        n = sum(1 for a in starts if int(a.get("restart_count") or 0) > 0
+        n = sum(1 for a in starts if int(a.get("restart_count") or 0) > 0 and not a.get("in_place_restart")
                 and (a.get("prev_end") or {}).get("reason") in UNANNOUNCED)
-        n += prev_end_reason in UNANNOUNCED
+        n += prev_end_reason in UNANNOUNCED and in_place_restart <= 0
         if n > max_requeues:
             return (f"the job was requeued {n} times after unannounced ends (node failures, crashes, "
                     f"requeues by hand), more than --max-requeues {max_requeues}; not training and not "

@@ -11,6 +11,9 @@ the same on every rank:
 - Tr (restart cost) is measured across a requeue: the wall time from the stop-save (written into
   this object's saved state) to the moment training resumes, which covers requeue latency, job
   start and restore. A crash is not a stop-save, so its lost work is not mistaken for Tr.
+  Under coci-submit's relaunch loop (``--spare-nodes``, ``in_place=True``) a failure is restarted
+  inside the allocation instead: once such a restart was measured (failure -> first resumed step,
+  :meth:`restarted_in_place`), Tr is that, not the queue's, which the job then rarely pays.
 - Time is training time with checkpoint stalls excluded (the planner's axis), summed from step
   times, and saved, so a resumed job continues the same time axis.
 - Losses reach the planner as one mean per ``observe_every_s`` of training time, not per step: a
@@ -51,9 +54,12 @@ class _Measured:
     """What every schedule measures in the loop (step time, save time, persist time, restart time)
     and carries in its checkpointed state; subclasses only decide which step to save after."""
 
-    def __init__(self, policy: str, comm: Comm | None, observe_every_s: float = 1.0) -> None:
+    def __init__(self, policy: str, comm: Comm | None, observe_every_s: float = 1.0,
+                 in_place: bool = False) -> None:
         self.comm = Comm.wrap(comm)
         self.policy = policy
+        self.in_place = bool(in_place)          # failures restart in place (spare nodes)
+        self.inplace_restart_costs: list[float] = []
         self.train_time_s = 0.0
         self.step_times: list[float] = []
         self.ckpt_costs: list[float] = []
@@ -97,6 +103,23 @@ class _Measured:
     def after_failure(self, seconds_since_failure: float) -> None:
         """This attempt restarted after an unannounced failure that long ago (planner schedules use it)."""
 
+    def restarted_in_place(self, seconds: float) -> None:
+        """Rank 0: this attempt was restarted in place that long after the failure (failure -> first
+        resumed step, measured by the Session); the plan is remade with it as Tr."""
+        if self.comm.rank != 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        self.inplace_restart_costs.append(float(seconds))
+        del self.inplace_restart_costs[:-20]
+        if self.ckpt_costs:
+            self._replan()
+
+    def restart_cost_s(self) -> float:
+        """Tr for the plan: the measured in-place restart when failures restart in place and one was
+        measured, else the measured requeue (stop-save -> resumed), else the planner's default."""
+        if self.in_place and self.inplace_restart_costs:
+            return statistics.median(self.inplace_restart_costs)
+        return statistics.median(self.restart_costs) if self.restart_costs else ASSUMED_RESTART_S
+
     def use_survivor_coverage(self, coverage: float) -> None:
         """Rank 0: the share of failures that lose ~one step (survivors' saves) instead of the work
         since the last checkpoint (:func:`coci_hpc.runtime.survivors.coverage_estimate`)."""
@@ -123,7 +146,7 @@ class _Measured:
 
     def costs(self) -> Costs:
         ts = statistics.median(self.ckpt_costs) if self.ckpt_costs else 0.0
-        tr = statistics.median(self.restart_costs) if self.restart_costs else ASSUMED_RESTART_S
+        tr = self.restart_cost_s()
         st = statistics.median(self.step_times) if self.step_times else None
         persist = statistics.median(self.persist_costs) if self.persist_costs else 0.0
         return Costs(max(ts, 1e-3), tr, st, persist_s=persist)
@@ -141,6 +164,7 @@ class _Measured:
         return {"version": 1, "policy": self.policy, "train_time_s": self.train_time_s,
                 "step_times": list(self.step_times), "ckpt_costs": list(self.ckpt_costs),
                 "restart_costs": list(self.restart_costs), "persist_costs": list(self.persist_costs),
+                "inplace_restart_costs": list(self.inplace_restart_costs),
                 "last_saved_step": self.last_saved_step,
                 "last_saved_time_s": self.last_saved_time_s,
                 "stop_wall": self._stop_wall, "planner": None}
@@ -158,6 +182,7 @@ class _Measured:
         self.ckpt_costs = [float(x) for x in d["ckpt_costs"]]
         self.restart_costs = [float(x) for x in d["restart_costs"]]
         self.persist_costs = [float(x) for x in d.get("persist_costs", [])]
+        self.inplace_restart_costs = [float(x) for x in d.get("inplace_restart_costs", [])]
         self.last_saved_step = int(d["last_saved_step"])
         self.last_saved_time_s = float(d.get("last_saved_time_s", self.train_time_s))
         self._stop_wall = None if d.get("stop_wall") is None else float(d["stop_wall"])
@@ -167,10 +192,10 @@ class FixedSchedule(_Measured):
     """``fixed:N``: a checkpoint every N steps, with the planner schedule's interface and
     measurements (so the session has one code path, and the signal-lead check has costs to use)."""
 
-    def __init__(self, every: int, *, comm: Comm | None = None) -> None:
+    def __init__(self, every: int, *, comm: Comm | None = None, in_place: bool = False) -> None:
         if every < 1:
             raise UsageError(f"fixed:{every}: the interval must be >= 1 step", hint="e.g. fixed:100")
-        super().__init__(f"fixed:{every}", comm)
+        super().__init__(f"fixed:{every}", comm, in_place=in_place)
         self.every = int(every)
 
     def decide(self, step: int) -> bool:
@@ -180,12 +205,12 @@ class FixedSchedule(_Measured):
 class CheckpointSchedule(_Measured):
     def __init__(self, policy: str, failure_model: FailureModel, nodes: int, horizon_s: float, *,
                  comm: Comm | None = None, warmup_steps: int = 20, refit_every: int = 50,
-                 observe_every_s: float = 1.0) -> None:
+                 observe_every_s: float = 1.0, in_place: bool = False) -> None:
         make_policy(policy)  # fail now, on every rank, on a bad spec
         if warmup_steps < 1:
             raise UsageError(f"warmup_steps must be >= 1, got {warmup_steps}",
                              hint="the first checkpoint is taken after warmup_steps to measure Ts")
-        super().__init__(policy, comm, observe_every_s)
+        super().__init__(policy, comm, observe_every_s, in_place=in_place)
         self.failure_model, self.nodes = failure_model, int(nodes)
         self.horizon_s, self.warmup_steps, self.refit_every = float(horizon_s), int(warmup_steps), refit_every
         self.planner: OnlinePlanner | None = None
@@ -276,13 +301,15 @@ class CheckpointSchedule(_Measured):
 
 
 def make_schedule(policy: str, failure_model: Any, *, nodes: int, horizon_s: float,
-                  comm: Comm | None = None) -> _Measured:
+                  comm: Comm | None = None, in_place: bool = False) -> _Measured:
     """The schedule for a policy spec: ``fixed:N`` needs no failure model (``failure_model`` is
-    then not called); the planner's policies get ``failure_model()``."""
+    then not called); the planner's policies get ``failure_model()``. ``in_place``: failures are
+    restarted inside the allocation (coci-submit --spare-nodes), see :meth:`_Measured.restart_cost_s`."""
     p = make_policy(policy)
     if isinstance(p, Fixed):
-        return FixedSchedule(p.n, comm=comm)
-    return CheckpointSchedule(policy, failure_model(), nodes=nodes, horizon_s=horizon_s, comm=comm)
+        return FixedSchedule(p.n, comm=comm, in_place=in_place)
+    return CheckpointSchedule(policy, failure_model(), nodes=nodes, horizon_s=horizon_s, comm=comm,
+                              in_place=in_place)
 
 
 Schedule = _Measured

@@ -1,8 +1,11 @@
 """Thin adapters around Slurm commands. One runner, replaceable in tests; no policy here."""
 from __future__ import annotations
 
+import re
 import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 
 from coci_hpc.errors import SlurmError
@@ -101,6 +104,19 @@ def unhealthy_nodes(nodes: Sequence[str], runner: Runner = run_command) -> dict[
         if len(parts) == 2 and (parts[1].endswith("*") or parts[1].rstrip("*~#!%$@^-").startswith(_UNHEALTHY)):
             bad[parts[0]] = parts[1]
     return bad
+
+
+# srun's own lines (its stderr) when a task of the step ended abnormally or its node failed:
+# "srun: error: n2: task 1: Killed", "... task 0: Exited with exit code 1", "srun: error: Node failure on n2".
+SRUN_TASK_LOSS = re.compile(r"^srun: error: (?:\S+: tasks? [\d,\-]+: |Node failure on )")
+
+
+def end_step_signals(srun: subprocess.Popen) -> None:
+    """End a running srun step with every task in it: two SIGINTs to srun within a second make it
+    SIGKILL the step's tasks (srun(1), "Force Terminated"); the step then ends and srun returns."""
+    srun.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    srun.send_signal(signal.SIGINT)
 
 
 def rank_step_argv(*, nodes: Sequence[str], ntasks_per_node: int, mpi: str, stdout: str, stderr: str,

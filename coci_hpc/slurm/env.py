@@ -24,6 +24,9 @@ _TABLE: dict[str, tuple[str, type]] = {
     "localid": ("SLURM_LOCALID", int),
     "restart_count": ("SLURM_RESTART_COUNT", int),
     "step_id": ("SLURM_STEP_ID", str),  # "0", "1", ... under srun; "batch" in the batch script
+    # The srun step's own nodes: fewer than the job's under --spare-nodes (the spares idle).
+    "step_nodelist": ("SLURM_STEP_NODELIST", str),
+    "step_num_nodes": ("SLURM_STEP_NUM_NODES", int),
     "submit_dir": ("SLURM_SUBMIT_DIR", str),
 }
 
@@ -44,6 +47,8 @@ class JobEnvironment:
     localid: int | None = None
     restart_count: int = 0
     step_id: str | None = None
+    step_nodelist: str | None = None
+    step_num_nodes: int | None = None
     submit_dir: str | None = None
 
     @classmethod

@@ -23,6 +23,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,11 +38,19 @@ from coci_hpc.slurm import commands
 from coci_hpc.slurm.env import JobEnvironment
 
 DEFAULT_MAX_RESTARTS = 3
-# Seconds between a failed step and the look at node states. A node killed hard is marked DOWN by
-# slurmctld only when it misses its heartbeat (SlurmdTimeout); the step's survivors usually notice
-# first (a connection reset). Looking a moment later keeps the relaunch off a node about to go DOWN.
-DEFAULT_SETTLE_S = 2.0
+# Seconds between a failed step and the look at node states; 0: look at once. srun (--no-kill)
+# returns only when every node's slurmd has reported its tasks' ends or slurmctld has declared the
+# node DOWN (a dead slurmd reports nothing), so by then Slurm knows which nodes are lost; a wait
+# here is paid by every restart (it was 2 s, a fifth of the 10 s target). A node that fails just
+# after its tasks ended is caught by the next step's failure (one more in-place restart).
+DEFAULT_SETTLE_S = 0.0
 ENV_RESTARTS = "COCI_INPLACE_RESTARTS"
+# Seconds a rank step may go on after srun reported one of its tasks lost (killed, exited non-zero,
+# node failure) before the loop ends it. The survivors normally save and exit within the peer
+# deadline (5 s) plus a save bounded by Slurm's KillWait; one stuck in a collective with the dead
+# rank (seen here: a node lost during a parallel-HDF5 checkpoint write) would otherwise hold the
+# allocation until the time limit.
+DEFAULT_STEP_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -60,11 +69,13 @@ def choose_nodes(held: Sequence[str], unhealthy: Mapping[str, str], needed: int)
 
 
 def decide(*, rc: int, signaled: bool, held: Sequence[str], unhealthy: Mapping[str, str], needed: int,
-           restarts_done: int, max_restarts: int) -> Decision:
+           restarts_done: int, max_restarts: int, gave_up: str | None = None) -> Decision:
     """The relaunch policy for one ended rank step. Pure.
 
     ``held``: the nodes the job holds now; ``unhealthy``: those Slurm reports down/drained/not
     responding (with their state). ``restarts_done``: in-place restarts already made in this job.
+    ``gave_up``: the Session's own verdict when the step's ranks gave up (its no-progress guard or
+    --max-requeues, recorded in the event log): final, never relaunched.
     """
     if rc == 0:
         return Decision("done", "the ranks ended with status 0")
@@ -72,6 +83,8 @@ def decide(*, rc: int, signaled: bool, held: Sequence[str], unhealthy: Mapping[s
         # Preemption, the time limit or scancel: the Session saved and requeued (or was cancelled).
         return Decision("stop", f"the ranks ended with status {rc} after a signal to the job: "
                                 "Slurm's stop, not a failure to restart from")
+    if gave_up:
+        return Decision("give_up", f"the training session gave up: {gave_up}")
     lost = sorted(unhealthy)
     what = f"node(s) {','.join(f'{n} ({unhealthy[n]})' for n in lost)} lost" if lost else \
         f"the ranks exited with status {rc} (no node down)"
@@ -118,6 +131,7 @@ class Relauncher:
     log_dir: str
     max_restarts: int = DEFAULT_MAX_RESTARTS
     settle_s: float = DEFAULT_SETTLE_S
+    step_grace_s: float = DEFAULT_STEP_GRACE_S
     env: dict[str, str] = field(default_factory=dict)
 
     def rank_command(self) -> list[str]:
@@ -128,6 +142,9 @@ class Relauncher:
         return commands.rank_step_argv(nodes=nodes, ntasks_per_node=self.ntasks_per_node, mpi=self.mpi,
                                        stdout=str(logs / "%j_%t_log.out"), stderr=str(logs / "%j_%t_log.err"),
                                        command=self.rank_command())
+
+    def run_step(self, argv: Sequence[str], env: Mapping[str, str]) -> int:
+        return watch_step(argv, env, self.step_grace_s)
 
     def __call__(self) -> int:
         sig = _SignalRecord().install()
@@ -148,16 +165,17 @@ class Relauncher:
             _say(f"starting {self.nodes} node(s) x {self.ntasks_per_node} rank(s) on {','.join(nodes)}"
                  + (f" (in-place restart {restarts})" if restarts else ""))
             env = {**os.environ, ENV_RESTARTS: str(restarts)}
-            rc = subprocess.call(self.step_argv(nodes), env=env)
+            rc = self.run_step(self.step_argv(nodes), env)
             ended = time.time()
-            if rc != 0 and not sig.received:
+            if rc != 0 and not sig.received and self.settle_s > 0:
                 time.sleep(self.settle_s)
             held = commands.job_nodes(job.job_id) if rc != 0 else list(nodes)
             bad = commands.unhealthy_nodes(held) if rc != 0 else {}
             # A node Slurm already took out of the job (--no-kill shrinks it) is lost too.
             bad.update({n: "left the job" for n in nodes if rc != 0 and n not in held})
             d = decide(rc=rc, signaled=bool(sig.received), held=held, unhealthy=bad, needed=self.nodes,
-                       restarts_done=restarts, max_restarts=self.max_restarts)
+                       restarts_done=restarts, max_restarts=self.max_restarts,
+                       gave_up=_session_gave_up(Path(ckpt)) if ckpt and rc != 0 else None)
             decided = time.time()
             _say(f"rank step ended (status {rc}): {d.action}: {d.reason}")
             if d.action == "done":
@@ -176,6 +194,51 @@ class Relauncher:
                 return 0  # Slurm ends this batch shell and starts the job again
             restarts += 1
             nodes = d.nodes
+
+
+def watch_step(argv: Sequence[str], env: Mapping[str, str] | None, grace_s: float, poll_s: float = 0.2) -> int:
+    """Run the rank step (srun) to its end and return its status; srun's own lines pass through
+    to this process's stderr. Once srun reports a task lost, the step gets ``grace_s`` seconds to
+    end by itself (the survivors' save), then it is ended (:func:`commands.end_step_signals`)."""
+    p = subprocess.Popen(list(argv), env=None if env is None else dict(env), stderr=subprocess.PIPE,
+                         text=True, bufsize=1, errors="replace")
+    lost_at: list[float] = []
+
+    def pump() -> None:
+        assert p.stderr is not None
+        for line in p.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            if not lost_at and commands.SRUN_TASK_LOSS.search(line):
+                lost_at.append(time.monotonic())
+    reader = threading.Thread(target=pump, name="coci-srun-stderr", daemon=True)
+    reader.start()
+    ended_at: float | None = None
+    while True:
+        try:
+            rc = p.wait(timeout=poll_s)
+            break
+        except subprocess.TimeoutExpired:
+            now = time.monotonic()
+            if ended_at is None and lost_at and now - lost_at[0] > grace_s:
+                _say(f"a task of the rank step was lost {now - lost_at[0]:.0f}s ago and the step is still "
+                     f"running (a survivor stuck in a collective with the lost rank?): ending the step")
+                commands.end_step_signals(p)
+                ended_at = now
+            elif ended_at is not None and now - ended_at > 30:
+                p.kill()
+    reader.join(timeout=5)
+    return rc
+
+
+def _session_gave_up(ckpt: Path) -> str | None:
+    """The Session's give-up message when the newest attempt in the log ended ``gave_up``."""
+    events = read_events(ckpt / EVENTS_FILE) if ckpt.is_dir() else []
+    last = max((int(e.get("attempt") or 0) for e in events), default=0)
+    for e in reversed(events):
+        if int(e.get("attempt") or 0) == last and e.get("event") == "end":
+            return str(e.get("message") or "gave up") if e.get("status") == "gave_up" else None
+    return None
 
 
 def _record(ckpt: Path, job_id: str, **fields: object) -> None:

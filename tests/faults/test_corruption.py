@@ -305,3 +305,134 @@ def test_checked_reads_in_chunks_catch_a_flip_in_any_chunk(pristine, tmp_path, m
 
 def _weight_meta(m: dict) -> dict:
     return next(t for t in m["tensors"] if t["dataset"] == "replicated/model/fc1.weight")
+
+
+# ------------------------------------------------------------- mapped, streamed loads (#15)
+_BIG = 300_000  # a 1.2 MB parameter: many check chunks of 64 KB
+
+
+def _ptrs(state: dict) -> list[int]:
+    opt = state["optimizer"]
+    return ([p.data_ptr() for p in state["model"].parameters()] +
+            [v.data_ptr() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)])
+
+
+def _big_meta(m: dict) -> dict:
+    return next(t for t in m["tensors"] if t["dataset"] == "replicated/model/big")
+
+
+def _views(monkeypatch) -> list[int]:
+    """Count the reads that go through the file's mapping (the load's fast path)."""
+    from coci_hpc.checkpoint.rawio import FileMap
+
+    calls: list[int] = []
+    view = FileMap.view
+
+    def spy(self, at: int, n: int):
+        calls.append(n)
+        return view(self, at, n)
+
+    monkeypatch.setattr(FileMap, "view", spy)
+    return calls
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "streamed"])
+def test_a_flip_in_a_middle_chunk_leaves_the_live_state_untouched(tmp_path, monkeypatch, mapped):
+    """The load checks every chunk straight over the file's mapping (or, where the file cannot
+    be mapped, streamed through reused buffers), then copies into the state's own tensors: a
+    flipped byte in a chunk in the middle of a large tensor leaves every live tensor as it was,
+    bytes and buffers."""
+    from coci_hpc.checkpoint import h5file
+    from coci_hpc.checkpoint.rawio import FileMap
+
+    monkeypatch.setattr(h5file, "_READ_CHUNK", 64 << 10)
+    if not mapped:
+        monkeypatch.setattr(FileMap, "open", classmethod(lambda cls, fd, size: None))
+    views = _views(monkeypatch)
+    mgr = CheckpointManager(tmp_path, comm=None)
+    mgr.save(2, full_state(2, big=_BIG))
+    target = full_state(5, big=_BIG)
+    ptrs = _ptrs(target)
+    mgr.load(2, target)
+    assert canonical(target) == canonical(full_state(2, big=_BIG))
+    assert _ptrs(target) == ptrs
+    assert (len(views) > 4 * _BIG // (64 << 10) // 2) == mapped  # each chunk checked, then copied
+
+    t = _big_meta(_manifest(tmp_path))
+    _flip(mf.step_dir(tmp_path, 2) / mf.DATA_FILE, t["offset"] + t["nbytes"] // 2 + 3)
+    target = full_state(5, big=_BIG)
+    before, ptrs = canonical(target), _ptrs(target)
+    with pytest.raises(CheckpointCorrupt, match="big.*fails its checksum"):
+        mgr.load(2, target)
+    assert canonical(target) == before
+    assert _ptrs(target) == ptrs
+
+
+def test_a_file_cut_short_under_a_mapped_load_is_reported_not_a_crash(tmp_path, monkeypatch):
+    """A read error under the mapping (here: the file truncated after it was checked and mapped)
+    must come back as CheckpointCorrupt with the state untouched, never as a SIGBUS that kills
+    the process: every mapped range is populated (MADV_POPULATE_READ) before it is touched."""
+    from coci_hpc.checkpoint.h5file import DatasetReader
+
+    views = _views(monkeypatch)
+    mgr = CheckpointManager(tmp_path, comm=None)
+    mgr.save(2, full_state(2, big=_BIG))
+    data = mf.step_dir(tmp_path, 2) / mf.DATA_FILE
+    t = _big_meta(_manifest(tmp_path))
+    mapped = DatasetReader._mapped
+
+    def map_then_cut(self):
+        fmap = mapped(self)
+        if fmap is not None and data.stat().st_size > t["offset"]:
+            os.truncate(data, t["offset"] + t["nbytes"] // 2)
+        return fmap
+
+    monkeypatch.setattr(DatasetReader, "_mapped", map_then_cut)
+    target = full_state(5, big=_BIG)
+    before, ptrs = canonical(target), _ptrs(target)
+    with pytest.raises(CheckpointCorrupt, match="reading .*big.* failed"):
+        mgr.load(2, target)
+    assert views, "the load did not read through the mapping"
+    assert canonical(target) == before
+    assert _ptrs(target) == ptrs
+
+
+@pytest.mark.mpi
+def test_a_flip_any_rank_checks_leaves_every_ranks_state_untouched(tmp_path_factory, monkeypatch,
+                                                                   record_figure):
+    """Under mpiexec -n 2 the ranks of a node split the checks (each shard once per node) and
+    each copies what the others checked: a flip in the middle of any replicated shard (the
+    large tensor's included), whichever rank checks it, makes every rank raise and leaves every
+    rank's state as it was."""
+    from coci_hpc.checkpoint import h5file
+    from coci_hpc.comm import Comm
+
+    monkeypatch.setattr(h5file, "_READ_CHUNK", 64 << 10)
+    comm = Comm.world()
+    root = Path(comm.bcast(str(tmp_path_factory.mktemp("mpimap")) if comm.rank == 0 else None))
+    mgr = CheckpointManager(root, comm=comm, keep=3)
+    mgr.save(2, full_state(2, comm.rank, comm.size, big=_BIG))
+    m = comm.bcast(_manifest(root) if comm.rank == 0 else None)
+    metas = {t["dataset"]: t for t in m["tensors"]}
+    shards = [sh for sh in m["shards"] if metas[sh["dataset"]]["kind"] == "replicated"
+              and sh["stop"] - sh["start"] >= 64]
+    assert any(sh["dataset"] == _big_meta(m)["dataset"] for sh in shards) and len(shards) >= 4
+    wrong = 0
+    for sh in shards:
+        pos = metas[sh["dataset"]]["offset"] + (sh["start"] + sh["stop"]) // 2
+        if comm.rank == 0:
+            _flip(mf.step_dir(root, 2) / mf.DATA_FILE, pos)
+        comm.barrier()
+        target = full_state(5, comm.rank, comm.size, big=_BIG)
+        before, ptrs = canonical(target), _ptrs(target)
+        with pytest.raises(CheckpointCorrupt):
+            mgr.load(2, target)
+        wrong += int(comm.allreduce_max(float(canonical(target) != before or _ptrs(target) != ptrs)))
+        if comm.rank == 0:
+            _flip(mf.step_dir(root, 2) / mf.DATA_FILE, pos)  # flipped back: the next shard's turn
+        comm.barrier()
+    target = full_state(5, comm.rank, comm.size, big=_BIG)
+    mgr.load(2, target)
+    assert canonical(target) == canonical(full_state(2, comm.rank, comm.size, big=_BIG))
+    record_figure(f"flip in a mapped load, {comm.size} rank(s)", tried=len(shards), state_changed=wrong)
+    assert wrong == 0

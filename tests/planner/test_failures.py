@@ -100,3 +100,19 @@ def test_model_dict_roundtrip():
     assert d["job_mtbf_hours"] == pytest.approx(1e5 / 2 / 2 / 3600)
     m2 = FailureModel.from_dict(d)
     assert m2.per_node_rate == m.per_node_rate and len(m2.events) == 2
+
+
+def test_lrt_critical_is_chi2_quantile_and_training_imports_no_scipy() -> None:
+    """LRT_CRITICAL is a literal so that a training rank's start (and every in-place restart) does
+    not pay ~2 s for scipy.stats; it must still be chi2_1's 95 % quantile."""
+    import subprocess
+    import sys
+
+    from scipy import stats
+
+    from coci_hpc.planner import failures
+    assert failures.LRT_CRITICAL == pytest.approx(stats.chi2.ppf(0.95, 1), rel=1e-12)
+    code = ("import sys, coci_hpc.session, coci_hpc.submit.rank, coci_hpc.runtime.schedule; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('scipy', 'matplotlib')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -111,3 +111,31 @@ def test_a_restart_after_a_failure_front_loads_checkpoints_under_a_decreasing_ha
 
     fresh, failed = first_gap(False), first_gap(True)
     assert failed < fresh, (failed, fresh)
+
+
+def test_under_spare_nodes_the_plan_uses_the_measured_in_place_restart_cost() -> None:
+    """coci-submit --spare-nodes restarts a failure inside the allocation in seconds; the planner's
+    Tr must be that once measured, not the queue's (nor the 150 s default)."""
+    def sched(in_place: bool) -> CheckpointSchedule:
+        s = CheckpointSchedule("daly", from_mtbf(600.0), nodes=2, horizon_s=3600, comm=Comm.serial(),
+                               warmup_steps=5, in_place=in_place)
+        _run(s, 0, 10, 0.5)
+        return s
+
+    spare = sched(True)
+    assert spare.costs().restart_s == ASSUMED_RESTART_S          # nothing measured yet
+    spare.restarted_in_place(9.0)
+    spare.restarted_in_place(7.0)
+    assert spare.costs().restart_s == 8.0
+    assert spare.planner is not None and spare.planner.costs.restart_s == 8.0   # re-planned with it
+    back = CheckpointSchedule("daly", from_mtbf(600.0), nodes=2, horizon_s=3600, comm=Comm.serial(), in_place=True)
+    back.load_state_dict(json.loads(json.dumps(spare.state_dict())))
+    assert back.costs().restart_s == 8.0                          # travels in the checkpoint
+    # Without spare nodes (or after a requeue measured the queue), the queue's cost stays Tr.
+    queue = sched(False)
+    queue.restarted_in_place(8.0)
+    assert queue.costs().restart_s == ASSUMED_RESTART_S
+    queue.restart_costs.append(40.0)
+    assert queue.costs().restart_s == 40.0
+    spare.restart_costs.append(40.0)
+    assert spare.costs().restart_s == 8.0

@@ -167,3 +167,50 @@ def test_latency_split() -> None:
     lat = att.latency_split(100.0, 119.0, 123.5, 125.0, 0.75)
     assert lat == {"total": 25.0, "slurm_requeue_s": 19.0, "process_start_s": 4.5, "restore_s": 0.75}
     assert att.latency_split(None, None, 1.0, 2.0, 0.1)["total"] is None
+
+
+def _in_place(job: str, rc: int, k: int, resumed: int | None, prev: str = "crash") -> dict:
+    return {**_start(job, rc, resumed, prev), "in_place_restart": k}
+
+
+def test_no_progress_counts_in_place_restarts_and_requeues_together() -> None:
+    """coci-submit --spare-nodes restarts the ranks inside the allocation: Slurm's restart count
+    stays 0, so a guard that looked at it alone never saw them (only --max-restarts bounded them)."""
+    kw = dict(job_id="7", max_requeues=None, no_progress_limit=2)
+    # First Slurm attempt: launch, then in-place restarts 1 and 2 that both resumed from step 40.
+    starts = [_in_place("7", 0, 0, None), _in_place("7", 0, 1, 40), _in_place("7", 0, 2, 40)]
+    msg = att.give_up_reason(starts, 40, "crash", restart_count=0, in_place_restart=3, **kw)
+    assert msg and "no-progress limit 2" in msg and "from step 40" in msg
+    assert att.give_up_reason(starts, 50, "crash", restart_count=0, in_place_restart=3, **kw) is None
+    assert att.give_up_reason(starts[:2], 40, "crash", restart_count=0, in_place_restart=2, **kw) is None
+    # Mixed: a requeue (Slurm restart 1), then an in-place restart, all from step 40.
+    mixed = [_in_place("7", 0, 0, None), _in_place("7", 0, 1, 40), _in_place("7", 1, 0, 40, "requeue_by_hand")]
+    assert att.give_up_reason(mixed, 40, "crash", restart_count=1, in_place_restart=1, **kw)
+    # The relaunch loop's first launch (in_place_restart 0) of a new submission starts afresh.
+    assert att.give_up_reason(starts, 40, "none", restart_count=0, in_place_restart=0, **kw) is None
+
+
+def test_in_place_restarts_are_not_requeues() -> None:
+    kw = dict(job_id="7", no_progress_limit=0, max_requeues=1)
+    starts = [_in_place("7", 0, 0, None)] + [_in_place("7", 0, k, 10 * k, "node_failure") for k in (1, 2, 3)]
+    assert att.give_up_reason(starts, 40, "node_failure", restart_count=0, in_place_restart=4, **kw) is None
+    requeued = starts + [_in_place("7", 1, 0, 40, "node_failure")]
+    assert att.give_up_reason(requeued, 40, "node_failure", restart_count=1, in_place_restart=1, **kw) is None
+    assert "requeued 2 times" in att.give_up_reason(requeued, 40, "node_failure", restart_count=1, **kw)
+
+
+def test_previous_attempt_restarted_in_place_is_the_relaunch_loops_record() -> None:
+    relaunch = {"event": "relaunch", "attempt": 2, "wall": 60.0, "action": "relaunch", "step_ended_wall": 57.0,
+                "reason": "node(s) n2 (down) lost; restart 1 of 3 in place on n1,n3", "lost": {"n2": "down"}}
+    lost = {"event": "peer_lost", "attempt": 2, "wall": 56.0, "failure_wall": 51.0, "step": 80, "lost_ranks": [1]}
+    # In the second Slurm attempt: sacct's previous row is the requeue before, not this failure.
+    got = att.classify_previous([lost, relaunch], SlurmAttempt("REQUEUED", 0.0, 10.0, "n1"), restart_count=1)
+    assert (got.reason, got.source, got.end_wall) == ("node_failure", "relaunch", 51.0)
+    assert "n2 (down) lost" in got.detail and "rank(s) [1] lost after step 80" in got.detail
+    crash = {**relaunch, "lost": {}, "reason": "the ranks exited with status 137 (no node down)"}
+    got = att.classify_previous([crash], None, restart_count=0)
+    assert (got.reason, got.end_wall) == ("crash", 57.0)
+    # The loop went back to the queue (too few healthy nodes): sacct says REQUEUED, the loop says why.
+    requeue = {**relaunch, "action": "requeue", "reason": "node(s) n3 (down) lost; 1 healthy node(s) left"}
+    got = att.classify_previous([lost, requeue], SlurmAttempt("REQUEUED", 0.0, 58.0, "n1"), restart_count=1)
+    assert (got.reason, got.source, got.end_wall) == ("node_failure", "relaunch", 51.0)

@@ -196,3 +196,79 @@ def test_an_exception_in_the_users_loop_is_the_attempts_end(tmp_path: Path) -> N
     h = history.load(tmp_path, use_sacct=False)
     assert h.status == "error" and h.attempts[0].ended == "error" and h.final_step == 12
     assert "ValueError: bad batch at 12" in h.message
+
+
+def in_place_story() -> list[dict]:
+    """--spare-nodes: a crash restarted in place, then a hard node failure restarted in place."""
+    none = {"reason": "none", "source": "none", "detail": "first attempt"}
+    return [
+        _rec("attempt_start", 1, 0, nodes=["n1", "n2"], ranks=2, restart_count=0, prev_end=none,
+             resumed_step=None, steps_lost=None, in_place_restart=0),
+        _losses(1, 10, 0, 60),
+        _rec("checkpoint", 1, 8, step=50, kind="planned", blocking_s=0.02, persist_s=0.1),
+        _rec("peer_lost", 1, 16, step=60, committed=True, lost_ranks=[1], failure_wall=T0 + 10.0,
+             commit_wall=T0 + 15.5, save_s=0.2),
+        _rec("relaunch", 1, 16.5, action="relaunch", restart=1, rc=137, lost={}, nodes=["n1", "n2"],
+             reason="the ranks exited with status 137 (no node down); restart 1 of 3 in place on n1,n2",
+             step_ended_wall=T0 + 16.0, decided_wall=T0 + 16.2),
+        _rec("attempt_start", 2, 20, nodes=["n1", "n2"], ranks=2, restart_count=0,
+             prev_end={"reason": "crash", "source": "relaunch", "detail": ""}, resumed_step=60, steps_lost=0,
+             in_place_restart=1, process_wall=T0 + 16.7, session_wall=T0 + 19.5),
+        _rec("resumed", 2, 19.6, step=60, restart_latency_s={"total": 9.6}),
+        _losses(2, 30, 60, 100),
+        _rec("relaunch", 2, 31, action="relaunch", restart=2, rc=1, lost={"n2": "down"}, nodes=["n1", "n3"],
+             reason="node(s) n2 (down) lost; restart 2 of 3 in place on n1,n3",
+             step_ended_wall=T0 + 30.5, decided_wall=T0 + 30.7),
+        _rec("attempt_start", 3, 35, nodes=["n1", "n3"], ranks=2, restart_count=0,
+             prev_end={"reason": "node_failure", "source": "relaunch", "detail": ""}, resumed_step=100,
+             steps_lost=0, in_place_restart=2, process_wall=T0 + 31.0, session_wall=T0 + 34.0),
+        _rec("resumed", 3, 34.2, step=100, restart_latency_s={"total": 3.7}),
+        _losses(3, 40, 100, 150),
+        _rec("end", 3, 40, step=150, status="completed", message=""),
+    ]
+
+
+def test_in_place_restarts_in_the_table_and_the_png(tmp_path: Path, capsys) -> None:
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in in_place_story()))
+    h = history.load(d, use_sacct=False)
+    assert [a.ended for a in h.attempts] == ["crash (restarted in place)", "node_failure (restarted in place)",
+                                             "completed"]
+    ip = h.attempts[1].in_place
+    # failure 10.0 -> step ended 16.0 -> decided 16.2 -> processes 16.7 -> Session 19.5 -> resumed 19.6
+    assert ip is not None and ip["nodes"] == ["n1", "n2"]
+    got = {k: round(ip[k], 2) for k in ("detect_s", "decide_s", "relaunch_s", "process_start_s", "restore_s",
+                                        "total_s")}
+    assert got == {"detect_s": 6.0, "decide_s": 0.2, "relaunch_s": 0.5, "process_start_s": 2.8, "restore_s": 0.1,
+                   "total_s": 9.6}
+    # No survivor record: the failure is known from the step's end only.
+    assert round(h.attempts[2].in_place["detect_s"], 2) == 0.0 and round(h.attempts[2].in_place["total_s"], 2) == 3.7
+
+    marks = history.interruptions(h)
+    assert [(m.step, m.reason, m.in_place, m.resumed_step) for m in marks] == \
+        [(60, "crash", True, 60), (100, "node_failure", True, 100)]
+    assert [round(m.latency_s or 0, 1) for m in marks] == [9.6, 3.7]
+    fig = history.figure(h)
+    ax = fig.axes[0]
+    labels = ax.get_legend_handles_labels()[1]
+    assert "restarted in place: crash" in labels and "restarted in place: node_failure" in labels
+    assert not any(lbl.startswith("interrupted:") for lbl in labels)
+    texts = [t.get_text() for t in ax.texts]
+    assert "crash\n0 lost\nin place 10s" in texts and "node_failure\n0 lost\nin place 4s" in texts
+    assert "(2 restarted in place)" in ax.get_title()
+    dotted = [ln for ln in ax.get_lines() if ln.get_linestyle() == ":"]
+    assert sorted(ln.get_xdata()[0] for ln in dotted) == [60, 100]
+
+    assert main([str(d), "--no-sacct", "--png", str(tmp_path / "h.png")]) == 0
+    out = capsys.readouterr().out
+    assert "attempt 2: restarted in place on n1,n2 (in-place restart 1): 9.6s = detect 6.0 + decide 0.2 + " \
+           "relaunch 0.5 + start 2.8 + restore 0.10" in out
+
+
+def test_queue_restarts_stay_dashed(run_dir: Path) -> None:
+    h = history.load(run_dir, use_sacct=False)
+    assert not any(m.in_place for m in history.interruptions(h))
+    ax = history.figure(h).axes[0]
+    assert "interrupted: preemption" in ax.get_legend_handles_labels()[1]
+    assert not [ln for ln in ax.get_lines() if ln.get_linestyle() == ":"]

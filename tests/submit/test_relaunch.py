@@ -92,3 +92,60 @@ def test_dry_run_shows_spare_nodes_and_the_relaunch_loop(fake_slurm, capsys) -> 
     assert "#SBATCH --nodes=3" in out and "#SBATCH --no-kill" in out and "#SBATCH --requeue" in out
     assert "srun --no-kill --nodes=2" in out and "--max-restarts 4" in out
     assert "\nsrun " not in out and "submitit.core._submit" in out  # the loop, not srun, runs submitit's runner
+
+
+def test_a_session_that_gave_up_is_never_relaunched(tmp_path) -> None:
+    """The Session's no-progress guard now sees in-place restarts; when it gives up (non-zero exit)
+    the loop must end the job with that reason instead of relaunching into the same verdict."""
+    from coci_hpc.runtime.events import EventLog
+    from coci_hpc.submit.relaunch import _session_gave_up
+
+    d = _decide(rc=1, gave_up="4 attempts in a row started from step 40")
+    assert d.action == "give_up" and "training session gave up: 4 attempts in a row" in d.reason
+    assert _decide(rc=0, gave_up="x").action == "done"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    assert _session_gave_up(ckpt) is None
+    EventLog(ckpt / "events.jsonl", attempt=1, job_id="7").write("end", step=40, status="error", message="boom")
+    assert _session_gave_up(ckpt) is None
+    EventLog(ckpt / "events.jsonl", attempt=2, job_id="7").write("end", step=40, status="gave_up", message="no progress")
+    assert _session_gave_up(ckpt) == "no progress"
+
+
+FAKE_STUCK_SRUN = """#!/bin/sh
+n=0
+trap 'n=$((n+1)); echo "sigint $n" >> "{rec}"; if [ $n -ge 2 ]; then echo "srun: Force Terminated" >&2; exit 137; fi' INT
+echo "srun: error: n3: task 1: Killed" >&2
+echo "srun: error: Node failure on n3" >&2
+i=0
+while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+exit 0
+"""
+
+
+def test_a_step_stuck_after_a_lost_task_is_ended_after_the_grace(tmp_path, capfd) -> None:
+    """Seen on the local cluster: a node lost during a checkpoint write left the survivor in an MPI
+    collective forever, so srun never returned and the loop never relaunched. Once srun reports a
+    task lost, the step gets the grace period, then the loop ends it (two SIGINTs to srun)."""
+    import stat
+    import time
+
+    from coci_hpc.submit.relaunch import watch_step
+
+    rec = tmp_path / "signals"
+    fake = tmp_path / "srun"
+    fake.write_text(FAKE_STUCK_SRUN.format(rec=rec))
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    t0 = time.monotonic()
+    rc = watch_step([str(fake)], None, grace_s=1.0)
+    took = time.monotonic() - t0
+    assert rc == 137 and 1.0 < took < 10, (rc, took)
+    assert rec.read_text().split("\n")[:2] == ["sigint 1", "sigint 2"]
+    err = capfd.readouterr().err
+    assert "srun: error: n3: task 1: Killed" in err and "ending the step" in err   # srun's lines pass through
+
+    # A step whose tasks all end normally is never touched, however long it runs.
+    ok = tmp_path / "srun-ok"
+    ok.write_text("#!/bin/sh\necho 'srun: job step started' >&2\nsleep 1.5\nexit 0\n")
+    ok.chmod(ok.stat().st_mode | stat.S_IXUSR)
+    assert watch_step([str(ok)], None, grace_s=0.1) == 0

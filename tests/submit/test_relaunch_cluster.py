@@ -127,3 +127,53 @@ def test_crash_every_time_ends_after_max_restarts(three_nodes: SlurmCluster) -> 
     assert out.count("crashing") == 3   # rank 0: the first launch and 2 restarts
     assert "again after 2 in-place restart(s) (--max-restarts 2)" in err
     assert "exited with status 3" in err
+
+
+def test_two_node_failures_with_one_spare_second_requeues_bit_exact(three_nodes: SlurmCluster) -> None:
+    """The first hard node failure uses the spare (restart in place); the second leaves one healthy
+    node for two ranks: the loop requeues the job, which starts again once the nodes are back and
+    still ends with the uninterrupted run's parameters."""
+    cluster = three_nodes
+    dc = str(cluster.devcluster)
+    wd = cluster.workdir / "relaunch-twice"
+    wd.mkdir()
+    steps = 300
+    train_args = ["--steps", str(steps), "--seed", str(SEED)]
+    ref = run_ranks(2, "-m", "mpi4py", str(TRAIN), *train_args, "--policy", f"fixed:{EVERY}",
+                    "--ckpt-dir", str(wd / "ref"), timeout=300)
+    ref_hash = HASH_RE.findall(ref.stdout)[-1]
+    ckpt = wd / "ckpt"
+    job = _submit(cluster, wd, "--nodes", "2", "--spare-nodes", "1", "--ckpt-dir", str(ckpt),
+                  "--policy", f"fixed:{EVERY}", str(TRAIN), *train_args, "--step-time", "0.05")
+
+    def relaunches() -> list[dict]:
+        return [e for e in read_events(ckpt) if e["event"] == "relaunch"]
+    try:
+        _wait_for(lambda: any(e["event"] == "checkpoint" for e in read_events(ckpt)), "the first checkpoint", 180)
+        cluster.run(dc, "fail", "n2", "--hard", "--delay", "1")
+        _wait_for(lambda: any(e["event"] == "resumed" and e["attempt"] == 2 for e in read_events(ckpt)),
+                  "the in-place restart", 90)
+        time.sleep(random.uniform(0.5, 2))
+        cluster.run(dc, "fail", "n3", "--hard", "--delay", "1")
+        # (up to the loop's 60 s step grace when the loss caught the survivor inside a checkpoint write)
+        _wait_for(lambda: len(relaunches()) >= 2, "the second decision", 150)
+    finally:
+        # The requeued job asks for its nodes again: give them back.
+        cluster.run(dc, "recover", "n2", check=False)
+        cluster.run(dc, "recover", "n3", check=False)
+    rows = cluster.wait_gone(job, timeout=300)
+    logs = wd / "run" / "logs"
+    out = (logs / f"{job}_0_log.out").read_text()
+    err = (logs / f"{job}_0_log.err").read_text()
+    print(out[-2000:], err[-4000:], rows, json.dumps(relaunches(), indent=1), sep="\n")
+    events = read_events(ckpt)
+    assert [(r["action"], r["nodes"]) for r in relaunches()] == [("relaunch", ["n1", "n3"]), ("requeue", [])]
+    assert "1 healthy node(s) left" in relaunches()[1]["reason"]
+    # sacct -D of a --no-kill job that shrank and was requeued: RESIZING rows, then COMPLETED (the
+    # requeue shows in Slurm's restart count, SLURM_RESTART_COUNT 1 in the third attempt).
+    states = [r["State"] for r in rows]
+    assert states[-1] == "COMPLETED" and set(states) <= {"RESIZING", "REQUEUED", "COMPLETED"}, rows
+    starts = [e for e in events if e["event"] == "attempt_start"]
+    assert len(starts) == 3 and [s["restart_count"] for s in starts] == [0, 0, 1]
+    assert starts[2]["prev_end"]["reason"] == "node_failure"
+    assert HASH_RE.findall(out)[-1] == ref_hash
