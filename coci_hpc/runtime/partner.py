@@ -52,7 +52,7 @@ TAG = 0xC0C1          # on a communicator of our own (Dup), so any tag would do
 # for the sender to hand over the data (measured: ~2.7 ms per step on this machine), and a dead
 # sender never does.
 CHUNK = 4000
-SEND_SLOTS = 4        # copies whose pieces may still be in flight; a partner this far behind is not draining
+SEND_SLOTS = 8        # copies whose pieces may still be in flight; a partner this far behind is not draining
 _HEAD = struct.Struct("<Q")
 # The copy on the wire: magic, rank, step, RNG section bytes, PerRank section bytes.
 COPY_HEAD = struct.Struct("<4sIqII")
@@ -192,7 +192,12 @@ class Capturer:
         """This rank's per-rank state now, as of ``step``; and whether the copy may be sent (False
         when every send slot is still in flight: the partner is not draining). ``keep``: a copy
         whose buffer must not be reused (the last one sent in full, compared against)."""
-        slot = next((s for s in self.slots if s is not self.last and s is not keep and not s.busy()), None)
+        slot = None
+        last = self.last
+        for s in self.slots:
+            if s is not last and s is not keep and not s.busy():
+                slot = s
+                break
         sendable = slot is not None
         if slot is None:
             slot = self.spare if self.last is not self.spare else PackedCopy(self.spare.buf.size)

@@ -136,11 +136,23 @@ class RngBytes:
         ``addr``: ``buf.ctypes.data`` when the caller has it (it costs ~1 us to ask)."""
         addr = (buf.ctypes.data if addr is None else addr) + pos
         gauss_next = self._py.gauss_next
+        move = ctypes.memmove
         if self.raw and self._np._bit_generator is self._np_bg:
-            move = ctypes.memmove
             move(addr, self._py_addr, 4 + 4 * N)
             move(addr + PY_BYTES, self._np_addr, 4 * N + 4)
             move(addr + PY_BYTES + 4 * N + 4, self._np_aug_addr, 16)
+            if not self._cuda_n:             # the usual case, in as few calls as possible
+                _GAUSS.pack_into(buf, pos + 4 + 4 * N, gauss_next is not None,
+                                 0.0 if gauss_next is None else gauss_next)
+                t = torch.get_rng_state()
+                n = self._torch_n
+                if t.numel() != n:
+                    raise ValueError(f"torch's RNG state changed size ({t.numel()} bytes, not {n})")
+                o = pos + PY_BYTES + NP_BYTES
+                _U32.pack_into(buf, o, n)
+                move(addr + PY_BYTES + NP_BYTES + 4, t.data_ptr(), n)
+                _U32.pack_into(buf, o + 4 + n, 0)
+                return o + 8 + n
         else:
             _, internal, gauss_next = self._py.getstate()
             view = buf[pos:pos + 4 + 4 * N].view(np.int32)

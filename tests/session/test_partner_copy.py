@@ -124,7 +124,7 @@ for step in range(1, 8):
     sent[step] = torch.get_rng_state().numpy().tobytes().hex()
 comm.Barrier()
 import time
-for _ in range(200):
+for _ in range(1000):
     pc.drain()
     if pc.held_steps == [6, 7]:
         break
