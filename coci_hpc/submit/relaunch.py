@@ -47,10 +47,10 @@ DEFAULT_SETTLE_S = 0.0
 ENV_RESTARTS = "COCI_INPLACE_RESTARTS"
 # Seconds a rank step may go on after srun reported one of its tasks lost (killed, exited non-zero,
 # node failure) before the loop ends it. The survivors normally save and exit within the peer
-# deadline (5 s) plus a save bounded by Slurm's KillWait; one stuck in a collective with the dead
-# rank (seen here: a node lost during a parallel-HDF5 checkpoint write) would otherwise hold the
-# allocation until the time limit.
-DEFAULT_STEP_GRACE_S = 60.0
+# deadline (5 s) plus a save meant to fit Slurm's KillWait (30 s by default, the value here); one
+# stuck in a collective with the dead rank (seen here: a node lost during a checkpoint write, and
+# right after a restart) would otherwise hold the allocation until the time limit.
+DEFAULT_STEP_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)

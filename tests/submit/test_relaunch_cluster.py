@@ -155,7 +155,7 @@ def test_two_node_failures_with_one_spare_second_requeues_bit_exact(three_nodes:
                   "the in-place restart", 90)
         time.sleep(random.uniform(0.5, 2))
         cluster.run(dc, "fail", "n3", "--hard", "--delay", "1")
-        # (up to the loop's 60 s step grace when the loss caught the survivor inside a checkpoint write)
+        # (up to the loop's 30 s step grace when the loss caught the survivor inside a checkpoint write)
         _wait_for(lambda: len(relaunches()) >= 2, "the second decision", 150)
     finally:
         # The requeued job asks for its nodes again: give them back.
