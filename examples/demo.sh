@@ -2,7 +2,10 @@
 # The user's whole story on a fresh machine, through coci-submit:
 #   set up, bring up the local Slurm cluster, then examples/train.py on 2 nodes of `gpu` is
 #   1. preempted by an `urgent` job   -> stops at the next step boundary, saves, requeues itself;
-#   2. loses a node (devcluster fail)  -> Slurm requeues it (NODE_FAIL); it resumes from the last checkpoint;
+#   2. loses a node, hard               -> its processes on n2 are SIGKILLed (devcluster fail --hard), the
+#                                         survivor notices within seconds, saves the last finished step
+#                                         and requeues; n2 is marked DOWN 10 s later; it resumes having
+#                                         lost 0-1 steps;
 #   3. runs out of time once           -> its limit is cut (scontrol update TimeLimit); warned
 #                                         --signal-lead seconds before it, saves, requeues;
 #   4. finishes.
@@ -63,10 +66,9 @@ ckpts=$(count checkpoint)
 wait_for checkpoint $((ckpts + 4)) "four checkpoints in the second attempt"
 sleep 1.5
 failed_node=n2
-say "2. node $failed_node fails under job $job (slurm/devcluster fail $failed_node)"
-slurm/devcluster fail "$failed_node" --reason "demo: node failure"
+say "2. node $failed_node fails hard under job $job (slurm/devcluster fail $failed_node --hard --delay 10)"
+slurm/devcluster fail "$failed_node" --hard --delay 10 --reason "demo: node failure"
 until [ "$(squeue -h -j "$job" -o %T)" = PENDING ]; do sleep 0.5; done
-sleep 3
 slurm/devcluster recover "$failed_node"
 failed_node=
 wait_for resumed 2 "the job to resume after the node failure"
@@ -91,6 +93,19 @@ sacct -X -D -P -j "$job_done" --format=JobID,State,Start,End,NodeList,ExitCode
 echo
 "$ROOT/.venv/bin/coci-status" "$OUT/ckpt" --png "$OUT/history.png"
 echo
+# The node failure's cost, from the event log: the attempt after it says how many steps it repeated.
+"$PY" - "$OUT/ckpt" <<'PYEOF'
+import sys
+from coci_hpc.runtime.events import read_events
+ev = read_events(sys.argv[1])
+lost = [e for e in ev if e["event"] == "peer_lost"]
+for s in ev:
+    if s["event"] == "attempt_start" and (s.get("prev_end") or {}).get("reason") in ("rank_failure", "node_failure"):
+        how = (f"survivors' checkpoint of step {lost[0]['step']}" if lost and lost[0].get("committed")
+               else "no survivors' checkpoint: " + (lost[0]["reason"] if lost else "?"))
+        print(f"[demo] node failure: {s.get('steps_lost')} steps lost (0-1 expected; {how}, resumed at step "
+              f"{s.get('resumed_step')})")
+PYEOF
 got=$(grep -o 'final_params_sha256=[0-9a-f]*' "$OUT/run/logs/${job_done}_0_log.out" | tail -1)
 say "reference:   $ref"
 say "coci-submit: $got"

@@ -60,7 +60,7 @@ class LayoutCache:
     key: tuple[Any, ...] | None = None
     fingerprint: int | None = None
     # The commit's per-rank skeletons: each rank sends its own only when it differs from the
-    # one it sent last (``sent_skeleton``, pickled: 1, 1.0 and True differ); rank 0 keeps the
+    # one it sent last (``sent_skeleton``, as JSON text: 1, 1.0 and True differ); rank 0 keeps the
     # last one of every rank (``skeletons``), so an unchanged save sends rank 0 O(1) per rank.
     sent_skeleton: bytes | None = None
     skeletons: dict[int, Any] = field(default_factory=dict)

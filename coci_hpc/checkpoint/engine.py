@@ -5,9 +5,9 @@ The two-phase save in :mod:`.twophase` reuses the same three steps with the writ
 """
 from __future__ import annotations
 
+import json
 import math
 import numbers
-import pickle
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,12 +253,14 @@ def commit(comm: Comm, prepared: Prepared, crcs: list[int] | None, error: BaseEx
 
 
 def _skeleton_to_send(prepared: Prepared) -> tuple[Any, bytes | None]:
-    """(what this rank sends rank 0 as its per-rank skeleton, its pickled form): None when it is
-    the one this rank sent at the last commit of the same manager (rank 0 still has it)."""
+    """(what this rank sends rank 0 as its per-rank skeleton, its JSON form): None when it is
+    the one this rank sent at the last commit of the same manager (rank 0 still has it). The
+    skeleton goes into the JSON manifest, so its JSON text is exactly what must not change; it
+    also tells 1, 1.0 and True apart, which ``==`` does not."""
     skeleton = prepared.skeletons["per_rank"]
     if prepared.layouts is None:
         return skeleton, None
-    blob = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+    blob = json.dumps(skeleton, separators=(",", ":")).encode()
     return (None if blob == prepared.layouts.sent_skeleton else skeleton), blob
 
 

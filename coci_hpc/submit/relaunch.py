@@ -36,6 +36,7 @@ from coci_hpc.runtime.events import EventLog, read_events
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS
 from coci_hpc.slurm import commands
 from coci_hpc.slurm.env import JobEnvironment
+from coci_hpc.submit.runner import clear_stale_result
 
 DEFAULT_MAX_RESTARTS = 3
 # Seconds between a failed step and the look at node states; 0: look at once. srun (--no-kill)
@@ -148,6 +149,7 @@ class Relauncher:
 
     def __call__(self) -> int:
         sig = _SignalRecord().install()
+        clear_stale_result()
         os.environ.update(self.env)
         job = JobEnvironment.from_env()
         if job.job_id is None:

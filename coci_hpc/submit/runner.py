@@ -114,6 +114,7 @@ class ScriptRunner:
 
     def __call__(self) -> int:
         EarlySignals().install()
+        clear_stale_result()
         os.environ.update(self.env)
         sys.argv = [self.script, *task_arguments(self.args, JobEnvironment.from_env())]
         sys.path.insert(0, str(Path(self.script).parent))
@@ -131,6 +132,24 @@ class ScriptRunner:
 
     def __repr__(self) -> str:
         return f"ScriptRunner({self.script!r}, args={list(self.args)!r})"
+
+
+def clear_stale_result() -> None:
+    """Remove this task's half-written result file left by an earlier attempt of the same job.
+
+    submitit writes the callable's result through ``<result>.save_tmp`` and refuses to begin that
+    write when the file exists. A stop that requeues (preemption, the time limit, a node failure)
+    ends the tasks at once, sometimes while rank 0 is inside that write (seen in the demo): the
+    next attempt then trained to the end and failed in submitit's assertion, FAILED in sacct.
+    Only this process writes this task's result in this attempt, so a leftover is never live."""
+    try:
+        import submitit
+
+        paths = submitit.JobEnvironment().paths
+    except Exception:  # not under submitit (a test, a plain srun): nothing of ours to clear
+        return
+    result = paths.result_pickle
+    result.with_suffix(result.suffix + ".save_tmp").unlink(missing_ok=True)
 
 
 def _record_uncaught(exc: BaseException) -> None:

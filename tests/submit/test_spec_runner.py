@@ -143,3 +143,37 @@ def test_runner_propagates_a_failing_exit_code(tmp_path: Path) -> None:
                        timeout=60, cwd=ROOT)
     assert p.returncode == 3, p.stdout + p.stderr
     assert "runner returned" not in p.stdout
+
+
+STALE_RESULT_CHILD = textwrap.dedent("""
+import sys
+from pathlib import Path
+from submitit.core import submission, utils
+from submitit.core.job_environment import JobPaths
+from coci_hpc.submit.runner import ScriptRunner
+
+folder, script = Path(sys.argv[1]), sys.argv[2]
+folder.mkdir()
+paths = JobPaths(folder, job_id="77", task_id=0)
+utils.DelayedSubmission(ScriptRunner(script, (), {})).dump(paths.submitted_pickle)
+stale = paths.result_pickle.with_suffix(paths.result_pickle.suffix + ".save_tmp")
+stale.write_bytes(b"half a pickle: the attempt Slurm ended while rank 0 wrote its result")
+submission.process_job(folder)             # what `python -m submitit.core._submit` runs
+print("result", utils.pickle_load(paths.result_pickle), "stale left", stale.exists(), flush=True)
+""")
+
+
+def test_a_result_file_torn_by_an_earlier_attempt_does_not_fail_the_next_one(tmp_path: Path) -> None:
+    """A requeue ends the tasks at once, sometimes inside submitit's write of rank 0's result;
+    submitit then refuses the next attempt's write ("A temporary saved file already exists") and
+    the job that trained to the end shows FAILED. The runner clears the leftover first."""
+    script = tmp_path / "train.py"
+    script.write_text("print('trained', flush=True)\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM")},
+           "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+           "SLURM_NTASKS": "1", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "n1"}
+    p = subprocess.run([sys.executable, "-c", STALE_RESULT_CHILD, str(tmp_path / "job"), str(script)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "trained" in p.stdout
+    assert "result ('success', 0) stale left False" in p.stdout, p.stdout + p.stderr
