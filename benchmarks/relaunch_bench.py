@@ -120,6 +120,16 @@ def final_hash(wd: Path, job: str) -> str | None:
     return found[-1] if found else None
 
 
+
+def reference_hash(steps: int, ckpt: Path) -> str:
+    """Final parameter hash of the same training run uninterrupted (mpiexec -n 2)."""
+    ref = subprocess.run(["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable,
+                          "-m", "mpi4py", str(TRAIN), "--steps", str(steps), "--seed", str(SEED),
+                          "--policy", f"fixed:{EVERY}", "--ckpt-dir", str(ckpt)],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return HASH_RE.findall(ref.stdout)[-1]
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--failures", type=int, default=5, help="failures restarted in place (the last one a node)")
@@ -138,18 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster.dc("down")
         cluster.dc("up", "--nodes", "3")
-        ref = subprocess.run(["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable,
-                              "-m", "mpi4py", str(TRAIN), "--steps", str(steps_in), "--seed", str(SEED),
-                              "--policy", f"fixed:{EVERY}", "--ckpt-dir", str(wd / "ref")],
-                             capture_output=True, text=True, timeout=900, cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
-        ref_in = HASH_RE.findall(ref.stdout)[-1]
-        ref_q = subprocess.run(["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable,
-                                "-m", "mpi4py", str(TRAIN), "--steps", str(steps_q), "--seed", str(SEED),
-                                "--policy", f"fixed:{EVERY}", "--ckpt-dir", str(wd / "ref-q")],
-                               capture_output=True, text=True, timeout=900, cwd=ROOT,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
-        ref_queue = HASH_RE.findall(ref_q.stdout)[-1]
+        ref_in = reference_hash(steps_in, wd / "ref")
+        ref_queue = reference_hash(steps_q, wd / "ref-q")
 
         print(f"in place: {a.failures} failure(s)", file=sys.stderr)
         wd_in = wd / "inplace"

@@ -46,6 +46,19 @@ def _submit(cluster: SlurmCluster, wd: Path, *args: str) -> str:
     return re.search(r"submitted job (\d+)", p.stdout).group(1)
 
 
+def _reference_then_submit_with_a_spare(cluster: SlurmCluster, wd: Path, steps: int) -> tuple[str, Path, str]:
+    """The uninterrupted run's final hash (mpiexec -n 2), then the same training submitted on 2
+    nodes with 1 spare: (reference hash, checkpoint dir, job id)."""
+    wd.mkdir()
+    train_args = ["--steps", str(steps), "--seed", str(SEED)]
+    ref = run_ranks(2, "-m", "mpi4py", str(TRAIN), *train_args, "--policy", f"fixed:{EVERY}",
+                    "--ckpt-dir", str(wd / "ref"), timeout=300)
+    ckpt = wd / "ckpt"
+    job = _submit(cluster, wd, "--nodes", "2", "--spare-nodes", "1", "--ckpt-dir", str(ckpt),
+                  "--policy", f"fixed:{EVERY}", str(TRAIN), *train_args, "--step-time", "0.05")
+    return HASH_RE.findall(ref.stdout)[-1], ckpt, job
+
+
 def _wait_for(pred, what: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -60,15 +73,7 @@ def _n_attempts(ckpt: Path) -> int:
 def test_crash_then_node_failure_restart_in_place_bit_exact(three_nodes: SlurmCluster) -> None:
     cluster = three_nodes
     wd = cluster.workdir / "relaunch"
-    wd.mkdir()
-    train_args = ["--steps", str(STEPS), "--seed", str(SEED)]
-    ref = run_ranks(2, "-m", "mpi4py", str(TRAIN), *train_args, "--policy", f"fixed:{EVERY}",
-                    "--ckpt-dir", str(wd / "ref"), timeout=300)
-    ref_hash = HASH_RE.findall(ref.stdout)[-1]
-
-    ckpt = wd / "ckpt"
-    job = _submit(cluster, wd, "--nodes", "2", "--spare-nodes", "1", "--ckpt-dir", str(ckpt),
-                  "--policy", f"fixed:{EVERY}", str(TRAIN), *train_args, "--step-time", "0.05")
+    ref_hash, ckpt, job = _reference_then_submit_with_a_spare(cluster, wd, STEPS)
     failures = []
     try:
         # 1. A crash (rank 1's processes SIGKILLed, no node down): restarted in place on the same nodes.
@@ -136,15 +141,7 @@ def test_two_node_failures_with_one_spare_second_requeues_bit_exact(three_nodes:
     cluster = three_nodes
     dc = str(cluster.devcluster)
     wd = cluster.workdir / "relaunch-twice"
-    wd.mkdir()
-    steps = 300
-    train_args = ["--steps", str(steps), "--seed", str(SEED)]
-    ref = run_ranks(2, "-m", "mpi4py", str(TRAIN), *train_args, "--policy", f"fixed:{EVERY}",
-                    "--ckpt-dir", str(wd / "ref"), timeout=300)
-    ref_hash = HASH_RE.findall(ref.stdout)[-1]
-    ckpt = wd / "ckpt"
-    job = _submit(cluster, wd, "--nodes", "2", "--spare-nodes", "1", "--ckpt-dir", str(ckpt),
-                  "--policy", f"fixed:{EVERY}", str(TRAIN), *train_args, "--step-time", "0.05")
+    ref_hash, ckpt, job = _reference_then_submit_with_a_spare(cluster, wd, 300)
 
     def relaunches() -> list[dict]:
         return [e for e in read_events(ckpt) if e["event"] == "relaunch"]
