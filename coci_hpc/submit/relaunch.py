@@ -32,7 +32,7 @@ from types import FrameType
 
 from coci_hpc.errors import GaveUpError, SlurmError
 from coci_hpc.runtime.events import FILENAME as EVENTS_FILE
-from coci_hpc.runtime.events import EventLog, read_events
+from coci_hpc.runtime.events import EventLog, last_attempt, read_events
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS
 from coci_hpc.slurm import commands
 from coci_hpc.slurm.env import JobEnvironment
@@ -236,7 +236,7 @@ def watch_step(argv: Sequence[str], env: Mapping[str, str] | None, grace_s: floa
 def _session_gave_up(ckpt: Path) -> str | None:
     """The Session's give-up message when the newest attempt in the log ended ``gave_up``."""
     events = read_events(ckpt / EVENTS_FILE) if ckpt.is_dir() else []
-    last = max((int(e.get("attempt") or 0) for e in events), default=0)
+    last = last_attempt(events)
     for e in reversed(events):
         if int(e.get("attempt") or 0) == last and e.get("event") == "end":
             return str(e.get("message") or "gave up") if e.get("status") == "gave_up" else None
