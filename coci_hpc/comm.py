@@ -73,6 +73,9 @@ class Comm:
         # Called from a timer thread when a guarded call (one that cannot be polled) overruns the
         # deadline; it must not return (the Session's survivors' save ends the process).
         self.on_stuck: Callable[[str], None] | None = None
+        # Another sign that a peer is gone, looked at while a collective waits (the relaunch
+        # loop's notice, runtime/peernotice.py): returns why, or None. Set by the Session.
+        self.peer_notice: Callable[[float], str | None] | None = None
 
     # construction -----------------------------------------------------------------------
     @classmethod
@@ -130,6 +133,12 @@ class Comm:
                 self.lost = True
                 raise PeerLost(f"{what} did not complete within {limit:.1f}s: a peer rank is gone (crashed, "
                                f"killed, or its node failed)",
+                               hint="the survivors save from their own state; see the event log")
+            why = self.peer_notice(now) if self.peer_notice is not None and now > spin_until else None
+            if why is not None:
+                self.lost = True
+                raise PeerLost(f"{what}: a peer rank is gone after {now - t0:.2f}s of waiting (the relaunch "
+                               f"loop saw it end: {why})",
                                hint="the survivors save from their own state; see the event log")
             if now > spin_until:
                 time.sleep(POLL_SLEEP_S)

@@ -64,6 +64,7 @@ from coci_hpc.runtime.config import SessionConfig, resolve
 from coci_hpc.runtime.data import session_state
 from coci_hpc.runtime.distributed import default_comm
 from coci_hpc.runtime.events import FILENAME, EventLog, last_attempt, read_events
+from coci_hpc.runtime.peernotice import PeerNotice
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, requeue_with_retries
 from coci_hpc.runtime.procinfo import process_start_wall
 from coci_hpc.runtime.schedule import Schedule, make_schedule
@@ -167,7 +168,8 @@ class Session:
         self.run_record = runrecord.current_run(sys.argv, self.comm.size)
         self._check_same_run()
         self.mgr = CheckpointManager(self.config.ckpt_dir, self.comm, keep=keep)
-        self.sync = StepSync(self.comm, self._min_deadline)
+        # Under the relaunch loop, its notice that srun saw a rank of this step end (runtime/peernotice.py).
+        self.sync = StepSync(self.comm, self._min_deadline, PeerNotice.from_env(self._environ))
         self._dt_ema = 0.0
         used_nodes = self.job.step_num_nodes or self.job.num_nodes   # the step's: spare nodes run no rank
         per_node = (self.job.ntasks // used_nodes) if self.job.ntasks and used_nodes else 1
@@ -279,6 +281,10 @@ class Session:
         # cannot be polled is guarded by a timer that starts the survivors' save (_stuck).
         self.comm.peer_deadline_s = self.sync.deadline_s
         self.comm.on_stuck = self._stuck
+        if self.sync.notice is not None:
+            self.comm.peer_notice = self.sync.notice.posted
+        if self.rank == 0 and self.sync.notice is not None:
+            self.sync.notice.mark_training()       # the relaunch loop's grace for a survivors' save applies
         if not self._blocking:
             # The first boundary's agreement is sent now (the pipeline is one step deep).
             self.sync.send(STOP if self.recorder.received else 0, self.schedule.decide(self.step + 1), False)
@@ -381,9 +387,8 @@ class Session:
                                self.schedule.decide(step) if step < total else False, self._busy())
             # What every rank agreed on (at the previous boundary when pipelined: the one collective).
             level, save, busy = self.sync.receive()
-        except PeerLost:
-            self._peer_lost(step, f"the step agreement after step {step} timed out "
-                                  f"({self.sync.deadline_s:.1f}s)", t_wait)
+        except PeerLost as exc:
+            self._peer_lost(step, f"the step agreement after step {step}: {exc.message}", t_wait)
         try:
             if self.mgr.persist_in_flight and not busy:
                 self._settle()
@@ -644,7 +649,7 @@ class Session:
             self.mgr.close()
         except PeerLost as exc:
             self._save_collective_lost(total, exc)
-        self.comm.peer_deadline_s, self.comm.on_stuck = None, None
+        self.comm.peer_deadline_s, self.comm.on_stuck, self.comm.peer_notice = None, None, None
         self.log.write("end", step=total, status="completed", message="")
 
     # -- helpers -------------------------------------------------------------------------------------
