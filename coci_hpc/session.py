@@ -63,6 +63,7 @@ from coci_hpc.runtime.config import SessionConfig, resolve
 from coci_hpc.runtime.data import session_state
 from coci_hpc.runtime.distributed import default_comm
 from coci_hpc.runtime.events import FILENAME, EventLog, last_attempt, read_events
+from coci_hpc.runtime.peernotice import PeerNotice
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, requeue_with_retries
 from coci_hpc.runtime.procinfo import process_start_wall
 from coci_hpc.runtime.schedule import Schedule, make_schedule
@@ -166,7 +167,8 @@ class Session:
         self.run_record = runrecord.current_run(sys.argv, self.comm.size)
         self._check_same_run()
         self.mgr = CheckpointManager(self.config.ckpt_dir, self.comm, keep=keep)
-        self.sync = StepSync(self.comm, self._min_deadline)
+        # Under the relaunch loop, its notice that srun saw a rank of this step end (runtime/peernotice.py).
+        self.sync = StepSync(self.comm, self._min_deadline, PeerNotice.from_env(self._environ))
         self._dt_ema = 0.0
         used_nodes = self.job.step_num_nodes or self.job.num_nodes   # the step's: spare nodes run no rank
         per_node = (self.job.ntasks // used_nodes) if self.job.ntasks and used_nodes else 1
@@ -272,6 +274,8 @@ class Session:
                                             "resubmit (raise --max-requeues / COCI_NO_PROGRESS_LIMIT if "
                                             "the restarts were expected)")
         self._recheck_at = self.step + 3           # once the first steps of this attempt are timed
+        if self.rank == 0 and self.sync.notice is not None:
+            self.sync.notice.mark_training()       # the relaunch loop's grace for a survivors' save applies
         if not self._blocking:
             # The first boundary's agreement is sent now (the pipeline is one step deep).
             self.sync.send(STOP if self.recorder.received else 0, self.schedule.decide(self.step + 1), False)
@@ -373,9 +377,8 @@ class Session:
                                self.schedule.decide(step) if step < total else False, self._busy())
             # What every rank agreed on (at the previous boundary when pipelined: the one collective).
             level, save, busy = self.sync.receive()
-        except PeerLost:
-            self._peer_lost(step, f"the step agreement after step {step} timed out "
-                                  f"({self.sync.deadline_s:.1f}s)", t_wait)
+        except PeerLost as exc:
+            self._peer_lost(step, f"the step agreement after step {step}: {exc.message}", t_wait)
         if self.mgr.persist_in_flight and not busy:
             self._settle()
         if level >= STOP and step < total:      # a stop at the very end is just the end
