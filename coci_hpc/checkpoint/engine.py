@@ -20,7 +20,7 @@ from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.checkpoint.coordinator import LayoutCache, agree
 from coci_hpc.checkpoint.h5file import DatasetReader
-from coci_hpc.checkpoint.layout import DatasetSpec, Layout, Piece, RankLayout, describe
+from coci_hpc.checkpoint.layout import DatasetSpec, Layout, Piece, RankLayout
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, write_posix
@@ -97,8 +97,7 @@ def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves
     step = check_step(step)
     catalog = catalog if catalog is not None else StepCatalog(root)
     cache = layouts if layouts is not None else LayoutCache()
-    descs = describe(leaves)
-    mine, full = agree(comm, descs, tuning.align, cache, with_datasets=writer.collective_create,
+    mine, full = agree(comm, leaves, tuning.align, cache, with_datasets=writer.collective_create,
                        last_manifest=lambda: _last_manifest(catalog))
     directory = make_step_dir(comm, catalog, step, tuning)
     try:
