@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from coci_hpc.checkpoint import CheckpointManager, PerRank, Sharded
+from coci_hpc.checkpoint import CheckpointManager, PerRank, Sharded, engine
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.layout import Piece, RankLayout
 from coci_hpc.comm import Comm
@@ -158,19 +158,19 @@ def test_a_requeued_job_reuses_the_last_manifests_layout_only_if_it_fits(shared_
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_the_commit_sends_a_ranks_skeleton_only_when_it_changed(shared_dir, comm, mode):
+def test_the_commit_sends_a_ranks_skeleton_only_when_it_changed(shared_dir, comm, mode, monkeypatch):
     """Rank 0 reuses the per-rank skeleton it has while a rank's is unchanged (1, 1.0 and True
     count as changes), and every manifest holds each rank's skeleton of that very save."""
     mgr = CheckpointManager(shared_dir, comm=comm, rng=False, keep=10)
     sent: list[Any] = []
-    gather = mgr.comm.gather
+    message_of = engine.commit_message  # what each rank sends rank 0 (sync: gather; async: igather)
 
-    def spy(obj, root=0):  # type: ignore[no-untyped-def]
-        if isinstance(obj, dict) and "crcs" in obj:
-            sent.append(obj["per_rank"])
-        return gather(obj, root)
+    def spy(prepared, crcs):  # type: ignore[no-untyped-def]
+        message, blob = message_of(prepared, crcs)
+        sent.append(message["per_rank"])
+        return message, blob
 
-    mgr.comm.gather = spy  # type: ignore[method-assign]
+    monkeypatch.setattr(engine, "commit_message", spy)
     last = comm.rank == comm.size - 1
     values = [1, 1, True, 1.0, 1.0, "one", 2]
     for step, v in enumerate(values, 1):
