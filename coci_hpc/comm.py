@@ -11,7 +11,8 @@ the next collective forever.
 
 Subclassing: a communicator over another transport (e.g. torch.distributed for DDP-only jobs)
 subclasses :class:`Comm`, sets ``rank``/``size`` and overrides the collectives (``barrier``,
-``bcast``, ``allgather``, ``gather``, ``scatter``, ``allreduce_min``/``max``, ``iallreduce_min``, ``abort``);
+``bcast``, ``allgather``, ``gather``, ``scatter``, ``allreduce_min``/``max``, ``iallreduce_min``, ``abort``;
+the other non-blocking ones fall back to the blocking methods when ``mpi_comm`` is None);
 ``is_mpi`` stays False unless ``mpi_comm`` is an mpi4py communicator. Everything else
 (``check``, ``run_step``) is built on those methods.
 
@@ -32,16 +33,18 @@ from __future__ import annotations
 
 import os
 import pickle
+import struct
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from coci_hpc.errors import CociError, CommError, PeerLost
 
 T = TypeVar("T")
+_HEADER = struct.Struct("<Q")  # the length in front of each rank's bytes in igather_bytes
 
 # Variables set by the MPI launchers we know (Open MPI, MPICH/Hydra, Slurm's PMIx launch).
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -294,6 +297,64 @@ class Comm:
         finally:
             timer.cancel()
 
+    # Non-blocking collectives for a commit spread over several calls (the two-phase saver's
+    # poll): started at one call, completed (``.wait()``) at a later one, in the same order on
+    # every rank. Without MPI they complete at once through the blocking methods above, so a
+    # subclass on another transport that overrides those is correct (just not overlapped).
+    def iallreduce_min_array(self, values: Sequence[float]) -> Pending[list[float]]:
+        """Start an element-wise MIN-allreduce of a few floats; ``.wait()`` returns the list."""
+        if self.mpi_comm is None:
+            return Pending(None, lambda: [self.allreduce_min(float(v)) for v in values])
+        import numpy as np
+        from mpi4py import MPI
+
+        self._check_lost("allreduce")
+        send = np.array(values, dtype=np.float64)
+        recv = np.empty_like(send)
+        req = self.mpi_comm.Iallreduce(send, recv, op=MPI.MIN)
+        return Pending(req, lambda: [float(v) for v in recv], keep=send, comm=self)
+
+    def igather_bytes(self, data: bytes, size: int, root: int = 0) -> Pending[list[bytes] | None]:
+        """Start a gather of every rank's ``data`` (at most ``size`` bytes, the same ``size`` on
+        every rank) to ``root``; ``.wait()`` returns the list on ``root``, None elsewhere."""
+        if len(data) > size:
+            raise ValueError(f"igather_bytes: {len(data)} bytes do not fit in {size}")
+        if self.mpi_comm is None:
+            return Pending(None, lambda: self.gather(data, root=root))
+        import numpy as np
+
+        framed = _HEADER.pack(len(data)) + data
+        slot = _HEADER.size + size
+        send = np.zeros(slot, dtype=np.uint8)
+        send[:len(framed)] = np.frombuffer(framed, dtype=np.uint8)
+        recv = np.empty(slot * self.size, dtype=np.uint8) if self.rank == root else None
+        self._check_lost("gather")
+        req = self.mpi_comm.Igather(send, recv, root=root)
+
+        def unpack() -> list[bytes] | None:
+            if recv is None:
+                return None
+            out = []
+            for r in range(self.size):
+                chunk = recv[r * slot:(r + 1) * slot].tobytes()
+                (n,) = _HEADER.unpack_from(chunk)
+                out.append(chunk[_HEADER.size:_HEADER.size + n])
+            return out
+        return Pending(req, unpack, keep=send, comm=self)
+
+    def ibcast_floats(self, values: Sequence[float] | None, count: int, root: int = 0) -> Pending[list[float]]:
+        """Start a broadcast of ``count`` floats from ``root`` (other ranks pass None)."""
+        if self.mpi_comm is None:
+            return Pending(None, lambda: list(self.bcast(None if values is None else list(values), root=root)))
+        import numpy as np
+
+        buf = np.array(values, dtype=np.float64) if self.rank == root else np.empty(count, dtype=np.float64)
+        if buf.shape != (count,):
+            raise ValueError(f"ibcast_floats: {buf.shape[0]} values, expected {count}")
+        self._check_lost("bcast")
+        req = self.mpi_comm.Ibcast(buf, root=root)
+        return Pending(req, lambda: [float(v) for v in buf], keep=buf, comm=self)
+
     def abort(self, code: int = 1) -> None:
         """End the whole job now, without any collective (``MPI_Abort`` under MPI).
 
@@ -362,6 +423,30 @@ def _unpickle_parts(buf: Any, sizes: Any) -> list[Any]:
         out.append(pickle.loads(raw[pos:pos + n]))
         pos += n
     return out
+
+
+class Pending(Generic[T]):
+    """A non-blocking collective in flight (or, without MPI, done when ``wait`` runs it).
+    With ``comm``, the wait is polled against its peer deadline (:meth:`Comm.wait_requests`)."""
+
+    def __init__(self, request: Any, finish: Callable[[], T], keep: Any = None, comm: Comm | None = None) -> None:
+        self._req, self._finish, self._keep, self._comm = request, finish, keep, comm
+        self._done = False
+        self._value: T | None = None
+
+    def wait(self) -> T:
+        """Complete it (blocks only if some rank has not started it yet) and return the result."""
+        if not self._done:
+            if self._req is not None:
+                if self._comm is not None:
+                    self._comm.wait_requests([self._req], "a checkpoint commit's collective")
+                else:
+                    self._req.Wait()
+                self._req = None
+            self._value = self._finish()
+            self._done = True
+            self._keep = None
+        return self._value  # type: ignore[return-value]
 
 
 class PendingMin:
