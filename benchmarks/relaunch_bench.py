@@ -8,9 +8,10 @@ Switches the local cluster (slurm/devcluster) to 3 nodes and back to 2 at the en
 happens. Two jobs of examples/train.py (2 nodes x 1 rank, ``fixed:50``, 0.05 s steps):
 
 - **in place**: ``--nodes 2 --spare-nodes 1``; --failures failures at random steps, each once the
-  previous restart trains again: crashes (every job process on n2 SIGKILLed, ``devcluster
-  kill-tasks n2``) and, last, a hard failure of n2 (``devcluster fail n2 --hard --delay 1``: killed,
-  marked DOWN a second later), which moves the ranks to the spare n3;
+  previous restart trains again, always of rank 1's node (never n1, which holds the batch script):
+  crashes (every job process on it SIGKILLed, ``devcluster kill-tasks``; the loop restarts on the
+  spare, the crashed node becoming the spare) and, last, a hard failure of it (``devcluster fail
+  NODE --hard --delay 1``: killed, marked DOWN a second later), which moves the ranks to the spare;
 - **queue**: the same training without spare nodes; --queue-failures crashes of n2, each requeued
   through Slurm's queue by the survivors (the way every restart went before spare nodes).
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
+import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +23,7 @@ from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.checkpoint.coordinator import LayoutCache, agree
 from coci_hpc.checkpoint.h5file import DatasetReader
-from coci_hpc.checkpoint.layout import DatasetSpec, Layout, Piece, RankLayout, describe
+from coci_hpc.checkpoint.layout import DatasetSpec, Layout, Piece, RankLayout
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, copy_threads, write_posix
@@ -97,9 +100,9 @@ def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves
     step = check_step(step)
     catalog = catalog if catalog is not None else StepCatalog(root)
     cache = layouts if layouts is not None else LayoutCache()
-    descs = describe(leaves)
-    mine, full = agree(comm, descs, tuning.align, cache, with_datasets=writer.collective_create,
+    mine, full = agree(comm, leaves, tuning.align, cache, with_datasets=writer.collective_create,
                        last_manifest=lambda: _last_manifest(catalog))
+    _fault_pause(comm, root, step)
     directory = make_step_dir(comm, catalog, step, tuning)
     try:
         created = writer.create(directory, _to_create(writer, mine, full), tuning)
@@ -109,6 +112,29 @@ def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves
         raise
     return Prepared(step, directory, mine, full, offsets, {l.name: l for l in leaves}, skeletons, tuning,
                     writer.name, dict(cache.last), catalog, cache)
+
+
+# FAULT INJECTION, test-only (like COCI_FORCE_FSTYPE and COCI_FAULT_SURVIVORS_PAUSE_S): rank
+# COCI_FAULT_SAVE_PAUSE_RANK (default 1) sleeps this many seconds inside one save, between the
+# layout agreement and the step directory's creation, while the other ranks wait in that save's
+# next collective; a test kills it there (tests/submit/test_peer_failure_cluster.py: a peer lost
+# mid-save). Once per checkpoint directory (a marker file; the requeued run does not pause
+# again). Never set it for a real run.
+FAULT_SAVE_PAUSE_ENV = "COCI_FAULT_SAVE_PAUSE_S"
+FAULT_SAVE_PAUSE_MARKER = ".fault-save-paused"
+
+
+def _fault_pause(comm: Comm, root: Path, step: int) -> None:
+    pause = float(os.environ.get(FAULT_SAVE_PAUSE_ENV) or 0)
+    if pause <= 0 or comm.rank != int(os.environ.get("COCI_FAULT_SAVE_PAUSE_RANK", "1")):
+        return
+    try:
+        os.close(os.open(root / FAULT_SAVE_PAUSE_MARKER, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return
+    print(f"coci: FAULT INJECTION ({FAULT_SAVE_PAUSE_ENV}={pause:g}): rank {comm.rank} pauses in the save of "
+          f"step {step}, before its step directory", file=sys.stderr, flush=True)
+    time.sleep(pause)
 
 
 def _last_manifest(catalog: StepCatalog) -> dict[str, Any] | None:
@@ -199,57 +225,72 @@ def commit(comm: Comm, prepared: Prepared, crcs: list[int] | None, error: BaseEx
     """Collective: agree every rank wrote; rank 0 writes the manifest and applies retention.
 
     Raises one CommError on every rank if any rank failed; then nothing is committed.
-    Returns the steps removed by retention.
+    Returns the steps removed by retention. (The two-phase saver makes the same three moves
+    with non-blocking collectives over several polls: :mod:`.twophase`.)
     """
     comm.check(error, f"writing checkpoint step {prepared.step}")
+    message, blob = commit_message(prepared, crcs)
+    gathered = comm.gather(message)
+    commit_received(prepared, blob, gathered)
+    removed = comm.run_step(lambda: [] if gathered is None else write_manifest(comm.size, prepared, gathered, keep),
+                            f"committing checkpoint step {prepared.step}")
+    return comm.bcast(removed)
+
+
+def commit_message(prepared: Prepared, crcs: list[int] | None) -> tuple[dict[str, Any], bytes | None]:
+    """What this rank sends rank 0 for the commit (its CRCs and, when changed, its per-rank
+    skeleton), and the skeleton's JSON form for :func:`commit_received`."""
     skeleton, blob = _skeleton_to_send(prepared)
-    gathered = comm.gather({"crcs": crcs, "per_rank": skeleton})
+    return {"crcs": crcs, "per_rank": skeleton}, blob
+
+
+def commit_received(prepared: Prepared, blob: bytes | None, gathered: list[dict[str, Any]] | None) -> None:
+    """After the commit gather: from now on this rank and rank 0 both know this skeleton."""
     cache = prepared.layouts
-    if cache is not None:  # rank 0 received it: from now on both sides know this skeleton
+    if cache is not None:
         cache.sent_skeleton = blob
         for r, g in enumerate(gathered or ()):
             if g["per_rank"] is not None:
                 cache.skeletons[r] = g["per_rank"]
 
-    def write_manifest() -> list[int]:
-        if comm.rank != 0:
-            return []
-        assert gathered is not None and prepared.full is not None
-        if any(g["per_rank"] is None for g in gathered):
-            assert cache is not None
-            for r, g in enumerate(gathered):
-                if g["per_rank"] is None:
-                    if r not in cache.skeletons:
-                        raise CheckpointError(f"rank {r} sent no skeleton and none is cached",
-                                              hint="report this; save again under a new step")
-                    g["per_rank"] = cache.skeletons[r]
-        layout = prepared.full
-        tensors = []
-        for i, d in enumerate(layout.datasets):
-            entry: dict[str, Any] = {"name": d.name, "dataset": d.path, "file": mf.DATA_FILE, "dtype": d.dtype,
-                     "shape": list(d.shape), "kind": d.kind, "rank": None,
-                     "nbytes": d.nbytes, "offset": prepared.offsets.get(i)}
-            if d.kind == "per_rank":
-                entry["parts"] = [[p.rank, p.start, list(p.shape), p.nbytes] for p in layout.parts[i]]
-            tensors.append(entry)
-        shards = []
-        for r, g in enumerate(gathered):
-            for p, crc in zip(layout.pieces_of(r), g["crcs"]):
-                shards.append({"file": mf.DATA_FILE, "dataset": layout.datasets[p.dataset].path,
-                               "rank": r, "start": p.start, "stop": p.stop, "crc32c": crc})
-        skel = {"replicated": prepared.skeletons["replicated"],
-                "per_rank": {str(r): g["per_rank"] for r, g in enumerate(gathered)}}
-        m = mf.build(step=prepared.step, world_size=comm.size, tensors=tensors, shards=shards,
-                     skeletons=skel, files=[mf.DATA_FILE], backend=prepared.backend,
-                     extra={"lustre": prepared.tuning.lustre, "align": prepared.tuning.align,
-                            "layout": {"align": prepared.tuning.align,
-                                       "signatures": list(layout.signatures)}})
-        assert prepared.catalog is not None
-        prepared.catalog.commit(prepared.step, m)
-        return prepared.catalog.retain(keep)
 
-    removed = comm.run_step(write_manifest, f"committing checkpoint step {prepared.step}")
-    return comm.bcast(removed)
+def write_manifest(world_size: int, prepared: Prepared, gathered: list[dict[str, Any]], keep: int) -> list[int]:
+    """Rank 0, no communication: write the manifest of ``prepared`` from every rank's commit
+    message (the commit point), then apply retention; returns the steps removed."""
+    assert prepared.full is not None
+    cache = prepared.layouts
+    if any(g["per_rank"] is None for g in gathered):
+        assert cache is not None
+        for r, g in enumerate(gathered):
+            if g["per_rank"] is None:
+                if r not in cache.skeletons:
+                    raise CheckpointError(f"rank {r} sent no skeleton and none is cached",
+                                          hint="report this; save again under a new step")
+                g["per_rank"] = cache.skeletons[r]
+    layout = prepared.full
+    tensors = []
+    for i, d in enumerate(layout.datasets):
+        entry: dict[str, Any] = {"name": d.name, "dataset": d.path, "file": mf.DATA_FILE, "dtype": d.dtype,
+                 "shape": list(d.shape), "kind": d.kind, "rank": None,
+                 "nbytes": d.nbytes, "offset": prepared.offsets.get(i)}
+        if d.kind == "per_rank":
+            entry["parts"] = [[p.rank, p.start, list(p.shape), p.nbytes] for p in layout.parts[i]]
+        tensors.append(entry)
+    shards = []
+    for r, g in enumerate(gathered):
+        for p, crc in zip(layout.pieces_of(r), g["crcs"]):
+            shards.append({"file": mf.DATA_FILE, "dataset": layout.datasets[p.dataset].path,
+                           "rank": r, "start": p.start, "stop": p.stop, "crc32c": crc})
+    skel = {"replicated": prepared.skeletons["replicated"],
+            "per_rank": {str(r): g["per_rank"] for r, g in enumerate(gathered)}}
+    m = mf.build(step=prepared.step, world_size=world_size, tensors=tensors, shards=shards,
+                 skeletons=skel, files=[mf.DATA_FILE], backend=prepared.backend,
+                 extra={"lustre": prepared.tuning.lustre, "align": prepared.tuning.align,
+                        "layout": {"align": prepared.tuning.align,
+                                   "signatures": list(layout.signatures)}})
+    assert prepared.catalog is not None
+    prepared.catalog.commit(prepared.step, m)
+    return prepared.catalog.retain(keep)
 
 
 def _skeleton_to_send(prepared: Prepared) -> tuple[Any, bytes | None]:

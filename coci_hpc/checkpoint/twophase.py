@@ -35,9 +35,14 @@ A second ``start`` while a persist is in flight does what ``on_busy`` says:
   * ``"skip"``: if any rank is still persisting, return ``"skipped"`` on every rank and save
     nothing (the ranks agree with one allreduce); otherwise commit the old one and start.
 
-Commit of a finished persist happens at a later collective call: ``poll()`` (non-blocking: a
-small ``MPI_Iallreduce`` started by one call is completed by the next; call it every step to
-commit promptly), ``wait()``, ``start()`` or ``close()``.
+Commit of a finished persist happens at later collective calls: ``poll()`` (call it every
+step) spreads it over a few calls, each completing the small non-blocking collective started by
+the previous call and starting the next (all finished? -> gather the CRCs on rank 0, which writes
+the manifest -> broadcast the outcome; :meth:`TwoPhaseSaver._settle`), so no training step waits
+for another rank to reach the same call; ``poll`` returns True on every rank at the same call,
+three calls after the last rank finished writing. ``wait()``, ``start()`` (through
+``make_room``) and ``close()`` finish whatever stage the commit is in, blocking. Until the
+manifest is written nothing is committed, and "latest" is still the previous checkpoint.
 Background errors are re-raised there on EVERY rank as one CommError naming the failed ranks.
 ``close()`` runs at interpreter exit too; if it fails there the error is printed and the process
 exits with status 1, so a failed persist is never silent.
@@ -54,12 +59,13 @@ is committed, the snapshot pre-hook is released, and the step directory is remov
 """
 from __future__ import annotations
 
+import pickle
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -72,10 +78,13 @@ from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, aligned_empty, lower_thread_priority
 from coci_hpc.checkpoint.state import Leaf, collect
-from coci_hpc.comm import Comm, PendingMin
+from coci_hpc.comm import Comm, Pending
 from coci_hpc.errors import UsageError
 
 ON_BUSY = ("wait", "skip")
+T = TypeVar("T")
+# What each rank contributes to the "finished writing?" MIN-allreduce of the commit.
+_TIMED_OUT, _WRITING, _DONE_FAILED, _DONE_OK = -1.0, 0.0, 1.0, 2.0
 
 
 class HostBuffers:
@@ -139,6 +148,7 @@ class _Job:
     t_start: float = 0.0
     t_snapshot: float = 0.0
     t_persist: float = 0.0
+    settle: Generator[None, None, None] | None = None  # TwoPhaseSaver._settle of this job, once begun
 
 
 class TwoPhaseSaver:
@@ -161,7 +171,7 @@ class TwoPhaseSaver:
         self.catalog = catalog if catalog is not None else StepCatalog(root)
         self.buffers = HostBuffers()
         self._job: _Job | None = None
-        self._pending: PendingMin | None = None
+        self._blocking = False  # how the running _settle step completes its collective
         self.last_stats: dict[str, float] = {}
         self.committed: list[int] = []
 
@@ -178,7 +188,6 @@ class TwoPhaseSaver:
     # ------------------------------------------------------------------ collective calls
     def make_room(self) -> bool:
         """Collective: settle the persist in flight as ``on_busy`` says; False: skip the new save."""
-        self._finish_pending()
         if self._job is not None:
             if self.on_busy == "skip":
                 if self.comm.allreduce_min(1.0 if self._job.done.is_set() else 0.0) < 1.0:
@@ -228,25 +237,17 @@ class TwoPhaseSaver:
         return "started"
 
     def poll(self) -> bool:
-        """Collective and non-blocking: commit the in-flight checkpoint once every rank finished.
+        """Collective and non-blocking: move the commit of the in-flight checkpoint one stage on;
+        True at the call that committed it (the same call on every rank).
 
-        Each call completes the MIN-allreduce of "done" flags started by the previous call
-        (by now every rank has started it, so this does not wait for a slower rank) and starts
-        the next one. All ranks see the same results at the same call, so they commit together,
-        one ``poll`` after the last rank finished writing.
+        Each call completes the non-blocking collective started by the previous call (every
+        rank started it one call ago, so this does not wait for a slower rank to reach this
+        call) and starts the next one; see :meth:`_settle`. The commit finishes three calls after
+        the last rank finished writing.
         """
         if self._job is None:
             return False
-        if self._pending is not None:
-            result = self._pending.wait()
-            self._pending = None
-            if result >= 1.0 or result < 0.0:  # all done, or some rank timed out
-                self._commit()
-                return True
-        job = self._job
-        flag = 1.0 if job.done.is_set() else (-1.0 if self._timed_out(job) else 0.0)
-        self._pending = self.comm.iallreduce_min(flag)
-        return False
+        return self._advance(block=False)
 
     def _timed_out(self, job: _Job) -> bool:
         if job.done.is_set() or job.deadline is None or time.monotonic() < job.deadline:
@@ -258,25 +259,107 @@ class TwoPhaseSaver:
         job.snapshot_done.set()  # never leave the optimizer pre-hook waiting for it
         return True
 
-    def _finish_pending(self) -> None:
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
-
     def wait(self) -> None:
-        """Collective: block until the in-flight persist is done everywhere, then commit it."""
-        self._finish_pending()
-        if self._job is None:
-            return
-        job = self._job
-        remaining = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
-        if not job.done.wait(remaining):
-            self._timed_out(job)
-        self._commit()
+        """Collective: block until the in-flight persist is done everywhere, then commit it
+        (finishing a commit that :meth:`poll` calls began)."""
+        if self._job is not None:
+            self._advance(block=True)
 
     def close(self) -> None:
         self.wait()
         mf.wait_for_deletions()
+
+    def _advance(self, block: bool) -> bool:
+        """Run the in-flight job's :meth:`_settle` to its next stop (``block``: to its end)."""
+        job = self._job
+        assert job is not None
+        if job.settle is None:
+            job.settle = self._settle(job)
+        self._blocking = block
+        try:
+            next(job.settle)
+        except StopIteration:
+            return True
+        return False
+
+    def _completed(self, pending: Pending[T]) -> Generator[None, None, T]:
+        """Inside :meth:`_settle`: the result of ``pending``, at the next call (``poll``) or now
+        (``wait``). Every rank makes the same calls, so every rank completes it at the same one."""
+        if not self._blocking:
+            yield
+        return pending.wait()
+
+    def _settle(self, job: _Job) -> Generator[None, None, None]:
+        """The end of a background save, as a sequence of non-blocking collectives; each
+        ``poll`` completes one and starts the next, ``wait`` runs the rest at once:
+
+        1. agree (MIN-allreduce) whether every rank finished writing, without error, and on the
+           size of the largest commit message; repeated each call until all finished;
+        2. gather every rank's commit message (CRCs, per-rank skeleton if changed) on rank 0,
+           which then writes the manifest (the commit point) and applies retention;
+        3. broadcast rank 0's outcome: committed, or failed.
+
+        A failure anywhere (a rank's write, a timeout, the manifest) leaves the non-blocking path
+        at a step every rank reaches at the same call, and is then agreed on with the blocking
+        collectives of :func:`engine.commit` (one CommError on every rank naming the failed
+        ranks); the step directory is discarded on every rank, and ``on_failure`` may retry.
+        """
+        data, blob = b"", None
+        try:
+            while True:
+                if self._blocking and not job.done.is_set():
+                    remaining = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
+                    job.done.wait(remaining)
+                if job.done.is_set():
+                    flag = _DONE_FAILED if job.error is not None else _DONE_OK
+                else:
+                    flag = _TIMED_OUT if self._timed_out(job) else _WRITING
+                if flag == _DONE_OK and not data:  # this rank's commit message, made once
+                    message, blob = engine.commit_message(job.prepared, job.crcs)
+                    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+                sent = len(data) if flag == _DONE_OK else 0
+                agreed, longest = yield from self._completed(self.comm.iallreduce_min_array([flag, -sent]))
+                if agreed != _WRITING:
+                    break
+            self._finish_thread(job)
+            if agreed != _DONE_OK:  # some rank failed or timed out: agree on it the blocking way
+                engine.commit(self.comm, job.prepared, job.crcs, job.error, self.keep)
+                raise AssertionError("engine.commit agreed on success after a failure was reported")
+            raw = yield from self._completed(self.comm.igather_bytes(data, int(-longest)))
+            error: BaseException | None = None
+            t0 = time.perf_counter()
+            if raw is not None:  # rank 0
+                gathered = [pickle.loads(b) for b in raw]  # noqa: S301 - our own ranks' messages, over MPI
+                engine.commit_received(job.prepared, blob, gathered)
+                try:
+                    engine.write_manifest(self.comm.size, job.prepared, gathered, self.keep)
+                except Exception as exc:  # noqa: BLE001 - every rank hears of it below
+                    error = exc
+            else:
+                engine.commit_received(job.prepared, blob, None)
+            self.last_stats["manifest_s"] = time.perf_counter() - t0
+            outcome = self.comm.ibcast_floats([0.0 if error is None else 1.0] if self.comm.rank == 0 else None, 1)
+            (failed,) = yield from self._completed(outcome)
+            if failed:  # the same CommError on every rank as a blocking commit raises
+                self.comm.check(error, f"committing checkpoint step {job.prepared.step}")
+                raise AssertionError("rank 0 reported a failed manifest but no error")
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            self._job = None
+            engine.discard(self.comm, job.prepared)
+            if self.on_failure is not None:
+                self.on_failure(job.prepared, job.items, exc)  # retries it, or raises a clearer error
+                self.committed.append(job.prepared.step)
+                return
+            raise
+        self._job = None
+        self.committed.append(job.prepared.step)
+
+    def _finish_thread(self, job: _Job) -> None:
+        if job.thread is not None and job.done.is_set():
+            job.thread.join()
+        self.last_stats.update({"snapshot_s": job.t_snapshot, "persist_s": job.t_persist})
 
     # --------------------------------------------------------------------- local calls
     def wait_snapshot(self) -> float:
@@ -289,6 +372,15 @@ class TwoPhaseSaver:
         dt = time.perf_counter() - t0
         self.last_stats["snapshot_wait_s"] = self.last_stats.get("snapshot_wait_s", 0.0) + dt
         return dt
+
+    def quiesce(self, timeout_s: float) -> bool:
+        """Local: wait up to ``timeout_s`` for the background write to end, without committing
+        (a lost peer: no agreement can follow). The optimizer pre-hook is released."""
+        job = self._job
+        if job is None:
+            return True
+        job.snapshot_done.set()
+        return job.done.wait(timeout_s)
 
     # ------------------------------------------------------------------------ internals
     def _persist(self, job: _Job) -> None:
@@ -307,20 +399,3 @@ class TwoPhaseSaver:
         finally:
             job.snapshot_done.set()
             job.done.set()
-
-    def _commit(self) -> None:
-        job, self._job = self._job, None
-        assert job is not None
-        if job.thread is not None and job.done.is_set():
-            job.thread.join()
-        self.last_stats.update({"snapshot_s": job.t_snapshot, "persist_s": job.t_persist})
-        try:
-            engine.commit(self.comm, job.prepared, job.crcs, job.error, self.keep)
-        except BaseException as exc:
-            engine.discard(self.comm, job.prepared)
-            if self.on_failure is not None:
-                self.on_failure(job.prepared, job.items, exc)  # retries it, or raises a clearer error
-                self.committed.append(job.prepared.step)
-                return
-            raise
-        self.committed.append(job.prepared.step)

@@ -20,7 +20,10 @@ It is also the session's failure detector: a peer that vanished (SIGKILL, its no
 joins the allreduce, and under ``srun --mpi=pmix`` nothing else tells the survivors (Open MPI does
 not abort them; verified, ../shared/slurm-on-one-machine.md). So completion is polled against a
 deadline, ``deadline_s`` (the session sets max(10 x the typical step, ``min_deadline_s``)), and a
-miss raises :class:`~coci_hpc.errors.PeerLost` instead of blocking forever.
+miss raises :class:`~coci_hpc.errors.PeerLost` instead of blocking forever. Under coci-submit's
+relaunch loop the wait also looks for the loop's notice (:mod:`.peernotice`: srun saw a task of
+this step end), which raises the same at once: a crash is detected in well under a second instead
+of the deadline's 5 s, and a slow but live peer (no notice) still gets the whole deadline.
 """
 from __future__ import annotations
 
@@ -31,15 +34,17 @@ import numpy as np
 
 from coci_hpc.comm import Comm
 from coci_hpc.errors import PeerLost
+from coci_hpc.runtime.peernotice import PeerNotice
 
 MIN_DEADLINE_S = 5.0     # what a peer gets to reach the boundary before it counts as lost
 SPIN_S = 0.002           # busy-poll this long (the usual case: the peers are microseconds away)
 
 
 class StepSync:
-    def __init__(self, comm: Comm, deadline_s: float = MIN_DEADLINE_S) -> None:
+    def __init__(self, comm: Comm, deadline_s: float = MIN_DEADLINE_S, notice: PeerNotice | None = None) -> None:
         self.comm = comm
         self.deadline_s = float(deadline_s)
+        self.notice = notice
         # Two send/receive pairs: one is in flight while the other is being filled.
         self._send = np.zeros((2, 3), dtype=np.float64)
         self._recv = np.zeros((2, 3), dtype=np.float64)
@@ -116,6 +121,12 @@ class StepSync:
                     self.lost = True
                     raise PeerLost(f"the step agreement did not complete within {limit:.1f}s: a peer rank "
                                    f"is gone (crashed, killed, or its node failed)",
+                                   hint="the survivors save from their own state; see the event log")
+                why = self.notice.posted(now) if self.notice is not None and now > spin_until else None
+                if why is not None:
+                    self.lost = True
+                    raise PeerLost(f"a peer rank is gone after {now - t0:.2f}s of waiting for the step "
+                                   f"agreement (the relaunch loop saw it end: {why})",
                                    hint="the survivors save from their own state; see the event log")
                 if now > spin_until:
                     time.sleep(0.0005)

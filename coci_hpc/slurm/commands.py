@@ -108,7 +108,14 @@ def unhealthy_nodes(nodes: Sequence[str], runner: Runner = run_command) -> dict[
 
 # srun's own lines (its stderr) when a task of the step ended abnormally or its node failed:
 # "srun: error: n2: task 1: Killed", "... task 0: Exited with exit code 1", "srun: error: Node failure on n2".
-SRUN_TASK_LOSS = re.compile(r"^srun: error: (?:\S+: tasks? [\d,\-]+: |Node failure on )")
+# The group ``node`` names the node.
+SRUN_TASK_LOSS = re.compile(r"^srun: error: (?:(?P<node>\S+): tasks? [\d,\-]+: |Node failure on (?P<down>\S+))")
+
+
+def srun_lost_node(line: str) -> str | None:
+    """The node named by one of srun's task-loss lines (:data:`SRUN_TASK_LOSS`), else None."""
+    m = SRUN_TASK_LOSS.search(line)
+    return None if m is None else (m.group("node") or m.group("down"))
 
 
 def end_step_signals(srun: subprocess.Popen) -> None:

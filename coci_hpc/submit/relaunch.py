@@ -25,12 +25,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
 from coci_hpc.errors import GaveUpError, SlurmError
+from coci_hpc.runtime import peernotice
 from coci_hpc.runtime.events import FILENAME as EVENTS_FILE
 from coci_hpc.runtime.events import EventLog, last_attempt, read_events
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS
@@ -39,12 +40,14 @@ from coci_hpc.slurm.env import JobEnvironment
 from coci_hpc.submit.runner import clear_stale_result
 
 DEFAULT_MAX_RESTARTS = 3
-# Seconds between a failed step and the look at node states; 0: look at once. srun (--no-kill)
-# returns only when every node's slurmd has reported its tasks' ends or slurmctld has declared the
-# node DOWN (a dead slurmd reports nothing), so by then Slurm knows which nodes are lost; a wait
-# here is paid by every restart (it was 2 s, a fifth of the 10 s target). A node that fails just
-# after its tasks ended is caught by the next step's failure (one more in-place restart).
-DEFAULT_SETTLE_S = 0.0
+# A node whose task srun reported lost ("n2: task 1: Killed") is suspect: its rank died, and the
+# node itself may be going (a crash, then slurmctld marking it DOWN: SlurmdTimeout later on a real
+# cluster, 1 s later with `devcluster fail --hard --delay 1`). The loop now decides well under a
+# second after the loss (the survivors are told at once, runtime/peernotice.py), before Slurm
+# may know. So a relaunch takes healthy nodes that lost no task first (the spare: nothing is
+# waited for), and only when it needs a suspect node does it wait until this many seconds after
+# the loss and ask Slurm again (the old fixed wait, 2 s, only where it can change the answer).
+DEFAULT_SETTLE_S = 2.0
 ENV_RESTARTS = "COCI_INPLACE_RESTARTS"
 # Seconds a rank step may go on after srun reported one of its tasks lost (killed, exited non-zero,
 # node failure) before the loop ends it. The survivors normally save and exit within the peer
@@ -52,6 +55,10 @@ ENV_RESTARTS = "COCI_INPLACE_RESTARTS"
 # stuck in a collective with the dead rank (seen here: a node lost during a checkpoint write, and
 # right after a restart) would otherwise hold the allocation until the time limit.
 DEFAULT_STEP_GRACE_S = 30.0
+# The same, for a step none of whose ranks has started training yet (no ``<notice>.training``
+# marker from the Session): there is nothing newer than the checkpoint they restore to save, and a
+# rank stuck in MPI/gloo start-up with a peer on a node that just went would wait out the grace.
+START_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -63,20 +70,28 @@ class Decision:
     nodes: tuple[str, ...] = ()
 
 
-def choose_nodes(held: Sequence[str], unhealthy: Mapping[str, str], needed: int) -> tuple[str, ...] | None:
-    """The first ``needed`` healthy nodes of the allocation, in Slurm's order; None when too few."""
+def choose_nodes(held: Sequence[str], unhealthy: Mapping[str, str], needed: int,
+                 suspect: Collection[str] = ()) -> tuple[str, ...] | None:
+    """``needed`` healthy nodes of the allocation, in Slurm's order; None when too few. Healthy
+    nodes that are not ``suspect`` (lost a task in the last step) are taken first."""
     healthy = [n for n in held if n not in unhealthy]
-    return tuple(healthy[:needed]) if len(healthy) >= needed else None
+    if len(healthy) < needed:
+        return None
+    take = set([n for n in healthy if n not in suspect][:needed])
+    take.update([n for n in healthy if n in suspect][:needed - len(take)])
+    return tuple(n for n in healthy if n in take)
 
 
 def decide(*, rc: int, signaled: bool, held: Sequence[str], unhealthy: Mapping[str, str], needed: int,
-           restarts_done: int, max_restarts: int, gave_up: str | None = None) -> Decision:
+           restarts_done: int, max_restarts: int, gave_up: str | None = None,
+           suspect: Collection[str] = ()) -> Decision:
     """The relaunch policy for one ended rank step. Pure.
 
     ``held``: the nodes the job holds now; ``unhealthy``: those Slurm reports down/drained/not
     responding (with their state). ``restarts_done``: in-place restarts already made in this job.
     ``gave_up``: the Session's own verdict when the step's ranks gave up (its no-progress guard or
-    --max-requeues, recorded in the event log): final, never relaunched.
+    --max-requeues, recorded in the event log): final, never relaunched. ``suspect``: healthy nodes
+    where srun reported a task lost; a spare is preferred to them (:func:`choose_nodes`).
     """
     if rc == 0:
         return Decision("done", "the ranks ended with status 0")
@@ -89,7 +104,7 @@ def decide(*, rc: int, signaled: bool, held: Sequence[str], unhealthy: Mapping[s
     lost = sorted(unhealthy)
     what = f"node(s) {','.join(f'{n} ({unhealthy[n]})' for n in lost)} lost" if lost else \
         f"the ranks exited with status {rc} (no node down)"
-    nodes = choose_nodes(held, unhealthy, needed)
+    nodes = choose_nodes(held, unhealthy, needed, suspect)
     if nodes is None:
         healthy = len(held) - len([n for n in held if n in unhealthy])
         return Decision("requeue", f"{what}; {healthy} healthy node(s) left in the allocation, {needed} "
@@ -100,8 +115,10 @@ def decide(*, rc: int, signaled: bool, held: Sequence[str], unhealthy: Mapping[s
                                        "are spent: back to the queue")
         return Decision("give_up", f"{what}, again after {max_restarts} in-place restart(s) "
                                    f"(--max-restarts {max_restarts}); see the rank logs for the error")
+    swapped = sorted(n for n in suspect if n in held and n not in unhealthy and n not in nodes)
+    why_not = f" (not {','.join(swapped)}: lost a task)" if swapped else ""
     return Decision("relaunch", f"{what}; restart {restarts_done + 1} of {max_restarts} in place "
-                                f"on {','.join(nodes)}", nodes)
+                                f"on {','.join(nodes)}{why_not}", nodes)
 
 
 class _SignalRecord:
@@ -144,8 +161,25 @@ class Relauncher:
                                        stdout=str(logs / "%j_%t_log.out"), stderr=str(logs / "%j_%t_log.err"),
                                        command=self.rank_command())
 
-    def run_step(self, argv: Sequence[str], env: Mapping[str, str]) -> int:
-        return watch_step(argv, env, self.step_grace_s)
+    def run_step(self, argv: Sequence[str], env: Mapping[str, str], loss: StepLoss) -> int:
+        notice = env.get(peernotice.ENV)
+        return watch_step(argv, env, self.step_grace_s, notice=notice, loss=loss,
+                          training=peernotice.training_marker(notice) if notice else None)
+
+    def notice_path(self, job_id: str, restart: int) -> str:
+        """Where this launch's peer notice goes (:mod:`coci_hpc.runtime.peernotice`): the job's log
+        folder, which every node sees; one name per launch, so a new step never reads an old notice."""
+        return str(Path(self.log_dir) / f".{job_id}_{restart}_peer_notice")
+
+    def _decide(self, job_id: str, rc: int, signaled: bool, nodes: Sequence[str], restarts: int,
+                gave_up: str | None, suspect: Collection[str]) -> tuple[Decision, dict[str, str]]:
+        held = commands.job_nodes(job_id) if rc != 0 else list(nodes)
+        bad = commands.unhealthy_nodes(held) if rc != 0 else {}
+        # A node Slurm already took out of the job (--no-kill shrinks it) is lost too.
+        bad.update({n: "left the job" for n in nodes if rc != 0 and n not in held})
+        d = decide(rc=rc, signaled=signaled, held=held, unhealthy=bad, needed=self.nodes, restarts_done=restarts,
+                   max_restarts=self.max_restarts, gave_up=gave_up, suspect=suspect)
+        return d, bad
 
     def __call__(self) -> int:
         sig = _SignalRecord().install()
@@ -166,18 +200,25 @@ class Relauncher:
         while True:
             _say(f"starting {self.nodes} node(s) x {self.ntasks_per_node} rank(s) on {','.join(nodes)}"
                  + (f" (in-place restart {restarts})" if restarts else ""))
-            env = {**os.environ, ENV_RESTARTS: str(restarts)}
-            rc = self.run_step(self.step_argv(nodes), env)
+            notice = self.notice_path(job.job_id, restarts)
+            peernotice.clear(notice)
+            env = {**os.environ, ENV_RESTARTS: str(restarts), peernotice.ENV: notice}
+            loss = StepLoss()
+            rc = self.run_step(self.step_argv(nodes), env, loss)
             ended = time.time()
-            if rc != 0 and not sig.received and self.settle_s > 0:
-                time.sleep(self.settle_s)
-            held = commands.job_nodes(job.job_id) if rc != 0 else list(nodes)
-            bad = commands.unhealthy_nodes(held) if rc != 0 else {}
-            # A node Slurm already took out of the job (--no-kill shrinks it) is lost too.
-            bad.update({n: "left the job" for n in nodes if rc != 0 and n not in held})
-            d = decide(rc=rc, signaled=bool(sig.received), held=held, unhealthy=bad, needed=self.nodes,
-                       restarts_done=restarts, max_restarts=self.max_restarts,
-                       gave_up=_session_gave_up(Path(ckpt)) if ckpt and rc != 0 else None)
+            peernotice.clear(notice)
+            gave_up = _session_gave_up(Path(ckpt)) if ckpt and rc != 0 else None
+            suspect = set(loss.nodes)
+            d, bad = self._decide(job.job_id, rc, bool(sig.received), nodes, restarts, gave_up, suspect)
+            if d.action == "relaunch" and suspect & set(d.nodes) and loss.at is not None and not sig.received:
+                # No spare left but the node that lost a task: give Slurm the time to mark it down if it
+                # is going, then look again (a crash on a healthy node is relaunched there after it).
+                wait = loss.at + self.settle_s - time.monotonic()
+                if wait > 0:
+                    _say(f"relaunching on {','.join(sorted(suspect & set(d.nodes)))}, which lost a task: "
+                         f"asking Slurm again in {wait:.1f}s")
+                    time.sleep(wait)
+                    d, bad = self._decide(job.job_id, rc, bool(sig.received), nodes, restarts, gave_up, suspect)
             decided = time.time()
             _say(f"rank step ended (status {rc}): {d.action}: {d.reason}")
             if d.action == "done":
@@ -187,7 +228,7 @@ class Relauncher:
             if ckpt:
                 _record(Path(ckpt), job.job_id, restart=restarts + (d.action == "relaunch"), rc=rc,
                         action=d.action, reason=d.reason, lost=bad, nodes=list(d.nodes),
-                        step_ended_wall=ended, decided_wall=decided)
+                        step_ended_wall=ended, decided_wall=decided, lost_task_on=sorted(suspect))
             if d.action == "give_up":
                 raise GaveUpError(d.reason, hint="fix the error in the rank logs, then submit the same command "
                                                  "again: it resumes from the newest checkpoint")
@@ -198,33 +239,67 @@ class Relauncher:
             nodes = d.nodes
 
 
-def watch_step(argv: Sequence[str], env: Mapping[str, str] | None, grace_s: float, poll_s: float = 0.2) -> int:
+@dataclass
+class StepLoss:
+    """What srun said about lost tasks of one rank step: when it first did (monotonic) and on which nodes."""
+
+    at: float | None = None
+    nodes: list[str] = field(default_factory=list)
+
+
+def watch_step(argv: Sequence[str], env: Mapping[str, str] | None, grace_s: float, poll_s: float = 0.2,
+               notice: str | None = None, loss: StepLoss | None = None, training: str | None = None,
+               start_grace_s: float = START_GRACE_S) -> int:
     """Run the rank step (srun) to its end and return its status; srun's own lines pass through
-    to this process's stderr. Once srun reports a task lost, the step gets ``grace_s`` seconds to
-    end by itself (the survivors' save), then it is ended (:func:`commands.end_step_signals`)."""
+    to this process's stderr. Once srun reports a task lost, the loop posts ``notice`` (the step's
+    :mod:`~coci_hpc.runtime.peernotice`: the survivors stop waiting for the lost rank and save at
+    once), and the step gets ``grace_s`` seconds to end by itself (the survivors' save), then it is
+    ended (:func:`commands.end_step_signals`); only ``start_grace_s`` while the file ``training``
+    (the Session's marker: its ranks are past their start) does not exist. ``loss`` collects the
+    nodes srun named."""
     p = subprocess.Popen(list(argv), env=None if env is None else dict(env), stderr=subprocess.PIPE,
                          text=True, bufsize=1, errors="replace")
-    lost_at: list[float] = []
+    loss = loss if loss is not None else StepLoss()
 
     def pump() -> None:
         assert p.stderr is not None
         for line in p.stderr:
             sys.stderr.write(line)
             sys.stderr.flush()
-            if not lost_at and commands.SRUN_TASK_LOSS.search(line):
-                lost_at.append(time.monotonic())
+            node = commands.srun_lost_node(line)
+            if node is None:
+                continue
+            # Suspect: the first loss, a node failure, a task killed by a signal. Not a task that
+            # exited with a status after that (the survivors leave with 1 once they saved), nor what
+            # this loop's own ending of the step killed.
+            if node not in loss.nodes and ended_at is None and (
+                    loss.at is None or "Node failure" in line or "Exited with exit code" not in line):
+                loss.nodes.append(node)
+            if loss.at is None:
+                loss.at = time.monotonic()
+                if notice:
+                    try:
+                        peernotice.post(notice, f"{line.strip()} (at {time.time():.3f})")
+                    except OSError as exc:    # the survivors' deadline still detects the loss
+                        _say(f"could not post the peer notice {notice}: {exc}")
+    ended_at: float | None = None
     reader = threading.Thread(target=pump, name="coci-srun-stderr", daemon=True)
     reader.start()
-    ended_at: float | None = None
     while True:
         try:
             rc = p.wait(timeout=poll_s)
             break
         except subprocess.TimeoutExpired:
             now = time.monotonic()
-            if ended_at is None and lost_at and now - lost_at[0] > grace_s:
-                _say(f"a task of the rank step was lost {now - lost_at[0]:.0f}s ago and the step is still "
-                     f"running (a survivor stuck in a collective with the lost rank?): ending the step")
+            lost_at = loss.at
+            limit = grace_s if training is None or os.path.exists(training) else min(grace_s, start_grace_s)
+            if ended_at is None and lost_at is not None and now - lost_at > limit:
+                if limit < grace_s:
+                    _say(f"a task of the rank step was lost {now - lost_at:.1f}s ago, before its ranks started "
+                         f"training (nothing newer than their checkpoint to save): ending the step")
+                else:
+                    _say(f"a task of the rank step was lost {now - lost_at:.0f}s ago and the step is still "
+                         f"running (a survivor stuck in a collective with the lost rank?): ending the step")
                 commands.end_step_signals(p)
                 ended_at = now
             elif ended_at is not None and now - ended_at > 30:

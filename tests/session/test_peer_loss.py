@@ -49,6 +49,49 @@ def test_agreement_with_a_vanished_peer_raises_peer_lost_within_the_deadline() -
     assert StepSync(_StuckComm(), deadline_s=0.2).probe() is False
 
 
+def test_the_relaunch_loops_notice_ends_the_wait_at_once_and_a_slow_peer_keeps_its_deadline(tmp_path: Path) -> None:
+    """Under coci-submit's relaunch loop, srun's report of a task's end (the loop's notice file)
+    ends a survivor's wait within ~POLL_S, not after the 5 s deadline; without a notice (a slow
+    but live peer) the wait still runs to its deadline."""
+    from coci_hpc.runtime import peernotice
+
+    path = tmp_path / ".7_0_peer_notice"
+    sync = StepSync(_StuckComm(), deadline_s=5.0, notice=peernotice.PeerNotice.from_env({peernotice.ENV: str(path)}))
+    sync.send(0, False, False)
+    peernotice.post(path, "srun: error: n2: task 1: Killed")
+    t0 = time.monotonic()
+    with pytest.raises(PeerLost, match="relaunch loop saw it end: srun: error: n2: task 1: Killed"):
+        sync.receive()
+    assert time.monotonic() - t0 < 1.0 and sync.lost
+    # The generator-exit path (gloo's "Connection reset by peer" inside the step) probes: same.
+    probe = StepSync(_StuckComm(), deadline_s=5.0, notice=peernotice.PeerNotice(path))
+    t0 = time.monotonic()
+    assert probe.probe(5.0) is False and time.monotonic() - t0 < 1.0
+
+    # No notice posted: the whole deadline.
+    slow = StepSync(_StuckComm(), deadline_s=0.4, notice=peernotice.PeerNotice(tmp_path / "never"))
+    slow.send(0, False, False)
+    t0 = time.monotonic()
+    with pytest.raises(PeerLost, match="did not complete within 0.4s"):
+        slow.receive()
+    assert time.monotonic() - t0 >= 0.4
+    # A request that completes wins over a notice (the lost rank had already sent its part).
+    class _Done:
+        def Test(self) -> bool:      # noqa: N802 - mpi4py's name
+            return True
+
+        def Wait(self) -> None:      # noqa: N802
+            pass
+
+    class _Answering(_StuckComm):
+        def iallreduce_max_array(self, send, recv):
+            recv[:] = send
+            return _Done()
+    done = StepSync(_Answering(), notice=peernotice.PeerNotice(path))
+    done.send(1, True, False)
+    assert done.receive() == (1, True, False)
+
+
 def _state(seed: int = 0) -> dict:
     torch.manual_seed(seed)
     model = torch.nn.Linear(4, 3)

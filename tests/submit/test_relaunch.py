@@ -50,6 +50,17 @@ def test_choose_nodes_keeps_slurm_order() -> None:
     assert choose_nodes(["n1"], {}, 2) is None
 
 
+def test_a_node_that_lost_a_task_gives_way_to_a_spare() -> None:
+    """The loop decides within a second of a lost task, before Slurm may mark a dying node down:
+    a healthy spare is taken instead of the node that lost the task, which is used only when no
+    other healthy node is left."""
+    assert choose_nodes(["n1", "n2", "n3"], {}, 2, suspect={"n2"}) == ("n1", "n3")
+    assert choose_nodes(["n1", "n2", "n3"], {}, 2, suspect={"n1"}) == ("n2", "n3")
+    assert choose_nodes(["n1", "n3"], {}, 2, suspect={"n3"}) == ("n1", "n3")
+    d = _decide(rc=1, suspect={"n2"})
+    assert d.action == "relaunch" and d.nodes == ("n1", "n3") and "(not n2: lost a task)" in d.reason
+
+
 def test_unhealthy_nodes_reads_sinfo_states() -> None:
     out = "n1 alloc\nn2 down*\nn3 idle*\nn4 drng\nn5 mix\n"
     calls = []
@@ -149,3 +160,119 @@ def test_a_step_stuck_after_a_lost_task_is_ended_after_the_grace(tmp_path, capfd
     ok.write_text("#!/bin/sh\necho 'srun: job step started' >&2\nsleep 1.5\nexit 0\n")
     ok.chmod(ok.stat().st_mode | stat.S_IXUSR)
     assert watch_step([str(ok)], None, grace_s=0.1) == 0
+
+
+FAKE_LOSS_SRUN = """#!/bin/sh
+echo "srun: job step started" >&2
+sleep 0.3
+echo "srun: error: n2: task 1: Killed" >&2
+i=0
+while [ $i -lt 40 ]; do
+  if [ -e "{notice}" ]; then
+    cp "{notice}" "{seen}"; echo "srun: error: n1: task 0: Exited with exit code 1" >&2; exit 1
+  fi
+  sleep 0.05; i=$((i+1))
+done
+exit 9
+"""
+
+
+def test_a_lost_task_posts_the_peer_notice_at_once(tmp_path) -> None:
+    """srun's "task 1: Killed" makes the loop post the step's peer notice right away (the survivors
+    then save at once instead of after their 5 s deadline); the fake step sees the file while it
+    still runs and ends with it. A step without a lost task posts nothing."""
+    import os
+    import stat
+    import time
+
+    from coci_hpc.submit.relaunch import StepLoss, watch_step
+
+    notice, seen = tmp_path / ".7_0_peer_notice", tmp_path / "seen"
+    fake = tmp_path / "srun"
+    fake.write_text(FAKE_LOSS_SRUN.format(notice=notice, seen=seen))
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    t0 = time.monotonic()
+    loss = StepLoss()
+    assert watch_step([str(fake)], None, grace_s=30.0, notice=str(notice), loss=loss) == 1   # 9: no notice seen
+    assert time.monotonic() - t0 < 1.5
+    assert loss.nodes == ["n2"]         # the survivor on n1 that left after the notice is not suspect
+    assert seen.read_text().startswith("srun: error: n2: task 1: Killed")
+
+    notice.unlink()
+    ok = tmp_path / "srun-ok"
+    ok.write_text("#!/bin/sh\necho 'srun: job step started' >&2\nexit 0\n")
+    ok.chmod(ok.stat().st_mode | stat.S_IXUSR)
+    assert watch_step([str(ok)], None, grace_s=1.0, notice=str(notice)) == 0 and not notice.exists()
+
+    # Each launch of the loop gets its own notice, in the job's log folder, through the step's env.
+    r = Relauncher("t.py", (), 2, 1, "pmix", "python", str(tmp_path))
+    assert r.notice_path("7", 0) != r.notice_path("7", 1)
+    assert os.path.dirname(r.notice_path("7", 1)) == str(tmp_path)
+
+
+def test_the_loop_asks_slurm_again_before_relaunching_on_a_node_that_lost_a_task(tmp_path, monkeypatch,
+                                                                                capfd) -> None:
+    """The spare is spent (the job holds n1,n3) and n3's task is killed; Slurm marks n3 DOWN a moment
+    later. Deciding at once would relaunch on n3; the loop waits until settle_s after the loss, asks
+    again, and requeues (one healthy node left). A spare, when there is one, needs no wait."""
+    import time
+
+    from coci_hpc.submit import relaunch as rl
+
+    for k in ("COCI_CKPT_DIR", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    held = [["n1", "n3"]]
+    requeued: list[str] = []
+    monkeypatch.setattr(rl.commands, "job_nodes", lambda job: list(held[0]))
+    monkeypatch.setattr(rl.commands, "unhealthy_nodes", lambda nodes: {})
+    monkeypatch.setattr(rl.commands, "requeue", lambda job: requeued.append(job))
+
+    class Loop(rl.Relauncher):
+        def run_step(self, argv, env, loss):
+            loss.at, loss.nodes = time.monotonic(), ["n3"]
+
+            def slurm_marks_n3_down():
+                time.sleep(0.3)
+                held[0] = ["n1"]
+            import threading
+            threading.Thread(target=slurm_marks_n3_down).start()
+            return 1
+    t0 = time.monotonic()
+    assert Loop("t.py", (), 2, 1, "pmix", "python", str(tmp_path), settle_s=1.0)() == 0
+    assert requeued == ["7"] and 0.9 < time.monotonic() - t0 < 5
+    err = capfd.readouterr().err
+    assert "relaunching on n3, which lost a task: asking Slurm again" in err and "1 healthy node(s) left" in err
+
+
+FAKE_STUCK_AT_START_SRUN = """#!/bin/sh
+trap 'echo "srun: Force Terminated" >&2; exit 137' INT
+[ -n "{training}" ] && touch "{training}"
+echo "srun: error: Node failure on n2" >&2
+i=0
+while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+exit 0
+"""
+
+
+def test_a_step_that_lost_a_rank_before_training_is_ended_after_a_second(tmp_path) -> None:
+    """Seen on the local cluster: a node that went down while the relaunched ranks were starting
+    left the survivor in MPI/gloo start-up until the 30 s grace. Before the Session's training
+    marker exists there is nothing to save: the step is ended after START_GRACE_S. With the marker
+    (training began) the survivors get the whole grace."""
+    import stat
+    import time
+
+    from coci_hpc.runtime import peernotice
+    from coci_hpc.submit.relaunch import watch_step
+
+    notice = str(tmp_path / ".7_1_peer_notice")
+    for marked, grace, lo, hi in ((False, 20.0, 0.9, 4.0), (True, 2.5, 2.4, 6.0)):
+        fake = tmp_path / f"srun-{marked}"
+        fake.write_text(FAKE_STUCK_AT_START_SRUN.format(training=peernotice.training_marker(notice) if marked else ""))
+        fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+        peernotice.clear(notice)
+        t0 = time.monotonic()
+        rc = watch_step([str(fake)], None, grace_s=grace, notice=notice, training=peernotice.training_marker(notice))
+        took = time.monotonic() - t0
+        assert rc == 137 and lo < took < hi, (marked, rc, took)
