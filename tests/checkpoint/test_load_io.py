@@ -132,9 +132,10 @@ def test_a_load_unmaps_the_file_off_its_own_path(tmp_path):
 
 
 def test_the_streamed_check_maps_everything_before_the_first_copy(tmp_path, monkeypatch):
-    """Pass 1 streams the bytes through two reused buffers, then maps them (a read error or a
-    file cut short surfaces there, before any byte goes into the state): by the time the
-    copies start, every range they read is mapped."""
+    """A streamed pass 1 (``PASS1_MAPPED`` off) reads the bytes through two reused buffers,
+    then maps them (a read error or a file cut short surfaces there, before any byte goes into
+    the state): by the time the copies start, every range they read is mapped."""
+    monkeypatch.setattr(h5file, "PASS1_MAPPED", False)
     path, m = _saved(tmp_path)
     with DatasetReader(path, m) as r:
         r.verify(_all_keys(r, m))

@@ -358,11 +358,11 @@ def _views(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("mode", ["streamed", "mapped", "unmapped"])
 def test_a_flip_in_a_middle_chunk_leaves_the_live_state_untouched(tmp_path, monkeypatch, mode):
-    """The load checks every chunk, streamed through two reused buffers ("streamed", the
-    default; "mapped": straight over the file's mapping), then copies through the mapping
-    into the state's own tensors ("unmapped": where the file cannot be mapped, by pread): a
-    flipped byte in a chunk in the middle of a large tensor leaves every live tensor as it was,
-    bytes and buffers."""
+    """The load checks every chunk straight over the file's mapping ("mapped", the default) or
+    streamed through two reused buffers ("streamed", ``PASS1_MAPPED`` off), then copies
+    through the mapping into the state's own tensors ("unmapped": where the file cannot be
+    mapped, streamed and copied by pread): a flipped byte in a chunk in the middle of a large
+    tensor leaves every live tensor as it was, bytes and buffers."""
     from coci_hpc.checkpoint import h5file
     from coci_hpc.checkpoint.rawio import FileMap
 
@@ -394,11 +394,16 @@ def test_a_flip_in_a_middle_chunk_leaves_the_live_state_untouched(tmp_path, monk
     assert _ptrs(target) == ptrs
 
 
-def test_a_file_cut_short_under_a_mapped_load_is_reported_not_a_crash(tmp_path, monkeypatch):
-    """A read error under the mapping (here: the file truncated after it was checked and mapped)
-    must come back as CheckpointCorrupt with the state untouched, never as a SIGBUS that kills
-    the process: every mapped range is populated (MADV_POPULATE_READ) before it is touched."""
+@pytest.mark.parametrize("pass1", ["mapped", "streamed"])
+def test_a_file_cut_short_under_a_mapped_load_is_reported_not_a_crash(tmp_path, monkeypatch, pass1):
+    """A read error under the mapping (here: the file truncated when it is mapped: during the
+    check, or after a streamed check) must come back as CheckpointCorrupt with the state
+    untouched, never as a SIGBUS that kills the process: every mapped range is populated
+    (MADV_POPULATE_READ) before any byte goes into the state."""
+    from coci_hpc.checkpoint import h5file
     from coci_hpc.checkpoint.h5file import DatasetReader
+
+    monkeypatch.setattr(h5file, "PASS1_MAPPED", pass1 == "mapped")
 
     views = _views(monkeypatch)
     mgr = CheckpointManager(tmp_path, comm=None)
