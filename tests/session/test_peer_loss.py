@@ -67,6 +67,7 @@ def test_the_relaunch_loops_notice_ends_the_wait_at_once_and_a_slow_peer_keeps_i
     probe = StepSync(_StuckComm(), deadline_s=5.0, notice=peernotice.PeerNotice(path))
     t0 = time.monotonic()
     assert probe.probe(5.0) is False and time.monotonic() - t0 < 1.0
+    assert "relaunch loop saw it end" in probe.lost_why       # the event log's `how` says which path
 
     # No notice posted: the whole deadline.
     slow = StepSync(_StuckComm(), deadline_s=0.4, notice=peernotice.PeerNotice(tmp_path / "never"))
