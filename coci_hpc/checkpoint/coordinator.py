@@ -4,8 +4,8 @@ Every rank describes its leaves (name, dtype, shape, kind, size) and keeps that 
 with the part of the layout it got last time (:class:`LayoutCache`). A save then costs:
 
 * unchanged state (the common case): ONE allreduce of a flag ("my leaves changed?"); each rank
-  compares its descriptions with the cached ones (one C-level tuple comparison, no digest) and
-  reuses its cached pieces. Nothing proportional to the number of ranks is sent or received.
+  compares its leaves' rows with the cached ones (rows built and compared in C, no digest, no
+  per-leaf Python call) and reuses its cached pieces. Nothing proportional to the number of ranks is sent or received.
 * changed state (first save, a tensor changed shape, a rank's per-rank state changed size):
   rank 0 gathers the descriptions, builds the :class:`~coci_hpc.checkpoint.layout.Layout` and
   scatters to each rank only its pieces (plus the dataset list where HDF5 file creation is
@@ -33,7 +33,9 @@ from coci_hpc.checkpoint.layout import (
     LeafDesc,
     RankLayout,
     check_pieces,
+    describe,
     layout_from_manifest,
+    leaf_rows,
     make_layout,
     signature,
 )
@@ -74,26 +76,29 @@ class LayoutCache:
         return self.mine is not None and self.key == key and hash(self.mine.pieces) == self.fingerprint
 
 
-def agree(comm: Comm, descs: Sequence[LeafDesc], align: int, cache: LayoutCache, *, with_datasets: bool,
+def agree(comm: Comm, leaves: Sequence[Any], align: int, cache: LayoutCache, *, with_datasets: bool,
           last_manifest: Callable[[], Mapping[str, Any] | None]) -> tuple[RankLayout, Layout | None]:
-    """Collective: this rank's layout for a save of ``descs`` (and the whole layout on rank 0).
+    """Collective: this rank's layout for a save of ``leaves`` (state leaves or their
+    :class:`~coci_hpc.checkpoint.layout.LeafDesc`; the whole layout on rank 0).
 
     ``with_datasets``: every rank takes part in creating the file, so every rank needs the
     dataset list. ``last_manifest``: rank 0 only, the newest committed manifest or None.
     Updates ``cache``; ``cache.last`` records the source ("cached", "manifest", "planned").
 
-    A cached save costs this rank one comparison of its descriptions with the last save's, one
-    hash of its own pieces, and one allreduce of 8 bytes; the digest of the descriptions
-    (:func:`~coci_hpc.checkpoint.layout.signature`, for the manifest) is computed only when the
+    A cached save costs this rank its leaves' rows (:func:`~coci_hpc.checkpoint.layout.leaf_rows`,
+    built in C), one comparison of them with the last save's, one hash of its own pieces, and
+    one allreduce of 8 bytes; the descriptions and their digest
+    (:func:`~coci_hpc.checkpoint.layout.signature`, for the manifest) are made only when the
     layout is made again.
     """
     t0 = time.perf_counter()
-    key = (align, comm.size, tuple(descs))
+    key = (align, comm.size, leaf_rows(leaves))
     mine_state = _SAME if cache.reusable(key) else _NO_CACHE if cache.mine is None else _CHANGED
     agreed = comm.allreduce_max(mine_state)
     source = "cached"
     mine, full = cache.mine, cache.full
     if agreed != _SAME:
+        descs = describe(leaves)
         sig = signature(descs, align, comm.size)
         got = _from_manifest(comm, sig, descs, align, with_datasets, last_manifest) \
             if agreed == _NO_CACHE else None

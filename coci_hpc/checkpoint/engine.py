@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
+import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +23,7 @@ from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.checkpoint.coordinator import LayoutCache, agree
 from coci_hpc.checkpoint.h5file import DatasetReader
-from coci_hpc.checkpoint.layout import DatasetSpec, Layout, Piece, RankLayout, describe
+from coci_hpc.checkpoint.layout import DatasetSpec, Layout, Piece, RankLayout
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, write_posix
@@ -97,9 +100,9 @@ def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves
     step = check_step(step)
     catalog = catalog if catalog is not None else StepCatalog(root)
     cache = layouts if layouts is not None else LayoutCache()
-    descs = describe(leaves)
-    mine, full = agree(comm, descs, tuning.align, cache, with_datasets=writer.collective_create,
+    mine, full = agree(comm, leaves, tuning.align, cache, with_datasets=writer.collective_create,
                        last_manifest=lambda: _last_manifest(catalog))
+    _fault_pause(comm, root, step)
     directory = make_step_dir(comm, catalog, step, tuning)
     try:
         created = writer.create(directory, _to_create(writer, mine, full), tuning)
@@ -109,6 +112,29 @@ def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves
         raise
     return Prepared(step, directory, mine, full, offsets, {l.name: l for l in leaves}, skeletons, tuning,
                     writer.name, dict(cache.last), catalog, cache)
+
+
+# FAULT INJECTION, test-only (like COCI_FORCE_FSTYPE and COCI_FAULT_SURVIVORS_PAUSE_S): rank
+# COCI_FAULT_SAVE_PAUSE_RANK (default 1) sleeps this many seconds inside one save, between the
+# layout agreement and the step directory's creation, while the other ranks wait in that save's
+# next collective; a test kills it there (tests/submit/test_peer_failure_cluster.py: a peer lost
+# mid-save). Once per checkpoint directory (a marker file; the requeued run does not pause
+# again). Never set it for a real run.
+FAULT_SAVE_PAUSE_ENV = "COCI_FAULT_SAVE_PAUSE_S"
+FAULT_SAVE_PAUSE_MARKER = ".fault-save-paused"
+
+
+def _fault_pause(comm: Comm, root: Path, step: int) -> None:
+    pause = float(os.environ.get(FAULT_SAVE_PAUSE_ENV) or 0)
+    if pause <= 0 or comm.rank != int(os.environ.get("COCI_FAULT_SAVE_PAUSE_RANK", "1")):
+        return
+    try:
+        os.close(os.open(root / FAULT_SAVE_PAUSE_MARKER, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return
+    print(f"coci: FAULT INJECTION ({FAULT_SAVE_PAUSE_ENV}={pause:g}): rank {comm.rank} pauses in the save of "
+          f"step {step}, before its step directory", file=sys.stderr, flush=True)
+    time.sleep(pause)
 
 
 def _last_manifest(catalog: StepCatalog) -> dict[str, Any] | None:

@@ -21,6 +21,8 @@ import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError
@@ -37,10 +39,20 @@ class LeafDesc(NamedTuple):
     nbytes: int
 
 
+_FIELDS = attrgetter(*LeafDesc._fields)
+_AS_DESC = partial(tuple.__new__, LeafDesc)  # LeafDesc(...) would run a Python-level __new__
+
+
 def describe(leaves: Sequence[Any]) -> list[LeafDesc]:
     """The descriptions of ``leaves`` (anything with name, dtype, shape, kind, nbytes)."""
-    new = tuple.__new__  # LeafDesc(...) would run a Python-level __new__ per leaf
-    return [new(LeafDesc, (l.name, l.dtype, l.shape, l.kind, l.nbytes)) for l in leaves]
+    return list(map(_AS_DESC, map(_FIELDS, leaves)))
+
+
+def leaf_rows(leaves: Sequence[Any]) -> tuple[tuple[Any, ...], ...]:
+    """What :func:`describe` says of ``leaves``, as plain tuples, built without a Python-level
+    call per leaf: equal (``==``) to the descriptions, about half their cost to build. A cached
+    save compares these with the last save's and builds descriptions only when they differ."""
+    return tuple(map(_FIELDS, leaves))
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ success with a short count, and a checkpoint with missing bytes must never commi
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Sequence
@@ -23,6 +24,9 @@ from coci_hpc.checkpoint.integrity import CHECKSUM, checksum
 from coci_hpc.errors import CheckpointError
 
 _CHUNK = 256 << 20  # bytes per write call: bounded so progress and errors surface promptly
+# A guarded MPI-IO call (write_mpiio(guard=)) gets the peer deadline plus its bytes at this rate:
+# a slow filesystem must not pass for a dead peer (20 MB/s: 13 s more for a 256 MiB round).
+GUARD_BYTES_PER_S = 20e6
 
 
 @dataclass(frozen=True)
@@ -145,13 +149,22 @@ def write_posix(path: str | os.PathLike, items: Sequence[WriteItem], *, fsync: b
 
 
 def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteItem], info: Any = None,
-                *, fsync: bool = True) -> list[int]:
+                *, fsync: bool = True, guard: Any = None) -> list[int]:
     """Collective MPI-IO writes (one ``Write_at_all`` per round); every rank of ``mpi_comm`` calls it.
 
     Rounds = the largest number of chunks on any rank; a rank with fewer writes an empty
     buffer in the remaining rounds (legal in MPI-IO, unlike zero-size HDF5 selections).
+
+    ``guard``: a :class:`~coci_hpc.comm.Comm` whose peer deadline bounds each collective call
+    (they cannot be polled; :meth:`~coci_hpc.comm.Comm.guard`), with time for the bytes on top at
+    ``GUARD_BYTES_PER_S``, so a slow disk is not taken for a dead peer.
     """
     from mpi4py import MPI
+
+    def guarded(what: str, nbytes: int = 0) -> Any:
+        if guard is None:
+            return contextlib.nullcontext()
+        return guard.guard(what, allow_s=nbytes / GUARD_BYTES_PER_S)
 
     fut = background().submit(_crcs, items)
     chunks: list[tuple[int, memoryview]] = []
@@ -159,8 +172,11 @@ def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteIte
         mv = memoryview(it.buf).cast("B")  # type: ignore[arg-type]  # numpy types its buffer protocol for Python >= 3.12 only
         for i in range(0, len(mv), _CHUNK):
             chunks.append((it.offset + i, mv[i:i + _CHUNK]))
-    rounds = mpi_comm.allreduce(len(chunks), op=MPI.MAX)
-    fh = MPI.File.Open(mpi_comm, str(path), MPI.MODE_WRONLY, info if info is not None else MPI.INFO_NULL)
+    total = sum(len(mv) for _, mv in chunks)
+    with guarded("the MPI-IO write's agreement on rounds"):
+        rounds = mpi_comm.allreduce(len(chunks), op=MPI.MAX)
+    with guarded("MPI_File_open (collective)"):
+        fh = MPI.File.Open(mpi_comm, str(path), MPI.MODE_WRONLY, info if info is not None else MPI.INFO_NULL)
     short: str | None = None
     try:
         empty = np.empty(0, dtype=np.uint8)
@@ -171,7 +187,8 @@ def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteIte
             if i < len(chunks) and short is None:
                 off, mv = chunks[i]
                 try:
-                    fh.Write_at_all(off, [mv, MPI.BYTE], status)
+                    with guarded("MPI_File_write_at_all", len(mv)):
+                        fh.Write_at_all(off, [mv, MPI.BYTE], status)
                     got = status.Get_count(MPI.BYTE)
                 except MPI.Exception as exc:  # this rank only: keep joining the rounds
                     got, why = -1, f"MPI-IO write failed at offset {off} of {path}: {exc}"
@@ -179,13 +196,17 @@ def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteIte
                     short = why if got < 0 else (f"MPI-IO wrote {got} of {len(mv)} bytes at offset "
                                                  f"{off} of {path} (disk full or quota exceeded?)")
             else:
-                fh.Write_at_all(0, [empty, MPI.BYTE])
+                with guarded("MPI_File_write_at_all", _CHUNK):
+                    fh.Write_at_all(0, [empty, MPI.BYTE])
         # MPI_File_sync is collective: every rank must agree whether to call it.
-        any_short = mpi_comm.allreduce(short is not None, op=MPI.LOR)
+        with guarded("the MPI-IO write's agreement on success"):
+            any_short = mpi_comm.allreduce(short is not None, op=MPI.LOR)
         if fsync and not any_short:
-            fh.Sync()
+            with guarded("MPI_File_sync", total):
+                fh.Sync()
     finally:
-        fh.Close()
+        with guarded("MPI_File_close"):
+            fh.Close()
     crcs = fut.result()
     if short is not None:
         raise CheckpointError(short, hint="free space (df, lfs quota) or lower keep=; nothing was "

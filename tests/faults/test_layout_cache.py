@@ -193,3 +193,30 @@ def test_the_commit_sends_a_ranks_skeleton_only_when_it_changed(shared_dir, comm
         got = skel[str(comm.size - 1)]["mine"]["pos"]
         assert type(got) is type(v) and got == v, (step, got, v)
         assert all(skel[str(r)]["mine"]["pos"] == 7 for r in range(comm.size - 1))
+
+
+def test_a_cached_save_builds_no_leaf_descriptions(shared_dir, comm, monkeypatch):
+    """A save of an unchanged state compares its leaves' rows (built in C) with the cached ones;
+    only a changed state builds descriptions, and a changed state is always noticed."""
+    from coci_hpc.checkpoint import coordinator
+    from coci_hpc.checkpoint.layout import describe, leaf_rows
+
+    calls = []
+
+    def counting(leaves):  # type: ignore[no-untyped-def]
+        calls.append(len(leaves))
+        return describe(leaves)
+
+    monkeypatch.setattr(coordinator, "describe", counting)
+    mgr = CheckpointManager(shared_dir, comm=comm, rng=False, keep=5)
+    mgr.save(1, make_state(comm.rank, comm.size, 1))
+    assert len(calls) == 1 and mgr._layouts.last["source"] == "planned"
+    mgr.save(2, make_state(comm.rank, comm.size, 2))
+    assert len(calls) == 1 and mgr._layouts.last["source"] == "cached"
+    mgr.save(3, make_state(comm.rank, comm.size, 3, "reshape_same_bytes"))
+    assert len(calls) == 2 and mgr._layouts.last["source"] == "planned"
+    mgr.close()
+    from coci_hpc.checkpoint.state import collect
+
+    _, leaves = collect(make_state(comm.rank, comm.size, 1), rng=False)
+    assert leaf_rows(leaves) == tuple(describe(leaves)) and all(type(r) is tuple for r in leaf_rows(leaves))
