@@ -315,8 +315,11 @@ class TwoPhaseSaver:
                 else:
                     flag = _TIMED_OUT if self._timed_out(job) else _WRITING
                 if flag == _DONE_OK and not data:  # this rank's commit message, made once
-                    message, blob = engine.commit_message(job.prepared, job.crcs)
-                    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+                    try:
+                        message, blob = engine.commit_message(job.prepared, job.crcs)
+                        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+                    except Exception as exc:  # noqa: BLE001 - agreed on like a failed write
+                        job.error, flag = exc, _DONE_FAILED
                 sent = len(data) if flag == _DONE_OK else 0
                 agreed, longest = yield from self._completed(self.comm.iallreduce_min_array([flag, -sent]))
                 if agreed != _WRITING:
@@ -329,9 +332,9 @@ class TwoPhaseSaver:
             error: BaseException | None = None
             t0 = time.perf_counter()
             if raw is not None:  # rank 0
-                gathered = [pickle.loads(b) for b in raw]  # noqa: S301 - our own ranks' messages, over MPI
-                engine.commit_received(job.prepared, blob, gathered)
                 try:
+                    gathered = [pickle.loads(b) for b in raw]  # noqa: S301 - our own ranks' messages, over MPI
+                    engine.commit_received(job.prepared, blob, gathered)
                     engine.write_manifest(self.comm.size, job.prepared, gathered, self.keep)
                 except Exception as exc:  # noqa: BLE001 - every rank hears of it below
                     error = exc
