@@ -15,22 +15,43 @@ subclasses :class:`Comm`, sets ``rank``/``size`` and overrides the collectives (
 the other non-blocking ones fall back to the blocking methods when ``mpi_comm`` is None);
 ``is_mpi`` stays False unless ``mpi_comm`` is an mpi4py communicator. Everything else
 (``check``, ``run_step``) is built on those methods.
+
+A deadline on a dead peer (``peer_deadline_s``, set by the Session): a peer rank that vanished
+(SIGKILL, its node gone) never joins a collective, and under ``srun --mpi=pmix`` nothing tells the
+others (Open MPI does not abort them; ../shared/slurm-on-one-machine.md). A blocking MPI call then
+waits forever, and a checkpoint save is a dozen collectives. With ``peer_deadline_s`` set, every
+collective here is started non-blocking (``Ibarrier``, ``Iallreduce``, and the object collectives
+as a length round plus a byte round of ``Ibcast`` / ``Iallgatherv`` / ``Igatherv`` /
+``Iscatterv`` over pickled bytes) and polled against that deadline; a miss raises
+:class:`~coci_hpc.errors.PeerLost` and marks the communicator ``lost`` (every later collective
+raises at once: the abandoned requests can never complete). ``None`` (the default, a
+``CheckpointManager`` used on its own) keeps the blocking calls. MPI calls that cannot be polled
+(MPI-IO inside ``write_mpiio``) run under :meth:`Comm.guard`, a timer thread that hands the
+lost peer to ``on_stuck`` (the Session's survivors' save, which ends the process).
 """
 from __future__ import annotations
 
 import os
+import pickle
 import struct
+import threading
+import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
-from coci_hpc.errors import CociError, CommError
+from coci_hpc.errors import CociError, CommError, PeerLost
 
 T = TypeVar("T")
 _HEADER = struct.Struct("<Q")  # the length in front of each rank's bytes in igather_bytes
 
 # Variables set by the MPI launchers we know (Open MPI, MPICH/Hydra, Slurm's PMIx launch).
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+SPIN_S = 0.002          # busy-poll this long before sleeping between tests (peers are usually close)
+POLL_SLEEP_S = 0.0005
 
 
 def _mpi_launched() -> bool:
@@ -49,6 +70,15 @@ class Comm:
             self.rank, self.size = 0, 1
         else:
             self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        # See the module docstring: None blocks as MPI does; a number bounds every wait on a peer.
+        self.peer_deadline_s: float | None = None
+        self.lost = False                  # a deadline was missed: no collective can complete any more
+        # Called from a timer thread when a guarded call (one that cannot be polled) overruns the
+        # deadline; it must not return (the Session's survivors' save ends the process).
+        self.on_stuck: Callable[[str], None] | None = None
+        # Another sign that a peer is gone, looked at while a collective waits (the relaunch
+        # loop's notice, runtime/peernotice.py): returns why, or None. Set by the Session.
+        self.peer_notice: Callable[[float], str | None] | None = None
 
     # construction -----------------------------------------------------------------------
     @classmethod
@@ -82,47 +112,153 @@ class Comm:
         return self.mpi_comm is not None
 
     # collectives (no-ops on one process) ------------------------------------------------
+    @property
+    def _bounded(self) -> bool:
+        return self.mpi_comm is not None and self.peer_deadline_s is not None and self.size > 1
+
+    def wait_requests(self, reqs: list[Any], what: str) -> None:
+        """Complete MPI requests, polled against ``peer_deadline_s`` (blocking when it is None)."""
+        from mpi4py import MPI
+
+        if self.lost:
+            raise PeerLost(f"{what}: a peer rank was already lost, no collective can complete")
+        if self.peer_deadline_s is None:
+            MPI.Request.Waitall(reqs)
+            return
+        if MPI.Request.Testall(reqs):
+            return
+        limit = float(self.peer_deadline_s)
+        t0 = time.monotonic()
+        spin_until, end = t0 + SPIN_S, t0 + limit
+        while not MPI.Request.Testall(reqs):
+            now = time.monotonic()
+            if now > end:
+                self.lost = True
+                raise PeerLost(f"{what} did not complete within {limit:.1f}s: a peer rank is gone (crashed, "
+                               f"killed, or its node failed)",
+                               hint="the survivors save from their own state; see the event log")
+            why = self.peer_notice(now) if self.peer_notice is not None and now > spin_until else None
+            if why is not None:
+                self.lost = True
+                raise PeerLost(f"{what}: a peer rank is gone after {now - t0:.2f}s of waiting (the relaunch "
+                               f"loop saw it end: {why})",
+                               hint="the survivors save from their own state; see the event log")
+            if now > spin_until:
+                time.sleep(POLL_SLEEP_S)
+
+    def _check_lost(self, what: str) -> None:
+        if self.lost:
+            raise PeerLost(f"{what}: a peer rank was already lost, no collective can complete")
+
     def barrier(self) -> None:
-        if self.mpi_comm is not None:
+        if self.mpi_comm is None:
+            return
+        if not self._bounded:
             self.mpi_comm.Barrier()
+            return
+        self._check_lost("barrier")
+        self.wait_requests([self.mpi_comm.Ibarrier()], "a barrier")
 
     def bcast(self, obj: T | None, root: int = 0) -> T:
         # Typed for the usual call, ``bcast(value if rank == root else None)``: every rank gets
         # root's value; a root that sends None gets None, which callers check for themselves.
         if self.mpi_comm is None:
             return obj  # type: ignore[return-value]
-        return self.mpi_comm.bcast(obj, root=root)
+        if not self._bounded:
+            return self.mpi_comm.bcast(obj, root=root)
+        import numpy as np
+
+        self._check_lost("bcast")
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root else b""
+        n = np.array([len(data)], dtype=np.int64)
+        self.wait_requests([self.mpi_comm.Ibcast(n, root=root)], "a broadcast (size)")
+        buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(int(n[0]), np.uint8)
+        self.wait_requests([self.mpi_comm.Ibcast(buf, root=root)], "a broadcast")
+        return obj if self.rank == root else pickle.loads(buf.tobytes())  # type: ignore[return-value]
+
+    def _sizes_and_bytes(self, obj: Any) -> tuple[Any, Any]:
+        import numpy as np
+
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return np.array([len(data)], dtype=np.int64), np.frombuffer(data, dtype=np.uint8)
 
     def allgather(self, obj: T) -> list[T]:
         if self.mpi_comm is None:
             return [obj]
-        return self.mpi_comm.allgather(obj)
+        if not self._bounded:
+            return self.mpi_comm.allgather(obj)
+        import numpy as np
+
+        self._check_lost("allgather")
+        n, data = self._sizes_and_bytes(obj)
+        sizes = np.empty(self.size, dtype=np.int64)
+        self.wait_requests([self.mpi_comm.Iallgather(n, sizes)], "an allgather (sizes)")
+        out = np.empty(int(sizes.sum()), dtype=np.uint8)
+        self.wait_requests([self.mpi_comm.Iallgatherv(data, [out, sizes])], "an allgather")
+        return _unpickle_parts(out, sizes)
 
     def gather(self, obj: T, root: int = 0) -> list[T] | None:
         if self.mpi_comm is None:
             return [obj]
-        return self.mpi_comm.gather(obj, root=root)
+        if not self._bounded:
+            return self.mpi_comm.gather(obj, root=root)
+        import numpy as np
+
+        self._check_lost("gather")
+        n, data = self._sizes_and_bytes(obj)
+        sizes = np.empty(self.size, dtype=np.int64)
+        self.wait_requests([self.mpi_comm.Igather(n, sizes, root=root)], "a gather (sizes)")
+        out = np.empty(int(sizes.sum()) if self.rank == root else 0, dtype=np.uint8)
+        self.wait_requests([self.mpi_comm.Igatherv(data, [out, sizes] if self.rank == root else None, root=root)],
+                           "a gather")
+        return _unpickle_parts(out, sizes) if self.rank == root else None
 
     def scatter(self, objs: list[T] | None, root: int = 0) -> T:
         """Rank ``root`` passes one object per rank; each rank gets only its own."""
         if self.mpi_comm is None:
             assert objs is not None
             return objs[0]
-        return self.mpi_comm.scatter(objs, root=root)
+        if not self._bounded:
+            return self.mpi_comm.scatter(objs, root=root)
+        import numpy as np
+
+        self._check_lost("scatter")
+        sizes = np.zeros(self.size, dtype=np.int64)
+        send = np.empty(0, dtype=np.uint8)
+        if self.rank == root:
+            assert objs is not None and len(objs) == self.size
+            parts = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
+            sizes[:] = [len(p) for p in parts]
+            send = np.frombuffer(b"".join(parts), dtype=np.uint8)
+        n = np.empty(1, dtype=np.int64)
+        self.wait_requests([self.mpi_comm.Iscatter(sizes, n, root=root)], "a scatter (sizes)")
+        buf = np.empty(int(n[0]), dtype=np.uint8)
+        self.wait_requests([self.mpi_comm.Iscatterv([send, sizes] if self.rank == root else None, buf, root=root)],
+                           "a scatter")
+        return pickle.loads(buf.tobytes())
+
+    def _allreduce(self, value: float, op_name: str) -> float:
+        from mpi4py import MPI
+
+        op = getattr(MPI, op_name)
+        if not self._bounded:
+            return self.mpi_comm.allreduce(value, op=op)
+        import numpy as np
+
+        self._check_lost("allreduce")
+        send, recv = np.array([value], dtype=np.float64), np.empty(1, dtype=np.float64)
+        self.wait_requests([self.mpi_comm.Iallreduce(send, recv, op=op)], "an allreduce")
+        return float(recv[0])
 
     def allreduce_min(self, value: float) -> float:
         if self.mpi_comm is None:
             return value
-        from mpi4py import MPI
-
-        return self.mpi_comm.allreduce(value, op=MPI.MIN)
+        return self._allreduce(value, "MIN")
 
     def allreduce_max(self, value: float) -> float:
         if self.mpi_comm is None:
             return value
-        from mpi4py import MPI
-
-        return self.mpi_comm.allreduce(value, op=MPI.MAX)
+        return self._allreduce(value, "MAX")
 
     def iallreduce_min(self, value: float) -> PendingMin:
         """Start a non-blocking MIN-allreduce; ``.wait()`` returns the result."""
@@ -131,9 +267,35 @@ class Comm:
         import numpy as np
         from mpi4py import MPI
 
+        self._check_lost("allreduce")
         send, recv = np.array([value], dtype=np.float64), np.empty(1, dtype=np.float64)
         req = self.mpi_comm.Iallreduce(send, recv, op=MPI.MIN)
-        return PendingMin(req, recv, send)
+        return PendingMin(req, recv, send, comm=self)
+
+    @contextmanager
+    def guard(self, what: str, allow_s: float = 0.0) -> Iterator[None]:
+        """Around an MPI call that cannot be polled (collective MPI-IO): if it has not returned
+        within ``peer_deadline_s`` (+ ``allow_s`` for the work it does itself), a timer thread
+        calls ``on_stuck(what)`` (mpi4py releases the GIL while it waits, so the thread runs; an
+        h5py call holds it, which is why the parallel writer creates its file on rank 0 alone).
+        Nothing is armed without a deadline or a handler."""
+        if not self._bounded or self.on_stuck is None:
+            yield
+            return
+        self._check_lost(what)
+        handler = self.on_stuck
+
+        def fire() -> None:
+            self.lost = True
+            handler(f"{what} did not return within {limit:.1f}s")
+        limit = float(self.peer_deadline_s or 0.0) + allow_s
+        timer = threading.Timer(limit, fire)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
 
     # Non-blocking collectives for a commit spread over several calls (the two-phase saver's
     # poll): started at one call, completed (``.wait()``) at a later one, in the same order on
@@ -146,10 +308,11 @@ class Comm:
         import numpy as np
         from mpi4py import MPI
 
+        self._check_lost("allreduce")
         send = np.array(values, dtype=np.float64)
         recv = np.empty_like(send)
         req = self.mpi_comm.Iallreduce(send, recv, op=MPI.MIN)
-        return Pending(req, lambda: [float(v) for v in recv], keep=send)
+        return Pending(req, lambda: [float(v) for v in recv], keep=send, comm=self)
 
     def igather_bytes(self, data: bytes, size: int, root: int = 0) -> Pending[list[bytes] | None]:
         """Start a gather of every rank's ``data`` (at most ``size`` bytes, the same ``size`` on
@@ -165,6 +328,7 @@ class Comm:
         send = np.zeros(slot, dtype=np.uint8)
         send[:len(framed)] = np.frombuffer(framed, dtype=np.uint8)
         recv = np.empty(slot * self.size, dtype=np.uint8) if self.rank == root else None
+        self._check_lost("gather")
         req = self.mpi_comm.Igather(send, recv, root=root)
 
         def unpack() -> list[bytes] | None:
@@ -176,7 +340,7 @@ class Comm:
                 (n,) = _HEADER.unpack_from(chunk)
                 out.append(chunk[_HEADER.size:_HEADER.size + n])
             return out
-        return Pending(req, unpack, keep=send)
+        return Pending(req, unpack, keep=send, comm=self)
 
     def ibcast_floats(self, values: Sequence[float] | None, count: int, root: int = 0) -> Pending[list[float]]:
         """Start a broadcast of ``count`` floats from ``root`` (other ranks pass None)."""
@@ -187,8 +351,9 @@ class Comm:
         buf = np.array(values, dtype=np.float64) if self.rank == root else np.empty(count, dtype=np.float64)
         if buf.shape != (count,):
             raise ValueError(f"ibcast_floats: {buf.shape[0]} values, expected {count}")
+        self._check_lost("bcast")
         req = self.mpi_comm.Ibcast(buf, root=root)
-        return Pending(req, lambda: [float(v) for v in buf], keep=buf)
+        return Pending(req, lambda: [float(v) for v in buf], keep=buf, comm=self)
 
     def abort(self, code: int = 1) -> None:
         """End the whole job now, without any collective (``MPI_Abort`` under MPI).
@@ -214,6 +379,8 @@ class Comm:
         That is a CommError naming the failed ranks and their messages, except when every rank
         failed with the same coci error, which is then raised unchanged everywhere.
         """
+        if isinstance(error, PeerLost):
+            raise error                    # no agreement is possible without the lost peer
         msg = None if error is None else f"{type(error).__name__}: {error}"
         # One 8-byte allreduce when every rank succeeded (the common case): an allgather of N
         # empty messages would hand every rank O(N) bytes at each step of every save.
@@ -249,11 +416,21 @@ class Comm:
         return result  # type: ignore[return-value]
 
 
-class Pending(Generic[T]):
-    """A non-blocking collective in flight (or, without MPI, done when ``wait`` runs it)."""
+def _unpickle_parts(buf: Any, sizes: Any) -> list[Any]:
+    out, pos = [], 0
+    raw = buf.tobytes()
+    for n in sizes.tolist():
+        out.append(pickle.loads(raw[pos:pos + n]))
+        pos += n
+    return out
 
-    def __init__(self, request: Any, finish: Callable[[], T], keep: Any = None) -> None:
-        self._req, self._finish, self._keep = request, finish, keep
+
+class Pending(Generic[T]):
+    """A non-blocking collective in flight (or, without MPI, done when ``wait`` runs it).
+    With ``comm``, the wait is polled against its peer deadline (:meth:`Comm.wait_requests`)."""
+
+    def __init__(self, request: Any, finish: Callable[[], T], keep: Any = None, comm: Comm | None = None) -> None:
+        self._req, self._finish, self._keep, self._comm = request, finish, keep, comm
         self._done = False
         self._value: T | None = None
 
@@ -261,7 +438,10 @@ class Pending(Generic[T]):
         """Complete it (blocks only if some rank has not started it yet) and return the result."""
         if not self._done:
             if self._req is not None:
-                self._req.Wait()
+                if self._comm is not None:
+                    self._comm.wait_requests([self._req], "a checkpoint commit's collective")
+                else:
+                    self._req.Wait()
                 self._req = None
             self._value = self._finish()
             self._done = True
@@ -272,12 +452,15 @@ class Pending(Generic[T]):
 class PendingMin:
     """A MIN-allreduce in flight (or already known, without MPI)."""
 
-    def __init__(self, request: Any, result: Any, keep: Any = None) -> None:
-        self._req, self._result, self._keep = request, result, keep
+    def __init__(self, request: Any, result: Any, keep: Any = None, comm: Comm | None = None) -> None:
+        self._req, self._result, self._keep, self._comm = request, result, keep, comm
 
     def wait(self) -> float:
         if self._req is not None:
-            self._req.Wait()
+            if self._comm is not None:
+                self._comm.wait_requests([self._req], "an allreduce")
+            else:
+                self._req.Wait()
             self._req = None
             return float(self._result[0])
         return float(self._result)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping
@@ -185,6 +186,7 @@ class Session:
         self._started = False
         self._blocking = False             # agree on a stop at the boundary itself (lead short for 2 steps)
         self._recheck_at = -1              # a boundary where every rank re-decides _blocking
+        self._lost_lock = threading.Lock() # one survivors' save per process (main thread or guard timer)
 
     def _check_same_run(self) -> None:
         """One run, one directory (:mod:`.runtime.runrecord`): refused before anything is loaded."""
@@ -233,7 +235,7 @@ class Session:
             # generator cannot see that exception, so ask the peers: a lost one does not answer.
             t_fail = time.time()       # when the failure surfaced here, before the probe's deadline
             if step < total and self.comm.size > 1 and not self.sync.probe(self.sync.deadline_s):
-                self._peer_lost(self.step, "an exception inside the step (the peers did not answer)", t_fail)
+                self._peer_lost(self.step, f"an exception inside the step, then: {self.sync.lost_why}", t_fail)
             raise
         finally:
             self.recorder.uninstall()
@@ -274,6 +276,13 @@ class Session:
                                             "resubmit (raise --max-requeues / COCI_NO_PROGRESS_LIMIT if "
                                             "the restarts were expected)")
         self._recheck_at = self.step + 3           # once the first steps of this attempt are timed
+        # From now on no collective of ours (the store's included) waits for ever on a dead peer:
+        # each is polled against the peer deadline (coci_hpc.comm), and an MPI-IO call that
+        # cannot be polled is guarded by a timer that starts the survivors' save (_stuck).
+        self.comm.peer_deadline_s = self.sync.deadline_s
+        self.comm.on_stuck = self._stuck
+        if self.sync.notice is not None:
+            self.comm.peer_notice = self.sync.notice.posted
         if self.rank == 0 and self.sync.notice is not None:
             self.sync.notice.mark_training()       # the relaunch loop's grace for a survivors' save applies
         if not self._blocking:
@@ -370,6 +379,7 @@ class Session:
         self.survival.boundary(step)
         self._dt_ema = dt if self._dt_ema == 0.0 else 0.9 * self._dt_ema + 0.1 * dt
         self.sync.deadline_s = max(self._min_deadline, 10.0 * self._dt_ema)
+        self.comm.peer_deadline_s = self.sync.deadline_s
         t_wait = time.time()
         try:
             if self._blocking:                      # this boundary's own agreement, completed at once
@@ -379,18 +389,35 @@ class Session:
             level, save, busy = self.sync.receive()
         except PeerLost as exc:
             self._peer_lost(step, f"the step agreement after step {step}: {exc.message}", t_wait)
-        if self.mgr.persist_in_flight and not busy:
-            self._settle()
-        if level >= STOP and step < total:      # a stop at the very end is just the end
-            self._stop(step)
-        if save and step < total:               # the last step gets the final save instead
-            self._save(step)
-            self._recheck_at = step
-        if step == self._recheck_at and step < total:
-            self._blocking = bool(self.comm.bcast(self._lead_check(warn=False) if self.rank == 0 else None))
+        try:
+            if self.mgr.persist_in_flight and not busy:
+                self._settle()
+            if level >= STOP and step < total:      # a stop at the very end is just the end
+                self._stop(step)
+            if save and step < total:               # the last step gets the final save instead
+                self._save(step)
+                self._recheck_at = step
+            if step == self._recheck_at and step < total:
+                self._blocking = bool(self.comm.bcast(self._lead_check(warn=False) if self.rank == 0 else None))
+        except PeerLost as exc:
+            # A peer vanished while a checkpoint's collectives were in flight: the survivors save
+            # this boundary's state (the step that save was writing); the torn save never commits.
+            self._save_collective_lost(step, exc)
         if not self._blocking:
             self.sync.send(STOP if self.recorder.received else 0,
                            self.schedule.decide(step + 1) if step + 1 < total else False, self._busy())
+
+    def _save_collective_lost(self, step: int, exc: PeerLost) -> None:
+        waited = self.comm.peer_deadline_s or 0.0
+        self._peer_lost(step, f"a checkpoint collective after step {step} did not complete: {exc.message}",
+                        time.time() - waited)
+
+    def _stuck(self, what: str) -> None:
+        """The guard timer (coci_hpc.comm.Comm.guard): the main thread is inside an MPI-IO call
+        that a lost peer never joins. Save from the survivors from here; never returns."""
+        waited = self.comm.peer_deadline_s or 0.0
+        self._peer_lost(self.step, f"a checkpoint write after step {self.step} is stuck: {what}",
+                        time.time() - waited)
 
     def _busy(self) -> bool:
         return self.mgr.persist_in_flight and not self.mgr.persist_done
@@ -490,11 +517,16 @@ class Session:
             def ask() -> None:
                 if self.rank == 0:
                     requeue_with_retries(self.job.requeue_id or "", self._runner)
+            # The others wait for rank 0's `scontrol requeue` (with its retries): not a lost peer.
+            deadline, self.comm.peer_deadline_s = self.comm.peer_deadline_s, max(60.0, self.sync.deadline_s)
             try:
                 self.comm.run_step(ask, "requeue")
+            except PeerLost:
+                raise
             except CociError as exc:
                 self.log.write("end", step=step, status="error", message=str(exc))
                 raise
+            self.comm.peer_deadline_s = deadline
         self.mgr.close()
         if self.rank == 0:
             _say(f"stopped at step {step} ({reason}: {detail}): "
@@ -525,8 +557,15 @@ class Session:
         in_place = self._in_place is not None
         from coci_hpc.runtime import survivors as sv
 
+        # The main thread (a deadline missed) and the guard timer (an MPI-IO call stuck) may both
+        # get here: the first one saves and ends the process, the second waits for that end.
+        self._lost_lock.acquire()
+        self.comm.lost = True
         try:
             t_detect = time.time()
+            # A background persist of a regular save may still be writing (its step directory is
+            # replaced below when it is the same step): let it finish first, locally, bounded.
+            self.mgr.quiesce(timeout_s=5.0)
             _say(f"rank {self.rank}: peer lost at step {step}: {how}")
             sv_ = self.survival
             boundary = sv_.snapshot.step
@@ -597,12 +636,20 @@ class Session:
         os._exit(1 if in_place else 0)
 
     def _finish(self, total: int) -> None:
-        self.sync.receive()                # complete the last boundary's allreduce on every rank
-        self._settle()
-        if self.mgr.latest_step() != total:
-            self._save(total, kind="final")
-        self._flush_losses()
-        self.mgr.close()
+        t_wait = time.time()
+        try:
+            self.sync.receive()            # complete the last boundary's allreduce on every rank
+        except PeerLost:
+            self._peer_lost(total, f"the last step agreement timed out ({self.sync.deadline_s:.1f}s)", t_wait)
+        try:
+            self._settle()
+            if self.mgr.latest_step() != total:
+                self._save(total, kind="final")
+            self._flush_losses()
+            self.mgr.close()
+        except PeerLost as exc:
+            self._save_collective_lost(total, exc)
+        self.comm.peer_deadline_s, self.comm.on_stuck, self.comm.peer_notice = None, None, None
         self.log.write("end", step=total, status="completed", message="")
 
     # -- helpers -------------------------------------------------------------------------------------

@@ -316,6 +316,11 @@ class CheckpointManager:
         """Collective: wait for the background persist and commit it (re-raising its errors)."""
         self._async.wait()
 
+    def quiesce(self, timeout_s: float) -> bool:
+        """Local, no MPI: wait up to ``timeout_s`` for this rank's background write to end (a
+        peer is lost and the save will never commit). True when none is running any more."""
+        return self._async.quiesce(timeout_s)
+
     @property
     def async_stats(self) -> dict[str, float]:
         return dict(self._async.last_stats)

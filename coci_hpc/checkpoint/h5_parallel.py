@@ -1,13 +1,20 @@
-"""Parallel HDF5 backend: h5py ``driver='mpio'`` structure, collective MPI-IO data writes.
+"""Parallel HDF5 backend: the file's structure made by rank 0, collective MPI-IO data writes.
 
-* ``create``: every rank opens the file with the mpio driver (MPI-IO hints from
-  :mod:`~coci_hpc.checkpoint.lustre` in an ``MPI.Info``), creates every dataset with identical
-  arguments (HDF5 requires structural calls to be collective) and closes it collectively.
+* ``create``: rank 0 creates the file and every dataset with h5py's default driver (the engine
+  then sends each rank the offsets of its own datasets, nothing when they did not change).
   Datasets are contiguous and allocated at creation, so their offsets are fixed.
-* ``write``: one collective ``MPI_File_write_at_all`` per round over the rank's pieces, same hints,
-  then ``MPI_File_sync``. Replicated tensors are split by bytes so each rank writes ~1/N; no
-  rank ever passes a zero-size HDF5 selection (the h5py #965 hang): data never goes through
-  HDF5 selections at all, and MPI-IO accepts empty buffers in a collective call.
+  Why not every rank through h5py's ``mpio`` driver (HDF5's collective structure calls, as
+  before): an h5py call holds the GIL while HDF5 waits inside MPI, so a peer that vanished in
+  the middle of it (SIGKILL, its node gone) left the survivors blocked for good, with no thread
+  able to notice (verified: a Python thread of the waiting rank did not run during a collective
+  ``h5py.File(driver="mpio")``). Every collective of a save is now an mpi4py call, polled or
+  guarded against the peer deadline (:mod:`coci_hpc.comm`). One rank making the metadata is
+  also what large runs do to keep HDF5's collective metadata traffic off the other ranks.
+* ``write``: one collective ``MPI_File_write_at_all`` per round over the rank's pieces, MPI-IO
+  hints from :mod:`~coci_hpc.checkpoint.lustre`, then ``MPI_File_sync``. Replicated tensors are
+  split by bytes so each rank writes ~1/N; no rank ever passes a zero-size HDF5 selection (the
+  h5py #965 hang): data never goes through HDF5 selections at all, and MPI-IO accepts empty
+  buffers in a collective call.
 * The two-phase (async) save does not use ``write``: its background thread writes the same
   pieces with plain ``pwrite`` (see :mod:`~coci_hpc.checkpoint.twophase` for why).
 """
@@ -34,7 +41,7 @@ def available(comm: Comm) -> bool:
 class ParallelH5Writer:
     name = "hdf5-mpio"
     collective_write = True
-    collective_create = True   # every rank creates every dataset (HDF5 structure calls are collective)
+    collective_create = False   # rank 0 creates the file alone (see the module docstring)
 
     def __init__(self, comm: Comm) -> None:
         if not available(comm):
@@ -46,28 +53,25 @@ class ParallelH5Writer:
 
     def create(self, directory: Path, datasets: Sequence[DatasetSpec] | None, tuning: IOTuning
                ) -> dict[int, int]:
-        assert datasets is not None
-        info = mpi_info(tuning.mpi_hints)
-        try:
-            def make() -> dict[int, int]:
-                with h5py.File(directory / DATA_FILE, "w", driver="mpio", comm=self.comm.mpi_comm,
-                               info=info, **file_kwargs(tuning.align, tuning.align_threshold)) as f:
-                    offsets = create_datasets(f, datasets)
-                # h5py created it under the umask; the directory's mode decides. Inside the same
-                # step, so its error agreement covers it without a second collective per save.
-                if self.comm.rank == 0:
-                    set_file(directory / DATA_FILE, tuning.dir_mode)
-                return offsets
+        """Rank 0 creates the file and returns every dataset's offset; the others get {}."""
+        def make() -> dict[int, int]:
+            if self.comm.rank != 0:
+                return {}
+            assert datasets is not None
+            with h5py.File(directory / DATA_FILE, "w",
+                           **file_kwargs(tuning.align, tuning.align_threshold)) as f:
+                offsets = create_datasets(f, datasets)
+            # h5py created it under the umask; the directory's mode decides. Inside the same
+            # step, so its error agreement covers it without a second collective per save.
+            set_file(directory / DATA_FILE, tuning.dir_mode)
+            return offsets
 
-            return self.comm.run_step(make, "creating the checkpoint file (mpio)")
-        finally:
-            if tuning.mpi_hints:
-                info.Free()
+        return self.comm.run_step(make, "creating the checkpoint file")
 
     def write(self, path: Path, items: Sequence[WriteItem], tuning: IOTuning) -> list[int]:
         info = mpi_info(tuning.mpi_hints)
         try:
-            return write_mpiio(self.comm.mpi_comm, path, items, info)
+            return write_mpiio(self.comm.mpi_comm, path, items, info, guard=self.comm)
         finally:
             if tuning.mpi_hints:
                 info.Free()

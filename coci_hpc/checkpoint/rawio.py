@@ -10,6 +10,8 @@ success with a short count, and a checkpoint with missing bytes must never commi
 """
 from __future__ import annotations
 
+import bisect
+import contextlib
 import os
 import threading
 from collections.abc import Sequence
@@ -23,6 +25,9 @@ from coci_hpc.checkpoint.integrity import CHECKSUM, checksum
 from coci_hpc.errors import CheckpointError
 
 _CHUNK = 256 << 20  # bytes per write call: bounded so progress and errors surface promptly
+# A guarded MPI-IO call (write_mpiio(guard=)) gets the peer deadline plus its bytes at this rate:
+# a slow filesystem must not pass for a dead peer (20 MB/s: 13 s more for a 256 MiB round).
+GUARD_BYTES_PER_S = 20e6
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,32 @@ def load_helper() -> ThreadPoolExecutor:
     if _load_pool is None:
         _load_pool = ThreadPoolExecutor(1, thread_name_prefix="coci-load")
     return _load_pool
+
+
+_copy_pool: ThreadPoolExecutor | None = None
+MAX_COPY_THREADS = 8
+
+
+def copy_pool() -> ThreadPoolExecutor:
+    """Threads for the copies of a load beside the calling thread (see :func:`copy_threads`)."""
+    global _copy_pool
+    if _copy_pool is None:
+        _copy_pool = ThreadPoolExecutor(MAX_COPY_THREADS - 1, thread_name_prefix="coci-copy")
+    return _copy_pool
+
+
+def copy_threads(ranks_here: int = 1) -> int:
+    """Threads one rank may copy with: the cores it may run on, shared with the other
+    ``ranks_here`` ranks of its node where they are not bound apart. A rank bound to one core
+    (Open MPI binds each of 1 or 2 ranks to a core by default) copies in one thread: a second
+    one on the same core would only add switches."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if cores >= (os.cpu_count() or cores):  # not bound: the node's cores are shared by its ranks
+        cores //= max(1, ranks_here)
+    return max(1, min(MAX_COPY_THREADS, cores))
 
 
 def pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
@@ -145,13 +176,22 @@ def write_posix(path: str | os.PathLike, items: Sequence[WriteItem], *, fsync: b
 
 
 def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteItem], info: Any = None,
-                *, fsync: bool = True) -> list[int]:
+                *, fsync: bool = True, guard: Any = None) -> list[int]:
     """Collective MPI-IO writes (one ``Write_at_all`` per round); every rank of ``mpi_comm`` calls it.
 
     Rounds = the largest number of chunks on any rank; a rank with fewer writes an empty
     buffer in the remaining rounds (legal in MPI-IO, unlike zero-size HDF5 selections).
+
+    ``guard``: a :class:`~coci_hpc.comm.Comm` whose peer deadline bounds each collective call
+    (they cannot be polled; :meth:`~coci_hpc.comm.Comm.guard`), with time for the bytes on top at
+    ``GUARD_BYTES_PER_S``, so a slow disk is not taken for a dead peer.
     """
     from mpi4py import MPI
+
+    def guarded(what: str, nbytes: int = 0) -> Any:
+        if guard is None:
+            return contextlib.nullcontext()
+        return guard.guard(what, allow_s=nbytes / GUARD_BYTES_PER_S)
 
     fut = background().submit(_crcs, items)
     chunks: list[tuple[int, memoryview]] = []
@@ -159,8 +199,11 @@ def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteIte
         mv = memoryview(it.buf).cast("B")  # type: ignore[arg-type]  # numpy types its buffer protocol for Python >= 3.12 only
         for i in range(0, len(mv), _CHUNK):
             chunks.append((it.offset + i, mv[i:i + _CHUNK]))
-    rounds = mpi_comm.allreduce(len(chunks), op=MPI.MAX)
-    fh = MPI.File.Open(mpi_comm, str(path), MPI.MODE_WRONLY, info if info is not None else MPI.INFO_NULL)
+    total = sum(len(mv) for _, mv in chunks)
+    with guarded("the MPI-IO write's agreement on rounds"):
+        rounds = mpi_comm.allreduce(len(chunks), op=MPI.MAX)
+    with guarded("MPI_File_open (collective)"):
+        fh = MPI.File.Open(mpi_comm, str(path), MPI.MODE_WRONLY, info if info is not None else MPI.INFO_NULL)
     short: str | None = None
     try:
         empty = np.empty(0, dtype=np.uint8)
@@ -171,7 +214,8 @@ def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteIte
             if i < len(chunks) and short is None:
                 off, mv = chunks[i]
                 try:
-                    fh.Write_at_all(off, [mv, MPI.BYTE], status)
+                    with guarded("MPI_File_write_at_all", len(mv)):
+                        fh.Write_at_all(off, [mv, MPI.BYTE], status)
                     got = status.Get_count(MPI.BYTE)
                 except MPI.Exception as exc:  # this rank only: keep joining the rounds
                     got, why = -1, f"MPI-IO write failed at offset {off} of {path}: {exc}"
@@ -179,13 +223,17 @@ def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteIte
                     short = why if got < 0 else (f"MPI-IO wrote {got} of {len(mv)} bytes at offset "
                                                  f"{off} of {path} (disk full or quota exceeded?)")
             else:
-                fh.Write_at_all(0, [empty, MPI.BYTE])
+                with guarded("MPI_File_write_at_all", _CHUNK):
+                    fh.Write_at_all(0, [empty, MPI.BYTE])
         # MPI_File_sync is collective: every rank must agree whether to call it.
-        any_short = mpi_comm.allreduce(short is not None, op=MPI.LOR)
+        with guarded("the MPI-IO write's agreement on success"):
+            any_short = mpi_comm.allreduce(short is not None, op=MPI.LOR)
         if fsync and not any_short:
-            fh.Sync()
+            with guarded("MPI_File_sync", total):
+                fh.Sync()
     finally:
-        fh.Close()
+        with guarded("MPI_File_close"):
+            fh.Close()
     crcs = fut.result()
     if short is not None:
         raise CheckpointError(short, hint="free space (df, lfs quota) or lower keep=; nothing was "
@@ -213,10 +261,19 @@ def _madvise() -> Any:
     global _libc
     if _libc is None:
         import ctypes
-        import ctypes.util
 
-        name = ctypes.util.find_library("c")
-        _libc = ctypes.CDLL(name, use_errno=True) if name else False
+        try:
+            # The running process's own symbols: libc is loaded already. ctypes.util.find_library
+            # would run `ldconfig -p` in a subprocess (about 70 ms, paid by the first load of
+            # every restarted job), so it is only the fallback.
+            lib: Any = ctypes.CDLL(None, use_errno=True)
+            lib.madvise  # noqa: B018  # AttributeError where the process has no madvise
+        except (OSError, AttributeError):
+            import ctypes.util
+
+            name = ctypes.util.find_library("c")
+            lib = ctypes.CDLL(name, use_errno=True) if name else False
+        _libc = lib
         if _libc:
             _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             _libc.madvise.restype = ctypes.c_int
@@ -236,9 +293,11 @@ class FileMap:
     """
 
     def __init__(self, mm: Any, arr: np.ndarray) -> None:
-        self._mm = mm
+        self._mm: Any = mm
         self._arr: np.ndarray | None = arr
         self._base = int(arr.ctypes.data)
+        self._done: list[list[int]] = []  # [start, stop) ranges populated so far, merged, sorted
+        self._lock = threading.Lock()  # copies populate from several threads
 
     @classmethod
     def open(cls, fd: int, size: int) -> FileMap | None:
@@ -259,8 +318,12 @@ class FileMap:
         return fm
 
     def populate(self, at: int, n: int) -> None:
-        """Map bytes [at, at+n), reading them in if needed; OSError if they cannot be read."""
-        if n <= 0:
+        """Map bytes [at, at+n), reading them in if needed; OSError if they cannot be read.
+
+        A range this mapping populated before is not walked again (about 25 ms per GB of page
+        tables here): its pages stay mapped unless memory pressure reclaims them, and only a
+        read error on reading such a page in again would then reach a memcpy as a SIGBUS."""
+        if n <= 0 or self._covered(at, at + n):
             return
         page = _PAGE
         a0 = (self._base + at) // page * page
@@ -271,6 +334,28 @@ class FileMap:
 
             err = ctypes.get_errno()
             raise OSError(err, f"reading bytes [{at}, {at + n}) of the file failed: {os.strerror(err)}")
+        self._note(at, at + n)
+
+    def _covered(self, a: int, b: int) -> bool:
+        with self._lock:
+            i = bisect.bisect_right(self._done, [a, float("inf")]) - 1
+            return i >= 0 and self._done[i][0] <= a and b <= self._done[i][1]
+
+    def _note(self, a: int, b: int) -> None:
+        """Add [a, b) to the populated ranges, merging it with those it touches."""
+        with self._lock:
+            self._merge(a, b)
+
+    def _merge(self, a: int, b: int) -> None:
+        done = self._done
+        i = bisect.bisect_left(done, [a, a])
+        if i > 0 and done[i - 1][1] >= a:
+            i -= 1
+        j = i
+        while j < len(done) and done[j][0] <= b:
+            a, b = min(a, done[j][0]), max(b, done[j][1])
+            j += 1
+        done[i:j] = [[a, b]]
 
     def view(self, at: int, n: int) -> np.ndarray:
         """Bytes [at, at+n) as a read-only array, populated first (see :meth:`populate`)."""
@@ -278,12 +363,25 @@ class FileMap:
         self.populate(at, n)
         return self._arr[at:at + n]
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
+        """Unmap the file. ``wait=False`` leaves the unmapping to the load's helper thread:
+        tearing down the mapping of a large file takes 10-70 ms here, and nothing waits for it
+        (``mmap.close`` releases the GIL while it unmaps)."""
         self._arr = None
-        try:
-            self._mm.close()
-        except BufferError:  # a view is still alive somewhere: the mapping goes with it
-            pass
+        mm, self._mm = self._mm, None
+        if mm is None:
+            return
+        if wait:
+            _unmap(mm)
+        else:
+            load_helper().submit(_unmap, mm)
+
+
+def _unmap(mm: Any) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a view is still alive somewhere: the mapping goes with it
+        pass
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

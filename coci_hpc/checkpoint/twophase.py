@@ -376,6 +376,15 @@ class TwoPhaseSaver:
         self.last_stats["snapshot_wait_s"] = self.last_stats.get("snapshot_wait_s", 0.0) + dt
         return dt
 
+    def quiesce(self, timeout_s: float) -> bool:
+        """Local: wait up to ``timeout_s`` for the background write to end, without committing
+        (a lost peer: no agreement can follow). The optimizer pre-hook is released."""
+        job = self._job
+        if job is None:
+            return True
+        job.snapshot_done.set()
+        return job.done.wait(timeout_s)
+
     # ------------------------------------------------------------------------ internals
     def _persist(self, job: _Job) -> None:
         try:

@@ -279,6 +279,14 @@ def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, ow
         out.reason = "another survivor writes"
         return out
     out.writer = True
+    if (mf.step_dir(root, step) / mf.MANIFEST).is_file():
+        # The regular save of this step had committed (its manifest is written last) before the
+        # peer was lost in that save's last agreement: it is the checkpoint, complete and checked.
+        shutil.rmtree(staging_dir(root, step), ignore_errors=True)
+        out.committed, out.path = True, mf.step_dir(root, step)
+        out.reason = f"the regular checkpoint of step {step} had committed"
+        out.write_s = time.monotonic() - t0
+        return out
     sharded = [l.name for l in collect(state, rng=False)[1] if l.kind == "sharded"]
     if sharded:        # decided before waiting for the partner copies: they cannot change it
         out.reason = f"Sharded tensor(s) {sharded[:3]} have rows only the lost rank held"

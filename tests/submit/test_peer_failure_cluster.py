@@ -209,3 +209,35 @@ def test_sharded_state_on_the_lost_rank_falls_back_and_says_so(slurm_cluster: Sl
     st = _cli(slurm_cluster, "coci_hpc.cli.status", str(ckpt), "--no-png", cwd=wd)
     print(st.stdout)
     assert "no survivors' checkpoint (Sharded tensor(s)" in st.stdout and f"fell back to step {before[-1]}" in st.stdout
+
+
+def test_peer_killed_mid_save_survivor_saves_that_step_within_seconds(slurm_cluster: SlurmCluster,
+                                                                     reference: str) -> None:
+    """Rank 1 is SIGKILLed while a regular save's collectives are in flight (the test-only fault
+    hook pauses it inside its first save, at step 40, while rank 0 waits in that save's next
+    collective). Before issue 13's save-path deadline the survivor blocked there until Slurm's
+    grace ended it; now it notices within the peer deadline, writes the survivors' checkpoint of
+    the step the failed save was writing, and the requeued run resumes there, loses nothing and
+    ends bit-exact."""
+    wd = slurm_cluster.workdir / "peer-midsave"
+    wd.mkdir()
+    job, ckpt, log0 = _submit(slurm_cluster, wd, every=40, env={"COCI_FAULT_SAVE_PAUSE_S": "120"})
+    err1 = wd / "run" / "logs" / f"{job}_1_log.err"
+    try:
+        deadline = time.monotonic() + 180
+        while "FAULT INJECTION" not in (err1.read_text() if err1.exists() else ""):
+            assert time.monotonic() < deadline, "rank 1 never reached its save"
+            time.sleep(0.1)
+        t_kill = time.time()
+        slurm_cluster.run(str(slurm_cluster.devcluster), "kill-tasks", "n2")   # rank 1 dies mid-save
+        res = _check_run(slurm_cluster, wd, job, ckpt, log0, reference, ("REQUEUED",))
+    finally:        # a survivor blocked in the save (the bug) must not hold the shared cluster
+        slurm_cluster.run("scancel", job, check=False)
+    lost = res["lost"]
+    print({k: lost.get(k) for k in ("step", "how", "detect_wall", "commit_wall", "save_s")}, "kill", t_kill)
+    assert lost["committed"] and lost["step"] == 40, lost        # the step the torn save was writing
+    assert "checkpoint collective" in lost["how"], lost
+    assert lost["detect_wall"] - t_kill <= 15.0 and lost["commit_wall"] - t_kill <= 15.0, (lost, t_kill)
+    starts = [e for e in read_events(ckpt) if e["event"] == "attempt_start"]
+    assert starts[1]["resumed_step"] == 40 and starts[1]["steps_lost"] <= 1, starts[1]
+    _no_leftovers(ckpt)
