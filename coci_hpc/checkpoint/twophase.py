@@ -40,7 +40,7 @@ step) spreads it over a few calls, each completing the small non-blocking collec
 the previous call and starting the next (all finished? -> gather the CRCs on rank 0, which writes
 the manifest -> broadcast the outcome; :meth:`TwoPhaseSaver._settle`), so no training step waits
 for another rank to reach the same call; ``poll`` returns True on every rank at the same call,
-three calls after the last rank finished writing. ``wait()``, ``start()`` (through
+the fourth call after the last rank finished writing. ``wait()``, ``start()`` (through
 ``make_room``) and ``close()`` finish whatever stage the commit is in, blocking. Until the
 manifest is written nothing is committed, and "latest" is still the previous checkpoint.
 Background errors are re-raised there on EVERY rank as one CommError naming the failed ranks.
@@ -242,8 +242,8 @@ class TwoPhaseSaver:
 
         Each call completes the non-blocking collective started by the previous call (every
         rank started it one call ago, so this does not wait for a slower rank to reach this
-        call) and starts the next one; see :meth:`_settle`. The commit finishes three calls after
-        the last rank finished writing.
+        call) and starts the next one; see :meth:`_settle`. The commit finishes at the fourth
+        call after the last rank finished writing.
         """
         if self._job is None:
             return False
