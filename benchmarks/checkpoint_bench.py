@@ -289,6 +289,7 @@ def worker(args: argparse.Namespace) -> dict:
                 rec("coci_async_start", comm.allreduce_max(start_blocked))
                 rec("coci_async_snapwait", comm.allreduce_max(st.get("snapshot_wait_s", 0.0)))
                 rec("coci_async_poll", comm.allreduce_max(poll_s))
+                rec("coci_async_manifest", comm.allreduce_max(st.get("manifest_s", 0.0)))
                 rec("coci_async_blocked", comm.allreduce_max(blocked))
                 rec("coci_async_rate", steps / comm.allreduce_max(window))
                 rec("coci_async_persist", comm.allreduce_max(st.get("persist_s", 0.0)))
@@ -332,6 +333,7 @@ def table(results: dict[int, dict]) -> str:
             ("  of which save_async call", "coci_async_start"),
             ("  of which optimizer waits", "coci_async_snapwait"),
             ("  of which poll/commit", "coci_async_poll"),
+            ("    of which manifest (rank 0)", "coci_async_manifest"),
             ("coci save_async: persist", "coci_async_persist"),
             ("raw read (cold)", "raw_read"), ("torch.load (cold)", "torch_load"),
             ("DCP load (cold)", "dcp_load"), ("coci load (cold)", "coci_load")]

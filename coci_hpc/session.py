@@ -235,7 +235,7 @@ class Session:
             # generator cannot see that exception, so ask the peers: a lost one does not answer.
             t_fail = time.time()       # when the failure surfaced here, before the probe's deadline
             if step < total and self.comm.size > 1 and not self.sync.probe(self.sync.deadline_s):
-                self._peer_lost(self.step, "an exception inside the step (the peers did not answer)", t_fail)
+                self._peer_lost(self.step, f"an exception inside the step, then: {self.sync.lost_why}", t_fail)
             raise
         finally:
             self.recorder.uninstall()

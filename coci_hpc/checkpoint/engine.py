@@ -26,7 +26,7 @@ from coci_hpc.checkpoint.h5file import DatasetReader
 from coci_hpc.checkpoint.layout import DatasetSpec, Layout, Piece, RankLayout
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
-from coci_hpc.checkpoint.rawio import WriteItem, write_posix
+from coci_hpc.checkpoint.rawio import WriteItem, copy_threads, write_posix
 from coci_hpc.checkpoint.state import (
     Leaf,
     PerRank,
@@ -345,7 +345,8 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
         needed = comm.run_step(check, f"checking checkpoint step {chosen}")
         reader.trust(needed)  # every rank checked its part, or all would have raised above
         # Pass 2: the checked bytes, still mapped, go straight into their final place (one memcpy).
-        return comm.run_step(lambda: _install(comm, m, state, reader, ranges, targets, rng, trees),
+        threads = copy_threads(len(node))
+        return comm.run_step(lambda: _install(comm, m, state, reader, ranges, targets, rng, trees, threads),
                              f"loading checkpoint step {chosen} into the state")
     finally:
         reader.close()
@@ -499,6 +500,13 @@ def _my_checks(rank: int, node: list[int], m: dict[str, Any], reader: DatasetRea
     return mine, needs[rank]
 
 
+def _plan(reader: DatasetReader, pieces: list[tuple[np.ndarray, int]], meta: Mapping[str, Any],
+          dest: np.ndarray, start: int) -> None:
+    piece = reader.plan_verified(meta, dest, start)
+    if piece is not None:
+        pieces.append(piece)
+
+
 def _owner(state: Mapping[str, Any], leaf: str) -> Any:
     """The state value a leaf name ("replicated/<key>/...") belongs to."""
     value = state.get(leaf.split("/", 2)[1])
@@ -525,11 +533,15 @@ def _in_place(owner: Any) -> str | None:
 
 def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: DatasetReader,
              ranges: list[tuple[dict[str, Any], int, tuple[int, ...], int]], targets: Mapping[str, Any],
-             rng: bool, trees: Mapping[str, Any]) -> LoadResult:
-    """Put the checked bytes into the state: fresh buffers only where in place is not safe."""
+             rng: bool, trees: Mapping[str, Any], threads: int = 1) -> LoadResult:
+    """Put the checked bytes into the state: fresh buffers only where in place is not safe.
+
+    The copies of each group run as one batch split over ``threads`` threads (see
+    :meth:`~coci_hpc.checkpoint.h5file.DatasetReader.copy_verified`)."""
     tensors: dict[str, Any] = {}
     direct: list[tuple[dict[str, Any], int, np.ndarray]] = []
     after: list[tuple[dict[str, Any], int, tuple[int, ...], Any]] = []
+    fresh: list[tuple[np.ndarray, int]] = []
     for meta, start, shape, _ in ranges:
         name = meta["name"]
         tgt = targets.get(name)
@@ -539,7 +551,7 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
             # A fresh buffer, never the live tensor: an object that refuses its state, or copies
             # it while loading, must see the checkpoint's bytes and leave the state as it was.
             obj, dest = empty_like_leaf(meta["dtype"], shape)
-            reader.read_verified(meta, dest, start)
+            _plan(reader, fresh, meta, dest, start)
             tensors[name] = obj
             continue
         tensors[name] = tgt.local if isinstance(tgt, Sharded) else tgt
@@ -547,12 +559,15 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
             direct.append((meta, start, view))
         else:
             after.append((meta, start, shape, _owner(state, name)))
+    reader.copy_verified(fresh, threads)
 
     def fill() -> None:
         """Called once every refusable object accepted its state: from here on nothing refuses."""
+        pieces: list[tuple[np.ndarray, int]] = []
         for meta, start, view in direct:
-            reader.read_verified(meta, view, start)
+            _plan(reader, pieces, meta, view, start)
         now: dict[int, dict[str, Any]] = {}
+        cast: list[tuple[torch.Tensor, Any]] = []
         for meta, start, shape, owner in after:
             if id(owner) not in now:
                 key = meta["name"].split("/", 2)
@@ -561,14 +576,17 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
             live = now[id(owner)].get(meta["name"])
             live_view = leaf_view(live, meta["dtype"], shape)
             if live_view is not None:
-                reader.read_verified(meta, live_view, start)
+                _plan(reader, pieces, meta, live_view, start)
                 continue
             if not isinstance(live, torch.Tensor):
                 raise CheckpointError(f"{meta['name']!r}: the optimizer dropped this tensor while loading",
                                       hint="report this; load with a freshly built optimizer")
             obj, dest = empty_like_leaf(meta["dtype"], shape)
-            reader.read_verified(meta, dest, start)
-            with torch.no_grad():
+            _plan(reader, pieces, meta, dest, start)
+            cast.append((live, obj))
+        reader.copy_verified(pieces, threads)
+        with torch.no_grad():
+            for live, obj in cast:
                 live.copy_(obj)  # the optimizer cast it (dtype/device): copy with the same cast
 
     rank = comm.rank

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import stat
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import numpy as np
 
 from coci_hpc.checkpoint.integrity import checksum
 from coci_hpc.checkpoint.layout import DatasetSpec
-from coci_hpc.checkpoint.rawio import FileMap, load_helper, pread_into
+from coci_hpc.checkpoint.rawio import FileMap, aligned_empty, copy_pool, load_helper, pread_into
 from coci_hpc.checkpoint.state import storage_dtype
 from coci_hpc.errors import CheckpointCorrupt
 
@@ -67,28 +68,46 @@ def file_kwargs(align: int, threshold: int) -> dict[str, Any]:
     return {"alignment_threshold": threshold, "alignment_interval": align}
 
 
-_READ_CHUNK = 32 << 20  # bytes per read (or per CRC call over the mapping) while checking
+_READ_CHUNK = 8 << 20  # bytes per read (or per CRC call over the mapping) while checking
 
 # What h5py raises on damaged metadata (a flipped byte in an object header, a truncated B-tree).
 _H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError, IndexError, OverflowError,
               SystemError)
 
 
-_SPLIT_COPY = 64 << 20  # copies at least this large run in two threads (memory bandwidth)
+_MIN_COPY_SHARE = 32 << 20  # a copy thread gets at least this many bytes (else: fewer threads)
+_EARLY_READ = 32 << 20  # read ahead while the metadata is checked (see DatasetReader._start_reading)
+_HINT = 8 << 20  # Linux reads at most this much (read_ahead_kb here) per WILLNEED call
+_MAP_CHUNK = 64 << 20  # bytes per populate call: a failure names its range promptly
+PASS1_MAPPED = True  # check over the file's mapping (False: stream; see DatasetReader.verify)
 
 
-def _copy(dest: np.ndarray, src: np.ndarray) -> None:
-    """``dest[:] = src`` for 1-D byte arrays; a large copy is split with the load's helper
-    thread (numpy releases the GIL), which a single core's memcpy leaves idle."""
-    if dest.nbytes < _SPLIT_COPY:
-        np.copyto(dest, src)
-        return
-    half = dest.nbytes // 2
-    other = load_helper().submit(np.copyto, dest[half:], src[half:])
-    try:
-        np.copyto(dest[:half], src[:half])
-    finally:
-        other.result()
+class _stream_buffers:
+    """Two reused buffers of at least ``size`` bytes for the streamed check, kept for the next
+    load (a first touch of fresh memory is slow here: ~0.4 GB/s); a load that finds them in
+    use (another thread loading) gets its own."""
+
+    _kept: list[np.ndarray] = []
+    _lock = threading.Lock()
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.owned = False
+
+    def __enter__(self) -> list[np.ndarray]:
+        if self.size <= 0:
+            return []
+        cls = type(self)
+        self.owned = cls._lock.acquire(blocking=False)
+        if not self.owned:
+            return [aligned_empty(self.size) for _ in range(2)]
+        if not cls._kept or cls._kept[0].nbytes < self.size:
+            cls._kept = [aligned_empty(self.size) for _ in range(2)]
+        return cls._kept
+
+    def __exit__(self, *exc: object) -> None:
+        if self.owned:
+            type(self)._lock.release()
 
 
 def _hard_links_only(h5: h5py.File, path: Path) -> list[str]:
@@ -129,6 +148,8 @@ class DatasetReader:
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointCorrupt(f"{self.path} is not a regular file", hint=hint)
             self._size = st.st_size
+            if manifest is not None:
+                self._start_reading(manifest)
             try:
                 self._h5 = h5py.File(self.path, "r")
             except _H5_ERRORS as exc:
@@ -159,6 +180,18 @@ class DatasetReader:
         if manifest is not None:
             self._expect(manifest, names)
 
+    def _start_reading(self, manifest: Mapping[str, Any]) -> None:
+        """Let the disk start on the first data bytes while HDF5's metadata and the state are
+        checked (tens of ms in which it would idle otherwise). Only a hint for this same file:
+        the offsets are the manifest's, trusted only once HDF5 confirms them."""
+        starts = [t.get("offset") for t in manifest.get("tensors", ()) if t.get("file") == self.path.name]
+        first = min((o for o in starts if isinstance(o, int) and not isinstance(o, bool) and o >= 0),
+                    default=None)
+        if first is None:
+            return
+        for at in range(first, min(first + _EARLY_READ, self._size), _HINT):
+            os.posix_fadvise(self._fd, at, _HINT, os.POSIX_FADV_WILLNEED)
+
     def _expect(self, manifest: Mapping[str, Any], names: list[str]) -> None:
         mine = self.path.name
         wanted = {t["dataset"].lstrip("/") for t in manifest["tensors"] if t["file"] == mine}
@@ -176,7 +209,7 @@ class DatasetReader:
 
     def close(self) -> None:
         if isinstance(self._map, FileMap):
-            self._map.close()
+            self._map.close(wait=False)  # nothing reads through it any more
         self._map = None
         self._h5.close()
         os.close(self._fd)
@@ -347,9 +380,15 @@ class DatasetReader:
         the next is read. The CRCs run straight over the file's mapping
         (:class:`~coci_hpc.checkpoint.rawio.FileMap`): no byte is copied and no fresh memory
         is touched (on this machine a first touch of fresh memory costs about as much as the
-        cold read itself). :meth:`read_verified` then copies the checked bytes, still mapped,
-        straight into their final buffers: one memcpy in all. Without a mapping the bytes
-        stream through two small reused buffers instead (a copy more).
+        cold read itself). :meth:`copy_verified` then copies the checked bytes, still mapped,
+        straight into their final buffers: one memcpy in all.
+
+        Without a mapping, or with ``PASS1_MAPPED`` off, the bytes are read with plain
+        sequential ``pread`` calls into two small reused buffers instead (a copy more, but the
+        kernel's own readahead then reads the file as a raw read does), and, where the file
+        can be mapped, mapped afterwards for the copies. Under CPU contention here (A/B runs
+        in one process, load average 6-29) checking over the mapping was the faster of the
+        two; the switch stays for A/B runs on other machines.
         """
         algorithm = self._algorithm
         if algorithm is None:
@@ -361,11 +400,38 @@ class DatasetReader:
             sh = next(sh for sh in self._shards[dataset] if sh["start"] == first)
             jobs.append((meta, sh, self.offset(meta) + first))
         jobs.sort(key=lambda j: j[2])
-        for _, sh, at in jobs:
-            os.posix_fadvise(self._fd, at, sh["stop"] - sh["start"], os.POSIX_FADV_WILLNEED)
-        fmap = self._mapped()
+        fmap = self._mapped() if PASS1_MAPPED else None
+        if fmap is not None:
+            for _, sh, at in jobs:
+                os.posix_fadvise(self._fd, at, sh["stop"] - sh["start"], os.POSIX_FADV_WILLNEED)
         size = min(_READ_CHUNK, max((sh["stop"] - sh["start"] for _, sh, _ in jobs), default=0))
-        bufs = [] if fmap is not None else [np.empty(size, dtype=np.uint8) for _ in range(2)]
+        with _stream_buffers(0 if fmap is not None else size) as bufs:
+            self._check_jobs(jobs, fmap, bufs, size)
+        if fmap is None:
+            # Map what was read (in the page cache now, so this only builds page tables): a
+            # read error or a file cut short must surface here, before any byte goes into the
+            # state, not halfway through the copies.
+            self._map_in([(meta, at, sh["stop"] - sh["start"]) for meta, sh, at in jobs])
+
+    def _map_in(self, ranges: Sequence[tuple[Mapping[str, Any], int, int]]) -> None:
+        """Populate the mapping over (dataset entry, file offset, bytes) ranges (see
+        :meth:`FileMap.populate`); CheckpointCorrupt naming the dataset if one cannot be read."""
+        fmap = self._mapped()
+        if fmap is None:
+            return
+        for meta, at, n in ranges:
+            try:
+                for c0 in range(0, n, _MAP_CHUNK):
+                    fmap.populate(at + c0, min(_MAP_CHUNK, n - c0))
+            except OSError as exc:
+                raise CheckpointCorrupt(f"{self.path}: reading {meta['dataset']!r} failed: {exc}",
+                                        hint="the shard file is damaged or truncated; load an older "
+                                             "step") from exc
+
+    def _check_jobs(self, jobs: list[tuple[Mapping[str, Any], Mapping[str, Any], int]],
+                    fmap: FileMap | None, bufs: list[np.ndarray], size: int) -> None:
+        algorithm = self._algorithm
+        assert algorithm is not None
         crcs = [0] * len(jobs)
 
         def feed(j: int, part: np.ndarray) -> None:  # the helper thread: chunks arrive in order
@@ -405,27 +471,31 @@ class DatasetReader:
         rank of this node checks, which this rank copies afterwards. Done while that rank may
         still be reading them (the page cache is shared, nothing is read twice), so that the
         copy after the agreement is a plain memcpy."""
-        fmap = self._mapped()
-        for dataset, first in sorted(keys, key=lambda k: (self.offset(self._metas[k[0]]), k[1])):
+        order = sorted(keys, key=lambda k: (self.offset(self._metas[k[0]]), k[1]))
+        ranges = []
+        for dataset, first in order:
             meta = self._metas[dataset]
             sh = next(sh for sh in self._shards[dataset] if sh["start"] == first)
-            at, n = self.offset(meta) + first, sh["stop"] - sh["start"]
-            if fmap is None:
+            ranges.append((meta, self.offset(meta) + first, sh["stop"] - sh["start"]))
+        if self._mapped() is None:
+            for _, at, n in ranges:
                 os.posix_fadvise(self._fd, at, n, os.POSIX_FADV_WILLNEED)
-                continue
-            try:
-                for c0 in range(0, n, _READ_CHUNK):
-                    fmap.populate(at + c0, min(_READ_CHUNK, n - c0))
-            except OSError as exc:
-                raise CheckpointCorrupt(f"{self.path}: reading {meta['dataset']!r} failed: {exc}",
-                                        hint="the shard file is damaged or truncated; load an older "
-                                             "step") from exc
+            return
+        self._map_in(ranges)
 
     def read_verified(self, meta: Mapping[str, Any], dest: np.ndarray, start: int = 0) -> None:
         """Fill ``dest`` with bytes [start, start+dest.nbytes) of a dataset whose shards
         :meth:`verify` already checked (a plain read: the checks are not paid twice)."""
+        piece = self.plan_verified(meta, dest, start)
+        if piece is not None:
+            self.copy_verified([piece])
+
+    def plan_verified(self, meta: Mapping[str, Any], dest: np.ndarray, start: int = 0
+                      ) -> tuple[np.ndarray, int] | None:
+        """What :meth:`read_verified` would copy, as (``dest``'s bytes, file offset), for
+        :meth:`copy_verified`; CheckpointCorrupt unless checked shards cover all of it."""
         if dest.nbytes == 0:
-            return
+            return None
         stop = start + dest.nbytes
         if start < 0 or stop > int(meta["nbytes"]):
             raise CheckpointCorrupt(f"{self.path}: read past the end of {meta['dataset']!r}",
@@ -438,16 +508,51 @@ class DatasetReader:
                 raise CheckpointCorrupt(f"{self.path}: bytes [{start}, {stop}) of {meta['dataset']!r} "
                                         f"are not all covered by checked shards",
                                         hint="the manifest was edited or damaged; load an older step")
-        at = self.offset(meta) + start
+        return dest.reshape(-1).view(np.uint8), self.offset(meta) + start
+
+    def copy_verified(self, pieces: Sequence[tuple[np.ndarray, int]], threads: int = 1) -> None:
+        """Copy planned pieces (:meth:`plan_verified`), the bytes split evenly over ``threads``
+        threads (the calling one and the copy pool's): the copy is bound by memory bandwidth,
+        which one core does not use up. From the file's mapping (one memcpy) or by pread."""
         fmap = self._mapped()
+        total = sum(d.nbytes for d, _ in pieces)
+        threads = max(1, min(threads, total // _MIN_COPY_SHARE))
+        shares: list[list[tuple[np.ndarray, int]]] = [[] for _ in range(threads)]
+        k = done = 0
+        for dest, at in pieces:
+            off, n = 0, dest.nbytes
+            while off < n:
+                take = min(n - off, total * (k + 1) // threads - done)
+                if take <= 0:
+                    k += 1
+                    continue
+                shares[k].append((dest[off:off + take], at + off))
+                off += take
+                done += take
+
+        def run(share: list[tuple[np.ndarray, int]]) -> None:
+            for d, at in share:
+                if fmap is None:
+                    pread_into(self._fd, d, at)
+                else:
+                    np.copyto(d, fmap.view(at, d.nbytes))
+
+        futures = [copy_pool().submit(run, sh) for sh in shares[1:]]
+        errors: list[BaseException] = []
         try:
-            if fmap is None:
-                pread_into(self._fd, dest, at)
-            else:
-                _copy(dest.reshape(-1).view(np.uint8), fmap.view(at, dest.nbytes))
+            run(shares[0])
         except (OSError, EOFError) as exc:
-            raise CheckpointCorrupt(f"{self.path}: reading {meta['dataset']!r} failed: {exc}",
-                                    hint="the shard file is damaged or truncated; load an older step") from exc
+            errors.append(exc)
+        finally:
+            for f in futures:
+                try:
+                    f.result()
+                except (OSError, EOFError) as exc:
+                    errors.append(exc)
+        if errors:
+            raise CheckpointCorrupt(f"{self.path}: reading checked bytes again failed: {errors[0]}",
+                                    hint="the shard file is damaged or truncated; load an older "
+                                         "step") from errors[0]
 
     @staticmethod
     def _covered(shards: list[Mapping[str, Any]], start: int, stop: int) -> bool:

@@ -10,6 +10,7 @@ success with a short count, and a checkpoint with missing bytes must never commi
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import threading
@@ -75,6 +76,32 @@ def load_helper() -> ThreadPoolExecutor:
     if _load_pool is None:
         _load_pool = ThreadPoolExecutor(1, thread_name_prefix="coci-load")
     return _load_pool
+
+
+_copy_pool: ThreadPoolExecutor | None = None
+MAX_COPY_THREADS = 8
+
+
+def copy_pool() -> ThreadPoolExecutor:
+    """Threads for the copies of a load beside the calling thread (see :func:`copy_threads`)."""
+    global _copy_pool
+    if _copy_pool is None:
+        _copy_pool = ThreadPoolExecutor(MAX_COPY_THREADS - 1, thread_name_prefix="coci-copy")
+    return _copy_pool
+
+
+def copy_threads(ranks_here: int = 1) -> int:
+    """Threads one rank may copy with: the cores it may run on, shared with the other
+    ``ranks_here`` ranks of its node where they are not bound apart. A rank bound to one core
+    (Open MPI binds each of 1 or 2 ranks to a core by default) copies in one thread: a second
+    one on the same core would only add switches."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if cores >= (os.cpu_count() or cores):  # not bound: the node's cores are shared by its ranks
+        cores //= max(1, ranks_here)
+    return max(1, min(MAX_COPY_THREADS, cores))
 
 
 def pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
@@ -234,10 +261,19 @@ def _madvise() -> Any:
     global _libc
     if _libc is None:
         import ctypes
-        import ctypes.util
 
-        name = ctypes.util.find_library("c")
-        _libc = ctypes.CDLL(name, use_errno=True) if name else False
+        try:
+            # The running process's own symbols: libc is loaded already. ctypes.util.find_library
+            # would run `ldconfig -p` in a subprocess (about 70 ms, paid by the first load of
+            # every restarted job), so it is only the fallback.
+            lib: Any = ctypes.CDLL(None, use_errno=True)
+            lib.madvise  # noqa: B018  # AttributeError where the process has no madvise
+        except (OSError, AttributeError):
+            import ctypes.util
+
+            name = ctypes.util.find_library("c")
+            lib = ctypes.CDLL(name, use_errno=True) if name else False
+        _libc = lib
         if _libc:
             _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             _libc.madvise.restype = ctypes.c_int
@@ -257,9 +293,11 @@ class FileMap:
     """
 
     def __init__(self, mm: Any, arr: np.ndarray) -> None:
-        self._mm = mm
+        self._mm: Any = mm
         self._arr: np.ndarray | None = arr
         self._base = int(arr.ctypes.data)
+        self._done: list[list[int]] = []  # [start, stop) ranges populated so far, merged, sorted
+        self._lock = threading.Lock()  # copies populate from several threads
 
     @classmethod
     def open(cls, fd: int, size: int) -> FileMap | None:
@@ -280,8 +318,12 @@ class FileMap:
         return fm
 
     def populate(self, at: int, n: int) -> None:
-        """Map bytes [at, at+n), reading them in if needed; OSError if they cannot be read."""
-        if n <= 0:
+        """Map bytes [at, at+n), reading them in if needed; OSError if they cannot be read.
+
+        A range this mapping populated before is not walked again (about 25 ms per GB of page
+        tables here): its pages stay mapped unless memory pressure reclaims them, and only a
+        read error on reading such a page in again would then reach a memcpy as a SIGBUS."""
+        if n <= 0 or self._covered(at, at + n):
             return
         page = _PAGE
         a0 = (self._base + at) // page * page
@@ -292,6 +334,28 @@ class FileMap:
 
             err = ctypes.get_errno()
             raise OSError(err, f"reading bytes [{at}, {at + n}) of the file failed: {os.strerror(err)}")
+        self._note(at, at + n)
+
+    def _covered(self, a: int, b: int) -> bool:
+        with self._lock:
+            i = bisect.bisect_right(self._done, [a, float("inf")]) - 1
+            return i >= 0 and self._done[i][0] <= a and b <= self._done[i][1]
+
+    def _note(self, a: int, b: int) -> None:
+        """Add [a, b) to the populated ranges, merging it with those it touches."""
+        with self._lock:
+            self._merge(a, b)
+
+    def _merge(self, a: int, b: int) -> None:
+        done = self._done
+        i = bisect.bisect_left(done, [a, a])
+        if i > 0 and done[i - 1][1] >= a:
+            i -= 1
+        j = i
+        while j < len(done) and done[j][0] <= b:
+            a, b = min(a, done[j][0]), max(b, done[j][1])
+            j += 1
+        done[i:j] = [[a, b]]
 
     def view(self, at: int, n: int) -> np.ndarray:
         """Bytes [at, at+n) as a read-only array, populated first (see :meth:`populate`)."""
@@ -299,12 +363,25 @@ class FileMap:
         self.populate(at, n)
         return self._arr[at:at + n]
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
+        """Unmap the file. ``wait=False`` leaves the unmapping to the load's helper thread:
+        tearing down the mapping of a large file takes 10-70 ms here, and nothing waits for it
+        (``mmap.close`` releases the GIL while it unmaps)."""
         self._arr = None
-        try:
-            self._mm.close()
-        except BufferError:  # a view is still alive somewhere: the mapping goes with it
-            pass
+        mm, self._mm = self._mm, None
+        if mm is None:
+            return
+        if wait:
+            _unmap(mm)
+        else:
+            load_helper().submit(_unmap, mm)
+
+
+def _unmap(mm: Any) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a view is still alive somewhere: the mapping goes with it
+        pass
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

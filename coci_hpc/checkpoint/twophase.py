@@ -40,7 +40,7 @@ step) spreads it over a few calls, each completing the small non-blocking collec
 the previous call and starting the next (all finished? -> gather the CRCs on rank 0, which writes
 the manifest -> broadcast the outcome; :meth:`TwoPhaseSaver._settle`), so no training step waits
 for another rank to reach the same call; ``poll`` returns True on every rank at the same call,
-three calls after the last rank finished writing. ``wait()``, ``start()`` (through
+the fourth call after the last rank finished writing. ``wait()``, ``start()`` (through
 ``make_room``) and ``close()`` finish whatever stage the commit is in, blocking. Until the
 manifest is written nothing is committed, and "latest" is still the previous checkpoint.
 Background errors are re-raised there on EVERY rank as one CommError naming the failed ranks.
@@ -242,8 +242,8 @@ class TwoPhaseSaver:
 
         Each call completes the non-blocking collective started by the previous call (every
         rank started it one call ago, so this does not wait for a slower rank to reach this
-        call) and starts the next one; see :meth:`_settle`. The commit finishes three calls after
-        the last rank finished writing.
+        call) and starts the next one; see :meth:`_settle`. The commit finishes at the fourth
+        call after the last rank finished writing.
         """
         if self._job is None:
             return False
@@ -315,8 +315,11 @@ class TwoPhaseSaver:
                 else:
                     flag = _TIMED_OUT if self._timed_out(job) else _WRITING
                 if flag == _DONE_OK and not data:  # this rank's commit message, made once
-                    message, blob = engine.commit_message(job.prepared, job.crcs)
-                    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+                    try:
+                        message, blob = engine.commit_message(job.prepared, job.crcs)
+                        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+                    except Exception as exc:  # noqa: BLE001 - agreed on like a failed write
+                        job.error, flag = exc, _DONE_FAILED
                 sent = len(data) if flag == _DONE_OK else 0
                 agreed, longest = yield from self._completed(self.comm.iallreduce_min_array([flag, -sent]))
                 if agreed != _WRITING:
@@ -329,9 +332,9 @@ class TwoPhaseSaver:
             error: BaseException | None = None
             t0 = time.perf_counter()
             if raw is not None:  # rank 0
-                gathered = [pickle.loads(b) for b in raw]  # noqa: S301 - our own ranks' messages, over MPI
-                engine.commit_received(job.prepared, blob, gathered)
                 try:
+                    gathered = [pickle.loads(b) for b in raw]  # noqa: S301 - our own ranks' messages, over MPI
+                    engine.commit_received(job.prepared, blob, gathered)
                     engine.write_manifest(self.comm.size, job.prepared, gathered, self.keep)
                 except Exception as exc:  # noqa: BLE001 - every rank hears of it below
                     error = exc

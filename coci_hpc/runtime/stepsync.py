@@ -53,6 +53,7 @@ class StepSync:
         self._have_prev = False
         self._mpi_max: Any = None
         self.lost = False          # a deadline was missed: no collective on this comm any more
+        self.lost_why = ""         # how the loss was seen (PeerLost's message)
         if comm.mpi_comm is not None:
             from mpi4py import MPI
 
@@ -97,7 +98,8 @@ class StepSync:
             self._pending = self._start(self._send[self._slot], self._recv[self._slot])
             self._wait(deadline_s)
             return True
-        except PeerLost:
+        except PeerLost as exc:
+            self.lost_why = exc.message
             return False
 
     def _wait(self, deadline_s: float | None = None) -> None:

@@ -317,38 +317,61 @@ def _ptrs(state: dict) -> list[int]:
             [v.data_ptr() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)])
 
 
+def _preads(monkeypatch) -> list[int]:
+    """The sizes of the reads of the load's check into a buffer (pread)."""
+    from coci_hpc.checkpoint import h5file
+
+    calls: list[int] = []
+    pread = h5file.pread_into
+
+    def spy(fd: int, buf, offset: int):
+        calls.append(buf.nbytes)
+        return pread(fd, buf, offset)
+
+    monkeypatch.setattr(h5file, "pread_into", spy)
+    return calls
+
+
 def _big_meta(m: dict) -> dict:
     return next(t for t in m["tensors"] if t["dataset"] == "replicated/model/big")
 
 
 def _views(monkeypatch) -> list[int]:
-    """Count the reads that go through the file's mapping (the load's fast path)."""
+    """The sizes of the ranges read or mapped through the file's mapping (the fast path)."""
     from coci_hpc.checkpoint.rawio import FileMap
 
     calls: list[int] = []
-    view = FileMap.view
+    view, populate = FileMap.view, FileMap.populate
 
     def spy(self, at: int, n: int):
         calls.append(n)
         return view(self, at, n)
 
+    def spy_populate(self, at: int, n: int):
+        calls.append(n)
+        return populate(self, at, n)
+
     monkeypatch.setattr(FileMap, "view", spy)
+    monkeypatch.setattr(FileMap, "populate", spy_populate)
     return calls
 
 
-@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "streamed"])
-def test_a_flip_in_a_middle_chunk_leaves_the_live_state_untouched(tmp_path, monkeypatch, mapped):
-    """The load checks every chunk straight over the file's mapping (or, where the file cannot
-    be mapped, streamed through reused buffers), then copies into the state's own tensors: a
-    flipped byte in a chunk in the middle of a large tensor leaves every live tensor as it was,
-    bytes and buffers."""
+@pytest.mark.parametrize("mode", ["streamed", "mapped", "unmapped"])
+def test_a_flip_in_a_middle_chunk_leaves_the_live_state_untouched(tmp_path, monkeypatch, mode):
+    """The load checks every chunk straight over the file's mapping ("mapped", the default) or
+    streamed through two reused buffers ("streamed", ``PASS1_MAPPED`` off), then copies
+    through the mapping into the state's own tensors ("unmapped": where the file cannot be
+    mapped, streamed and copied by pread): a flipped byte in a chunk in the middle of a large
+    tensor leaves every live tensor as it was, bytes and buffers."""
     from coci_hpc.checkpoint import h5file
     from coci_hpc.checkpoint.rawio import FileMap
 
     monkeypatch.setattr(h5file, "_READ_CHUNK", 64 << 10)
-    if not mapped:
+    monkeypatch.setattr(h5file, "PASS1_MAPPED", mode == "mapped")
+    if mode == "unmapped":
         monkeypatch.setattr(FileMap, "open", classmethod(lambda cls, fd, size: None))
     views = _views(monkeypatch)
+    reads = _preads(monkeypatch)
     mgr = CheckpointManager(tmp_path, comm=None)
     mgr.save(2, full_state(2, big=_BIG))
     target = full_state(5, big=_BIG)
@@ -356,7 +379,10 @@ def test_a_flip_in_a_middle_chunk_leaves_the_live_state_untouched(tmp_path, monk
     mgr.load(2, target)
     assert canonical(target) == canonical(full_state(2, big=_BIG))
     assert _ptrs(target) == ptrs
-    assert (len(views) > 4 * _BIG // (64 << 10) // 2) == mapped  # each chunk checked, then copied
+    chunks = 4 * _BIG // (64 << 10)  # whole check chunks of the big tensor
+    assert (views.count(64 << 10) >= chunks) == (mode == "mapped")  # checked over the mapping
+    assert (reads.count(64 << 10) >= chunks) == (mode != "mapped")  # read into a buffer
+    assert bool(views) == (mode != "unmapped")  # the copies went through the mapping
 
     t = _big_meta(_manifest(tmp_path))
     _flip(mf.step_dir(tmp_path, 2) / mf.DATA_FILE, t["offset"] + t["nbytes"] // 2 + 3)
@@ -368,11 +394,16 @@ def test_a_flip_in_a_middle_chunk_leaves_the_live_state_untouched(tmp_path, monk
     assert _ptrs(target) == ptrs
 
 
-def test_a_file_cut_short_under_a_mapped_load_is_reported_not_a_crash(tmp_path, monkeypatch):
-    """A read error under the mapping (here: the file truncated after it was checked and mapped)
-    must come back as CheckpointCorrupt with the state untouched, never as a SIGBUS that kills
-    the process: every mapped range is populated (MADV_POPULATE_READ) before it is touched."""
+@pytest.mark.parametrize("pass1", ["mapped", "streamed"])
+def test_a_file_cut_short_under_a_mapped_load_is_reported_not_a_crash(tmp_path, monkeypatch, pass1):
+    """A read error under the mapping (here: the file truncated when it is mapped: during the
+    check, or after a streamed check) must come back as CheckpointCorrupt with the state
+    untouched, never as a SIGBUS that kills the process: every mapped range is populated
+    (MADV_POPULATE_READ) before any byte goes into the state."""
+    from coci_hpc.checkpoint import h5file
     from coci_hpc.checkpoint.h5file import DatasetReader
+
+    monkeypatch.setattr(h5file, "PASS1_MAPPED", pass1 == "mapped")
 
     views = _views(monkeypatch)
     mgr = CheckpointManager(tmp_path, comm=None)

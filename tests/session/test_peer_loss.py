@@ -62,11 +62,12 @@ def test_the_relaunch_loops_notice_ends_the_wait_at_once_and_a_slow_peer_keeps_i
     t0 = time.monotonic()
     with pytest.raises(PeerLost, match="relaunch loop saw it end: srun: error: n2: task 1: Killed"):
         sync.receive()
-    assert time.monotonic() - t0 < 1.0 and sync.lost
+    assert time.monotonic() - t0 < 3.0 and sync.lost       # the deadline is 5 s
     # The generator-exit path (gloo's "Connection reset by peer" inside the step) probes: same.
     probe = StepSync(_StuckComm(), deadline_s=5.0, notice=peernotice.PeerNotice(path))
     t0 = time.monotonic()
-    assert probe.probe(5.0) is False and time.monotonic() - t0 < 1.0
+    assert probe.probe(5.0) is False and time.monotonic() - t0 < 3.0
+    assert "relaunch loop saw it end" in probe.lost_why       # the event log's `how` says which path
 
     # No notice posted: the whole deadline.
     slow = StepSync(_StuckComm(), deadline_s=0.4, notice=peernotice.PeerNotice(tmp_path / "never"))

@@ -1,0 +1,178 @@
+"""The load's I/O pieces (issue 15, restore at disk speed): how the checked bytes are copied, how
+many threads copy, that the file's mapping is built once and torn down off the load's path, and
+that finding libc spawns no process."""
+from __future__ import annotations
+
+import ctypes.util
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from coci_hpc.checkpoint import CheckpointManager, h5file, rawio
+from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint.h5file import DatasetReader
+from tests.checkpoint.helpers import canonical, full_state
+
+
+def _saved(tmp_path: Path) -> tuple[Path, dict]:
+    mgr = CheckpointManager(tmp_path, comm=None)
+    mgr.save(1, full_state(1, big=300_001))
+    mgr.close()
+    d = mf.step_dir(tmp_path, 1)
+    return d / mf.DATA_FILE, mf.read(d)
+
+
+def _all_keys(reader: DatasetReader, m: dict) -> set:
+    return reader.shards_of([(t, 0, t["nbytes"]) for t in m["tensors"]])
+
+
+def test_libc_is_found_without_running_ldconfig(monkeypatch):
+    """`ctypes.util.find_library` runs `ldconfig -p` in a subprocess (about 70 ms here, paid by
+    the first load of every restarted job): the process's own symbols are used instead."""
+    def no_ldconfig(name):
+        raise AssertionError("find_library ran ldconfig")
+
+    monkeypatch.setattr(ctypes.util, "find_library", no_ldconfig)
+    monkeypatch.setattr(rawio, "_libc", None)
+    assert rawio._madvise() is not None
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_copies_split_over_threads_give_the_same_bytes(tmp_path, monkeypatch, threads):
+    """copy_verified splits the bytes of all pieces evenly over the threads (cutting pieces at
+    any byte): every split gives exactly the file's bytes."""
+    monkeypatch.setattr(h5file, "_MIN_COPY_SHARE", 1000)  # small pieces still split
+    path, m = _saved(tmp_path)
+    with DatasetReader(path, m) as r:
+        r.verify(_all_keys(r, m))
+        pieces, want = [], []
+        for t in m["tensors"]:
+            dest = np.zeros(t["nbytes"], dtype=np.uint8)
+            piece = r.plan_verified(t, dest)
+            if piece is not None:
+                pieces.append(piece)
+                want.append((dest, r.read_bytes(t, 0, t["nbytes"])))
+        r.copy_verified(pieces, threads)
+    assert sum(d.nbytes for d, _ in pieces) > 4 * 300_001
+    for dest, ref in want:
+        assert np.array_equal(dest, ref)
+
+
+def test_plan_refuses_bytes_no_checked_shard_covers(tmp_path):
+    """Nothing is copied from a dataset whose shards were not checked."""
+    from coci_hpc.errors import CheckpointCorrupt
+
+    path, m = _saved(tmp_path)
+    t = next(t for t in m["tensors"] if t["nbytes"] > 1000)
+    with DatasetReader(path, m) as r, pytest.raises(CheckpointCorrupt, match="not all covered"):
+        r.plan_verified(t, np.zeros(t["nbytes"], dtype=np.uint8))
+
+
+def test_copy_threads_follow_the_cores_a_rank_may_use(monkeypatch):
+    """A rank bound to one core (Open MPI's default for 1 or 2 ranks) copies in one thread;
+    unbound ranks share the node's cores."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    assert rawio.copy_threads(1) == 1
+    assert rawio.copy_threads(4) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert rawio.copy_threads(1) == rawio.MAX_COPY_THREADS
+    assert rawio.copy_threads(4) == 4
+    assert rawio.copy_threads(64) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert rawio.copy_threads(2) == 4  # bound to 4 of the 16 cores: all 4 are this rank's
+
+
+def test_a_populated_range_is_not_walked_again(tmp_path, monkeypatch):
+    """The copies after the check map ranges the check mapped already: no second
+    MADV_POPULATE_READ walk over them (its page tables cost about 25 ms per GB here)."""
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(3 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fm = rawio.FileMap.open(fd, 3 << 20)
+        assert fm is not None
+        calls = []
+        madvise = rawio._madvise()
+        monkeypatch.setattr(rawio, "_madvise", lambda: lambda a, n, how: calls.append(n) or madvise(a, n, how))
+        fm.populate(0, 1 << 20)
+        fm.populate(1 << 20, 1 << 20)      # touches the first: merged into [0, 2 MB)
+        assert len(calls) == 2
+        fm.view(4096, (2 << 20) - 8192)    # inside what is mapped: no call
+        fm.populate(0, 2 << 20)
+        assert len(calls) == 2
+        fm.view(1 << 20, 2 << 20)          # reaches past it: populated
+        assert len(calls) == 3
+        assert bytes(fm.view(0, 3 << 20)) == path.read_bytes()
+        assert len(calls) == 3
+        fm.close()
+    finally:
+        os.close(fd)
+
+
+def _maps_of(path: Path) -> int:
+    with open("/proc/self/maps") as f:
+        return sum(str(path) in line for line in f)
+
+
+def test_a_load_unmaps_the_file_off_its_own_path(tmp_path):
+    """The load returns before the data file is unmapped (tearing down the page tables of a
+    large mapping takes 10-70 ms here); the helper thread unmaps it right after."""
+    mgr = CheckpointManager(tmp_path, comm=None)
+    mgr.save(1, full_state(1, big=300_001))
+    target = full_state(5, big=300_001)
+    mgr.load(1, target)
+    assert canonical(target) == canonical(full_state(1, big=300_001))
+    rawio.load_helper().submit(lambda: None).result()  # the unmap queued before this ran
+    assert _maps_of(mf.step_dir(tmp_path, 1) / mf.DATA_FILE) == 0
+    mgr.close()
+
+
+def test_the_streamed_check_maps_everything_before_the_first_copy(tmp_path, monkeypatch):
+    """A streamed pass 1 (``PASS1_MAPPED`` off) reads the bytes through two reused buffers,
+    then maps them (a read error or a file cut short surfaces there, before any byte goes into
+    the state): by the time the copies start, every range they read is mapped."""
+    monkeypatch.setattr(h5file, "PASS1_MAPPED", False)
+    path, m = _saved(tmp_path)
+    with DatasetReader(path, m) as r:
+        r.verify(_all_keys(r, m))
+        fm = r._mapped()
+        assert fm is not None
+        for t in m["tensors"]:
+            if t["nbytes"]:
+                assert fm._covered(t["offset"], t["offset"] + t["nbytes"]), t["dataset"]
+        dest = torch.zeros(300_001).numpy().view(np.uint8)
+        big = next(t for t in m["tensors"] if t["dataset"].endswith("/big"))
+        r.read_verified(big, dest)
+        assert np.array_equal(dest, r.read_bytes(big, 0, big["nbytes"]))
+
+
+def test_the_disk_starts_on_the_data_before_hdf5_is_opened(tmp_path, monkeypatch):
+    """The first data bytes are asked for (WILLNEED) before HDF5's metadata is opened and
+    checked, so the disk does not idle meanwhile; a manifest offset past the end of the file
+    (damage) asks for nothing."""
+    path, m = _saved(tmp_path)
+    events: list = []
+    fadvise, h5open = os.posix_fadvise, h5file.h5py.File
+
+    def spy_fadvise(fd, at, n, advice):
+        events.append(("hint", at, n) if advice == os.POSIX_FADV_WILLNEED else ("other",))
+        return fadvise(fd, at, n, advice)
+
+    def spy_open(*a, **kw):
+        events.append(("h5open",))
+        return h5open(*a, **kw)
+
+    monkeypatch.setattr(h5file.os, "posix_fadvise", spy_fadvise)
+    monkeypatch.setattr(h5file.h5py, "File", spy_open)
+    DatasetReader(path, m).close()
+    first = min(t["offset"] for t in m["tensors"] if t["offset"] is not None)
+    assert events[0] == ("hint", first, h5file._HINT)
+    assert events.index(("h5open",)) > 0
+    events.clear()
+    bad = {**m, "tensors": [{**t, "offset": path.stat().st_size + 1} for t in m["tensors"]]}
+    DatasetReader(path, bad).close()
+    assert events == [("h5open",)]
