@@ -86,36 +86,20 @@ def worker(a: argparse.Namespace) -> None:
             s.observe(train_step())
         return a.steps / (marks[-1] - marks[0]), float(np.median(np.diff(marks)))
 
-    tiny = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
-    tiny_opt = torch.optim.SGD(tiny.parameters(), lr=1e-3)
-    xt = torch.randn(4, 8)
-
-    def tiny_step() -> None:
-        tiny_opt.zero_grad(set_to_none=False)
-        tiny(xt).sum().backward()
-        tiny_opt.step()
-
-    def boundary_cost_us(n: int = 5000, survivors: bool = True, r: int = 0, step_body: bool = False) -> float:
+    def boundary_cost_us(n: int = 5000, survivors: bool = True, r: int = 0) -> float:
         """The session's own cost per step: an empty loop body under the session (2 ranks: includes
-        the allreduce latency), minus the same empty loop bare. Robust to foreign load.
-        ``step_body``: the body is a tiny local training step instead (forward with dropout,
-        backward, optimizer step; no DDP), in the session's state and in the bare loop alike, so
-        the partner copy's forward and optimizer hooks run as in a real loop."""
-        state = {"model": tiny, "optimizer": tiny_opt} if step_body else {"model": model, "optimizer": opt}
-        s = coci_hpc.Session(state, n, ckpt_dir=Path(a.tmp) / f"empty{survivors}{step_body}{r}",
+        the allreduce latency), minus the same empty loop bare. Robust to foreign load."""
+        s = coci_hpc.Session({"model": model, "optimizer": opt}, n, ckpt_dir=Path(a.tmp) / f"empty{survivors}{r}",
                              policy=f"fixed:{10 * n}", environ={}, survivors=survivors)
         loss = torch.tensor(1.0)
         for step in s.steps():
             if step == 100:
                 t0 = time.perf_counter()
-            if step_body:
-                tiny_step()
             s.observe(loss)
         t_session = (time.perf_counter() - t0) / (n - 100)
         t0 = time.perf_counter()
         for _ in range(n - 100):
-            if step_body:
-                tiny_step()
+            pass
         return 1e6 * (t_session - (time.perf_counter() - t0) / (n - 100))
 
     rounds = []
@@ -136,13 +120,6 @@ def worker(a: argparse.Namespace) -> None:
     for r in range(a.cost_rounds):
         for surv in ((False, True) if r % 2 == 0 else (True, False)):
             (costs_on if surv else costs_off).append(boundary_cost_us(survivors=surv, r=r))
-    # The same with a tiny training step as the body (forward, backward, optimizer step): the
-    # partner copy then leaves at forward and is compared again at the optimizer step.
-    step_off: list[float] = []
-    step_on: list[float] = []
-    for r in range(a.cost_rounds):
-        for surv in ((False, True) if r % 2 == 0 else (True, False)):
-            (step_on if surv else step_off).append(boundary_cost_us(n=3000, survivors=surv, r=r, step_body=True))
     cost_bare_session = statistics.median(costs_off)
     cost = statistics.median(costs_on)
     step_ms = statistics.median(x["bare_median_step_ms"] for x in rounds)
@@ -152,10 +129,6 @@ def worker(a: argparse.Namespace) -> None:
                           "boundary_cost_no_partner_us": cost_bare_session,
                           "boundary_cost_rounds_us": costs_on, "boundary_cost_no_partner_rounds_us": costs_off,
                           "ratio_from_cost_no_partner": step_ms / (step_ms + cost_bare_session / 1000),
-                          "step_body_cost_us": statistics.median(step_on),
-                          "step_body_cost_no_partner_us": statistics.median(step_off),
-                          "ratio_from_step_body_cost": step_ms / (step_ms + statistics.median(step_on) / 1000),
-                          "step_body_cost_rounds_us": step_on, "step_body_cost_no_partner_rounds_us": step_off,
                           "hidden": a.hidden, "batch": a.batch, "rounds": rounds,
                           "step_time_ms": statistics.median(x["bare_median_step_ms"] for x in rounds),
                           "ratio": statistics.median(x["ratio"] for x in rounds),
@@ -229,10 +202,6 @@ def main() -> int:
         print(f"{r['ranks']:>5} {r['step_time_ms']:>8.1f} {b:>13.1f} {s:>16.1f} {r['ratio']:>7.4f} "
               f"{r['median_step_ratio']:>18.4f} {r['boundary_cost_us']:>16.1f} {r['ratio_from_cost']:>16.5f} "
               f"{r['boundary_cost_no_partner_us']:>19.1f} {r['ratio_from_cost_no_partner']:>28.5f}")
-    print(f"\n{'ranks':>5} {'tiny-step body: session us/step':>32} {'no partner':>11} {'ratio from cost':>16}")
-    for r in results:
-        print(f"{r['ranks']:>5} {r['step_body_cost_us']:>32.1f} {r['step_body_cost_no_partner_us']:>11.1f} "
-              f"{r['ratio_from_step_body_cost']:>16.5f}")
     return 0
 
 
