@@ -580,12 +580,13 @@ class Session:
                 reason = sv_.why_not
             elif sv_.opt_steps != sv_.snapshot.opt_steps:
                 reason = f"this rank's optimizer had already stepped past step {boundary} when the failure surfaced"
-            elif sv_.own is None or sv_.own.step != boundary:
+            elif sv_.own_for(boundary) is None:
                 reason = f"this rank holds no copy of its own per-rank state for step {boundary}"
             if not reason:
-                assert sv_.partner is not None and sv_.own is not None
+                own_copy = sv_.own_for(boundary)
+                assert sv_.partner is not None and own_copy is not None
                 copy = sv_.partner.copy_for(boundary)       # decoded only now, off the per-step path
-                own = sv_.own.state()
+                own = own_copy.state()
                 sv_.snapshot.rollback(self._state)
                 sv.restore_own_rng(own)
                 tuning = self.mgr._tuning

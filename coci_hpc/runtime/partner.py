@@ -15,17 +15,20 @@ Both sides use preallocated buffers; a received copy is only decoded into a :cla
 (the form the survivors' writer and checkpoints use) when a failure needs it
 (:meth:`PartnerCopy.copy_for`), off the per-step path.
 
-When it is sent: at the first ``optimizer.step()`` of a step (a pre-hook), not at the step
-boundary. A rank killed after the gradient allreduce of step s+1 has let its peers finish step
-s+1; a copy sent only at the boundary would then stop at step s and the survivors, holding step
-s+1's model, could not save. Taken at the optimizer step, the copy already is the state of the
-end of step s+1 as long as nothing after ``optimizer.step()`` in the loop body draws random
-numbers or changes ``PerRank`` state (true of the usual loop: zero_grad, forward, backward, step,
-scheduler step, logging). A loop that calls several optimizers per step, or none, gets its copy at
-the boundary instead (the window above is then open: a failure inside it falls back to the last
-regular checkpoint, and says so). What remains of the window with the pre-hook is the time from
-the gradient allreduce to the copy's last ``Isend``: the rest of ``backward()`` after the last
-bucket's allreduce, and the capture itself (a few microseconds).
+When it is sent: at the end of each forward of a model in the state (a forward hook), or, in a
+step with no such forward, at the first ``optimizer.step()`` (a pre-hook). A rank killed after the
+gradient allreduce of step s+1 has let its peers finish step s+1; a copy sent only at the
+boundary would then stop at step s and the survivors, holding step s+1's model, could not save.
+Sent at forward, the copy has left before backward starts any gradient allreduce (the window of
+the optimizer-step copy, the rest of ``backward()`` plus the capture, is closed), and it is the
+state of the end of step s+1 as long as nothing after the last forward in the loop body draws
+random numbers or changes ``PerRank`` state (true of the usual loop: zero_grad, forward,
+backward, step, scheduler step, logging; with gradient accumulation every micro-batch's forward
+sends, the last one wins). One capture per step, as with the optimizer-step copy alone: checking
+again at the optimizer step would catch a loop that draws between forward and step, at the cost of
+a second capture every step (measured: benchmarks/partner_copy_bench.py). A loop that calls
+several optimizers per step gets its copy at the boundary instead (the window above is then open:
+a failure inside it falls back to the last regular checkpoint, and says so).
 
 Partner of rank r: the rank with the same local index on the next node,
 ``(r + ranks_per_node) % size`` (with one node, the next rank), so a node failure never takes
@@ -188,19 +191,22 @@ class Capturer:
         self.spare = PackedCopy(cap)    # captured into when every slot is still being sent
         self.last: PackedCopy | None = None
 
-    def capture(self, step: int, keep: PackedCopy | None = None) -> tuple[PackedCopy, bool]:
+    def capture(self, step: int, keep: PackedCopy | None = None,
+                hold: PackedCopy | None = None) -> tuple[PackedCopy, bool]:
         """This rank's per-rank state now, as of ``step``; and whether the copy may be sent (False
         when every send slot is still in flight: the partner is not draining). ``keep``: a copy
-        whose buffer must not be reused (the last one sent in full, compared against)."""
+        whose buffer must not be reused (the last one sent in full, compared against); ``hold``:
+        another (the copy of the last boundary, while the next step's is taken at forward)."""
         slot = None
         last = self.last
         for s in self.slots:
-            if s is not last and s is not keep and not s.busy():
+            if s is not last and s is not keep and s is not hold and not s.busy():
                 slot = s
                 break
         sendable = slot is not None
         if slot is None:
-            slot = self.spare if self.last is not self.spare else PackedCopy(self.spare.buf.size)
+            slot = self.spare if self.last is not self.spare and hold is not self.spare \
+                else PackedCopy(self.spare.buf.size)
         extra = b""
         if self.per_rank:
             extra = capture({k: self.state[k] for k in self.per_rank}, self.rank, step, rng=False).pack()
@@ -291,6 +297,8 @@ class PartnerCopy:
             return
         ref = self.ref
         if ref is not None and same_bytes(copy, ref):
+            if self.sent_step == copy.step:
+                return            # the partner holds these bytes for this step already (sent at forward)
             i = self._same_i
             req = self._same_reqs[i]
             if req is None or req.Test():

@@ -47,7 +47,7 @@ from coci_hpc.checkpoint.perms import set_file
 from coci_hpc.checkpoint.rawio import WriteItem, pread_into, write_posix
 from coci_hpc.checkpoint.state import PerRank, collect, empty_like_leaf, is_stateful, restore_rng, unflatten
 from coci_hpc.comm import Comm
-from coci_hpc.runtime.partner import RankState
+from coci_hpc.runtime.partner import PackedCopy, RankState
 
 BACKEND = "hdf5-survivors"
 DRAIN_EVERY = 4        # boundaries between taking in the partner's copies (they wait in MPI's queue)
@@ -347,6 +347,16 @@ def coverage_estimate(events: list[dict[str, Any]], eligible: bool) -> float:
     return (committed + 1) / (len(records) + 2)
 
 
+def _modules(state: Mapping[str, Any]) -> list[torch.nn.Module]:
+    """The models at the top of the state (also inside ``PerRank``), each once."""
+    found: list[torch.nn.Module] = []
+    for value in state.values():
+        inner = value.value if isinstance(value, PerRank) else value
+        if isinstance(inner, torch.nn.Module) and not any(inner is m for m in found):
+            found.append(inner)
+    return found
+
+
 def restore_own_rng(own: RankState) -> None:
     """Put this rank's RNG streams back to ``own`` (its boundary copy) before collecting."""
     rng_skel = own.skeleton.get("__rng__")
@@ -372,9 +382,9 @@ class Survival:
     """
 
     def __init__(self, state: Mapping[str, Any], comm: Comm, *, ranks_per_node: int, enabled: bool = True,
-                 skip: frozenset[str] = frozenset()) -> None:
+                 skip: frozenset[str] = frozenset(), copy_at_forward: bool = True) -> None:
         from coci_hpc.checkpoint.state import find_optimizers
-        from coci_hpc.runtime.partner import Capturer, PackedCopy, PartnerCopy
+        from coci_hpc.runtime.partner import Capturer, PartnerCopy
 
         self.state = state
         self.comm = comm
@@ -387,8 +397,12 @@ class Survival:
         self.capturer = Capturer(state, self.rank) if self.enabled else None
         self.snapshot = BoundarySnapshot(skip)
         self.own: PackedCopy | None = None    # this rank's last copy, undecoded
+        # Its copy of the last boundary: at forward the next step's copy replaces ``own``, while a
+        # failure surfacing in that step's backward still saves the boundary (:meth:`own_for`).
+        self.own_boundary: PackedCopy | None = None
         self.opt_steps = 0
         self._hook_mode = True          # copy at the optimizer step (see partner.py), else at the boundary
+        self._forward_copies = copy_at_forward
         self._boundary = 0
         self._drains = 0
         self._hooks = []
@@ -397,6 +411,16 @@ class Survival:
             self._hook_mode = bool(opts)
             for opt in opts:
                 self._hooks.append(opt.register_step_pre_hook(self._pre_hook))
+            # The step's copy leaves at the end of each forward of a model in the state too, so
+            # before the gradient allreduce that lets the peers finish the step (backward comes
+            # after forward): a rank killed anywhere after that allreduce has sent its copy.
+            # (copy_at_forward=False: the optimizer-step copy alone, as before; for the benchmark.)
+            for module in _modules(state) if copy_at_forward else []:
+                self._hooks.append(module.register_forward_hook(self._forward_hook))
+
+    def _forward_hook(self, *_: Any) -> None:
+        if self._hook_mode and self.opt_steps == self.snapshot.opt_steps:
+            self._copy(self._boundary + 1)     # no optimizer step yet in this step
 
     def _pre_hook(self, *_: Any) -> None:
         self.opt_steps += 1
@@ -405,11 +429,13 @@ class Survival:
         if self.opt_steps - self.snapshot.opt_steps > 1:
             self._hook_mode = False   # several optimizer steps per step: the boundary copy is the safe one
             return
+        if self._forward_copies and self.own is not None and self.own.step == self._boundary + 1:
+            return                    # sent at this step's forward: one capture per step, as before
         self._copy(self._boundary + 1)
 
     def _copy(self, step: int) -> None:
         assert self.partner is not None and self.capturer is not None
-        self.own, sendable = self.capturer.capture(step, keep=self.partner.ref)
+        self.own, sendable = self.capturer.capture(step, keep=self.partner.ref, hold=self.own_boundary)
         if sendable:
             self.partner.send(self.own)
 
@@ -419,6 +445,7 @@ class Survival:
             return
         if self.own is None or self.own.step != step or not self._hook_mode:
             self._copy(step)
+        self.own_boundary = self.own
         self._boundary = step
         self.snapshot.take(self.state, step, self.opt_steps)
         assert self.partner is not None
@@ -428,6 +455,13 @@ class Survival:
         if self._drains >= DRAIN_EVERY:
             self._drains = 0
             self.partner.drain()
+
+    def own_for(self, step: int) -> PackedCopy | None:
+        """This rank's own copy of ``step`` (the last one taken, or the boundary's), or None."""
+        for c in (self.own, self.own_boundary):
+            if c is not None and c.step == step:
+                return c
+        return None
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -148,31 +148,3 @@ def test_the_streamed_check_maps_everything_before_the_first_copy(tmp_path, monk
         big = next(t for t in m["tensors"] if t["dataset"].endswith("/big"))
         r.read_verified(big, dest)
         assert np.array_equal(dest, r.read_bytes(big, 0, big["nbytes"]))
-
-
-def test_the_disk_starts_on_the_data_before_hdf5_is_opened(tmp_path, monkeypatch):
-    """The first data bytes are asked for (WILLNEED) before HDF5's metadata is opened and
-    checked, so the disk does not idle meanwhile; a manifest offset past the end of the file
-    (damage) asks for nothing."""
-    path, m = _saved(tmp_path)
-    events: list = []
-    fadvise, h5open = os.posix_fadvise, h5file.h5py.File
-
-    def spy_fadvise(fd, at, n, advice):
-        events.append(("hint", at, n) if advice == os.POSIX_FADV_WILLNEED else ("other",))
-        return fadvise(fd, at, n, advice)
-
-    def spy_open(*a, **kw):
-        events.append(("h5open",))
-        return h5open(*a, **kw)
-
-    monkeypatch.setattr(h5file.os, "posix_fadvise", spy_fadvise)
-    monkeypatch.setattr(h5file.h5py, "File", spy_open)
-    DatasetReader(path, m).close()
-    first = min(t["offset"] for t in m["tensors"] if t["offset"] is not None)
-    assert events[0] == ("hint", first, h5file._HINT)
-    assert events.index(("h5open",)) > 0
-    events.clear()
-    bad = {**m, "tensors": [{**t, "offset": path.stat().st_size + 1} for t in m["tensors"]]}
-    DatasetReader(path, bad).close()
-    assert events == [("h5open",)]

@@ -152,3 +152,63 @@ def test_partner_copies_travel_between_two_ranks_full_and_same(tmp_path: Path) -
             rank, step, torch_hex = r["got"][s]
             assert (rank, step) == (1 - me, int(s))
             assert torch_hex == other["sent"][s]               # the partner's torch stream at that step
+
+
+WINDOW_SCRIPT = r"""
+import json, sys, time
+import numpy as np, torch
+from mpi4py import MPI
+from coci_hpc.comm import Comm
+from coci_hpc.runtime.survivors import Survival
+comm = Comm.world()
+rank = comm.rank
+torch.manual_seed(7)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+torch.manual_seed(200 + rank)                   # per-rank dropout streams
+sv = Survival({"model": model, "optimizer": opt}, comm, ranks_per_node=1)
+sv.boundary(0)
+for step in range(1, 4):
+    loss = model(torch.randn(3, 4)).sum()       # forward draws: dropout, the batch
+    after_forward = torch.get_rng_state().numpy().tobytes().hex()
+    if rank == 1 and step == 3:
+        break                                   # "killed" after forward: no backward, no optimizer step
+    loss.backward()
+    opt.step()
+    sv.boundary(step)
+out = {"after_forward": after_forward}
+comm.mpi_comm.Barrier()
+if rank == 0:
+    got = None
+    for _ in range(500):
+        got = sv.partner.copy_for(3)
+        if got is not None:
+            break
+        time.sleep(0.01)
+    out["copy_3"] = None if got is None else next(bytes(l.array.view(np.uint8)).hex()
+                                                  for l in got.leaves if l.name == "per_rank/__rng__/torch")
+    out["full"], out["same"] = sv.partner.sent_full, sv.partner.sent_same
+    at_boundary = torch.get_rng_state().numpy().tobytes().hex()
+    model(torch.randn(3, 4))                    # the next step's forward replaces its own copy...
+    own = sv.own_for(3)                         # ...but the boundary's stays for a survivors' save
+    out["own_3"] = None if own is None else next(bytes(l.array.view(np.uint8)).hex()
+                                                 for l in own.state().leaves if l.name == "per_rank/__rng__/torch")
+    out["at_boundary"], out["own_step"] = at_boundary, sv.own.step
+comm.mpi_comm.Barrier()
+open(f"{sys.argv[1]}/rank{rank}.json", "w").write(json.dumps(out))
+"""
+
+
+def test_the_steps_copy_leaves_at_forward_before_the_gradient_allreduce(tmp_path: Path) -> None:
+    """Issue 13's window: a rank killed after the gradient allreduce of step s but before
+    ``optimizer.step()`` used to take its copy of step s with it (the survivors fell back). The
+    copy now leaves at the end of forward, before backward starts any allreduce: rank 1 stops
+    right after its forward of step 3, and rank 0 holds its step-3 copy, equal to its RNG there."""
+    script = tmp_path / "window.py"
+    script.write_text(WINDOW_SCRIPT)
+    run_ranks(2, str(script), str(tmp_path), timeout=120)
+    res = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert res[0]["copy_3"] is not None, res[0]
+    assert res[0]["copy_3"] == res[1]["after_forward"]
+    assert (res[0]["full"], res[0]["same"]) == (4, 0)   # step 0, then one per step (at forward)
+    assert res[0]["own_step"] == 4 and res[0]["own_3"] == res[0]["at_boundary"]
