@@ -334,7 +334,7 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
         # Pass 1: every byte any rank will install is checked (CRC of whole shards, straight
         # over the file's mapping) before any buffer of the state is touched, each shard once per
         # node (ranks of a node share the page cache); nothing is allocated per tensor.
-        node = _node_ranks(comm)
+        node, sharing = _node_ranks(comm)
 
         def check() -> set[tuple[str, int]]:
             mine, needed = _my_checks(comm.rank, node, m, reader, all_rows)
@@ -345,7 +345,7 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
         needed = comm.run_step(check, f"checking checkpoint step {chosen}")
         reader.trust(needed)  # every rank checked its part, or all would have raised above
         # Pass 2: the checked bytes, still mapped, go straight into their final place (one memcpy).
-        threads = copy_threads(len(node))
+        threads = copy_threads(sharing)
         return comm.run_step(lambda: _install(comm, m, state, reader, ranges, targets, rng, trees, threads),
                              f"loading checkpoint step {chosen} into the state")
     finally:
@@ -473,17 +473,28 @@ def _ranges(rank: int, m: dict[str, Any], all_rows: list[dict[str, int]]
     return out
 
 
-def _node_ranks(comm: Comm) -> list[int]:
-    """The world ranks that share this rank's node (its shared-memory domain), sorted."""
+def _node_ranks(comm: Comm) -> tuple[list[int], int]:
+    """(the world ranks that share this rank's node (its shared-memory domain), sorted; how many
+    of them may run on a core this rank may run on, itself included)."""
+    mine = _cores()
     if not comm.is_mpi:
-        return [comm.rank]
+        return [comm.rank], 1
     from mpi4py import MPI
 
     node = comm.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        return sorted(node.allgather(comm.rank))
+        got = node.allgather((comm.rank, sorted(mine)))
     finally:
         node.Free()
+    sharing = sum(1 for _, cores in got if mine & set(cores))
+    return sorted(r for r, _ in got), max(1, sharing)
+
+
+def _cores() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
 
 
 def _my_checks(rank: int, node: list[int], m: dict[str, Any], reader: DatasetReader,

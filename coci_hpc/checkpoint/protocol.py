@@ -21,7 +21,10 @@ each call (like torch.distributed.checkpoint's ``StorageWriter``)::
                        touches no MPI).
     3. commit          ALL ranks agree on success (one gather); RANK 0 writes the manifest
                        (``catalog.commit``: temp, fsync, rename, fsync dir), then
-                       ``catalog.retain(keep)``; the removed steps are broadcast.
+                       ``catalog.retain(keep)``; the removed steps are broadcast. The async
+                       save makes the same moves with non-blocking collectives, one per
+                       ``poll()`` (``TwoPhaseSaver._settle``: all written? -> gather ->
+                       outcome); a failure there is agreed on by this blocking path.
     on failure         ALL ranks: ``engine.discard`` (rank 0's catalog removes the directory);
                        a full disk goes to the one no-space policy (``_with_space``: raise a
                        clear error, or with on_no_space="retire_oldest" ``catalog.free_space``
