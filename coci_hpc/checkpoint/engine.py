@@ -115,25 +115,28 @@ def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves
 
 
 # FAULT INJECTION, test-only (like COCI_FORCE_FSTYPE and COCI_FAULT_SURVIVORS_PAUSE_S): rank
-# COCI_FAULT_SAVE_PAUSE_RANK (default 1) sleeps this many seconds inside one save, between the
-# layout agreement and the step directory's creation, while the other ranks wait in that save's
-# next collective; a test kills it there (tests/submit/test_peer_failure_cluster.py: a peer lost
-# mid-save). Once per checkpoint directory (a marker file; the requeued run does not pause
-# again). Never set it for a real run.
+# COCI_FAULT_SAVE_PAUSE_RANK (default 1) sleeps this many seconds inside one save while the other
+# ranks wait in that save's next collective; a test kills it there (tests/submit/
+# test_peer_failure_cluster.py: a peer lost mid-save). COCI_FAULT_SAVE_PAUSE_AT says where:
+# "prepare" (default: between the layout agreement and the step directory, the others then wait
+# in a polled collective) or "mpiio" (a synchronous save's collective write, just before MPI-IO:
+# the others wait inside MPI-IO, which only the guard's timer can notice). Once per checkpoint
+# directory (a marker file; the requeued run does not pause again). Never set it for a real run.
 FAULT_SAVE_PAUSE_ENV = "COCI_FAULT_SAVE_PAUSE_S"
 FAULT_SAVE_PAUSE_MARKER = ".fault-save-paused"
 
 
-def _fault_pause(comm: Comm, root: Path, step: int) -> None:
+def _fault_pause(comm: Comm, root: Path, step: int, where: str = "prepare") -> None:
     pause = float(os.environ.get(FAULT_SAVE_PAUSE_ENV) or 0)
-    if pause <= 0 or comm.rank != int(os.environ.get("COCI_FAULT_SAVE_PAUSE_RANK", "1")):
+    if pause <= 0 or comm.rank != int(os.environ.get("COCI_FAULT_SAVE_PAUSE_RANK", "1")) or \
+            os.environ.get("COCI_FAULT_SAVE_PAUSE_AT", "prepare") != where:
         return
     try:
         os.close(os.open(root / FAULT_SAVE_PAUSE_MARKER, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except FileExistsError:
         return
     print(f"coci: FAULT INJECTION ({FAULT_SAVE_PAUSE_ENV}={pause:g}): rank {comm.rank} pauses in the save of "
-          f"step {step}, before its step directory", file=sys.stderr, flush=True)
+          f"step {step}, at {where}", file=sys.stderr, flush=True)
     time.sleep(pause)
 
 
@@ -217,6 +220,9 @@ def write_items(prepared: Prepared, items: Sequence[WriteItem], writer: StorageW
     """
     if writer is None or not writer.collective_write:
         return write_posix(prepared.data_path, items)
+    comm = getattr(writer, "comm", None)
+    if prepared.catalog is not None and isinstance(comm, Comm):
+        _fault_pause(comm, prepared.catalog.root, prepared.step, "mpiio")
     return writer.write(prepared.data_path, items, prepared.tuning)
 
 
