@@ -459,7 +459,16 @@ class Session:
         """The one way an in-flight two-phase save ends: wait for its commit, then record it."""
         if not self.mgr.persist_in_flight and self._pending_ckpt is None:
             return
-        self.mgr.wait()
+        # A rank whose background write is done waits in the commit's first collective for the
+        # slowest rank's write: that is not a lost peer, so the deadline grows by twice the
+        # writes measured so far (0 before the first).
+        base = self.comm.peer_deadline_s
+        if base is not None and self.mgr.persist_in_flight:
+            self.comm.peer_deadline_s = base + 2.0 * self.schedule.costs().persist_s
+        try:
+            self.mgr.wait()
+        finally:
+            self.comm.peer_deadline_s = base
         if self._pending_ckpt is None:
             return
         step, blocking = self._pending_ckpt
