@@ -115,25 +115,28 @@ def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves
 
 
 # FAULT INJECTION, test-only (like COCI_FORCE_FSTYPE and COCI_FAULT_SURVIVORS_PAUSE_S): rank
-# COCI_FAULT_SAVE_PAUSE_RANK (default 1) sleeps this many seconds inside one save, between the
-# layout agreement and the step directory's creation, while the other ranks wait in that save's
-# next collective; a test kills it there (tests/submit/test_peer_failure_cluster.py: a peer lost
-# mid-save). Once per checkpoint directory (a marker file; the requeued run does not pause
-# again). Never set it for a real run.
+# COCI_FAULT_SAVE_PAUSE_RANK (default 1) sleeps this many seconds inside one save while the other
+# ranks wait in that save's next collective; a test kills it there (tests/submit/
+# test_peer_failure_cluster.py: a peer lost mid-save). COCI_FAULT_SAVE_PAUSE_AT says where:
+# "prepare" (default: between the layout agreement and the step directory, the others then wait
+# in a polled collective) or "mpiio" (a synchronous save's collective write, just before MPI-IO:
+# the others wait inside MPI-IO, which only the guard's timer can notice). Once per checkpoint
+# directory (a marker file; the requeued run does not pause again). Never set it for a real run.
 FAULT_SAVE_PAUSE_ENV = "COCI_FAULT_SAVE_PAUSE_S"
 FAULT_SAVE_PAUSE_MARKER = ".fault-save-paused"
 
 
-def _fault_pause(comm: Comm, root: Path, step: int) -> None:
+def _fault_pause(comm: Comm, root: Path, step: int, where: str = "prepare") -> None:
     pause = float(os.environ.get(FAULT_SAVE_PAUSE_ENV) or 0)
-    if pause <= 0 or comm.rank != int(os.environ.get("COCI_FAULT_SAVE_PAUSE_RANK", "1")):
+    if pause <= 0 or comm.rank != int(os.environ.get("COCI_FAULT_SAVE_PAUSE_RANK", "1")) or \
+            os.environ.get("COCI_FAULT_SAVE_PAUSE_AT", "prepare") != where:
         return
     try:
         os.close(os.open(root / FAULT_SAVE_PAUSE_MARKER, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except FileExistsError:
         return
     print(f"coci: FAULT INJECTION ({FAULT_SAVE_PAUSE_ENV}={pause:g}): rank {comm.rank} pauses in the save of "
-          f"step {step}, before its step directory", file=sys.stderr, flush=True)
+          f"step {step}, at {where}", file=sys.stderr, flush=True)
     time.sleep(pause)
 
 
@@ -217,6 +220,9 @@ def write_items(prepared: Prepared, items: Sequence[WriteItem], writer: StorageW
     """
     if writer is None or not writer.collective_write:
         return write_posix(prepared.data_path, items)
+    comm = getattr(writer, "comm", None)
+    if prepared.catalog is not None and isinstance(comm, Comm):
+        _fault_pause(comm, prepared.catalog.root, prepared.step, "mpiio")
     return writer.write(prepared.data_path, items, prepared.tuning)
 
 
@@ -334,7 +340,7 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
         # Pass 1: every byte any rank will install is checked (CRC of whole shards, straight
         # over the file's mapping) before any buffer of the state is touched, each shard once per
         # node (ranks of a node share the page cache); nothing is allocated per tensor.
-        node = _node_ranks(comm)
+        node, sharing = _node_ranks(comm)
 
         def check() -> set[tuple[str, int]]:
             mine, needed = _my_checks(comm.rank, node, m, reader, all_rows)
@@ -345,7 +351,7 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
         needed = comm.run_step(check, f"checking checkpoint step {chosen}")
         reader.trust(needed)  # every rank checked its part, or all would have raised above
         # Pass 2: the checked bytes, still mapped, go straight into their final place (one memcpy).
-        threads = copy_threads(len(node))
+        threads = copy_threads(sharing)
         return comm.run_step(lambda: _install(comm, m, state, reader, ranges, targets, rng, trees, threads),
                              f"loading checkpoint step {chosen} into the state")
     finally:
@@ -473,17 +479,28 @@ def _ranges(rank: int, m: dict[str, Any], all_rows: list[dict[str, int]]
     return out
 
 
-def _node_ranks(comm: Comm) -> list[int]:
-    """The world ranks that share this rank's node (its shared-memory domain), sorted."""
+def _node_ranks(comm: Comm) -> tuple[list[int], int]:
+    """(the world ranks that share this rank's node (its shared-memory domain), sorted; how many
+    of them may run on a core this rank may run on, itself included)."""
+    mine = _cores()
     if not comm.is_mpi:
-        return [comm.rank]
+        return [comm.rank], 1
     from mpi4py import MPI
 
     node = comm.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        return sorted(node.allgather(comm.rank))
+        got = node.allgather((comm.rank, sorted(mine)))
     finally:
         node.Free()
+    sharing = sum(1 for _, cores in got if mine & set(cores))
+    return sorted(r for r, _ in got), max(1, sharing)
+
+
+def _cores() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
 
 
 def _my_checks(rank: int, node: list[int], m: dict[str, Any], reader: DatasetReader,

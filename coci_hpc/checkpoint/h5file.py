@@ -76,8 +76,6 @@ _H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError, IndexError
 
 
 _MIN_COPY_SHARE = 32 << 20  # a copy thread gets at least this many bytes (else: fewer threads)
-_EARLY_READ = 32 << 20  # read ahead while the metadata is checked (see DatasetReader._start_reading)
-_HINT = 8 << 20  # Linux reads at most this much (read_ahead_kb here) per WILLNEED call
 _MAP_CHUNK = 64 << 20  # bytes per populate call: a failure names its range promptly
 PASS1_MAPPED = True  # check over the file's mapping (False: stream; see DatasetReader.verify)
 
@@ -148,8 +146,6 @@ class DatasetReader:
             if not stat.S_ISREG(st.st_mode):
                 raise CheckpointCorrupt(f"{self.path} is not a regular file", hint=hint)
             self._size = st.st_size
-            if manifest is not None:
-                self._start_reading(manifest)
             try:
                 self._h5 = h5py.File(self.path, "r")
             except _H5_ERRORS as exc:
@@ -179,18 +175,6 @@ class DatasetReader:
         self._map: FileMap | None | bool = False  # False: not tried yet (see _mapped)
         if manifest is not None:
             self._expect(manifest, names)
-
-    def _start_reading(self, manifest: Mapping[str, Any]) -> None:
-        """Let the disk start on the first data bytes while HDF5's metadata and the state are
-        checked (tens of ms in which it would idle otherwise). Only a hint for this same file:
-        the offsets are the manifest's, trusted only once HDF5 confirms them."""
-        starts = [t.get("offset") for t in manifest.get("tensors", ()) if t.get("file") == self.path.name]
-        first = min((o for o in starts if isinstance(o, int) and not isinstance(o, bool) and o >= 0),
-                    default=None)
-        if first is None:
-            return
-        for at in range(first, min(first + _EARLY_READ, self._size), _HINT):
-            os.posix_fadvise(self._fd, at, _HINT, os.POSIX_FADV_WILLNEED)
 
     def _expect(self, manifest: Mapping[str, Any], names: list[str]) -> None:
         mine = self.path.name

@@ -90,18 +90,16 @@ def copy_pool() -> ThreadPoolExecutor:
     return _copy_pool
 
 
-def copy_threads(ranks_here: int = 1) -> int:
-    """Threads one rank may copy with: the cores it may run on, shared with the other
-    ``ranks_here`` ranks of its node where they are not bound apart. A rank bound to one core
-    (Open MPI binds each of 1 or 2 ranks to a core by default) copies in one thread: a second
-    one on the same core would only add switches."""
+def copy_threads(sharing: int = 1) -> int:
+    """Threads one rank may copy with: the cores it may run on, divided among the ``sharing``
+    ranks of its node that may run on the same cores. A rank bound to one core (Open MPI binds
+    each of 1 or 2 ranks to a core by default) copies in one thread: a second one on the same
+    core would only add switches."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    if cores >= (os.cpu_count() or cores):  # not bound: the node's cores are shared by its ranks
-        cores //= max(1, ranks_here)
-    return max(1, min(MAX_COPY_THREADS, cores))
+    return max(1, min(MAX_COPY_THREADS, cores // max(1, sharing)))
 
 
 def pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:

@@ -1,0 +1,62 @@
+"""A peer lost while a synchronous save is inside collective MPI-IO (issue 13): the survivor's
+main thread is blocked in a call that cannot be polled, and the guard's timer (``Comm.guard``)
+starts the survivors' save from its thread. Two real MPI ranks under a Session, no cluster:
+rank 1 stalls just before the final save's MPI-IO (the test-only fault hook
+COCI_FAULT_SAVE_PAUSE_AT=mpiio), which to rank 0 is the same as a peer killed there (its
+collective never completes). Rank 0 must commit the survivors' checkpoint of the last step within
+seconds, with rank 1's per-rank state from its partner copy."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.runtime.events import read_events
+from tests.conftest import ROOT, clean_env
+
+SCRIPT = r'''
+import sys, torch
+import coci_hpc
+from coci_hpc.checkpoint import ResumableSampler
+from coci_hpc.comm import Comm
+comm = Comm.world()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+torch.manual_seed(10 + comm.rank)
+sampler = ResumableSampler(64, seed=1, rank=comm.rank, world_size=comm.size)
+s = coci_hpc.Session({"model": model, "optimizer": opt, "loader": sampler}, total_steps=12,
+                     ckpt_dir=sys.argv[1], policy="fixed:1000", environ={}, comm=comm, peer_timeout_s=3.0)
+for step in s.steps():
+    idx = torch.from_numpy(sampler.next_batch(4))
+    loss = model(torch.randn(64, 4)[idx]).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    s.observe(loss.detach())
+print("finished", comm.rank, flush=True)
+'''
+
+
+def test_a_peer_lost_inside_mpiio_is_noticed_by_the_guard_and_the_survivor_saves(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    ckpt = tmp_path / "ckpt"
+    env = clean_env(COCI_FAULT_SAVE_PAUSE_S="10", COCI_FAULT_SAVE_PAUSE_AT="mpiio")
+    t0 = time.monotonic()
+    # The survivor leaves with os._exit (no MPI_Finalize with a lost peer): mpiexec reports it.
+    p = subprocess.run(["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, str(script),
+                        str(ckpt)], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    out = p.stdout + p.stderr
+    lost = [e for e in read_events(ckpt) if e["event"] == "peer_lost"]
+    assert lost, out
+    rec = lost[0]
+    assert rec["survivor"] == 0 and rec["committed"] and rec["step"] == 12, (rec, out)
+    assert "is stuck" in rec["how"] and "did not return within" in rec["how"], rec
+    assert rec["commit_wall"] - rec["failure_wall"] < 10.0, rec
+    assert rec["lost_ranks"] == [1]
+    assert mf.latest_step(ckpt) == 12                       # the survivors' checkpoint of the last step
+    assert "finished 0" not in out                          # rank 0 never got past the stuck save
+    print(rec, f"{time.monotonic() - t0:.1f}s")
