@@ -15,40 +15,26 @@ and tests; it does not change the numbers).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+# Run from a checkout: the repository (coci_hpc) and this folder (toy_task, the examples' shared
+# task; also when coci-submit runs the script with runpy, which adds no folder to sys.path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from toy_task import make_data, params_sha256  # noqa: E402
 
 import coci_hpc  # noqa: E402
 from coci_hpc.checkpoint import Sharded  # noqa: E402
 from coci_hpc.runtime.data import ResumableSampler  # noqa: E402
 
 D_IN, HIDDEN, SAMPLES, BATCH = 16, 64, 2048, 32
-
-
-def make_data(seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fixed synthetic regression task (independent of the global RNG)."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((SAMPLES, D_IN)).astype(np.float32)
-    w = rng.standard_normal((D_IN, 1)).astype(np.float32)
-    y = np.tanh(x @ w) + 0.1 * rng.standard_normal((SAMPLES, 1)).astype(np.float32)
-    return torch.from_numpy(x), torch.from_numpy(y)
-
-
-def params_sha256(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=40, gamma=0.7)
     torch.manual_seed(args.seed * 1000 + 1 + dist.rank)   # per-rank dropout streams (CUDA's too)
-    x, y = (t.to(device) for t in make_data())
+    x, y = (t.to(device) for t in make_data(SAMPLES, D_IN))
     sampler = ResumableSampler(SAMPLES, seed=args.seed, rank=dist.rank, world_size=dist.world_size)
 
     state = {"model": model, "optimizer": opt, "scheduler": sched, "loader": sampler}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+# Run from a checkout: the repository (coci_hpc) and this folder (toy_task, the examples' shared
+# task; also when coci-submit runs the script with runpy, which adds no folder to sys.path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from toy_task import make_data, params_sha256
 
 from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.comm import Comm
@@ -35,23 +39,6 @@ from coci_hpc.planner.profile import Profile
 from coci_hpc.runtime.data import ResumableSampler
 from coci_hpc.runtime.preemption import PreemptionGuard
 from coci_hpc.runtime.schedule import CheckpointSchedule
-
-
-def make_data(n: int, d_in: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fixed synthetic regression task (independent of the global RNG)."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, d_in)).astype(np.float32)
-    w = rng.standard_normal((d_in, 1)).astype(np.float32)
-    y = np.tanh(x @ w) + 0.1 * rng.standard_normal((n, 1)).astype(np.float32)
-    return torch.from_numpy(x), torch.from_numpy(y)
-
-
-def param_hash(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def allreduce_grads(model: torch.nn.Module, comm: Comm) -> None:
@@ -176,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
     mgr.close()
 
-    digest = param_hash(model)
+    digest = params_sha256(model)
     if comm.rank == 0:
         print(f"PARAM_HASH {digest} step {step}", flush=True)
         if args.profile_out:

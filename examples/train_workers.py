@@ -19,7 +19,6 @@ RNG, resumes at the right batch but shuffles the following epochs differently.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Subset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+# Run from a checkout: the repository (coci_hpc) and this folder (toy_task, the examples' shared
+# task; also when coci-submit runs the script with runpy, which adds no folder to sys.path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from toy_task import params_sha256  # noqa: E402
 
 import coci_hpc  # noqa: E402  (first: workers started from here on are deaf to Slurm's signals)
 
@@ -62,14 +66,6 @@ def forever(dl):
     # Started lazily (at the first next(), after the Session restored the loader's position).
     while True:
         yield from dl
-
-
-def params_sha256(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
