@@ -64,6 +64,7 @@ from coci_hpc.runtime.config import SessionConfig, resolve
 from coci_hpc.runtime.data import session_state
 from coci_hpc.runtime.distributed import default_comm
 from coci_hpc.runtime.events import FILENAME, EventLog, last_attempt, read_events
+from coci_hpc.runtime.optimeout import OpTimeout
 from coci_hpc.runtime.peernotice import PeerNotice
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, requeue_with_retries
 from coci_hpc.runtime.procinfo import process_start_wall
@@ -171,6 +172,7 @@ class Session:
         # Under the relaunch loop, its notice that srun saw a rank of this step end (runtime/peernotice.py).
         self.sync = StepSync(self.comm, self._min_deadline, PeerNotice.from_env(self._environ))
         self._dt_ema = 0.0
+        self._op_timeout = OpTimeout()     # gloo's per-op timeout follows the peer deadline (a silent host)
         used_nodes = self.job.step_num_nodes or self.job.num_nodes   # the step's: spare nodes run no rank
         per_node = (self.job.ntasks // used_nodes) if self.job.ntasks and used_nodes else 1
         self.survival = Survival(self._state, self.comm, ranks_per_node=per_node, enabled=self._survivors,
@@ -238,6 +240,7 @@ class Session:
                 self._peer_lost(self.step, f"an exception inside the step, then: {self.sync.lost_why}", t_fail)
             raise
         finally:
+            self._op_timeout.restore()
             self.recorder.uninstall()
             self.survival.remove_hooks()
             signals.after_session()        # coci-submit's placeholders give the default action back
@@ -380,6 +383,7 @@ class Session:
         self._dt_ema = dt if self._dt_ema == 0.0 else 0.9 * self._dt_ema + 0.1 * dt
         self.sync.deadline_s = max(self._min_deadline, 10.0 * self._dt_ema)
         self.comm.peer_deadline_s = self.sync.deadline_s
+        self._op_timeout.observe(self.sync.deadline_s)
         t_wait = time.time()
         try:
             if self._blocking:                      # this boundary's own agreement, completed at once

@@ -110,6 +110,52 @@ def test_job_on_failed_node_ends_node_fail_is_requeued_and_completes(slurm_clust
     assert states[0] == "NODE_FAIL" and states[-1] == "COMPLETED", states
 
 
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def test_frozen_node_stops_its_tasks_then_kills_them_at_node_fail(slurm_cluster: SlurmCluster) -> None:
+    """`fail --hard --freeze` (a host that stops answering): the node's tasks are stopped, not
+    killed (their sockets stay open and silent) while the job is still RUNNING; after --delay they
+    are killed, the node is DOWN, the job ends NODE_FAIL and is requeued; nothing is left stopped."""
+    wd = slurm_cluster.workdir / f"freeze-{uuid.uuid4().hex[:6]}"
+    wd.mkdir()
+    log = wd / "out-%j.txt"
+    script = ('[ "${SLURM_RESTART_COUNT:-0}" -ge 1 ] && exit 0; '
+              f'srun -N2 --ntasks-per-node=1 sh -c \'echo $$ > {wd}/pid-$SLURMD_NODENAME; exec sleep 600\'')
+    job = slurm_cluster.sbatch("-N", "2", "--requeue", "--open-mode=append", "-o", str(log), "--wrap", script)
+    slurm_cluster.wait_state(job, ("RUNNING",), timeout=60)
+    deadline = time.monotonic() + 30
+    while not ((wd / "pid-n1").exists() and (wd / "pid-n2").exists()):
+        assert time.monotonic() < deadline, "the tasks did not start"
+        time.sleep(0.3)
+    pid1, pid2 = int((wd / "pid-n1").read_text()), int((wd / "pid-n2").read_text())
+    proc = subprocess.Popen([str(slurm_cluster.devcluster), "fail", "n2", "--hard", "--freeze", "--delay", "4"],
+                            env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 3
+        while _state(pid2) != "T" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _state(pid2) == "T", f"the n2 task is {_state(pid2)!r}, not stopped"
+        assert _state(pid1) not in (None, "T", "Z"), "the survivor on n1 was touched"
+        assert slurm_cluster.queue_state(job) == "RUNNING"   # Slurm has not noticed yet
+        out, _ = proc.communicate(timeout=30)
+        print(out)
+        assert proc.returncode == 0 and "SIGSTOPped" in out and "n2 marked DOWN" in out
+        assert _state(pid2) in (None, "Z"), "the frozen task outlived the node's failure"
+        slurm_cluster.wait_state(job, ("PENDING",), timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.wait(30)
+        slurm_cluster.run(str(slurm_cluster.devcluster), "recover", "n2")
+    rows = slurm_cluster.wait_gone(job, timeout=120)
+    states = [r["State"] for r in rows]
+    assert states[0] == "NODE_FAIL" and states[-1] == "COMPLETED", states
+
+
 def test_hard_node_failure_kills_tasks_first_then_node_fail_and_requeue(slurm_cluster: SlurmCluster) -> None:
     """`fail --hard`: the node's tasks die at once by SIGKILL while the job is still RUNNING (the
     survivor on the other node lives on, nothing told it); only after --delay is the node marked
