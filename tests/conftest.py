@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +37,24 @@ def run_ranks(n: int, *args: str, timeout: float = 120, env: dict[str, str] | No
     if p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
+
+
+@pytest.fixture
+def comm() -> Any:
+    """This process's communicator: one rank under plain pytest, all of them under mpiexec."""
+    from coci_hpc.comm import Comm  # here, not at the top: only the tests that use it import it
+
+    return Comm.world()
+
+
+@pytest.fixture
+def shared_dir(comm: Any) -> Iterator[Path]:
+    """A temp directory every rank sees: rank 0 creates it and broadcasts the path."""
+    path = comm.bcast(tempfile.mkdtemp(prefix="coci-test-") if comm.rank == 0 else None)
+    yield Path(path)
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass

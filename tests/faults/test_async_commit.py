@@ -16,15 +16,9 @@ from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CommError
-from tests.checkpoint.conftest import shared_dir  # noqa: F401  (fixture)
 from tests.checkpoint.helpers import canonical, empty_state, full_state
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
-
-
-@pytest.fixture
-def comm() -> Comm:
-    return Comm.world()
 
 
 def all_written(mgr: CheckpointManager, comm: Comm) -> None:

@@ -7,9 +7,6 @@ shapes; the manifest must describe the new shapes.
 """
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,26 +15,11 @@ import torch
 from coci_hpc.checkpoint import CheckpointManager, PerRank, Sharded, engine
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.layout import Piece, RankLayout
-from coci_hpc.comm import Comm
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
 CHANGES = ["tensor_shape", "reshape_same_bytes", "dtype_same_bytes", "one_ranks_per_rank_size",
            "sharded_rows_move", "leaf_added", "leaf_renamed", "leaves_reordered"]
-
-
-@pytest.fixture
-def comm() -> Comm:
-    return Comm.world()
-
-
-@pytest.fixture
-def shared_dir(comm: Comm):
-    path = comm.bcast(tempfile.mkdtemp(prefix="coci-layout-test-") if comm.rank == 0 else None)
-    yield Path(path)
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def make_state(rank: int, world: int, seed: int, change: str | None = None) -> dict[str, Any]:
