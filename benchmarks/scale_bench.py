@@ -166,13 +166,13 @@ def _plan_figures(comm: Any, leaves: int, reps: int) -> dict[str, Any]:
 
     # agree() is handed the leaves, as engine.prepare hands them: describing them is part of it.
     def first() -> None:
-        agree(comm, next_leaves(), align, LayoutCache(), with_datasets=True, last_manifest=lambda: None)
+        agree(comm, next_leaves(), align, LayoutCache(), last_manifest=lambda: None)
 
     cache = LayoutCache()
-    agree(comm, next_leaves(), align, cache, with_datasets=True, last_manifest=lambda: None)
+    agree(comm, next_leaves(), align, cache, last_manifest=lambda: None)
 
     def cached() -> None:  # what a save of an unchanged state pays for its layout (prepare's part)
-        agree(comm, next_leaves(), align, cache, with_datasets=True, last_manifest=lambda: None)
+        agree(comm, next_leaves(), align, cache, last_manifest=lambda: None)
         assert cache.last["source"] == "cached"
 
     def local() -> None:  # the same rank-local work without the allreduce: the CPU cost per rank

@@ -76,13 +76,12 @@ class LayoutCache:
         return self.mine is not None and self.key == key and hash(self.mine.pieces) == self.fingerprint
 
 
-def agree(comm: Comm, leaves: Sequence[Any], align: int, cache: LayoutCache, *, with_datasets: bool,
+def agree(comm: Comm, leaves: Sequence[Any], align: int, cache: LayoutCache, *,
           last_manifest: Callable[[], Mapping[str, Any] | None]) -> tuple[RankLayout, Layout | None]:
     """Collective: this rank's layout for a save of ``leaves`` (state leaves or their
     :class:`~coci_hpc.checkpoint.layout.LeafDesc`; the whole layout on rank 0).
 
-    ``with_datasets``: every rank takes part in creating the file, so every rank needs the
-    dataset list. ``last_manifest``: rank 0 only, the newest committed manifest or None.
+    ``last_manifest``: rank 0 only, the newest committed manifest or None.
     Updates ``cache``; ``cache.last`` records the source ("cached", "manifest", "planned").
 
     A cached save costs this rank its leaves' rows (:func:`~coci_hpc.checkpoint.layout.leaf_rows`,
@@ -100,21 +99,20 @@ def agree(comm: Comm, leaves: Sequence[Any], align: int, cache: LayoutCache, *, 
     if agreed != _SAME:
         descs = describe(leaves)
         sig = signature(descs, align, comm.size)
-        got = _from_manifest(comm, sig, descs, align, with_datasets, last_manifest) \
+        got = _from_manifest(comm, sig, descs, align, last_manifest) \
             if agreed == _NO_CACHE else None
         if got is not None:
             source, (mine, full) = "manifest", got
         else:
             source = "planned"
-            mine, full = _plan(comm, descs, align, with_datasets)
+            mine, full = _plan(comm, descs, align)
         cache.remember(key, sig, mine, full)
     assert mine is not None
     cache.last = {"source": source, "plan_s": time.perf_counter() - t0}
     return mine, full
 
 
-def _plan(comm: Comm, descs: Sequence[LeafDesc], align: int, with_datasets: bool
-          ) -> tuple[RankLayout, Layout | None]:
+def _plan(comm: Comm, descs: Sequence[LeafDesc], align: int) -> tuple[RankLayout, Layout | None]:
     gathered = comm.gather(list(descs))
     full: Layout | None = None
     payload: list[Any] | None = None
@@ -124,7 +122,7 @@ def _plan(comm: Comm, descs: Sequence[LeafDesc], align: int, with_datasets: bool
         try:
             full = replace(make_layout(gathered, align=align),
                            signatures=tuple(signature(g, align, comm.size) for g in gathered))
-            payload = [full.for_rank(r, with_datasets) for r in range(comm.size)]
+            payload = [full.for_rank(r) for r in range(comm.size)]
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it (the scatter carries it)
             error = exc
             hint = exc.hint if isinstance(exc, CociError) else None
@@ -137,7 +135,7 @@ def _plan(comm: Comm, descs: Sequence[LeafDesc], align: int, with_datasets: bool
     return mine, full
 
 
-def _from_manifest(comm: Comm, sig: str, descs: Sequence[LeafDesc], align: int, with_datasets: bool,
+def _from_manifest(comm: Comm, sig: str, descs: Sequence[LeafDesc], align: int,
                    last_manifest: Callable[[], Mapping[str, Any] | None]) -> tuple[RankLayout, Layout | None] | None:
     """The layout of the last manifest if every rank's leaves are the ones it was made for."""
     prior: Layout | None = None
@@ -155,7 +153,7 @@ def _from_manifest(comm: Comm, sig: str, descs: Sequence[LeafDesc], align: int, 
     saved = comm.scatter(sigs)
     if comm.allreduce_min(1.0 if saved == sig else 0.0) < 1.0:
         return None
-    mine = comm.scatter([prior.for_rank(r, with_datasets) for r in range(comm.size)]
+    mine = comm.scatter([prior.for_rank(r) for r in range(comm.size)]
                         if prior is not None else None)
     comm.run_step(lambda: check_pieces(mine.pieces, descs), "checking the reused checkpoint layout")
     return mine, prior

@@ -23,7 +23,7 @@ from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.checkpoint.coordinator import LayoutCache, agree
 from coci_hpc.checkpoint.h5file import DatasetReader
-from coci_hpc.checkpoint.layout import DatasetSpec, Layout, Piece, RankLayout
+from coci_hpc.checkpoint.layout import Layout, Piece, RankLayout
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, copy_threads, write_posix
@@ -100,13 +100,12 @@ def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves
     step = check_step(step)
     catalog = catalog if catalog is not None else StepCatalog(root)
     cache = layouts if layouts is not None else LayoutCache()
-    mine, full = agree(comm, leaves, tuning.align, cache, with_datasets=writer.collective_create,
-                       last_manifest=lambda: _last_manifest(catalog))
+    mine, full = agree(comm, leaves, tuning.align, cache, last_manifest=lambda: _last_manifest(catalog))
     _fault_pause(comm, root, step)
     directory = make_step_dir(comm, catalog, step, tuning)
     try:
-        created = writer.create(directory, _to_create(writer, mine, full), tuning)
-        offsets = _share_offsets(comm, writer, cache, created)
+        created = writer.create(directory, None if full is None else full.datasets, tuning)
+        offsets = _share_offsets(comm, cache, created)
     except BaseException:  # raised on every rank (the writers agree): leave no partial directory
         comm.run_step(lambda: _on_rank0(comm, catalog.discard, step), f"removing the failed step {step}")
         raise
@@ -146,21 +145,9 @@ def _last_manifest(catalog: StepCatalog) -> dict[str, Any] | None:
     return None if step is None else mf.read(mf.step_dir(catalog.root, step))
 
 
-def _to_create(writer: StorageWriter, mine: RankLayout, full: Layout | None) -> tuple[DatasetSpec, ...] | None:
-    """The datasets this rank creates: all of them where creation is collective, else rank 0 alone."""
-    if writer.collective_create:
-        return mine.datasets
-    return None if full is None else full.datasets
-
-
-def _share_offsets(comm: Comm, writer: StorageWriter, cache: LayoutCache, created: dict[int, int]
-                   ) -> dict[int, int]:
-    """Each rank's dataset offsets. Collective creation computed them everywhere; otherwise rank
-    0 scatters each rank the offsets of its own datasets, or nothing when they are unchanged."""
-    if writer.collective_create:
-        cache.offsets = created
-        return created
-
+def _share_offsets(comm: Comm, cache: LayoutCache, created: dict[int, int]) -> dict[int, int]:
+    """Each rank's dataset offsets: rank 0 created the file, and scatters each rank the offsets
+    of its own datasets, or nothing when they are unchanged since the last save."""
     def parts() -> list[dict[int, int] | None]:
         full = cache.full
         assert full is not None
@@ -193,8 +180,8 @@ def recreate(comm: Comm, prepared: Prepared, writer: StorageWriter) -> None:
     """Collective: make the directory and file of a failed save again, for a retry of its items."""
     assert prepared.catalog is not None
     make_step_dir(comm, prepared.catalog, prepared.step, prepared.tuning)
-    created = writer.create(prepared.directory, _to_create(writer, prepared.layout, prepared.full),
-                            prepared.tuning)
+    full = prepared.full
+    created = writer.create(prepared.directory, None if full is None else full.datasets, prepared.tuning)
 
     def same() -> None:
         if created and any(created.get(i) != off for i, off in prepared.offsets.items()):

@@ -25,11 +25,9 @@ from pathlib import Path
 
 import h5py
 
-from coci_hpc.checkpoint.h5file import create_datasets, file_kwargs
+from coci_hpc.checkpoint.h5file import create_on_rank0
 from coci_hpc.checkpoint.layout import DatasetSpec
 from coci_hpc.checkpoint.lustre import IOTuning, mpi_info
-from coci_hpc.checkpoint.manifest import DATA_FILE
-from coci_hpc.checkpoint.perms import set_file
 from coci_hpc.checkpoint.rawio import WriteItem, write_mpiio
 from coci_hpc.comm import Comm
 
@@ -41,7 +39,6 @@ def available(comm: Comm) -> bool:
 class ParallelH5Writer:
     name = "hdf5-mpio"
     collective_write = True
-    collective_create = False   # rank 0 creates the file alone (see the module docstring)
 
     def __init__(self, comm: Comm) -> None:
         if not available(comm):
@@ -53,20 +50,7 @@ class ParallelH5Writer:
 
     def create(self, directory: Path, datasets: Sequence[DatasetSpec] | None, tuning: IOTuning
                ) -> dict[int, int]:
-        """Rank 0 creates the file and returns every dataset's offset; the others get {}."""
-        def make() -> dict[int, int]:
-            if self.comm.rank != 0:
-                return {}
-            assert datasets is not None
-            with h5py.File(directory / DATA_FILE, "w",
-                           **file_kwargs(tuning.align, tuning.align_threshold)) as f:
-                offsets = create_datasets(f, datasets)
-            # h5py created it under the umask; the directory's mode decides. Inside the same
-            # step, so its error agreement covers it without a second collective per save.
-            set_file(directory / DATA_FILE, tuning.dir_mode)
-            return offsets
-
-        return self.comm.run_step(make, "creating the checkpoint file")
+        return create_on_rank0(self.comm, directory, datasets, tuning)
 
     def write(self, path: Path, items: Sequence[WriteItem], tuning: IOTuning) -> list[int]:
         info = mpi_info(tuning.mpi_hints)

@@ -28,8 +28,12 @@ import numpy as np
 
 from coci_hpc.checkpoint.integrity import checksum
 from coci_hpc.checkpoint.layout import DatasetSpec
+from coci_hpc.checkpoint.lustre import IOTuning
+from coci_hpc.checkpoint.manifest import DATA_FILE
+from coci_hpc.checkpoint.perms import set_file
 from coci_hpc.checkpoint.rawio import FileMap, aligned_empty, copy_pool, load_helper, pread_into
 from coci_hpc.checkpoint.state import storage_dtype
+from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointCorrupt
 
 os.environ.setdefault("HDF5_USE_FILE_LOCKING", "FALSE")  # several ranks open the same file
@@ -62,6 +66,26 @@ def create_datasets(f: h5py.File, datasets: Sequence[DatasetSpec]) -> dict[int, 
         if off is not None:
             offsets[i] = int(off)
     return offsets
+
+
+def create_on_rank0(comm: Comm, directory: Path, datasets: Sequence[DatasetSpec] | None,
+                    tuning: IOTuning) -> dict[int, int]:
+    """Collective (one agreement): rank 0 creates ``data.h5`` and every dataset with h5py's default
+    driver and returns their offsets; the others get {} (the engine sends each rank the offsets
+    of its own pieces). Both backends make the file this way: see :mod:`.h5_parallel` for why
+    not HDF5's collective creation."""
+    def make() -> dict[int, int]:
+        if comm.rank != 0:
+            return {}
+        assert datasets is not None
+        with h5py.File(directory / DATA_FILE, "w", **file_kwargs(tuning.align, tuning.align_threshold)) as f:
+            offsets = create_datasets(f, datasets)
+        # h5py created it under the umask; the directory's mode decides. Inside the same step,
+        # so its error agreement covers it without a second collective per save.
+        set_file(directory / DATA_FILE, tuning.dir_mode)
+        return offsets
+
+    return comm.run_step(make, "creating the checkpoint file")
 
 
 def file_kwargs(align: int, threshold: int) -> dict[str, Any]:

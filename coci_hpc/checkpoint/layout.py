@@ -94,11 +94,10 @@ class Piece(NamedTuple):
 
 @dataclass(frozen=True)
 class RankLayout:
-    """One rank's share of a layout: its pieces, and the dataset list where it must take part in
-    creating the file (collective HDF5 creation); ``None`` where rank 0 creates it alone."""
+    """One rank's share of a layout: its pieces (rank 0 creates the file and holds the whole
+    :class:`Layout`; the others never need the dataset list)."""
 
     pieces: tuple[Piece, ...]
-    datasets: tuple[DatasetSpec, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -118,8 +117,8 @@ class Layout:
                 self._by_rank.setdefault(p.rank, []).append(p)
         return self._by_rank.get(rank, [])
 
-    def for_rank(self, rank: int, with_datasets: bool) -> RankLayout:
-        return RankLayout(tuple(self.pieces_of(rank)), self.datasets if with_datasets else None)
+    def for_rank(self, rank: int) -> RankLayout:
+        return RankLayout(tuple(self.pieces_of(rank)))
 
 
 def signature(descs: Sequence[LeafDesc], align: int, world: int) -> str:

@@ -14,8 +14,8 @@ each call (like torch.distributed.checkpoint's ``StorageWriter``)::
                          :class:`~coci_hpc.checkpoint.layout.Layout` and scatters each rank
                          its own pieces (:mod:`~coci_hpc.checkpoint.coordinator`).
        b. catalog.create RANK 0: the step directory (Lustre striping), agreed by all.
-       c. writer.create  collective (``collective_create``: every rank, identical arguments;
-                         otherwise rank 0 alone, scattering each rank its datasets' offsets).
+       c. writer.create  RANK 0 creates the file and every dataset (serial h5py), agreed by
+                         all; it scatters each rank its datasets' offsets (nothing when unchanged).
     2. write           EACH rank its own pieces (``writer.write`` collective when
                        ``collective_write``, else pwrite, possibly in a background thread that
                        touches no MPI).
@@ -55,12 +55,11 @@ from coci_hpc.checkpoint.rawio import WriteItem
 class StorageWriter(Protocol):
     name: str
     collective_write: bool
-    collective_create: bool
 
     def create(self, directory: Path, datasets: Sequence[DatasetSpec] | None, tuning: IOTuning
                ) -> dict[int, int]:
-        """ALL ranks, collective: create the data file and ``datasets``; return {index: offset}
-        of the datasets this rank created (all where ``collective_create``, else rank 0's)."""
+        """ALL ranks, collective: rank 0 creates the data file and ``datasets`` (given on rank 0
+        only) and returns {index: offset}; the other ranks get {}."""
         ...
 
     def write(self, path: Path, items: Sequence[WriteItem], tuning: IOTuning) -> list[int]:

@@ -109,7 +109,7 @@ def test_a_cache_that_does_not_fit_the_leaves_is_not_used(shared_dir, comm):
     assert cache.mine is not None
     if comm.rank == comm.size - 1:
         bad = [Piece(p.dataset, p.rank, p.start, p.stop + 64, p.leaf, p.src_start) for p in cache.mine.pieces]
-        cache.mine = RankLayout(tuple(bad), cache.mine.datasets)
+        cache.mine = RankLayout(tuple(bad))
     mgr.save(2, state)
     assert cache.last["source"] == "planned"
     target = blank(state)
