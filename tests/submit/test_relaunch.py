@@ -2,6 +2,8 @@
 `coci-submit --spare-nodes` renders (the dry run: N+K nodes, --no-kill, the relaunch loop)."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from coci_hpc.cli.submit import main as submit_main
@@ -123,14 +125,32 @@ def test_a_session_that_gave_up_is_never_relaunched(tmp_path) -> None:
     assert _session_gave_up(ckpt) == "no progress"
 
 
-FAKE_STUCK_SRUN = """#!/bin/sh
-n=0
-trap 'n=$((n+1)); echo "sigint $n" >> "{rec}"; if [ $n -ge 2 ]; then echo "srun: Force Terminated" >&2; exit 137; fi' INT
-echo "srun: error: n3: task 1: Killed" >&2
-echo "srun: error: Node failure on n3" >&2
-i=0
-while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
-exit 0
+# The fake sruns are Python, not sh: like the real srun, which installs its own signal handlers,
+# they must see SIGINT whatever disposition or mask they inherit. A shell cannot trap a signal that
+# was ignored when it started, and in CI's full run (2026-11-24) the sh version never saw the
+# loop's SIGINTs although the same test passed alone: something earlier in that pytest process
+# left SIGINT ignored or blocked for its children (not found; the real srun is not affected).
+_FAKE_SRUN_HEAD = f"""#!{sys.executable}
+import signal, sys, time
+signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+"""
+
+FAKE_STUCK_SRUN = _FAKE_SRUN_HEAD + """
+n = 0
+def on_int(*_):
+    global n
+    n += 1
+    with open({rec!r}, "a") as f:
+        f.write(f"sigint {{n}}\\n")
+    if n >= 2:
+        print("srun: Force Terminated", file=sys.stderr, flush=True)
+        sys.exit(137)
+signal.signal(signal.SIGINT, on_int)
+print("srun: error: n3: task 1: Killed", file=sys.stderr, flush=True)
+print("srun: error: Node failure on n3", file=sys.stderr, flush=True)
+for _ in range(300):
+    time.sleep(0.1)
+sys.exit(0)
 """
 
 
@@ -145,7 +165,7 @@ def test_a_step_stuck_after_a_lost_task_is_ended_after_the_grace(tmp_path, capfd
 
     rec = tmp_path / "signals"
     fake = tmp_path / "srun"
-    fake.write_text(FAKE_STUCK_SRUN.format(rec=rec))
+    fake.write_text(FAKE_STUCK_SRUN.format(rec=str(rec)))
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     t0 = time.monotonic()
     rc = watch_step([str(fake)], None, grace_s=1.0)
@@ -245,13 +265,17 @@ def test_the_loop_asks_slurm_again_before_relaunching_on_a_node_that_lost_a_task
     assert "relaunching on n3, which lost a task: asking Slurm again" in err and "1 healthy node(s) left" in err
 
 
-FAKE_STUCK_AT_START_SRUN = """#!/bin/sh
-trap 'echo "srun: Force Terminated" >&2; exit 137' INT
-[ -n "{training}" ] && touch "{training}"
-echo "srun: error: Node failure on n2" >&2
-i=0
-while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
-exit 0
+FAKE_STUCK_AT_START_SRUN = _FAKE_SRUN_HEAD + """
+def on_int(*_):
+    print("srun: Force Terminated", file=sys.stderr, flush=True)
+    sys.exit(137)
+signal.signal(signal.SIGINT, on_int)
+if {training!r}:
+    open({training!r}, "w").close()
+print("srun: error: Node failure on n2", file=sys.stderr, flush=True)
+for _ in range(300):
+    time.sleep(0.1)
+sys.exit(0)
 """
 
 
