@@ -54,6 +54,32 @@ SPIN_S = 0.002          # busy-poll this long before sleeping between tests (pee
 POLL_SLEEP_S = 0.0005
 
 
+def poll_until_done(test: Callable[[], bool], limit: float, notice: Callable[[float], str | None] | None,
+                    missed: Callable[[float], str], noticed: Callable[[float, str], str]) -> None:
+    """Poll ``test`` until it returns True; raise PeerLost after ``limit`` seconds, or at once when
+    ``notice`` (the relaunch loop's peer notice) reports a peer gone.
+
+    One loop for :meth:`Comm.wait_requests` and the session's step agreement, so that both detect a
+    lost peer the same way; they differ only in the texts: ``missed(limit)`` words the deadline's
+    miss and ``noticed(waited, why)`` the notice. Callers mark themselves lost on PeerLost, since
+    their requests can then never complete. The first ``SPIN_S`` busy-polls without asking
+    ``notice`` (a file stat): peers are usually microseconds away.
+    """
+    if test():
+        return
+    t0 = time.monotonic()
+    spin_until, end = t0 + SPIN_S, t0 + limit
+    while not test():
+        now = time.monotonic()
+        if now > end:
+            raise PeerLost(missed(limit), hint="the survivors save from their own state; see the event log")
+        why = notice(now) if notice is not None and now > spin_until else None
+        if why is not None:
+            raise PeerLost(noticed(now - t0, why), hint="the survivors save from their own state; see the event log")
+        if now > spin_until:
+            time.sleep(POLL_SLEEP_S)
+
+
 def _mpi_launched() -> bool:
     return any(v in os.environ for v in _LAUNCHER_VARS)
 
@@ -125,26 +151,16 @@ class Comm:
         if self.peer_deadline_s is None:
             MPI.Request.Waitall(reqs)
             return
-        if MPI.Request.Testall(reqs):
-            return
-        limit = float(self.peer_deadline_s)
-        t0 = time.monotonic()
-        spin_until, end = t0 + SPIN_S, t0 + limit
-        while not MPI.Request.Testall(reqs):
-            now = time.monotonic()
-            if now > end:
-                self.lost = True
-                raise PeerLost(f"{what} did not complete within {limit:.1f}s: a peer rank is gone (crashed, "
-                               f"killed, or its node failed)",
-                               hint="the survivors save from their own state; see the event log")
-            why = self.peer_notice(now) if self.peer_notice is not None and now > spin_until else None
-            if why is not None:
-                self.lost = True
-                raise PeerLost(f"{what}: a peer rank is gone after {now - t0:.2f}s of waiting (the relaunch "
-                               f"loop saw it end: {why})",
-                               hint="the survivors save from their own state; see the event log")
-            if now > spin_until:
-                time.sleep(POLL_SLEEP_S)
+        try:
+            poll_until_done(
+                lambda: bool(MPI.Request.Testall(reqs)), float(self.peer_deadline_s), self.peer_notice,
+                lambda limit: (f"{what} did not complete within {limit:.1f}s: a peer rank is gone (crashed, "
+                               f"killed, or its node failed)"),
+                lambda waited, why: (f"{what}: a peer rank is gone after {waited:.2f}s of waiting (the relaunch "
+                                     f"loop saw it end: {why})"))
+        except PeerLost:
+            self.lost = True      # the abandoned requests can never complete: later collectives fail at once
+            raise
 
     def _check_lost(self, what: str) -> None:
         if self.lost:

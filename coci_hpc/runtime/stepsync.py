@@ -27,17 +27,15 @@ of the deadline's 5 s, and a slow but live peer (no notice) still gets the whole
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
 
-from coci_hpc.comm import Comm
+from coci_hpc.comm import Comm, poll_until_done
 from coci_hpc.errors import PeerLost
 from coci_hpc.runtime.peernotice import PeerNotice
 
 MIN_DEADLINE_S = 5.0     # what a peer gets to reach the boundary before it counts as lost
-SPIN_S = 0.002           # busy-poll this long (the usual case: the peers are microseconds away)
 
 
 class StepSync:
@@ -113,25 +111,17 @@ class StepSync:
             req.wait()
             self._pending = None
             return
-        if not test():
-            limit = self.deadline_s if deadline_s is None else deadline_s
-            t0 = time.monotonic()
-            spin_until, end = t0 + SPIN_S, t0 + limit
-            while not test():
-                now = time.monotonic()
-                if now > end:
-                    self.lost = True
-                    raise PeerLost(f"the step agreement did not complete within {limit:.1f}s: a peer rank "
-                                   f"is gone (crashed, killed, or its node failed)",
-                                   hint="the survivors save from their own state; see the event log")
-                why = self.notice.posted(now) if self.notice is not None and now > spin_until else None
-                if why is not None:
-                    self.lost = True
-                    raise PeerLost(f"a peer rank is gone after {now - t0:.2f}s of waiting for the step "
-                                   f"agreement (the relaunch loop saw it end: {why})",
-                                   hint="the survivors save from their own state; see the event log")
-                if now > spin_until:
-                    time.sleep(0.0005)
+        notice = self.notice.posted if self.notice is not None else None
+        try:
+            poll_until_done(
+                test, self.deadline_s if deadline_s is None else deadline_s, notice,
+                lambda limit: (f"the step agreement did not complete within {limit:.1f}s: a peer rank "
+                               f"is gone (crashed, killed, or its node failed)"),
+                lambda waited, why: (f"a peer rank is gone after {waited:.2f}s of waiting for the step "
+                                     f"agreement (the relaunch loop saw it end: {why})"))
+        except PeerLost:
+            self.lost = True      # the allreduce in flight can never complete
+            raise
         if hasattr(req, "Wait"):
             req.Wait()            # completed: frees the MPI request
         else:
