@@ -157,25 +157,40 @@ def raw_read(path: Path, tensors) -> None:
         os.close(fd)
 
 
-def mapped_copy(timer: "Timer", path: Path, tensors) -> float:
+def mapped_copy(timer: Timer, path: Path, tensors) -> float:
     """Slowest rank's time to copy the state's bytes from the page cache (``path`` read just
     before, mapped and populated untimed) into the live tensors: the one copy a load pays after
-    its last check. The file holds the tensors' own bytes (raw_write), so nothing changes."""
-    from coci_hpc.checkpoint.rawio import FileMap
+    its last check, split over as many threads as coci's load copies with (the cores the rank
+    may use, shared among the node's ranks on them). The file holds the tensors' own bytes
+    (raw_write), so nothing changes."""
+    import torch
 
+    from coci_hpc.checkpoint.engine import _node_ranks
+    from coci_hpc.checkpoint.rawio import FileMap, copy_pool, copy_threads
+
+    threads = copy_threads(_node_ranks(timer.comm)[1])
     fd = os.open(path, os.O_RDONLY)
     fmap = FileMap.open(fd, os.fstat(fd).st_size)
     try:
         assert fmap is not None, "this kernel cannot populate a mapping (MADV_POPULATE_READ)"
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        fmap.populate(0, sum(sizes))
-        dests = [t.reshape(-1).view(__import__("torch").uint8).numpy() for t in tensors]
+        parts, off = [], 0
+        for t in tensors:
+            d = t.reshape(-1).view(torch.uint8).numpy()
+            step = -(-d.nbytes // threads)
+            parts += [(d[a:a + step], off + a) for a in range(0, d.nbytes, step)]
+            off += d.nbytes
+        fmap.populate(0, off)
+        shares = [parts[k::threads] for k in range(threads)]
+
+        def run(share) -> None:
+            for d, at in share:
+                np.copyto(d, fmap.view(at, d.nbytes))
 
         def copy() -> None:
-            off = 0
-            for d, n in zip(dests, sizes):
-                np.copyto(d, fmap.view(off, n))
-                off += n
+            futures = [copy_pool().submit(run, sh) for sh in shares[1:]]
+            run(shares[0])
+            for f in futures:
+                f.result()
         return timer(copy)[0]
     finally:
         fmap.close()
@@ -403,6 +418,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4, help="training steps for each baseline rate")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--bind-to", default=None, choices=["core", "none"],
+                    help="mpiexec's binding of each rank (default: Open MPI's own, a core per rank for "
+                         "1-2 ranks); 'none' lets each rank use every core, as --cpus-per-task does")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -419,7 +437,8 @@ def main() -> int:
     for w in [int(x) for x in args.ranks.split(",")]:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tf:
             out_path = tf.name
-        cmd = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", str(w), sys.executable,
+        bind = ["--bind-to", args.bind_to] if args.bind_to else []
+        cmd = ["mpiexec", "--allow-run-as-root", "--oversubscribe", *bind, "-n", str(w), sys.executable,
                "-m", "mpi4py", __file__, "--worker", out_path, "--size-mb", str(args.size_mb),
                "--repeats", str(args.repeats), "--steps", str(args.steps)]
         if args.dir:

@@ -202,9 +202,11 @@ def test_a_rank_reading_alone_checks_over_a_sequential_mapping(tmp_path, monkeyp
     path, m = _saved(tmp_path)
     real = os.posix_fadvise
     for alone in (True, False):
-        advised, announced = [], []
-        monkeypatch.setattr(rawio.FileMap, "advise_sequential", lambda self: advised.append(1))
-        monkeypatch.setattr(os, "posix_fadvise", lambda fd, at, n, how: (announced.append(how), real(fd, at, n, how)))
+        advised: list[int] = []
+        announced: list[int] = []
+        monkeypatch.setattr(rawio.FileMap, "advise_sequential", lambda self, seen=advised: seen.append(1))
+        monkeypatch.setattr(os, "posix_fadvise",
+                            lambda fd, at, n, how, seen=announced: (seen.append(how), real(fd, at, n, how)))
         with DatasetReader(path, m) as r:
             keys = _all_keys(r, m)
             r.verify(keys, alone=alone)
