@@ -331,7 +331,7 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
 
         def check() -> set[tuple[str, int]]:
             mine, needed = _my_checks(comm.rank, node, m, reader, all_rows)
-            reader.verify(mine)
+            reader.verify(mine, alone=len(node) == 1)
             reader.prefetch(needed - mine)  # what the other ranks of the node check
             return needed
 
@@ -493,14 +493,27 @@ def _cores() -> set[int]:
 def _my_checks(rank: int, node: list[int], m: dict[str, Any], reader: DatasetReader,
                all_rows: list[dict[str, int]]) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
     """(shards this rank checks, shards it reads): the shards the ranks of a node read are
-    dealt out among the ranks that read each, so a node checks each shard once."""
+    dealt out among the ranks that read each, so a node checks each shard once. Each rank gets
+    one contiguous run of the file (by bytes), so that every rank reads one sequential stream
+    and the kernel's readahead keeps up (shards dealt out in turn made each rank skip about)."""
     needs = {r: reader.shards_of([(meta, start, start + n) for meta, start, _, n in _ranges(r, m, all_rows)])
              for r in node}
+    groups: dict[tuple[int, ...], list[tuple[str, int]]] = {}
+    for key in set().union(*needs.values()):
+        groups.setdefault(tuple(r for r in node if key in needs[r]), []).append(key)
     mine = set()
-    for i, key in enumerate(sorted(set().union(*needs.values()))):
-        readers = [r for r in needs if key in needs[r]]
-        if readers[i % len(readers)] == rank:
-            mine.add(key)
+    for readers, keys in groups.items():
+        if rank not in readers:
+            continue
+        keys.sort(key=reader.shard_extent)
+        sizes = [reader.shard_extent(k)[1] for k in keys]
+        total, at = sum(sizes), 0
+        me = readers.index(rank)
+        for key, n in zip(keys, sizes):
+            # a shard goes to the reader whose byte range holds its middle
+            if min(len(readers) - 1, (2 * at + n) * len(readers) // (2 * total or 1)) == me:
+                mine.add(key)
+            at += n
     return mine, needs[rank]
 
 

@@ -375,17 +375,28 @@ class DatasetReader:
                     out.add((meta["dataset"], sh["start"]))
         return out
 
+    def shard_extent(self, key: tuple[str, int]) -> tuple[int, int]:
+        """(first byte in the file, bytes) of the shard ``key`` (see :meth:`shards_of`)."""
+        dataset, first = key
+        sh = next(sh for sh in self._shards[dataset] if sh["start"] == first)
+        return self.offset(self._metas[dataset]) + first, sh["stop"] - sh["start"]
+
     def trust(self, keys: set[tuple[str, int]]) -> None:
         """Count shards another rank of this node checked (the same page cache) as checked."""
         self._verified |= keys
 
-    def verify(self, keys: set[tuple[str, int]]) -> None:
+    def verify(self, keys: set[tuple[str, int]], *, alone: bool = False) -> None:
         """Check the shards named by ``keys`` (see :meth:`shards_of`), each whole, against their
         checksums; raise CheckpointCorrupt naming the first bad one.
 
-        The whole extent is announced to the kernel first (``WILLNEED``), so the disk reads
-        ahead while the CRCs run; the CRC of one chunk runs in the load's helper thread while
-        the next is read. The CRCs run straight over the file's mapping
+        The disk reads ahead while the CRCs run; the CRC of one chunk runs in the load's helper
+        thread while the next is read. How the kernel learns what comes next (measured here,
+        1.2 GB, cold, one core per rank): a rank reading ``alone`` on its node marks the mapping
+        sequential, so the kernel reads ahead of each populate call in bounded windows while the
+        CRCs run (restore_ratio 1.26-1.31 against 1.50-1.59 with the extents announced up
+        front); where several ranks of a node read the file, each announces its whole extent
+        first (``WILLNEED``), which kept both ranks' streams at full speed (one rank's
+        sequential stream ran at half the speed of the other's). The CRCs run straight over the file's mapping
         (:class:`~coci_hpc.checkpoint.rawio.FileMap`): no byte is copied and no fresh memory
         is touched (on this machine a first touch of fresh memory costs about as much as the
         cold read itself). :meth:`copy_verified` then copies the checked bytes, still mapped,
@@ -409,7 +420,9 @@ class DatasetReader:
             jobs.append((meta, sh, self.offset(meta) + first))
         jobs.sort(key=lambda j: j[2])
         fmap = self._mapped() if PASS1_MAPPED else None
-        if fmap is not None:
+        if fmap is not None and alone:
+            fmap.advise_sequential()
+        elif fmap is not None:
             for _, sh, at in jobs:
                 os.posix_fadvise(self._fd, at, sh["stop"] - sh["start"], os.POSIX_FADV_WILLNEED)
         size = min(_READ_CHUNK, max((sh["stop"] - sh["start"] for _, sh, _ in jobs), default=0))

@@ -162,3 +162,54 @@ def test_the_streamed_check_maps_everything_before_the_first_copy(tmp_path, monk
         big = next(t for t in m["tensors"] if t["dataset"].endswith("/big"))
         r.read_verified(big, dest)
         assert np.array_equal(dest, r.read_bytes(big, 0, big["nbytes"]))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_the_ranks_of_a_node_each_check_one_contiguous_run_of_the_file(tmp_path, ranks):
+    """The shards every rank of a node reads (replicated state) are dealt out as contiguous,
+    byte-balanced runs of the file: each rank reads one sequential stream, the runs cover every
+    shard once."""
+    from coci_hpc.checkpoint.engine import _my_checks
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(50 + 30 * i, 40) for i in range(6)])
+    mgr = CheckpointManager(tmp_path, comm=None)
+    mgr.save(1, {"model": model})
+    mgr.close()
+    path, m = mf.step_dir(tmp_path, 1) / mf.DATA_FILE, mf.read(mf.step_dir(tmp_path, 1))
+    node = list(range(ranks))
+    rows: list[dict[str, int]] = [{} for _ in node]
+    with DatasetReader(path, m) as r:
+        replicated = {k for k in _all_keys(r, m) if k[0].startswith("replicated/")}
+        order = sorted(replicated, key=r.shard_extent)
+        runs = []
+        for rank in node:
+            mine, needed = _my_checks(rank, node, m, r, rows)
+            assert needed >= replicated
+            at = sorted(order.index(k) for k in mine & replicated)
+            assert at == list(range(at[0], at[0] + len(at)))  # one contiguous run
+            runs.append((at, sum(r.shard_extent(k)[1] for k in mine)))
+    assert sorted(i for at, _ in runs for i in at) == list(range(len(order)))
+    biggest = max(r.shard_extent(k)[1] for k in order)
+    total = sum(n for _, n in runs)
+    assert all(abs(n - total / ranks) <= biggest for _, n in runs)
+
+
+def test_a_rank_reading_alone_checks_over_a_sequential_mapping(tmp_path, monkeypatch):
+    """Alone on its node, a rank marks the mapping sequential and announces nothing up front;
+    with other readers on the node, it announces its extents (WILLNEED) and leaves the mapping
+    as it is. Both check every shard."""
+    path, m = _saved(tmp_path)
+    real = os.posix_fadvise
+    for alone in (True, False):
+        advised: list[int] = []
+        announced: list[int] = []
+        monkeypatch.setattr(rawio.FileMap, "advise_sequential", lambda self, seen=advised: seen.append(1))
+        monkeypatch.setattr(os, "posix_fadvise",
+                            lambda fd, at, n, how, seen=announced: (seen.append(how), real(fd, at, n, how)))
+        with DatasetReader(path, m) as r:
+            keys = _all_keys(r, m)
+            r.verify(keys, alone=alone)
+            assert r._verified >= keys
+        assert bool(advised) is alone
+        assert (os.POSIX_FADV_WILLNEED in announced) is not alone
