@@ -117,11 +117,11 @@ def _state(pid: int) -> str | None:
         return None
 
 
-def test_frozen_node_stops_its_tasks_then_kills_them_at_node_fail(slurm_cluster: SlurmCluster) -> None:
-    """`fail --hard --freeze` (a host that stops answering): the node's tasks are stopped, not
-    killed (their sockets stay open and silent) while the job is still RUNNING; after --delay they
-    are killed, the node is DOWN, the job ends NODE_FAIL and is requeued; nothing is left stopped."""
-    wd = slurm_cluster.workdir / f"freeze-{uuid.uuid4().hex[:6]}"
+def _start_task_per_node_job(slurm_cluster: SlurmCluster, name: str) -> tuple[str, int, int]:
+    """A requeueable 2-node job with one sleeping task per node (its requeued run exits at once),
+    started and waited for until both tasks run: the node-failure tests below act on those pids.
+    Returns the job id and the pids of the tasks on n1 and on n2."""
+    wd = slurm_cluster.workdir / f"{name}-{uuid.uuid4().hex[:6]}"
     wd.mkdir()
     log = wd / "out-%j.txt"
     script = ('[ "${SLURM_RESTART_COUNT:-0}" -ge 1 ] && exit 0; '
@@ -132,7 +132,29 @@ def test_frozen_node_stops_its_tasks_then_kills_them_at_node_fail(slurm_cluster:
     while not ((wd / "pid-n1").exists() and (wd / "pid-n2").exists()):
         assert time.monotonic() < deadline, "the tasks did not start"
         time.sleep(0.3)
-    pid1, pid2 = int((wd / "pid-n1").read_text()), int((wd / "pid-n2").read_text())
+    return job, int((wd / "pid-n1").read_text()), int((wd / "pid-n2").read_text())
+
+
+def _recover_n2(slurm_cluster: SlurmCluster, proc: subprocess.Popen[str]) -> None:
+    """Let a `devcluster fail` still running finish, then bring n2 back: the cluster is shared and
+    must be left with both nodes up whatever the test saw."""
+    if proc.poll() is None:
+        proc.wait(30)
+    slurm_cluster.run(str(slurm_cluster.devcluster), "recover", "n2")
+
+
+def _assert_node_fail_then_completed(slurm_cluster: SlurmCluster, job: str) -> None:
+    """The job's first run ended NODE_FAIL and its requeued run COMPLETED."""
+    rows = slurm_cluster.wait_gone(job, timeout=120)
+    states = [r["State"] for r in rows]
+    assert states[0] == "NODE_FAIL" and states[-1] == "COMPLETED", states
+
+
+def test_frozen_node_stops_its_tasks_then_kills_them_at_node_fail(slurm_cluster: SlurmCluster) -> None:
+    """`fail --hard --freeze` (a host that stops answering): the node's tasks are stopped, not
+    killed (their sockets stay open and silent) while the job is still RUNNING; after --delay they
+    are killed, the node is DOWN, the job ends NODE_FAIL and is requeued; nothing is left stopped."""
+    job, pid1, pid2 = _start_task_per_node_job(slurm_cluster, "freeze")
     proc = subprocess.Popen([str(slurm_cluster.devcluster), "fail", "n2", "--hard", "--freeze", "--delay", "4"],
                             env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -148,30 +170,15 @@ def test_frozen_node_stops_its_tasks_then_kills_them_at_node_fail(slurm_cluster:
         assert _state(pid2) in (None, "Z"), "the frozen task outlived the node's failure"
         slurm_cluster.wait_state(job, ("PENDING",), timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.wait(30)
-        slurm_cluster.run(str(slurm_cluster.devcluster), "recover", "n2")
-    rows = slurm_cluster.wait_gone(job, timeout=120)
-    states = [r["State"] for r in rows]
-    assert states[0] == "NODE_FAIL" and states[-1] == "COMPLETED", states
+        _recover_n2(slurm_cluster, proc)
+    _assert_node_fail_then_completed(slurm_cluster, job)
 
 
 def test_hard_node_failure_kills_tasks_first_then_node_fail_and_requeue(slurm_cluster: SlurmCluster) -> None:
     """`fail --hard`: the node's tasks die at once by SIGKILL while the job is still RUNNING (the
     survivor on the other node lives on, nothing told it); only after --delay is the node marked
     DOWN, the job ends NODE_FAIL and is requeued."""
-    wd = slurm_cluster.workdir / f"hard-{uuid.uuid4().hex[:6]}"
-    wd.mkdir()
-    log = wd / "out-%j.txt"
-    script = ('[ "${SLURM_RESTART_COUNT:-0}" -ge 1 ] && exit 0; '
-              f'srun -N2 --ntasks-per-node=1 sh -c \'echo $$ > {wd}/pid-$SLURMD_NODENAME; exec sleep 600\'')
-    job = slurm_cluster.sbatch("-N", "2", "--requeue", "--open-mode=append", "-o", str(log), "--wrap", script)
-    slurm_cluster.wait_state(job, ("RUNNING",), timeout=60)
-    deadline = time.monotonic() + 30
-    while not ((wd / "pid-n1").exists() and (wd / "pid-n2").exists()):
-        assert time.monotonic() < deadline, "the tasks did not start"
-        time.sleep(0.3)
-    pid1, pid2 = int((wd / "pid-n1").read_text()), int((wd / "pid-n2").read_text())
+    job, pid1, pid2 = _start_task_per_node_job(slurm_cluster, "hard")
     proc = subprocess.Popen([str(slurm_cluster.devcluster), "fail", "n2", "--hard", "--delay", "4"],
                             env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -186,9 +193,5 @@ def test_hard_node_failure_kills_tasks_first_then_node_fail_and_requeue(slurm_cl
         assert proc.returncode == 0 and "n2 marked DOWN" in out
         slurm_cluster.wait_state(job, ("PENDING",), timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.wait(30)
-        slurm_cluster.run(str(slurm_cluster.devcluster), "recover", "n2")
-    rows = slurm_cluster.wait_gone(job, timeout=120)
-    states = [r["State"] for r in rows]
-    assert states[0] == "NODE_FAIL" and states[-1] == "COMPLETED", states
+        _recover_n2(slurm_cluster, proc)
+    _assert_node_fail_then_completed(slurm_cluster, job)
