@@ -621,6 +621,8 @@ class Session:
                           lost_ranks=out.ranks_from_partner, reason=out.reason, failure_wall=t_fail,
                           detect_wall=t_detect, commit_wall=time.time() if out.committed else None,
                           save_s=out.write_s, fallback_step=None if out.committed else latest)
+                if in_place and self.sync.notice is not None:
+                    self.sync.notice.mark_left()    # the loop may end a silent peer's task now
                 if out.committed:
                     _say(f"survivors' checkpoint of step {boundary} committed {time.time() - t_fail:.1f}s after "
                          f"the failure (ranks {out.ranks_from_partner} from their partners' copies)")

@@ -43,9 +43,17 @@ def training_marker(path: str | os.PathLike[str]) -> str:
     return os.fspath(path) + ".training"
 
 
+def left_marker(path: str | os.PathLike[str]) -> str:
+    """The file the survivors' writer creates once the survivors' save is over (committed or not)
+    and they are leaving: the step's outcome is decided. A peer that still has not ended by then is
+    silent (a frozen or dead host whose node Slurm has not declared down yet: SlurmdTimeout), and
+    the loop ends the step instead of waiting for Slurm (:func:`coci_hpc.submit.relaunch.silent_nodes`)."""
+    return os.fspath(path) + ".left"
+
+
 def clear(path: str | os.PathLike[str]) -> None:
-    """Remove a launch's notice and its training marker."""
-    for p in (os.fspath(path), training_marker(path)):
+    """Remove a launch's notice and its markers."""
+    for p in (os.fspath(path), training_marker(path), left_marker(path)):
         try:
             os.unlink(p)
         except FileNotFoundError:
@@ -72,6 +80,14 @@ class PeerNotice:
                 pass
         except OSError:        # then a step that loses a rank gets a second, not the grace: the
             pass               # survivors' save may be cut short and the run resumes a bit further back
+
+    def mark_left(self) -> None:
+        """The survivors' writer, after its save and its ``peer_lost`` record (see :func:`left_marker`)."""
+        try:
+            with open(left_marker(self.path), "w"):
+                pass
+        except OSError:        # then the loop waits for the silent task's end, or its grace, as before
+            pass
 
     def posted(self, now: float | None = None) -> str | None:
         """The notice's text once the loop has posted it, else None (also between looks)."""

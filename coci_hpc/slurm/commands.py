@@ -118,6 +118,25 @@ def srun_lost_node(line: str) -> str | None:
     return None if m is None else (m.group("node") or m.group("down"))
 
 
+SRUN_TASK_IDS = re.compile(r"^srun: error: \S+: tasks? (?P<ids>[\d,\-]+): ")
+
+
+def srun_ended_tasks(line: str) -> tuple[str, int | None] | None:
+    """The node and how many of its tasks one of srun's task-loss lines reports ended ("task 1",
+    "tasks 0-1,3"); the count is None for "Node failure on NODE" (every task there). Else None."""
+    node = srun_lost_node(line)
+    if node is None:
+        return None
+    m = SRUN_TASK_IDS.search(line)
+    if m is None:
+        return node, None
+    n = 0
+    for part in m.group("ids").split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi) - int(lo) + 1 if hi else 1
+    return node, n
+
+
 def end_step_signals(srun: subprocess.Popen) -> None:
     """End a running srun step with every task in it: two SIGINTs to srun within a second make it
     SIGKILL the step's tasks (srun(1), "Force Terminated"); the step then ends and srun returns."""

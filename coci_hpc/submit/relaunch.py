@@ -59,6 +59,10 @@ DEFAULT_STEP_GRACE_S = 30.0
 # marker from the Session): there is nothing newer than the checkpoint they restore to save, and a
 # rank stuck in MPI/gloo start-up with a peer on a node that just went would wait out the grace.
 START_GRACE_S = 1.0
+# Seconds the loop waits, once the survivors' writer has left after a peer loss and every task on
+# the other nodes has ended, before it ends the silent node's tasks: the other survivors' exits may
+# still be on their way to srun (a survivor counted silent is only preferred less on relaunch).
+LEFT_SETTLE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,26 @@ def choose_nodes(held: Sequence[str], unhealthy: Mapping[str, str], needed: int,
     take = set([n for n in healthy if n not in suspect][:needed])
     take.update([n for n in healthy if n in suspect][:needed - len(take)])
     return tuple(n for n in healthy if n in take)
+
+
+def silent_nodes(step_nodes: Sequence[str], tasks_per_node: int, ended: Mapping[str, int],
+                 survivors_left: bool) -> tuple[str, ...]:
+    """The step's nodes none of whose tasks has ended, when the step can be ended without them:
+    the survivors' writer has left after a peer loss (``survivors_left``, the Session's marker), and
+    every task on every other node has ended (``ended``: tasks srun reported ended, per node). Else
+    ``()``: wait (a slow but live peer keeps its whole deadline: without a peer loss the survivors
+    never leave). Pure.
+
+    Why: a host that goes silent (frozen, powered off, off the network) ends none of its tasks,
+    and srun's step ends only when its last task does, that is when slurmctld declares the node
+    DOWN (SlurmdTimeout, 300 s by default). These nodes are the suspects, not the survivors whose
+    exit srun reported first."""
+    if not survivors_left:
+        return ()
+    if any(0 < ended.get(n, 0) < tasks_per_node for n in step_nodes):
+        return ()        # a node with some tasks still running: a survivor still leaving
+    silent = tuple(n for n in step_nodes if ended.get(n, 0) == 0)
+    return silent if 0 < len(silent) < len(step_nodes) else ()
 
 
 def decide(*, rc: int, signaled: bool, held: Sequence[str], unhealthy: Mapping[str, str], needed: int,
@@ -161,10 +185,12 @@ class Relauncher:
                                        stdout=str(logs / "%j_%t_log.out"), stderr=str(logs / "%j_%t_log.err"),
                                        command=self.rank_command())
 
-    def run_step(self, argv: Sequence[str], env: Mapping[str, str], loss: StepLoss) -> int:
+    def run_step(self, argv: Sequence[str], env: Mapping[str, str], loss: StepLoss, nodes: Sequence[str] = ()) -> int:
         notice = env.get(peernotice.ENV)
         return watch_step(argv, env, self.step_grace_s, notice=notice, loss=loss,
-                          training=peernotice.training_marker(notice) if notice else None)
+                          training=peernotice.training_marker(notice) if notice else None,
+                          nodes=nodes, tasks_per_node=self.ntasks_per_node,
+                          left=peernotice.left_marker(notice) if notice else None)
 
     def notice_path(self, job_id: str, restart: int) -> str:
         """Where this launch's peer notice goes (:mod:`coci_hpc.runtime.peernotice`): the job's log
@@ -204,7 +230,7 @@ class Relauncher:
             peernotice.clear(notice)
             env = {**os.environ, ENV_RESTARTS: str(restarts), peernotice.ENV: notice}
             loss = StepLoss()
-            rc = self.run_step(self.step_argv(nodes), env, loss)
+            rc = self.run_step(self.step_argv(nodes), env, loss, nodes)
             ended = time.time()
             peernotice.clear(notice)
             gave_up = _session_gave_up(Path(ckpt)) if ckpt and rc != 0 else None
@@ -249,17 +275,21 @@ class StepLoss:
 
 def watch_step(argv: Sequence[str], env: Mapping[str, str] | None, grace_s: float, poll_s: float = 0.2,
                notice: str | None = None, loss: StepLoss | None = None, training: str | None = None,
-               start_grace_s: float = START_GRACE_S) -> int:
+               start_grace_s: float = START_GRACE_S, nodes: Sequence[str] = (), tasks_per_node: int = 1,
+               left: str | None = None, left_settle_s: float = LEFT_SETTLE_S) -> int:
     """Run the rank step (srun) to its end and return its status; srun's own lines pass through
     to this process's stderr. Once srun reports a task lost, the loop posts ``notice`` (the step's
     :mod:`~coci_hpc.runtime.peernotice`: the survivors stop waiting for the lost rank and save at
     once), and the step gets ``grace_s`` seconds to end by itself (the survivors' save), then it is
     ended (:func:`commands.end_step_signals`); only ``start_grace_s`` while the file ``training``
     (the Session's marker: its ranks are past their start) does not exist. ``loss`` collects the
-    nodes srun named."""
+    nodes srun named. Once the file ``left`` exists (the survivors' writer left after a peer loss)
+    and every task on the step's other ``nodes`` has ended (:func:`silent_nodes`), the step is ended
+    after ``left_settle_s`` and the nodes whose tasks never ended become ``loss``'s suspects."""
     p = subprocess.Popen(list(argv), env=None if env is None else dict(env), stderr=subprocess.PIPE,
                          text=True, bufsize=1, errors="replace")
     loss = loss if loss is not None else StepLoss()
+    ended_tasks: dict[str, int] = {}
 
     def pump() -> None:
         assert p.stderr is not None
@@ -269,6 +299,8 @@ def watch_step(argv: Sequence[str], env: Mapping[str, str] | None, grace_s: floa
             node = commands.srun_lost_node(line)
             if node is None:
                 continue
+            count = (commands.srun_ended_tasks(line) or (node, None))[1]
+            ended_tasks[node] = min(tasks_per_node, ended_tasks.get(node, 0) + (count or tasks_per_node))
             # Suspect: the first loss, a node failure, a task killed by a signal. Not a task that
             # exited with a status after that (the survivors leave with 1 once they saved), nor what
             # this loop's own ending of the step killed.
@@ -283,6 +315,7 @@ def watch_step(argv: Sequence[str], env: Mapping[str, str] | None, grace_s: floa
                     except OSError as exc:    # the survivors' deadline still detects the loss
                         _say(f"could not post the peer notice {notice}: {exc}")
     ended_at: float | None = None
+    silent_since: float | None = None
     reader = threading.Thread(target=pump, name="coci-srun-stderr", daemon=True)
     reader.start()
     while True:
@@ -293,15 +326,24 @@ def watch_step(argv: Sequence[str], env: Mapping[str, str] | None, grace_s: floa
             now = time.monotonic()
             lost_at = loss.at
             limit = grace_s if training is None or os.path.exists(training) else min(grace_s, start_grace_s)
-            if ended_at is None and lost_at is not None and now - lost_at > limit:
+            silent = silent_nodes(nodes, tasks_per_node, dict(ended_tasks),
+                                  left is not None and os.path.exists(left)) if ended_at is None and nodes else ()
+            silent_since = (silent_since or now) if silent else None
+            if silent and silent_since is not None and now - silent_since >= left_settle_s:
+                ended_at = now                 # first: the pump counts no later line as a loss
+                loss.nodes[:] = list(silent)
+                _say(f"the survivors saved and left after a peer loss; no task on {','.join(silent)} has ended "
+                     f"(a silent host Slurm has not declared down yet): ending the step")
+                commands.end_step_signals(p)
+            elif ended_at is None and lost_at is not None and now - lost_at > limit:
                 if limit < grace_s:
                     _say(f"a task of the rank step was lost {now - lost_at:.1f}s ago, before its ranks started "
                          f"training (nothing newer than their checkpoint to save): ending the step")
                 else:
                     _say(f"a task of the rank step was lost {now - lost_at:.0f}s ago and the step is still "
                          f"running (a survivor stuck in a collective with the lost rank?): ending the step")
+                ended_at = now                 # first: what the ending kills is no suspect
                 commands.end_step_signals(p)
-                ended_at = now
             elif ended_at is not None and now - ended_at > 30:
                 p.kill()
     reader.join(timeout=5)

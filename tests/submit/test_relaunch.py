@@ -249,7 +249,7 @@ def test_the_loop_asks_slurm_again_before_relaunching_on_a_node_that_lost_a_task
     monkeypatch.setattr(rl.commands, "requeue", lambda job: requeued.append(job))
 
     class Loop(rl.Relauncher):
-        def run_step(self, argv, env, loss):
+        def run_step(self, argv, env, loss, nodes=()):
             loss.at, loss.nodes = time.monotonic(), ["n3"]
 
             def slurm_marks_n3_down():
@@ -300,3 +300,82 @@ def test_a_step_that_lost_a_rank_before_training_is_ended_after_a_second(tmp_pat
         rc = watch_step([str(fake)], None, grace_s=grace, notice=notice, training=peernotice.training_marker(notice))
         took = time.monotonic() - t0
         assert rc == 137 and lo < took < hi, (marked, rc, took)
+
+
+def test_silent_nodes_only_once_the_survivors_left_and_every_other_task_ended() -> None:
+    from coci_hpc.submit.relaunch import silent_nodes
+
+    nodes = ("n1", "n2", "n3")
+    # The survivors on n1 and n3 saved and left; n2's task never ended (a frozen host): end it.
+    assert silent_nodes(nodes, 1, {"n1": 1, "n3": 1}, True) == ("n2",)
+    # No survivors' marker: a crash on n1 and n3 with n2 alive, or a slow but live peer: wait.
+    assert silent_nodes(nodes, 1, {"n1": 1, "n3": 1}, False) == ()
+    # One task per node: a survivor on n3 that has not ended yet looks silent too (the loop's
+    # LEFT_SETTLE_S gives its exit time to reach srun before acting on this).
+    assert silent_nodes(nodes, 1, {"n1": 1}, True) == ("n2", "n3")
+    # Two tasks per node, one of n3's still running: wait; both ended: n2 is the silent one.
+    assert silent_nodes(nodes, 2, {"n1": 2, "n3": 1}, True) == ()
+    assert silent_nodes(nodes, 2, {"n1": 2, "n3": 2}, True) == ("n2",)
+    # Every task ended (srun returns by itself) or none did: nothing to end.
+    assert silent_nodes(nodes, 1, {"n1": 1, "n2": 1, "n3": 1}, True) == ()
+    assert silent_nodes(nodes, 1, {}, True) == ()
+
+
+def test_srun_ended_tasks_counts_the_tasks_a_line_names() -> None:
+    assert commands.srun_ended_tasks("srun: error: n1: task 0: Exited with exit code 1") == ("n1", 1)
+    assert commands.srun_ended_tasks("srun: error: n2: tasks 0-1,3: Killed") == ("n2", 3)
+    assert commands.srun_ended_tasks("srun: error: Node failure on n3") == ("n3", None)
+    assert commands.srun_ended_tasks("srun: job step started") is None
+
+
+FAKE_SILENT_SRUN = _FAKE_SRUN_HEAD + """
+def on_int(*_):
+    print("srun: Force Terminated", file=sys.stderr, flush=True)
+    print("srun: error: n2: task 1: Killed", file=sys.stderr, flush=True)
+    sys.exit(137)
+signal.signal(signal.SIGINT, on_int)
+time.sleep(0.3)
+print("srun: error: n1: task 0: Exited with exit code 1", file=sys.stderr, flush=True)
+if {left!r}:
+    open({left!r}, "w").close()
+for _ in range(300):        # n2's task is frozen: the step would end only when Slurm declares n2 DOWN
+    time.sleep(0.1)
+sys.exit(0)
+"""
+
+
+def test_a_silent_peer_is_ended_once_the_survivors_left_and_is_the_suspect(tmp_path, capfd) -> None:
+    """A frozen host (devcluster fail --hard --freeze): the survivor on n1 saves, writes the
+    Session's left marker and exits 1; srun reports n1's exit first, and n2's task never ends. The
+    loop ends the step about LEFT_SETTLE_S later, not after its grace, and n2, whose task never
+    ended, is the suspect, not n1. Without the marker (no peer loss: a crash with a live peer
+    still saving) the step keeps its grace."""
+    import stat
+    import time
+
+    from coci_hpc.runtime import peernotice
+    from coci_hpc.submit.relaunch import StepLoss, watch_step
+
+    notice = str(tmp_path / ".7_0_peer_notice")
+    for marked in (True, False):
+        fake = tmp_path / f"srun-{marked}"
+        fake.write_text(FAKE_SILENT_SRUN.format(left=peernotice.left_marker(notice) if marked else ""))
+        fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+        peernotice.clear(notice)
+        open(peernotice.training_marker(notice), "w").close()
+        loss = StepLoss()
+        t0 = time.monotonic()
+        rc = watch_step([str(fake)], None, grace_s=5.0, notice=notice, loss=loss, nodes=("n1", "n2"),
+                        training=peernotice.training_marker(notice), left=peernotice.left_marker(notice),
+                        left_settle_s=0.5)
+        took = time.monotonic() - t0
+        err = capfd.readouterr().err
+        assert rc == 137, (marked, rc)
+        if marked:
+            assert 0.7 < took < 4.5, took
+            assert loss.nodes == ["n2"], loss
+            assert "no task on n2 has ended" in err
+        else:
+            assert 5.0 < took < 15, took          # the grace after n1's exit, as before
+            assert loss.nodes == ["n1"], loss
+            assert "no task on" not in err

@@ -67,6 +67,12 @@ def _wait_for(pred, what: str, timeout: float) -> None:
         time.sleep(0.2)
 
 
+def _rank0_logs(wd: Path, job: str) -> tuple[str, str]:
+    """Rank 0's stdout and stderr (the relaunch loop's lines are in the latter) of a job run in ``wd``."""
+    logs = wd / "run" / "logs"
+    return (logs / f"{job}_0_log.out").read_text(), (logs / f"{job}_0_log.err").read_text()
+
+
 def _n_attempts(ckpt: Path) -> int:
     return sum(e["event"] == "attempt_start" for e in read_events(ckpt))
 
@@ -98,9 +104,7 @@ def test_crash_then_node_failure_restart_in_place_bit_exact(three_nodes: SlurmCl
         rows = cluster.wait_gone(job, timeout=300)
     finally:
         cluster.run(str(cluster.devcluster), "recover", "n3", check=False)
-    logs = wd / "run" / "logs"
-    out = (logs / f"{job}_0_log.out").read_text()
-    err = (logs / f"{job}_0_log.err").read_text()
+    out, err = _rank0_logs(wd, job)
     print(out[-3000:], err[-4000:], rows, sep="\n")
     events = read_events(ckpt)
     relaunches = [e for e in events if e["event"] == "relaunch"]
@@ -158,8 +162,7 @@ def test_crash_every_time_ends_after_max_restarts(three_nodes: SlurmCluster) -> 
     job = _submit(cluster, wd, "--nodes", "2", "--spare-nodes", "1", "--max-restarts", "2",
                   "--ckpt-dir", str(wd / "ckpt"), str(wd / "crash.py"))
     rows = cluster.wait_gone(job, timeout=120)
-    out = (wd / "run" / "logs" / f"{job}_0_log.out").read_text()
-    err = (wd / "run" / "logs" / f"{job}_0_log.err").read_text()
+    out, err = _rank0_logs(wd, job)
     print(out, err[-3000:], rows, sep="\n")
     assert [r["State"] for r in rows] == ["FAILED"], rows
     assert out.count("crashing") == 3   # rank 0: the first launch and 2 restarts
@@ -192,9 +195,7 @@ def test_two_node_failures_with_one_spare_second_requeues_bit_exact(three_nodes:
         cluster.run(dc, "recover", "n2", check=False)
         cluster.run(dc, "recover", "n3", check=False)
     rows = cluster.wait_gone(job, timeout=300)
-    logs = wd / "run" / "logs"
-    out = (logs / f"{job}_0_log.out").read_text()
-    err = (logs / f"{job}_0_log.err").read_text()
+    out, err = _rank0_logs(wd, job)
     print(out[-2000:], err[-4000:], rows, json.dumps(relaunches(), indent=1), sep="\n")
     events = read_events(ckpt)
     assert [(r["action"], r["nodes"]) for r in relaunches()] == [("relaunch", ["n1", "n3"]), ("requeue", [])]
