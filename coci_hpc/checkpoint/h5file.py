@@ -385,18 +385,16 @@ class DatasetReader:
         """Count shards another rank of this node checked (the same page cache) as checked."""
         self._verified |= keys
 
-    def verify(self, keys: set[tuple[str, int]], *, alone: bool = False) -> None:
+    def verify(self, keys: set[tuple[str, int]]) -> None:
         """Check the shards named by ``keys`` (see :meth:`shards_of`), each whole, against their
         checksums; raise CheckpointCorrupt naming the first bad one.
 
-        The disk reads ahead while the CRCs run; the CRC of one chunk runs in the load's helper
-        thread while the next is read. How the kernel learns what comes next (measured here,
-        1.2 GB, cold, one core per rank): a rank reading ``alone`` on its node marks the mapping
-        sequential, so the kernel reads ahead of each populate call in bounded windows while the
-        CRCs run (restore_ratio 1.26-1.31 against 1.50-1.59 with the extents announced up
-        front); where several ranks of a node read the file, each announces its whole extent
-        first (``WILLNEED``), which kept both ranks' streams at full speed (one rank's
-        sequential stream ran at half the speed of the other's). The CRCs run straight over the file's mapping
+        The whole extent is announced to the kernel first (``WILLNEED``), so the disk reads
+        ahead while the CRCs run; the CRC of one chunk runs in the load's helper thread while
+        the next is read. (Marking the mapping sequential instead and letting the kernel read
+        ahead of each populate call won in-process A/B runs here but lost in the benchmark's
+        own sequence, three alternating runs each on one rank: restore_ratio 1.76-1.92 against
+        1.47-1.72; the up-front announcement stays.) The CRCs run straight over the file's mapping
         (:class:`~coci_hpc.checkpoint.rawio.FileMap`): no byte is copied and no fresh memory
         is touched (on this machine a first touch of fresh memory costs about as much as the
         cold read itself). :meth:`copy_verified` then copies the checked bytes, still mapped,
@@ -420,9 +418,7 @@ class DatasetReader:
             jobs.append((meta, sh, self.offset(meta) + first))
         jobs.sort(key=lambda j: j[2])
         fmap = self._mapped() if PASS1_MAPPED else None
-        if fmap is not None and alone:
-            fmap.advise_sequential()
-        elif fmap is not None:
+        if fmap is not None:
             for _, sh, at in jobs:
                 os.posix_fadvise(self._fd, at, sh["stop"] - sh["start"], os.POSIX_FADV_WILLNEED)
         size = min(_READ_CHUNK, max((sh["stop"] - sh["start"] for _, sh, _ in jobs), default=0))

@@ -315,15 +315,6 @@ class FileMap:
             return None
         return fm
 
-    def advise_sequential(self) -> None:
-        """Tell the kernel the mapping is read front to back (``MADV_SEQUENTIAL``): populate
-        calls then find the next pages already being read, in asynchronous windows twice the
-        device's readahead, as a sequential ``pread`` does."""
-        import mmap
-
-        if self._mm is not None:
-            self._mm.madvise(mmap.MADV_SEQUENTIAL)
-
     def populate(self, at: int, n: int) -> None:
         """Map bytes [at, at+n), reading them in if needed; OSError if they cannot be read.
 

@@ -194,22 +194,3 @@ def test_the_ranks_of_a_node_each_check_one_contiguous_run_of_the_file(tmp_path,
     total = sum(n for _, n in runs)
     assert all(abs(n - total / ranks) <= biggest for _, n in runs)
 
-
-def test_a_rank_reading_alone_checks_over_a_sequential_mapping(tmp_path, monkeypatch):
-    """Alone on its node, a rank marks the mapping sequential and announces nothing up front;
-    with other readers on the node, it announces its extents (WILLNEED) and leaves the mapping
-    as it is. Both check every shard."""
-    path, m = _saved(tmp_path)
-    real = os.posix_fadvise
-    for alone in (True, False):
-        advised: list[int] = []
-        announced: list[int] = []
-        monkeypatch.setattr(rawio.FileMap, "advise_sequential", lambda self, seen=advised: seen.append(1))
-        monkeypatch.setattr(os, "posix_fadvise",
-                            lambda fd, at, n, how, seen=announced: (seen.append(how), real(fd, at, n, how)))
-        with DatasetReader(path, m) as r:
-            keys = _all_keys(r, m)
-            r.verify(keys, alone=alone)
-            assert r._verified >= keys
-        assert bool(advised) is alone
-        assert (os.POSIX_FADV_WILLNEED in announced) is not alone
