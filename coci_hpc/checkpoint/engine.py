@@ -506,11 +506,10 @@ def _my_checks(rank: int, node: list[int], m: dict[str, Any], reader: DatasetRea
     for readers, keys in groups.items():
         if rank not in readers:
             continue
-        keys.sort(key=reader.shard_extent)
-        sizes = [reader.shard_extent(k)[1] for k in keys]
-        total, at = sum(sizes), 0
+        extents = sorted((reader.shard_extent(k), k) for k in keys)
+        total, at = sum(n for (_, n), _ in extents), 0
         me = readers.index(rank)
-        for key, n in zip(keys, sizes):
+        for (_, n), key in extents:
             # a shard goes to the reader whose byte range holds its middle
             if min(len(readers) - 1, (2 * at + n) * len(readers) // (2 * total or 1)) == me:
                 mine.add(key)

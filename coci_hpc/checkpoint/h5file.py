@@ -488,12 +488,7 @@ class DatasetReader:
         rank of this node checks, which this rank copies afterwards. Done while that rank may
         still be reading them (the page cache is shared, nothing is read twice), so that the
         copy after the agreement is a plain memcpy."""
-        order = sorted(keys, key=lambda k: (self.offset(self._metas[k[0]]), k[1]))
-        ranges = []
-        for dataset, first in order:
-            meta = self._metas[dataset]
-            sh = next(sh for sh in self._shards[dataset] if sh["start"] == first)
-            ranges.append((meta, self.offset(meta) + first, sh["stop"] - sh["start"]))
+        ranges = [(self._metas[key[0]], at, n) for (at, n), key in sorted((self.shard_extent(k), k) for k in keys)]
         if self._mapped() is None:
             for _, at, n in ranges:
                 os.posix_fadvise(self._fd, at, n, os.POSIX_FADV_WILLNEED)

@@ -296,10 +296,10 @@ def watch_step(argv: Sequence[str], env: Mapping[str, str] | None, grace_s: floa
         for line in p.stderr:
             sys.stderr.write(line)
             sys.stderr.flush()
-            node = commands.srun_lost_node(line)
-            if node is None:
+            lost = commands.srun_ended_tasks(line)
+            if lost is None:
                 continue
-            count = (commands.srun_ended_tasks(line) or (node, None))[1]
+            node, count = lost
             ended_tasks[node] = min(tasks_per_node, ended_tasks.get(node, 0) + (count or tasks_per_node))
             # Suspect: the first loss, a node failure, a task killed by a signal. Not a task that
             # exited with a status after that (the survivors leave with 1 once they saved), nor what
