@@ -149,11 +149,24 @@ def post(root: Path, step: int, me: int, states: list[RankState]) -> Path:
 
 
 def claim(root: Path, step: int) -> bool:
+    """Whether this survivor is the one to write ``step``'s save: the first to create ``claim``.
+    The claim outlives the save (:func:`_drop_posted`) until the next attempt's
+    :func:`sweep_torn`, so a rank that runs again late cannot claim the step a second time."""
     try:
         os.close(os.open(staging_dir(root, step) / "claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         return True
     except FileExistsError:
         return False
+
+
+def _drop_posted(root: Path, step: int) -> None:
+    """After a commit: remove the posted states, keep ``claim``. A rank of the failed step that was
+    stopped (a host that froze) can run again before the attempt ends: Slurm sends SIGCONT with
+    the SIGTERM of a requeue, and a paused VM resumes. It misses its own deadline at once, tries
+    the same survivors' save, and must find the step claimed, not write or record it twice."""
+    for p in staging_dir(root, step).iterdir():
+        if p.name != "claim":
+            p.unlink(missing_ok=True)
 
 
 def gather_posted(root: Path, step: int, size: int, window_s: float) -> dict[int, RankState]:
@@ -282,7 +295,7 @@ def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, ow
     if (mf.step_dir(root, step) / mf.MANIFEST).is_file():
         # The regular save of this step had committed (its manifest is written last) before the
         # peer was lost in that save's last agreement: it is the checkpoint, complete and checked.
-        shutil.rmtree(staging_dir(root, step), ignore_errors=True)
+        _drop_posted(root, step)
         out.committed, out.path = True, mf.step_dir(root, step)
         out.reason = f"the regular checkpoint of step {step} had committed"
         out.write_s = time.monotonic() - t0
@@ -306,7 +319,7 @@ def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, ow
         shutil.rmtree(mf.step_dir(root, step), ignore_errors=True)
         out.reason = str(exc)
         return out
-    shutil.rmtree(staging_dir(root, step), ignore_errors=True)
+    _drop_posted(root, step)
     out.committed = True
     out.write_s = time.monotonic() - t0
     return out

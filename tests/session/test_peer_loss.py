@@ -138,7 +138,7 @@ def test_survivors_checkpoint_loads_through_the_normal_path(tmp_path: Path) -> N
     tuning = tuning_for(tmp_path, LustrePolicy(), 2)
     out = sv.save(tmp_path, 5, st, 0, 2, own, [other], tuning, keep=2, window_s=1.0)
     assert out.committed and out.writer and out.ranks_from_partner == [1], out
-    assert not sv.staging_dir(tmp_path, 5).exists()
+    assert [p.name for p in sv.staging_dir(tmp_path, 5).iterdir()] == ["claim"]    # the posted states go
     m = CheckpointManager(tmp_path, Comm.serial(), lock=False)
     assert m.latest_step() == 5
     fresh = _state(seed=3)
@@ -155,6 +155,22 @@ def test_survivors_checkpoint_loads_through_the_normal_path(tmp_path: Path) -> N
         raw = np.asarray(f[t["dataset"]][()]).view(np.uint8).reshape(-1)
     got = {r: int(raw[start:start + n].view(np.int64)[0]) for r, start, _, n in t["parts"]}
     assert got == {0: 0, 1: 41}
+
+
+def test_a_rank_that_runs_again_after_the_commit_neither_writes_nor_records_the_step(tmp_path: Path) -> None:
+    """A frozen host's rank woken by the requeue's SIGCONT after rank 0 committed the survivors'
+    save of the same step: the claim is still there, so it is not a writer (no second peer_lost
+    record, no second requeue); the next attempt's sweep removes the claim and names no torn step."""
+    st = _state()
+    tuning = tuning_for(tmp_path, LustrePolicy(), 2)
+    first = sv.save(tmp_path, 5, st, 0, 2, capture(st, 0, 5), [capture(st, 1, 5)], tuning, keep=2, window_s=1.0)
+    assert first.committed and first.writer
+    late = sv.save(tmp_path, 5, st, 1, 2, capture(st, 1, 5), [capture(st, 0, 5)], tuning, keep=2, window_s=1.0)
+    assert not late.writer and not late.committed and late.reason == "another survivor writes", late
+    assert sv.sweep_torn(tmp_path) == [] and not sv.staging_dir(tmp_path, 5).exists()
+    again = sv.save(tmp_path, 5, st, 0, 2, capture(st, 0, 5), [capture(st, 1, 5)], tuning, keep=2, window_s=1.0)
+    assert again.writer and again.committed          # a later attempt failing at the same step saves it
+    assert CheckpointManager(tmp_path, Comm.serial(), lock=False).latest_step() == 5
 
 
 def test_missing_partner_copy_or_sharded_state_commits_nothing(tmp_path: Path) -> None:
