@@ -191,7 +191,7 @@ def test_an_exception_in_the_users_loop_is_the_attempts_end(tmp_path: Path) -> N
               "    if step == 12:\n"
               "        raise ValueError('bad batch at 12')\n")
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert p.returncode == 1 and "bad batch at 12" in p.stderr
     h = history.load(tmp_path, use_sacct=False)
     assert h.status == "error" and h.attempts[0].ended == "error" and h.final_step == 12
