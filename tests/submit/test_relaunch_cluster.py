@@ -92,10 +92,10 @@ def test_crash_then_node_failure_restart_in_place_bit_exact(three_nodes: SlurmCl
         _wait_for(lambda: _n_attempts(ckpt) >= 2 and any(e["event"] == "resumed" and e["attempt"] == 2
                                                          for e in read_events(ckpt)), "the restart", 60)
         # 2. A hard node failure at a random step: n2 dies, Slurm marks it DOWN 1 s later. The step is
-        # drawn between two checkpoints (after step 100's commit, before step 150 at ~18 steps/s): a
-        # peer lost while a save's collectives are in flight still blocks the survivor until the
-        # relaunch loop's 30 s grace (seen in CI: 33.8 s; the store's collectives have no deadline
-        # yet), which is the open part of the node-failure issue, not what this test measures.
+        # drawn between two checkpoints (after step 100's commit, before step 150 at ~18 steps/s), so
+        # that the loss surfaces inside a step, the path this test times. A loss during a save's
+        # collectives (polled against the peer deadline since issue 13) is
+        # test_peer_failure_cluster.py's test_peer_killed_mid_save_survivor_saves_that_step_within_seconds.
         _wait_for(lambda: any(e["event"] == "checkpoint" and e["attempt"] == 2 for e in read_events(ckpt)),
                   "the restarted run's first checkpoint", 60)
         time.sleep(random.uniform(0.2, 1.5))
