@@ -574,6 +574,19 @@ class Session:
         # get here: the first one saves and ends the process, the second waits for that end.
         self._lost_lock.acquire()
         self.comm.lost = True
+        newer = self._newer_attempt()
+        if newer is not None:
+            # A process left over from an attempt Slurm has already replaced: its host stopped
+            # (a hung kernel, a paused VM) past SlurmdTimeout, the job was requeued and started
+            # elsewhere, and the host ran again before slurmd killed what it had left. Saving,
+            # recording or `scontrol requeue` now would act on the live run: requeue it, log a
+            # failure it did not have. Leave as quietly as a killed process.
+            _say(f"rank {self.rank}: peer lost at step {step} ({how}), but attempt {newer} of this run has "
+                 f"started since this attempt ({self.log.attempt}) began: this process was left behind and "
+                 f"leaves without saving, recording or requeueing")
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os._exit(1 if in_place else 0)
         try:
             t_detect = time.time()
             # A background persist of a regular save may still be writing (its step directory is
@@ -650,6 +663,15 @@ class Session:
             stream.flush()
         # Under the relaunch loop a non-zero status is what makes it restart the ranks in place.
         os._exit(1 if in_place else 0)
+
+    def _newer_attempt(self) -> int | None:
+        """The attempt of this run that started after this one, if any (from the event log: every
+        attempt, requeued or restarted in place, writes ``attempt_start`` before its first step)."""
+        try:
+            newest = last_attempt(read_events(self.events_path))
+        except OSError:
+            return None
+        return newest if newest > self.log.attempt else None
 
     def _finish(self, total: int) -> None:
         t_wait = time.time()

@@ -60,3 +60,32 @@ def test_a_peer_lost_inside_mpiio_is_noticed_by_the_guard_and_the_survivor_saves
     assert mf.latest_step(ckpt) == 12                       # the survivors' checkpoint of the last step
     assert "finished 0" not in out                          # rank 0 never got past the stuck save
     print(rec, f"{time.monotonic() - t0:.1f}s")
+
+
+def test_a_process_left_behind_by_a_newer_attempt_neither_saves_nor_records(tmp_path: Path) -> None:
+    """A host that stopped past SlurmdTimeout and ran again: its ranks belong to an attempt Slurm
+    has replaced (requeued, started elsewhere). Here attempt 2's ``attempt_start`` is written while
+    attempt 1 runs, then attempt 1 loses its peer as above: rank 0 must leave without a survivors'
+    checkpoint, a ``peer_lost`` record or a requeue, which would act on the live attempt."""
+    from coci_hpc.runtime.events import FILENAME, EventLog
+
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    ckpt = tmp_path / "ckpt"
+    env = clean_env(COCI_FAULT_SAVE_PAUSE_S="10", COCI_FAULT_SAVE_PAUSE_AT="mpiio")
+    p = subprocess.Popen(["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable,
+                          str(script), str(ckpt)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(e["event"] == "attempt_start" for e in read_events(ckpt)):
+            assert time.monotonic() < deadline and p.poll() is None, "attempt 1 never started"
+            time.sleep(0.02)
+        EventLog(ckpt / FILENAME, attempt=2, job_id=None).write("attempt_start", nodes=["elsewhere"], ranks=2)
+        out = p.communicate(timeout=120)[0]
+    finally:
+        p.kill()
+    events = read_events(ckpt)
+    assert [e["event"] for e in events if e["event"] != "losses"] == ["attempt_start", "attempt_start"], (events, out)
+    assert "attempt 2 of this run has started since this attempt (1) began" in out, out
+    assert "finished 0" not in out and mf.latest_step(ckpt) is None, out    # nothing saved
