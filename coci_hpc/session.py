@@ -70,7 +70,7 @@ from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, requeue
 from coci_hpc.runtime.procinfo import process_start_wall
 from coci_hpc.runtime.schedule import Schedule, make_schedule
 from coci_hpc.runtime.stepsync import MIN_DEADLINE_S, StepSync
-from coci_hpc.runtime.survivors import Survival
+from coci_hpc.runtime.survivors import Survival, sweep_torn, torn_steps
 from coci_hpc.slurm import commands, sacct, scontrol
 from coci_hpc.slurm.env import JobEnvironment
 from coci_hpc.slurm.failure_cache import Pending, failure_model_for_job
@@ -270,6 +270,7 @@ class Session:
         if self.rank == 0:
             assert info is not None
             verdict = self._record_start(info, resumed, restore_s)
+            sweep_torn(self.config.ckpt_dir)      # only now that attempt_start is written: see sweep_torn
             blocking = verdict is None and self._lead_check(warn=True)
         verdict, self._blocking, self.log.attempt = self.comm.bcast((verdict, blocking, self.log.attempt))
         self.survival.boundary(self.step)
@@ -307,10 +308,10 @@ class Session:
             except (SlurmError, OSError) as exc:
                 sacct_error = str(exc)
         # A survivors' save killed before its manifest (SIGKILL at KillWait, a second failure):
-        # its staging goes now, its data file at the next save (an uncommitted leftover).
-        from coci_hpc.runtime.survivors import sweep_torn
+        # its staging goes once this attempt is recorded, its data file at the next save (an
+        # uncommitted leftover).
         recorded = {e.get("step") for e in att.previous_records(events) if e.get("event") == "peer_lost"}
-        torn = [s for s in sweep_torn(self.config.ckpt_dir) if s not in recorded]   # recorded: a fallback
+        torn = [s for s in torn_steps(self.config.ckpt_dir) if s not in recorded]   # recorded: a fallback
         if torn:
             _say(f"the survivors' save of step(s) {torn} never committed (killed before its manifest); "
                  f"resuming from the latest committed checkpoint instead")

@@ -264,20 +264,31 @@ def _fault_pause(step: int) -> None:
         time.sleep(pause)
 
 
-def sweep_torn(root: Path) -> list[int]:
-    """Before a new attempt starts: remove the staging directories of earlier survivors' saves
-    and return the steps whose save did not commit (a fallback its writer recorded, or a writer
-    killed mid-save: its data file without a manifest is an uncommitted leftover the catalog
-    removes at the next save). A claim left behind would otherwise keep a later survivors' save of
-    the same step from being written."""
-    torn = []
+def _staged(root: Path) -> list[tuple[int, Path]]:
+    out = []
     for d in sorted(root.glob(".survivors-*")):
         try:
-            step = int(d.name.split("-", 1)[1])
+            out.append((int(d.name.split("-", 1)[1]), d))
         except ValueError:
             continue
-        if not (mf.step_dir(root, step) / mf.MANIFEST).is_file():
-            torn.append(step)
+    return out
+
+
+def torn_steps(root: Path) -> list[int]:
+    """The steps of earlier survivors' saves that did not commit (a fallback its writer recorded,
+    or a writer killed mid-save: its data file without a manifest is an uncommitted leftover the
+    catalog removes at the next save). Read only: :func:`sweep_torn` removes their staging."""
+    return [step for step, _ in _staged(root) if not (mf.step_dir(root, step) / mf.MANIFEST).is_file()]
+
+
+def sweep_torn(root: Path) -> list[int]:
+    """Once a new attempt has recorded its ``attempt_start``: remove the staging directories of
+    earlier survivors' saves (a claim left behind would otherwise keep a later survivors' save of
+    the same step from being written) and return :func:`torn_steps`. Not before that record: a
+    process of the replaced attempt that runs again late is stopped by the claim until then, and
+    by the newer ``attempt_start`` after (``Session._peer_lost``)."""
+    torn = torn_steps(root)
+    for _, d in _staged(root):
         shutil.rmtree(d, ignore_errors=True)
     return torn
 

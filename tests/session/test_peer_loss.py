@@ -229,6 +229,7 @@ def test_a_writer_killed_before_its_manifest_leaves_the_previous_checkpoint_and_
     assert not (mf.step_dir(tmp_path, 9) / mf.MANIFEST).exists()
     m = CheckpointManager(tmp_path, Comm.serial())
     assert m.latest_step() == 4                                # the torn save never counts
+    assert sv.torn_steps(tmp_path) == [9] and sv.staging_dir(tmp_path, 9).exists()    # read only
     assert sv.sweep_torn(tmp_path) == [9] and not sv.staging_dir(tmp_path, 9).exists()
     assert sv.sweep_torn(tmp_path) == []
     fresh = _state(seed=3)

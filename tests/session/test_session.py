@@ -433,3 +433,31 @@ def test_a_short_signal_lead_stops_at_the_signals_own_boundary_and_warns_at_the_
     warn = [e for e in read_events(tmp_path) if e["event"] == "lead_warning"]
     assert warn and "signal lead (2s) is shorter than a step" in warn[0]["message"] and warn[0]["step_s"] >= 0.5
     it.close()
+
+
+def test_a_torn_survivors_save_is_named_then_its_staging_swept_only_after_attempt_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The claim of an earlier survivors' save stays until this attempt's ``attempt_start`` is
+    written: a process of the replaced attempt that runs again late meets the claim, then the newer
+    record, never neither (``Session._peer_lost``)."""
+    import coci_hpc.session as session_mod
+    from coci_hpc.runtime import survivors as sv
+
+    staging = sv.staging_dir(tmp_path, 7)
+    staging.mkdir()
+    (staging / "claim").touch()                      # a writer killed before its manifest
+    seen: list[list[str]] = []
+
+    def sweep(root: Path) -> list[int]:
+        seen.append([e["event"] for e in read_events(root)])
+        return sv.sweep_torn(root)
+
+    monkeypatch.setattr(session_mod, "sweep_torn", sweep)
+    state, train_step = _training()
+    s = Session(state, 3, ckpt_dir=tmp_path, policy="fixed:10", environ=NO_SLURM)
+    for _ in s.steps():
+        s.observe(train_step())
+    assert seen == [["attempt_start"]], seen
+    assert not staging.exists()
+    start = next(e for e in read_events(tmp_path) if e["event"] == "attempt_start")
+    assert start["torn_survivors_saves"] == [7], start
