@@ -41,7 +41,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -103,6 +103,14 @@ class _SessionState:
 
 def _say(msg: str) -> None:
     print(f"coci: {msg}", file=sys.stderr, flush=True)
+
+
+def _leave_after_peer_loss(in_place: bool) -> NoReturn:
+    """End this process now: no MPI finalize or collective that would wait for the lost rank.
+    Under the relaunch loop a non-zero status is what makes it restart the ranks in place."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(1 if in_place else 0)
 
 
 class Session:
@@ -585,9 +593,7 @@ class Session:
             _say(f"rank {self.rank}: peer lost at step {step} ({how}), but attempt {newer} of this run has "
                  f"started since this attempt ({self.log.attempt}) began: this process was left behind and "
                  f"leaves without saving, recording or requeueing")
-            for stream in (sys.stdout, sys.stderr):
-                stream.flush()
-            os._exit(1 if in_place else 0)
+            _leave_after_peer_loss(in_place)
         try:
             t_detect = time.time()
             # A background persist of a regular save may still be writing (its step directory is
@@ -660,10 +666,7 @@ class Session:
                     requeue_with_retries(self.job.requeue_id or "", self._runner)
                 except SlurmError:
                     pass
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        # Under the relaunch loop a non-zero status is what makes it restart the ranks in place.
-        os._exit(1 if in_place else 0)
+        _leave_after_peer_loss(in_place)
 
     def _newer_attempt(self) -> int | None:
         """The attempt of this run that started after this one, if any (from the event log: every
