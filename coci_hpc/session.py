@@ -114,7 +114,59 @@ def _leave_after_peer_loss(in_place: bool) -> NoReturn:
 
 
 class Session:
-    """See the module docstring. Arguments left None come from the environment (coci-submit)."""
+    """A preemption-safe training loop: restore, plan checkpoints, stop, save and requeue.
+
+    Create one per process (every rank, same arguments), then iterate :meth:`steps` and call
+    :meth:`observe` with each step's loss. See the module docstring for what happens on a signal,
+    a lost rank, a time limit or a preemption. Arguments left ``None`` come from the environment
+    (the ``COCI_*`` variables coci-submit sets), else from the defaults; an explicit argument wins
+    over the environment and rank 0 logs the conflict.
+
+    Args:
+        state: What to checkpoint, by name: modules, optimizers, LR schedulers, a ``GradScaler``,
+            torchdata's ``StatefulDataLoader`` or a ``ResumableSampler``, a ``CheckpointSchedule``,
+            tensors, numbers, strings and dicts/lists of them. Anything with
+            ``state_dict()``/``load_state_dict()`` works. A plain ``DataLoader`` or a value the
+            store cannot save (a lock, a file handle) is refused here with a ``UsageError``.
+        total_steps: Steps of the whole run; the loop ends after step ``total_steps - 1``. May be
+            given to :meth:`steps` instead. Lower than the latest checkpoint's step: refused.
+        ckpt_dir: Checkpoint directory (holds the checkpoints and ``events.jsonl``);
+            ``COCI_CKPT_DIR``. Required one way or the other. A directory recorded for another
+            script or other arguments is refused (``CheckpointOtherRun``).
+        policy: When to save: ``coci`` (default), ``young``, ``daly``, ``checkfreq[:P]``,
+            ``fixed:N`` (every N steps), ``coci-paper[:capped]``; ``COCI_POLICY``.
+        max_requeues: Give up after this many restarts of this job after unannounced ends (node
+            failures, crashes, requeues by hand; the session's own time-limit and preemption
+            stops do not count); ``COCI_MAX_REQUEUES``; default no limit.
+        no_progress_limit: Give up when this many restarts in a row resumed from the same
+            checkpoint; ``COCI_NO_PROGRESS_LIMIT``; default 3.
+        signal_lead_s: Seconds between Slurm's warning signal and the time limit (sbatch's
+            ``--signal=USR2@N``); used to classify a stop and to check that a step, a save and the
+            requeue fit; ``COCI_SIGNAL_LEAD_S``; default 90.
+        comm: Communicator to use (an mpi4py communicator or a ``coci_hpc.comm.Comm``). Default:
+            MPI's world when launched by MPI, else a gloo group over an initialised
+            ``torch.distributed`` of 2+ ranks, else one process.
+        keep: Committed checkpoints to keep (older ones are deleted after a newer commit).
+        async_save: Save two-phase (snapshot, then a background write) instead of blocking.
+        failure_model: The failure model the planner uses. Default: the partition's, from Slurm's
+            accounting (cached per partition, refreshed at most daily), or the planner's default
+            outside a Slurm job.
+        horizon_s: Planning horizon in seconds of training time (default 24 h).
+        environ: Environment to read instead of ``os.environ`` (tests).
+        runner: Runs Slurm commands instead of ``subprocess`` (tests).
+        resume_from_other_run: Accept a checkpoint directory recorded for another command and make
+            this command its run; ``COCI_RESUME_FROM_OTHER_RUN``; default off.
+        peer_timeout_s: Least time a peer may keep the per-step agreement waiting before it counts
+            as lost (the deadline is at least this and 10 typical steps); ``COCI_PEER_TIMEOUT_S``;
+            default 5 s.
+        survivors: On a lost rank, let the survivors save the last finished step and keep the
+            partner copies that make it possible; ``COCI_SURVIVORS`` (``0`` turns it off);
+            default on.
+
+    Raises:
+        UsageError: Bad configuration or a state that cannot be saved.
+        CheckpointOtherRun: ``ckpt_dir`` belongs to another run.
+    """
 
     def __init__(self, state: Mapping[str, Any], total_steps: int | None = None, *,
                  ckpt_dir: str | os.PathLike | None = None, policy: str | None = None,
@@ -212,7 +264,23 @@ class Session:
 
     # -- the user's calls ----------------------------------------------------------------------------
     def steps(self, total_steps: int | None = None) -> Iterator[int]:
-        """Yield the step indices still to run (from the restored step to ``total_steps - 1``)."""
+        """Yield the step indices still to run (from the restored step to ``total_steps - 1``).
+
+        The first iteration restores the newest committed checkpoint into the state. Between
+        iterations the session agrees with the other ranks on stops and saves; a stop for a signal
+        saves, requeues where Slurm would not, and raises ``SystemExit(0)`` out of the loop.
+
+        Args:
+            total_steps: Overrides the ``total_steps`` given to the constructor.
+
+        Yields:
+            The index of the step to train, starting at the restored step.
+
+        Raises:
+            UsageError: No ``total_steps``, a second call, or ``total_steps`` below the latest
+                checkpoint's step (nothing is changed).
+            GaveUpError: Too many requeues, or restarts that make no progress.
+        """
         total = total_steps if total_steps is not None else self.total_steps
         if total is None or int(total) < 0:
             raise UsageError("steps() needs total_steps", hint="Session(..., total_steps=N) or session.steps(N)")
@@ -254,7 +322,11 @@ class Session:
             signals.after_session()        # coci-submit's placeholders give the default action back
 
     def observe(self, loss: Any) -> None:
-        """The step's loss (a float or a 0-d tensor); rank 0 records it for the planner and the log."""
+        """Record the step's loss; rank 0 feeds it to the planner and the event log.
+
+        Args:
+            loss: The step's loss, a float or a 0-d tensor (other ranks' values are ignored).
+        """
         if self.rank == 0:
             self._loss = float(loss)
 
