@@ -49,7 +49,7 @@ def test_runnable_block(page: str, lang: str, code: str) -> None:
         cmd = [sys.executable, "-c", code]
     else:
         pytest.fail(f"{page}: a runnable block must be bash or python, not {lang!r}")
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{page}: exit {done.returncode}\n{code}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
 
 
