@@ -89,3 +89,17 @@ def test_help_documents_every_parameter(where: str) -> None:
     args = _args_section(doc)
     undocumented = [n for n in names if not re.search(rf"^\s+{re.escape(n)}( \(.*?\))?:", args, re.M)]
     assert not undocumented, f"{obj.__name__}'s docstring has no Args: entry for {undocumented}"
+
+
+def test_every_coci_variable_is_in_the_configuration_table() -> None:
+    # A COCI_* name inside a string or a shell expansion is an environment variable (a bare
+    # identifier such as the planner's COCI_TIME_UNIT_S constant is not).
+    used = re.compile(r"""(?:["'{$]|``)(COCI_[A-Z0-9_]+)""")
+    found: set[str] = set()
+    for folder in ("coci_hpc", "slurm", "examples", "benchmarks", "tests"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.is_file() and (path.suffix in (".py", ".sh", ".sbatch") or path.name in ("setup", "devcluster", "run")):
+                found |= set(used.findall(path.read_text(errors="replace")))
+    table = (DOCS / "reference" / "configuration.md").read_text()
+    missing = sorted(v for v in found if f"`{v}`" not in table)
+    assert len(found) > 20 and not missing, f"add to docs/reference/configuration.md: {missing}"
