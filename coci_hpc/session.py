@@ -124,8 +124,8 @@ class Session:
 
     Args:
         state: What to checkpoint, by name: modules, optimizers, LR schedulers, a ``GradScaler``,
-            torchdata's ``StatefulDataLoader`` or a ``ResumableSampler``, a ``CheckpointSchedule``,
-            tensors, numbers, strings and dicts/lists of them. Anything with
+            torchdata's ``StatefulDataLoader`` or a ``ResumableSampler``, tensors, numbers,
+            strings and dicts/lists of them. Anything with
             ``state_dict()``/``load_state_dict()`` works. A plain ``DataLoader`` or a value the
             store cannot save (a lock, a file handle) is refused here with a ``UsageError``.
         total_steps: Steps of the whole run; the loop ends after step ``total_steps - 1``. May be
