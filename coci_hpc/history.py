@@ -1,6 +1,6 @@
 """A run's history: attempts, how each ended, checkpoints, steps lost, restart latency, the loss curve.
 
-Built from the Session's event log (``<ckpt_dir>/events.jsonl``, see docs/session.md) and, where
+Built from the Session's event log (``<ckpt_dir>/events.jsonl``, see docs/reference/event-log.md) and, where
 Slurm is reachable, ``sacct``'s row for each attempt. :func:`build` is pure (records in, a
 :class:`RunHistory` out); :func:`load` does the reading; :func:`render_text`, :meth:`RunHistory.to_dict`
 and :func:`plot` present it. ``coci-status`` is the command.

@@ -13,7 +13,7 @@
 
 Every method marked *collective* must be called by all ranks at the same point.
 Semantics (rollback, the directory lock, a full disk, exceptions and exit, a hung rank, launches
-without MPI) are described in docs/checkpoint-semantics.md.
+without MPI) are described in docs/reference/checkpoint-semantics.md.
 """
 from __future__ import annotations
 
@@ -315,7 +315,7 @@ class CheckpointManager:
         copied while training continues; every optimizer anywhere in ``state`` (also inside
         ``PerRank``, dicts, lists, schedulers) gets a step pre-hook that waits for that copy.
         All other tensors (module buffers that forward changes in place, ...) are copied
-        before this returns. So the snapshot cannot tear; see docs/checkpoint-semantics.md.
+        before this returns. So the snapshot cannot tear; see docs/reference/checkpoint-semantics.md.
         Commit it with :meth:`poll` (each step), :meth:`wait` or :meth:`close`.
 
         Args:

@@ -7,7 +7,7 @@ last line. The writer starts a fresh line when it finds the file not ending in a
 
 Every record has ``v`` (format version, 1), ``event``, ``wall`` (unix seconds), ``attempt``
 (1-based, counted in this log) and ``job_id`` (Slurm's, or null). The events and their fields are
-listed in docs/session.md (attempt_start, resumed, checkpoint, losses, stop, end, peer_lost).
+listed in docs/reference/event-log.md (attempt_start, resumed, checkpoint, losses, stop, end, peer_lost).
 """
 from __future__ import annotations
 
