@@ -3,9 +3,12 @@
     coci-submit [OPTIONS] SCRIPT [SCRIPT ARGS...]
     coci-submit --partition gpu --nodes 2 --time 4:00:00 train.py --lr 3e-4
 
-Options use sbatch's own spelling; everything after SCRIPT goes to the script untouched. Any other
-sbatch option: --sbatch-arg KEY[=VALUE] (repeatable). --dry-run prints the batch script and submits
-nothing.
+Options use sbatch's own spelling and go BEFORE the script; everything after SCRIPT goes to the
+script. One of coci-submit's own options after SCRIPT (`train.py --dry-run`) is refused, since it
+would silently reach the script instead; to pass one to the script on purpose, put `--` after SCRIPT:
+`coci-submit -p gpu train.py -- --policy fixed:50` (the `--` itself is dropped). Any other sbatch
+option: --sbatch-arg KEY[=VALUE] (repeatable). --dry-run prints the batch script and submits
+nothing; it needs no running Slurm and says what it could not check.
 
 Exit codes: 0 submitted (or dry run printed), 2 bad usage (missing script, unknown partition, bad
 --time or other option), 3 Slurm unreachable or sbatch refused the job, 5 checkpoint directory not
@@ -79,13 +82,55 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--mpi", default="pmix", help="srun --mpi plugin that starts the ranks: pmix (default), pmi2, none")
     c.add_argument("--python", default=shlex.quote(sys.executable), help="interpreter on the nodes (default: this one)")
     c.add_argument("--dry-run", action="store_true", help="print the batch script; submit nothing")
-    p.add_argument("script", help="the training script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments, passed untouched")
+    p.add_argument("script", nargs="?", help="the training script (a Python file)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER,
+                   help="its arguments (after `--` when one looks like a coci-submit option)")
     return p
 
 
+def _own_long_options(p: argparse.ArgumentParser) -> frozenset[str]:
+    return frozenset(o for act in p._actions for o in act.option_strings
+                     if o.startswith("--") and o != "--help")
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """argparse, plus the `--` that marks the script's arguments as meant for it.
+
+    argparse's REMAINDER swallows options placed after the script (`train.py --dry-run` submitted
+    for real), and drops a `--` right after it, so the split at `--` happens here, before argparse.
+    """
+    p = _parser()
+    args = list(sys.argv[1:] if argv is None else argv)
+    cut = args.index("--") if "--" in args else len(args)
+    a = p.parse_args(args[:cut])
+    after = args[cut + 1:]
+    checked = list(a.script_args)
+    if cut < len(args):
+        if a.script is None:                 # coci-submit [OPTIONS] -- train.py ARGS
+            if not after:
+                p.error("the training script is missing after `--`")
+            a.script, a.script_args = after[0], after[1:]
+        elif not a.script_args:              # coci-submit [OPTIONS] train.py -- ARGS: the `--` is ours
+            a.script_args = after
+        else:                                # a `--` inside the script's arguments is the script's
+            a.script_args = [*a.script_args, "--", *after]
+    if a.script is None:
+        p.error("the training script is missing: coci-submit [OPTIONS] train.py [ARGS]")
+    own = _own_long_options(p)
+    for tok in checked:
+        name = tok.split("=", 1)[0]
+        if name in own:
+            shown = " ".join(shlex.quote(t) for t in checked)
+            raise UsageError(
+                f"{name} comes after the script {a.script}, so it would go to the script, not to coci-submit",
+                hint=f"for coci-submit's {name}, put it before the script: coci-submit {name} ... {a.script} ...; "
+                     f"to pass it to the script on purpose, put `--` after the script: "
+                     f"coci-submit [OPTIONS] {a.script} -- {shown}")
+    return a
+
+
 def _main(argv: Sequence[str] | None) -> int:
-    a = _parser().parse_args(argv)
+    a = _parse(argv)
     lead = _signal_lead(a.signal_lead, a.lead_from_profile)
     spec = build_spec(
         script=a.script, script_args=a.script_args, cwd=Path.cwd(), python=a.python,

@@ -275,6 +275,17 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
         spare_nodes=spare_nodes, max_restarts=max_restarts)
 
 
+def command_comment(spec: SubmitSpec) -> list[str]:
+    """The user's command, as comment lines of the batch script: the line that runs is submitit's
+    generic ``python -m submitit.core._submit FOLDER``, where the script and its arguments appear nowhere."""
+    ranks = spec.nodes * spec.ntasks_per_node
+    lines = [f"# coci-submit: each of the {ranks} rank(s) runs, in submitit's process:",
+             f"#   {spec.python} {shlex.join([str(spec.script), *spec.script_args])}"]
+    if spec.array is not None:
+        lines.append("#   (in each array task, %a in the arguments becomes the task id)")
+    return lines
+
+
 def executor_parameters(spec: SubmitSpec, extra_env: Mapping[str, str] | None = None) -> dict:
     """The keyword arguments for ``submitit.SlurmExecutor.update_parameters`` (its schema)."""
     env = {**spec.coci_env(), **(extra_env or {})}
@@ -290,7 +301,7 @@ def executor_parameters(spec: SubmitSpec, extra_env: Mapping[str, str] | None = 
         # The Session requeues itself at a step boundary after its save; Slurm requeues on node
         # failure and preemption. Both need the job to be requeueable.
         "additional_parameters": {"requeue": True, **dict(spec.sbatch_args)},
-        "setup": [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())],
+        "setup": [*command_comment(spec), *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()))],
     }
     if spec.spare_nodes:
         # N+K nodes that outlive a lost one (--no-kill); the relaunch loop runs once in the batch
@@ -301,7 +312,7 @@ def executor_parameters(spec: SubmitSpec, extra_env: Mapping[str, str] | None = 
         params["setup"] = [
             f"# coci relaunch loop: the ranks run on {spec.nodes} of these {spec.total_nodes} nodes, started by",
             f"#   srun --no-kill --nodes={spec.nodes} --nodelist=<{spec.nodes} healthy nodes> --mpi={spec.mpi} "
-            f"python -m coci_hpc.submit.rank SCRIPT ARGS",
+            f"python -m coci_hpc.submit.rank {shlex.join([str(spec.script), *spec.script_args])}",
             f"# and again on the healthy ones when that step fails (up to --max-restarts {spec.max_restarts}"
             " in place), else scontrol requeue",
             *params["setup"]]

@@ -22,7 +22,7 @@ def _run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
 
 def test_dry_run_prints_the_batch_script_and_submits_nothing(fake_slurm, capsys) -> None:
     rc, out, err = _run(capsys, "--partition", "gpu", "--nodes", "2", "--time", "1:30:00", "--signal-lead", "60",
-                        "--dry-run", "train.py", "--lr", "3e-4", "--dry-run")
+                        "--dry-run", "train.py", "--", "--lr", "3e-4", "--dry-run")
     assert rc == 0, err
     lines = out.splitlines()
     assert lines[0] == "#!/bin/bash"
@@ -159,9 +159,9 @@ def test_other_bad_options(fake_slurm, capsys, argv, pattern) -> None:
 
 
 def test_script_arguments_pass_untouched(fake_slurm, capsys) -> None:
-    """Everything after the script belongs to the script, even options coci-submit also has."""
+    """Everything after `SCRIPT --` belongs to the script, even options coci-submit also has."""
     import pickle  # submitit's own submission pickle: we only read what we handed it
-    rc, out, err = _run(capsys, "train.py", "--nodes", "9", "--time", "x", "--", "-p")
+    rc, out, err = _run(capsys, "train.py", "--", "--nodes", "9", "--time", "x", "--", "-p")
     assert rc == 0, err
     pkl = next((Path.cwd() / "coci-runs/train/logs").glob("4242_submitted.pkl"))
     with pkl.open("rb") as f:
