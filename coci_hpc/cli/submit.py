@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--gpus-per-node", type=int)
     s.add_argument("--cpus-per-task", "-c", type=int)
     s.add_argument("--mem", help="memory per node, Slurm's format (16G, 4000)")
-    s.add_argument("--time", "-t", help="time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS "
+    s.add_argument("--time", "-t", help="time limit: 2h, 90m, 1d12h or Slurm's MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS "
                                           "(default: the partition's)")
     s.add_argument("--account", "-A")
     s.add_argument("--qos", "-q")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coci_hpc.errors import UsageError
-from coci_hpc.slurm.timefmt import limit_min
+from coci_hpc.slurm.timefmt import read_limit
 
 
 def parse_array(text: str) -> tuple[int, int | None]:
@@ -250,10 +251,13 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
                          hint="use pmix (default), pmi2 or none (see `srun --mpi=list`)")
     if validate_policy is not None:
         validate_policy(policy)
-    time_min = limit_min(time) if time is not None else None
-    if time_min is not None and signal_lead * 2 > time_min * 60:
-        raise UsageError(f"--signal-lead {signal_lead}s is more than half of --time {time}",
-                         hint="lower --signal-lead or raise --time: the job must train between warnings")
+    limit = read_limit(time) if time is not None else None
+    time_min = None if limit is None or limit.seconds is None else math.ceil(limit.seconds / 60)
+    if limit is not None and time_min is not None and signal_lead * 2 > time_min * 60:
+        colon = (" (MM:SS is minutes and seconds: for 1 h 30 min write 1:30:00, 90 or 1h30m)"
+                 if limit.form == "MM:SS" else "")
+        raise UsageError(f"--signal-lead {signal_lead}s is more than half of --time {limit.reading()}",
+                         hint=f"lower --signal-lead or raise --time: the job must train between warnings{colon}")
     script_path = (cwd / script).resolve() if not Path(script).is_absolute() else Path(script)
     name = job_name or script_path.stem or "coci"
     if not re.fullmatch(r"[\w.+-]+", name):

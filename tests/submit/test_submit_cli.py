@@ -105,7 +105,7 @@ def test_unknown_partition_names_the_real_ones(fake_slurm, capsys) -> None:
 
 @pytest.mark.parametrize("bad", ["1:2:3:4", "abc", "10:61", "1-25", "0", "1:60:00", "-5", "1-2:3:4:5"])
 def test_bad_time(fake_slurm, capsys, bad: str) -> None:
-    _assert_refused(fake_slurm, capsys, 2, rf"--time '{re.escape(bad)}' is (not a Slurm time|zero)",
+    _assert_refused(fake_slurm, capsys, 2, rf"--time '{re.escape(bad)}' is (not a duration|zero)",
                     f"--time={bad}", "train.py")
 
 
@@ -151,7 +151,7 @@ def test_slurm_unreachable(fake_slurm, capsys) -> None:
     (["--policy", "often"], r"unknown policy 'often'"),
     (["--nodes", "0"], r"--nodes 0 must be > 0"),
     (["--mem", "lots"], r"--mem 'lots' is not a Slurm memory size"),
-    (["--time", "2", "--signal-lead", "90"], r"--signal-lead 90s is more than half of --time 2"),
+    (["--time", "2", "--signal-lead", "90"], r"--signal-lead 90s is more than half of --time '2' read as MM \(minutes"),
     (["--nodes", "two"], r"invalid int value"),
 ])
 def test_other_bad_options(fake_slurm, capsys, argv, pattern) -> None:

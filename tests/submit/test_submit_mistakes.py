@@ -47,3 +47,17 @@ def test_double_dash_passes_own_options_to_the_script_on_purpose(fake_slurm, cap
 
 def test_missing_script_is_a_usage_error(fake_slurm, capsys) -> None:
     _refused(fake_slurm, capsys, 2, r"training script is missing", "--dry-run")
+
+
+# -- 9: one time grammar, and errors that say how a value was read ------------------------------------
+def test_time_1_30_refused_saying_it_was_read_as_minutes_and_seconds(fake_slurm, capsys) -> None:
+    err = _refused(fake_slurm, capsys, 2, r"--time '1:30' read as MM:SS = 1 min 30 s", "-t", "1:30", "train.py")
+    assert "1:30:00" in err and "1h30m" in err, err
+
+
+@pytest.mark.parametrize("text,minutes", [("2h", 120), ("90m", 90), ("1d12h", 2160), ("1:30:00", 90)])
+def test_time_takes_the_grammar_coci_plan_takes(fake_slurm, capsys, text, minutes) -> None:
+    """coci-submit rejected `2h` while coci-plan --horizon took it."""
+    rc, out, err = _run(capsys, "--dry-run", "--time", text, "train.py")
+    assert rc == 0, err
+    assert f"#SBATCH --time={minutes}" in out.splitlines(), out
