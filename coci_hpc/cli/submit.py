@@ -29,7 +29,7 @@ from coci_hpc.planner.profile import Profile
 from coci_hpc.runtime.attempts import LEAD_SPARE_S, suggested_lead_s
 from coci_hpc.submit import checks, executor
 from coci_hpc.submit.relaunch import DEFAULT_MAX_RESTARTS
-from coci_hpc.submit.spec import build_spec
+from coci_hpc.submit.spec import MPI_PLUGINS, build_spec
 
 DEFAULT_SIGNAL_LEAD = 90
 
@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
                    help=f"in-place restarts with --spare-nodes before falling back to requeue (a lost node) or "
                         f"giving up (a crash with every node healthy) (default {DEFAULT_MAX_RESTARTS})")
-    c.add_argument("--mpi", default="pmix", help="srun --mpi plugin that starts the ranks: pmix (default), pmi2, none")
+    c.add_argument("--mpi", default="pmix", help="srun --mpi plugin that starts the ranks: " + ", ".join(MPI_PLUGINS)
+                   + " (default pmix)")
     c.add_argument("--python", default=shlex.quote(sys.executable), help="interpreter on the nodes (default: this one)")
     c.add_argument("--dry-run", action="store_true", help="print the batch script; submit nothing")
     p.add_argument("script", nargs="?", help="the training script (a Python file)")
@@ -167,7 +168,7 @@ def _signal_lead(explicit: int | None, profile_path: str | None) -> int:
         return DEFAULT_SIGNAL_LEAD if explicit is None else explicit
     if explicit is not None:
         raise UsageError("--signal-lead and --lead-from-profile both given", hint="keep one of them")
-    prof = Profile.load(profile_path)
+    prof = Profile.load(profile_path, option="--lead-from-profile")
     step_s = prof.measured_step_time()
     if step_s is None:
         raise UsageError(f"{profile_path} has no step time (step_time_s, or two samples with steps)",

@@ -5,6 +5,7 @@ filesystem, no Slurm; the checks that need them live in :mod:`coci_hpc.submit.ch
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
@@ -39,7 +40,8 @@ def parse_array(text: str) -> tuple[int, int | None]:
 
 
 _MEM_RE = re.compile(r"\d+[KMGT]?B?", re.IGNORECASE)
-_MPI_RE = re.compile(r"[a-z0-9_]+")
+# srun's --mpi plugins (`srun --mpi=list`, Slurm 22.05 to 24.x); anything else fails only on the node.
+MPI_PLUGINS = ("pmix", "pmix_v2", "pmix_v3", "pmix_v4", "pmix_v5", "pmi2", "cray_shasta", "none")
 
 # sbatch options that coci-submit sets itself, or that have a first-class option of their own:
 # a pass-through of them would silently fight the managed value.
@@ -54,20 +56,20 @@ _MANAGED = {
     "ntasks": "--nodes and --ntasks-per-node",
 }
 
-# sbatch's long options (sbatch(1), Slurm 22.05 to 24.x). sbatch takes any unambiguous prefix of
+# sbatch's long options (sbatch(1), Slurm 22.05 to 24.11); an option not here is refused. sbatch takes any unambiguous prefix of
 # one (getopt_long), so `--sig=USR1@60` is --signal: the pass-through check resolves prefixes the
 # same way instead of trusting the spelling.
 SBATCH_LONG_OPTIONS = frozenset("""
     account acctg-freq array batch bb bbf begin chdir cluster-constraint clusters comment constraint
-    container contiguous core-spec cores-per-socket cpu-freq cpus-per-gpu cpus-per-task deadline
+    container container-id contiguous core-spec cores-per-socket cpu-freq cpus-per-gpu cpus-per-task deadline
     delay-boot dependency distribution error exclude exclusive export export-file extra-node-info
     get-user-env gid gpu-bind gpu-freq gpus gpus-per-node gpus-per-socket gpus-per-task gres
     gres-flags hint hold ignore-pbs input job-name kill-on-invalid-dep licenses mail-type mail-user
     mcs-label mem mem-bind mem-per-cpu mem-per-gpu mincpus network nice no-kill no-requeue nodefile
     nodelist nodes ntasks ntasks-per-core ntasks-per-gpu ntasks-per-node ntasks-per-socket open-mode
-    output overcommit oversubscribe parsable partition power prefer priority profile propagate qos
-    quiet reboot requeue reservation signal sockets-per-node spread-job switches test-only
-    thread-spec threads-per-core time time-min tmp tres-per-task uid use-min-nodes verbose wait
+    oom-kill-step output overcommit oversubscribe parsable partition power prefer priority profile propagate qos
+    quiet reboot requeue reservation segment signal sockets-per-node spread-job stepmgr switches test-only
+    thread-spec threads-per-core time time-min tmp tres-bind tres-per-task uid use-min-nodes verbose wait
     wait-all-nodes wckey wrap
 """.split())
 
@@ -101,7 +103,10 @@ def _sbatch_option(text: str, given: str) -> str:
     if len(matches) > 1:
         raise UsageError(f"--sbatch-arg {text!r} is ambiguous: it abbreviates {', '.join('--' + m for m in matches)}",
                          hint="spell the option out")
-    return key  # an option this list does not know (a newer Slurm): passed on as typed
+    close = difflib.get_close_matches(key, sorted(SBATCH_LONG_OPTIONS), n=3, cutoff=0.6)
+    raise UsageError(f"--sbatch-arg {text!r}: sbatch has no option --{key}",
+                     hint=(f"did you mean {', '.join('--' + c for c in close)}? " if close else "")
+                          + "see `sbatch --help`; coci-submit knows sbatch's options up to Slurm 24.x")
 
 
 def parse_sbatch_arg(text: str) -> tuple[str, str | bool]:
@@ -246,9 +251,10 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
     if mem is not None and not _MEM_RE.fullmatch(mem):
         raise UsageError(f"--mem {mem!r} is not a Slurm memory size",
                          hint="give megabytes or a unit: --mem 4000, --mem 16G")
-    if not _MPI_RE.fullmatch(mpi):
-        raise UsageError(f"--mpi {mpi!r} is not an srun MPI plugin name",
-                         hint="use pmix (default), pmi2 or none (see `srun --mpi=list`)")
+    if mpi not in MPI_PLUGINS:
+        raise UsageError(f"--mpi {mpi!r} is not one of srun's MPI plugins",
+                         hint=f"use one of {', '.join(MPI_PLUGINS)} (the cluster's: `srun --mpi=list`); "
+                              "pmix is the default and what Open MPI under Slurm needs")
     if validate_policy is not None:
         validate_policy(policy)
     limit = read_limit(time) if time is not None else None
@@ -259,7 +265,9 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
         raise UsageError(f"--signal-lead {signal_lead}s is more than half of --time {limit.reading()}",
                          hint=f"lower --signal-lead or raise --time: the job must train between warnings{colon}")
     script_path = (cwd / script).resolve() if not Path(script).is_absolute() else Path(script)
-    name = job_name or script_path.stem or "coci"
+    # A script name Slurm or a path would mangle ("my train.py") gives a cleaned default name; only
+    # a --job-name the user typed is refused for its characters.
+    name = job_name or re.sub(r"[^\w.+-]+", "_", script_path.stem).strip("_") or "coci"
     if not re.fullmatch(r"[\w.+-]+", name):
         raise UsageError(f"--job-name {name!r} has characters Slurm or a path would mangle",
                          hint="use letters, digits, '.', '_', '+' and '-'")

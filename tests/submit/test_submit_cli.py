@@ -81,8 +81,11 @@ def test_array_dry_run_is_what_is_submitted(fake_slurm, capsys) -> None:
 
 
 def test_array_with_another_python_is_refused(fake_slurm, capsys) -> None:
+    other = Path.cwd() / "other-python"     # --python must exist: an executable stand-in
+    other.write_text("#!/bin/sh\n")
+    other.chmod(0o755)
     _assert_refused(fake_slurm, capsys, 2, r"--python cannot be combined with --array",
-                    "--array", "2", "--python", "/opt/py/bin/python", "train.py")
+                    "--array", "2", "--python", str(other), "train.py")
 
 
 def _assert_refused(fake_slurm, capsys, code: int, pattern: str, *argv: str) -> str:

@@ -3,6 +3,7 @@ hint and its documented exit code, before anything is submitted (a fake sbatch r
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +62,55 @@ def test_time_takes_the_grammar_coci_plan_takes(fake_slurm, capsys, text, minute
     rc, out, err = _run(capsys, "--dry-run", "--time", text, "train.py")
     assert rc == 0, err
     assert f"#SBATCH --time={minutes}" in out.splitlines(), out
+
+
+# -- 8: accepted silently, or refused blaming the wrong option -----------------------------------------
+@pytest.mark.parametrize("argv,pattern", [
+    (["--mpi", "foo"], r"--mpi 'foo' is not one of srun's MPI plugins"),
+    (["--python", "/nonexistent/python"], r"--python /nonexistent/python does not exist"),
+    (["--python", "no-such-python-here"], r"--python no-such-python-here is not on PATH"),
+    (["--sbatch-arg", "nonsense"], r"--sbatch-arg 'nonsense': sbatch has no option --nonsense"),
+    (["--sbatch-arg", "mail-tipe=END"], r"sbatch has no option --mail-tipe"),
+])
+def test_bad_values_are_refused_before_submitting(fake_slurm, capsys, argv, pattern) -> None:
+    for dry in ((), ("--dry-run",)):
+        _refused(fake_slurm, capsys, 2, pattern, *dry, *argv, "train.py")
+
+
+def test_a_misspelled_sbatch_option_suggests_the_real_one(fake_slurm, capsys) -> None:
+    err = _refused(fake_slurm, capsys, 2, r"sbatch has no option --mail-tipe", "--sbatch-arg", "mail-tipe=END",
+                   "train.py")
+    assert "did you mean --mail-type" in err, err
+
+
+@pytest.mark.parametrize("name,text", [("run.sh", "#!/bin/bash\npython train.py\n"),
+                                       ("run", "#!/bin/sh\nexec python train.py\n"),
+                                       ("job.bash", "python train.py --lr 1\n")])
+def test_a_shell_script_as_the_training_script_is_refused(fake_slurm, capsys, name, text) -> None:
+    Path(name).write_text(text)
+    err = _refused(fake_slurm, capsys, 2, rf"training script .*{re.escape(name)} is a shell script", name)
+    assert "Python script" in err and "sbatch" in err, err
+
+
+def test_a_python_script_with_a_syntax_error_is_refused_here(fake_slurm, capsys) -> None:
+    Path("broken.py").write_text("import os\ndef f(:\n    pass\n")
+    _refused(fake_slurm, capsys, 2, r"broken\.py is not valid Python: line 2", "broken.py")
+    Path("ok").write_text("#!/usr/bin/env python3\nprint(1)\n")   # no suffix, a python shebang: fine
+    rc, out, err = _run(capsys, "--dry-run", "ok")
+    assert rc == 0, err
+
+
+def test_a_script_name_with_a_space_gets_a_clean_job_name(fake_slurm, capsys) -> None:
+    """`"my train.py"` failed blaming --job-name, which the user never gave."""
+    Path("my train.py").write_text("print('hi')\n")
+    rc, out, err = _run(capsys, "--dry-run", "my train.py", "--lr", "1")
+    assert rc == 0, err
+    assert "#SBATCH --job-name=my_train" in out.splitlines(), out
+    assert "'" + str(Path.cwd() / "my train.py") + "' --lr 1" in out, out
+    _refused(fake_slurm, capsys, 2, r"--job-name 'my run' has characters", "--job-name", "my run", "my train.py")
+
+
+def test_a_bad_lead_from_profile_path_names_that_option(fake_slurm, capsys) -> None:
+    err = _refused(fake_slurm, capsys, 2, r"cannot read profile /nonexistent/p\.json",
+                   "--lead-from-profile", "/nonexistent/p.json", "train.py")
+    assert "check the --lead-from-profile path" in err and "--profile path" not in err, err
