@@ -200,9 +200,12 @@ class Session:
 
     def _check_same_run(self) -> None:
         """One run, one directory (:mod:`.runtime.runrecord`): refused before anything is loaded."""
-        diff = self.comm.bcast(runrecord.difference(runrecord.recorded_run(read_events(self.events_path)),
-                                                    self.run_record) if self.rank == 0 else None)
+        recorded = runrecord.recorded_run(read_events(self.events_path)) if self.rank == 0 else None
+        diff = self.comm.bcast(runrecord.difference(recorded, self.run_record) if self.rank == 0 else None)
         if diff is None:
+            longer = runrecord.continuation(recorded, self.run_record) if self.rank == 0 else None
+            if longer:
+                _say(f"the same run with another step count ({longer}): resuming it")
             return
         if not self.config.resume_from_other_run:
             raise CheckpointOtherRun(f"checkpoint directory {self.config.ckpt_dir} belongs to another run: {diff}",

@@ -13,8 +13,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from coci_hpc.errors import CheckpointError, SlurmError, UsageError
+from coci_hpc.errors import CheckpointError, CheckpointOtherRun, SlurmError, UsageError
+from coci_hpc.runtime import runrecord
+from coci_hpc.runtime.events import read_events
 from coci_hpc.slurm import commands
+from coci_hpc.submit.runner import ARRAY_TASK
 from coci_hpc.submit.spec import SubmitSpec
 
 _SHELL_SUFFIXES = (".sh", ".bash", ".zsh", ".ksh", ".csh", ".tcsh")
@@ -117,9 +120,33 @@ def check_ckpt_dir(ckpt_dir: Path, *, create: bool) -> None:
                               f"{exc.strerror or exc}", hint=hint) from exc
 
 
+def check_run_ownership(spec: SubmitSpec) -> None:
+    """One run, one directory, checked at submission as the Session checks it at start
+    (:mod:`coci_hpc.runtime.runrecord`): a job onto another run's checkpoint directory would queue,
+    start and be refused on the node. Each array task has its own directory (``task<ID>``)."""
+    if spec.resume_from_other_run:
+        return
+    dirs: list[tuple[Path, tuple[str, ...]]] = [(spec.ckpt_dir, spec.script_args)]
+    if spec.array is not None:
+        dirs = [(spec.ckpt_dir / f"task{i}", tuple(a.replace(ARRAY_TASK, str(i)) for a in spec.script_args))
+                for i in range(spec.array[0])]
+    for ckpt, args in dirs:
+        try:
+            recorded = runrecord.recorded_run(read_events(ckpt))
+        except OSError as exc:
+            raise CheckpointError(f"cannot read the event log in {ckpt}: {exc.strerror or exc}",
+                                  hint="check the directory's permissions, or pass another --ckpt-dir") from exc
+        # The Session compares sys.argv, which coci-submit's runner sets to the absolute script + args.
+        diff = runrecord.difference(recorded, runrecord.current_run([str(spec.script), *args], 0))
+        if diff is not None:
+            raise CheckpointOtherRun(f"checkpoint directory {ckpt} belongs to another run: {diff}",
+                                     hint=runrecord.HINT)
+
+
 def run_all(spec: SubmitSpec, *, dry_run: bool, runner: commands.Runner = commands.run_command) -> None:
     """Every pre-submit check, cheapest first."""
     check_script(spec.script, compile_here=spec.python == shlex.quote(sys.executable))
     check_python(spec.python)
     check_ckpt_dir(spec.ckpt_dir, create=not dry_run)
+    check_run_ownership(spec)
     check_partition(spec.partition, runner)

@@ -114,3 +114,35 @@ def test_a_bad_lead_from_profile_path_names_that_option(fake_slurm, capsys) -> N
     err = _refused(fake_slurm, capsys, 2, r"cannot read profile /nonexistent/p\.json",
                    "--lead-from-profile", "/nonexistent/p.json", "train.py")
     assert "check the --lead-from-profile path" in err and "--profile path" not in err, err
+
+
+# -- 3: another run's checkpoint directory, checked at submission --------------------------------------
+def _session_run(ckpt: Path, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real (1-rank, CPU) Session run that leaves its run record in ckpt's event log."""
+    import sys
+
+    import torch
+
+    from coci_hpc.session import Session
+    monkeypatch.setattr(sys, "argv", argv)
+    w = torch.zeros(2)
+    s = Session({"w": w}, 4, ckpt_dir=ckpt, policy="fixed:2", environ={})
+    for _ in s.steps():
+        w += 1.0
+
+
+def test_another_runs_directory_is_refused_at_submission(fake_slurm, capsys, monkeypatch) -> None:
+    """`--dry-run --ckpt-dir DIR` onto another run's directory exited 0; the job failed on the node."""
+    ck = Path.cwd() / "ck"
+    _session_run(ck, [str(Path.cwd() / "train.py"), "--seed", "0", "--steps", "4"], monkeypatch)
+    capsys.readouterr()
+    for dry in (("--dry-run",), ()):
+        err = _refused(fake_slurm, capsys, 5, r"checkpoint directory .*ck belongs to another run: .*"
+                       r"\(other arguments: --seed 0 -> 7\)", *dry, "--ckpt-dir", "ck", "train.py", "--seed", "7",
+                       "--steps", "4")
+        assert "--resume-from-other-run" in err
+    # the same run, trained longer, is accepted; so is the other run when asked for on purpose
+    rc, out, err = _run(capsys, "--dry-run", "--ckpt-dir", "ck", "train.py", "--seed", "0", "--steps", "8")
+    assert rc == 0, err
+    rc, out, err = _run(capsys, "--dry-run", "--resume-from-other-run", "--ckpt-dir", "ck", "train.py", "--seed", "7")
+    assert rc == 0, err
