@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -142,9 +143,15 @@ def _main(argv: Sequence[str] | None) -> int:
         account=a.account, qos=a.qos, constraint=a.constraint, array=a.array,
         sbatch_args=a.sbatch_arg, resume_from_other_run=a.resume_from_other_run,
         spare_nodes=a.spare_nodes, max_restarts=a.max_restarts, validate_policy=make_policy)
-    checks.run_all(spec, dry_run=a.dry_run)
+    unchecked = checks.run_all(spec, dry_run=a.dry_run)
     if a.dry_run:
         print(executor.render(spec), end="")
+        print(f"{PROG}: dry run: nothing submitted; the ranks would run "
+              f"{spec.python} {shlex.join([str(spec.script), *spec.script_args])}", file=sys.stderr)
+        if shutil.which("srun") is None:
+            unchecked.append("Slurm's commands (`srun` is not on PATH here; a submission needs them)")
+        for what in unchecked:
+            print(f"{PROG}: dry run: not checked: {what}", file=sys.stderr)
         return 0
     sub = executor.submit(spec)
     ids = sub.job_id if len(sub.task_ids) == 1 else f"{sub.job_id} (array tasks {sub.task_ids[0]}..{sub.task_ids[-1]})"

@@ -6,6 +6,7 @@ directory not creatable or not writable.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import shutil
@@ -143,10 +144,25 @@ def check_run_ownership(spec: SubmitSpec) -> None:
                                      hint=runrecord.HINT)
 
 
-def run_all(spec: SubmitSpec, *, dry_run: bool, runner: commands.Runner = commands.run_command) -> None:
-    """Every pre-submit check, cheapest first."""
+# A dry run asks Slurm briefly: sinfo retries a down slurmctld for about 10 s in silence.
+DRY_RUN_SLURM_TIMEOUT_S = 3.0
+
+
+def run_all(spec: SubmitSpec, *, dry_run: bool, runner: commands.Runner = commands.run_command) -> list[str]:
+    """Every pre-submit check, cheapest first. Returns what a dry run could not check (a submission
+    raises instead): a dry run needs no running Slurm."""
     check_script(spec.script, compile_here=spec.python == shlex.quote(sys.executable))
     check_python(spec.python)
     check_ckpt_dir(spec.ckpt_dir, create=not dry_run)
     check_run_ownership(spec)
-    check_partition(spec.partition, runner)
+    if not dry_run:
+        check_partition(spec.partition, runner)
+        return []
+    if runner is commands.run_command:
+        runner = functools.partial(commands.run_command, timeout=DRY_RUN_SLURM_TIMEOUT_S)
+    try:
+        check_partition(spec.partition, runner)
+    except SlurmError as exc:
+        what = f"partition {spec.partition!r}" if spec.partition else "that Slurm answers"
+        return [f"{what} (Slurm: {exc.message})"]
+    return []

@@ -146,3 +146,37 @@ def test_another_runs_directory_is_refused_at_submission(fake_slurm, capsys, mon
     assert rc == 0, err
     rc, out, err = _run(capsys, "--dry-run", "--resume-from-other-run", "--ckpt-dir", "ck", "train.py", "--seed", "7")
     assert rc == 0, err
+
+
+# -- 7: a dry run needs no slurmctld and shows the command -----------------------------------------------
+@pytest.mark.parametrize("sinfo", ["exec sleep 30",
+                                   "echo 'slurm_load_partitions: Unable to contact slurm controller' >&2; exit 1"])
+def test_dry_run_without_slurmctld_renders_and_says_what_it_did_not_check(fake_slurm, capsys, sinfo) -> None:
+    """It needed a live slurmctld: 9.5 s of silence, then exit 3."""
+    import time
+    fake_slurm.sinfo(sinfo)
+    t0 = time.monotonic()
+    rc, out, err = _run(capsys, "--dry-run", "-p", "gpu", "train.py", "--lr", "1")
+    assert rc == 0, err
+    assert time.monotonic() - t0 < 8                          # 3 s for sinfo, not its own retries
+    assert out.startswith("#!/bin/bash") and "#SBATCH --partition=gpu" in out
+    assert f"#   {__import__('shlex').quote(__import__('sys').executable)} {Path.cwd() / 'train.py'} --lr 1" in out
+    assert "coci-submit: dry run: not checked: partition 'gpu' (Slurm: " in err, err
+    assert "nothing submitted; the ranks would run " in err and "train.py --lr 1" in err
+    assert fake_slurm.sbatch_calls() == []
+
+
+def test_dry_run_with_no_slurm_installed(fake_slurm, capsys, monkeypatch, tmp_path) -> None:
+    (tmp_path / "empty-bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))   # no sinfo, srun, sbatch
+    rc, out, err = _run(capsys, "--dry-run", "train.py")
+    assert rc == 0, err
+    assert "not checked: that Slurm answers" in err and "`srun` is not on PATH" in err, err
+    rc, out, err = _run(capsys, "train.py")                    # a real submission still needs Slurm
+    assert rc == 3, err
+
+
+def test_dry_run_with_slurm_up_checks_the_partition(fake_slurm, capsys) -> None:
+    rc, out, err = _run(capsys, "--dry-run", "-p", "gpu", "train.py")
+    assert rc == 0 and "not checked" not in err, err
+    _refused(fake_slurm, capsys, 2, r"partition 'gpux' does not exist", "--dry-run", "-p", "gpux", "train.py")
