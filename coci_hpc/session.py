@@ -101,6 +101,12 @@ class _SessionState:
             self.schedule.load_state_dict(dict(d["schedule"]))
 
 
+# Open MPI prints its own alarming warning in the survivors' logs once a peer is gone, around coci's
+# peer-lost line: say beside it that it is expected, so nobody chases it (issue 26).
+PEER_LOST_MPI_NOTE = ("Open MPI may now warn that it \"failed to TCP connect to a peer MPI process\" and that the job "
+                      "\"may now hang or fail\": expected after a lost peer; the survivors save and leave")
+
+
 def _say(msg: str) -> None:
     print(f"coci: {msg}", file=sys.stderr, flush=True)
 
@@ -602,7 +608,7 @@ class Session:
             # A background persist of a regular save may still be writing (its step directory is
             # replaced below when it is the same step): let it finish first, locally, bounded.
             self.mgr.quiesce(timeout_s=5.0)
-            _say(f"rank {self.rank}: peer lost at step {step}: {how}")
+            _say(f"rank {self.rank}: peer lost at step {step}: {how}. {PEER_LOST_MPI_NOTE}")
             sv_ = self.survival
             boundary = sv_.snapshot.step
             root = self.config.ckpt_dir
