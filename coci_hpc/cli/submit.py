@@ -10,9 +10,14 @@ would silently reach the script instead; to pass one to the script on purpose, p
 option: --sbatch-arg KEY[=VALUE] (repeatable). --dry-run prints the batch script and submits
 nothing; it needs no running Slurm and says what it could not check.
 
-Exit codes: 0 submitted (or dry run printed), 2 bad usage (missing script, unknown partition, bad
---time or other option), 3 Slurm unreachable or sbatch refused the job, 5 checkpoint directory not
-creatable or not writable.
+Durations (--time) take 2h, 90m, 1d12h or Slurm's MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]]; a bare
+number is minutes, as in sbatch, and `1:30` is 1 min 30 s (say 1:30:00 or 1h30m for 90 minutes).
+
+Exit codes: 0 submitted (or dry run printed), 2 bad usage (missing or non-Python script, unknown
+partition, bad --time, --mpi, --python, --sbatch-arg or other option, an own option after SCRIPT),
+3 Slurm unreachable or sbatch refused the job, 5 checkpoint directory not creatable or not
+writable, or another run's (a changed step count is the same run; --resume-from-other-run to take
+another run's checkpoint on purpose).
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Pre-submit checks: each failure is one error naming the problem and the fix, before sbatch runs.
 
-Exit codes (``coci_hpc.cli.common`` maps the error classes): 2 usage (missing script, unknown
-partition, bad --time or other option), 3 Slurm unreachable (``sinfo`` fails), 5 checkpoint
-directory not creatable or not writable.
+Exit codes (``coci_hpc.cli.common`` maps the error classes): 2 usage (missing or non-Python
+script, unknown partition, a --python that does not exist, bad --time or other option), 3 Slurm
+unreachable (``sinfo`` fails; a dry run notes it instead), 5 checkpoint directory not creatable,
+not writable, or another run's.
 """
 from __future__ import annotations
 
