@@ -33,6 +33,7 @@ from coci_hpc.errors import UsageError
 from coci_hpc.planner.policies import POLICY_NAMES, make_policy
 from coci_hpc.planner.profile import Profile
 from coci_hpc.runtime.attempts import LEAD_SPARE_S, suggested_lead_s
+from coci_hpc.slurm.timefmt import read_limit
 from coci_hpc.submit import checks, executor
 from coci_hpc.submit.relaunch import DEFAULT_MAX_RESTARTS
 from coci_hpc.submit.spec import MPI_PLUGINS, build_spec
@@ -153,6 +154,8 @@ def _main(argv: Sequence[str] | None) -> int:
         print(executor.render(spec), end="")
         print(f"{PROG}: dry run: nothing submitted; the ranks would run "
               f"{spec.python} {shlex.join([str(spec.script), *spec.script_args])}", file=sys.stderr)
+        if a.time is not None:
+            print(f"{PROG}: dry run: --time {read_limit(a.time).reading()}", file=sys.stderr)
         if shutil.which("srun") is None:
             unchecked.append("Slurm's commands (`srun` is not on PATH here; a submission needs them)")
         for what in unchecked:

@@ -165,5 +165,8 @@ def run_all(spec: SubmitSpec, *, dry_run: bool, runner: commands.Runner = comman
         check_partition(spec.partition, runner)
     except SlurmError as exc:
         what = f"partition {spec.partition!r}" if spec.partition else "that Slurm answers"
-        return [f"{what} (Slurm: {exc.message})"]
+        lines = [ln.strip() for ln in exc.message.splitlines() if ln.strip()]
+        # sinfo's last line is the one that says why (a "fatal:", "Unable to contact ...").
+        why = lines[0] if len(lines) < 2 else f"{lines[0].split(':')[0]}: ... {lines[-1]}"
+        return [f"{what} ({why})"]
     return []

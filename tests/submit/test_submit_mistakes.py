@@ -62,6 +62,7 @@ def test_time_takes_the_grammar_coci_plan_takes(fake_slurm, capsys, text, minute
     rc, out, err = _run(capsys, "--dry-run", "--time", text, "train.py")
     assert rc == 0, err
     assert f"#SBATCH --time={minutes}" in out.splitlines(), out
+    assert f"coci-submit: dry run: --time '{text}' read as " in err, err     # how it was understood
 
 
 # -- 8: accepted silently, or refused blaming the wrong option -----------------------------------------
@@ -161,7 +162,7 @@ def test_dry_run_without_slurmctld_renders_and_says_what_it_did_not_check(fake_s
     assert time.monotonic() - t0 < 8                          # 3 s for sinfo, not its own retries
     assert out.startswith("#!/bin/bash") and "#SBATCH --partition=gpu" in out
     assert f"#   {__import__('shlex').quote(__import__('sys').executable)} {Path.cwd() / 'train.py'} --lr 1" in out
-    assert "coci-submit: dry run: not checked: partition 'gpu' (Slurm: " in err, err
+    assert "coci-submit: dry run: not checked: partition 'gpu' (cannot list the cluster's partitions" in err, err
     assert "nothing submitted; the ranks would run " in err and "train.py --lr 1" in err
     assert fake_slurm.sbatch_calls() == []
 
