@@ -101,6 +101,12 @@ class _SessionState:
             self.schedule.load_state_dict(dict(d["schedule"]))
 
 
+# Open MPI prints its own alarming warning in the survivors' logs once a peer is gone, around coci's
+# peer-lost line: say beside it that it is expected, so nobody chases it (issue 26).
+PEER_LOST_MPI_NOTE = ("Open MPI may now warn that it \"failed to TCP connect to a peer MPI process\" and that the job "
+                      "\"may now hang or fail\": expected after a lost peer; the survivors save and leave")
+
+
 def _say(msg: str) -> None:
     print(f"coci: {msg}", file=sys.stderr, flush=True)
 
@@ -252,9 +258,12 @@ class Session:
 
     def _check_same_run(self) -> None:
         """One run, one directory (:mod:`.runtime.runrecord`): refused before anything is loaded."""
-        diff = self.comm.bcast(runrecord.difference(runrecord.recorded_run(read_events(self.events_path)),
-                                                    self.run_record) if self.rank == 0 else None)
+        recorded = runrecord.recorded_run(read_events(self.events_path)) if self.rank == 0 else None
+        diff = self.comm.bcast(runrecord.difference(recorded, self.run_record) if self.rank == 0 else None)
         if diff is None:
+            longer = runrecord.continuation(recorded, self.run_record) if self.rank == 0 else None
+            if longer:
+                _say(f"the same run with another step count ({longer}): resuming it")
             return
         if not self.config.resume_from_other_run:
             raise CheckpointOtherRun(f"checkpoint directory {self.config.ckpt_dir} belongs to another run: {diff}",
@@ -671,7 +680,7 @@ class Session:
             # A background persist of a regular save may still be writing (its step directory is
             # replaced below when it is the same step): let it finish first, locally, bounded.
             self.mgr.quiesce(timeout_s=5.0)
-            _say(f"rank {self.rank}: peer lost at step {step}: {how}")
+            _say(f"rank {self.rank}: peer lost at step {step}: {how}. {PEER_LOST_MPI_NOTE}")
             sv_ = self.survival
             boundary = sv_.snapshot.step
             root = self.config.ckpt_dir

@@ -41,7 +41,7 @@ from coci_hpc.planner.costs import DEFAULT_RESTART_S, Costs
 from coci_hpc.planner.policies import POLICY_NAMES, PlanContext, make_policy
 from coci_hpc.planner.profile import Profile
 from coci_hpc.slurm import accounting as acct
-from coci_hpc.slurm.timefmt import span_s
+from coci_hpc.slurm.timefmt import read_duration
 
 PROG = "coci-plan"
 DEFAULT_CKPT_COST_S = 30.0      # used only without a profile or --ckpt-cost, and said so
@@ -80,12 +80,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-cost", type=float, help="Tr seconds (overrides the profile)")
     p.add_argument("--step-time", type=float, help="seconds per step (overrides the profile)")
     p.add_argument("--policy", default="coci", help="one of: " + ", ".join(POLICY_NAMES))
-    p.add_argument("--horizon", help="training time left: 3600, 90m, 24h, 2d or Slurm's "
-                   "[D-]HH:MM:SS (default: the profile's total_steps, else 24h)")
+    p.add_argument("--horizon", help="training time left: 90m, 24h, 1d12h or Slurm's "
+                   "D-HH:MM:SS, the grammar of coci-submit --time; a bare number needs its unit "
+                   "(default: the profile's total_steps, else 24h)")
     p.add_argument("--plateau-loss", type=float, help="stop planning where the fitted loss curve "
                    "reaches this loss (a shorter horizon, when the fit says it comes sooner)")
     p.add_argument("--time-since-failure", help="wall time since the failure that restarted the "
-                   "job (with a decreasing hazard, checkpoints come sooner after it)")
+                   "job, e.g. 2h (with a decreasing hazard, checkpoints come sooner after it)")
     p.add_argument("--confidence", type=float, default=0.9, help="interval level (default 0.9)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="write loss curve + overhead comparison")
@@ -93,14 +94,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_duration(text: str, flag: str = "--horizon") -> float:
-    """``flag``'s duration (:func:`coci_hpc.slurm.timefmt.span_s`: 3600, 90m, 24h, 2d, 1-12:00:00)."""
-    try:
-        v = span_s(text)
-    except ValueError:
-        raise UsageError(f"bad duration {text!r} for {flag}", hint="e.g. 3600, 90m, 24h, 2d, 1-12:00:00") from None
-    if v <= 0:
-        raise UsageError(f"{flag} must be > 0, got {text!r}", hint=f"e.g. {flag} 24h")
-    return v
+    """``flag``'s duration in seconds, in the one grammar of every coci tool
+    (:func:`coci_hpc.slurm.timefmt.read_duration`: 24h, 90m, 1d12h, 1-12:00:00); a bare number,
+    once seconds here and minutes in ``--time``, is refused with a hint to write the unit."""
+    d = read_duration(text, flag=flag, bare=None)
+    assert d.seconds is not None
+    if d.seconds <= 0:
+        raise UsageError(f"{flag} must be > 0, got {d.reading()}", hint=f"e.g. {flag} 24h")
+    return d.seconds
 
 
 def build_failure_model(a, now: float) -> tuple[fmod.FailureModel, dict]:

@@ -105,7 +105,8 @@ def test_human_summary(capsys, profile):
 @pytest.mark.parametrize("args,code,needle", [
     ([], 2, "no failure information"),
     (["--mtbf-hours", "4", "--policy", "nope"], 2, "unknown policy"),
-    (["--mtbf-hours", "4", "--horizon", "soon"], 2, "bad duration"),
+    (["--mtbf-hours", "4", "--horizon", "soon"], 2, "--horizon 'soon' is not a duration"),
+    (["--mtbf-hours", "4", "--horizon", "3600"], 2, "--horizon '3600' has no unit"),
     (["--mtbf-hours", "-3"], 2, "--mtbf-hours -3"),
     (["--mtbf-hours", "4", "--ckpt-cost", "0"], 2, "--ckpt-cost 0: must be a positive number"),
     (["--mtbf-hours", "4", "--restart-cost", "-1"], 2, "--restart-cost -1"),
