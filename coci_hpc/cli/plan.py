@@ -24,15 +24,23 @@ the last sample and cover the horizon: --horizon, else total_steps, else 24h.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
+import sys
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
-from coci_hpc.cli.common import UsageArgumentParser, run_cli
+from coci_hpc.cli.common import (
+    UsageArgumentParser,
+    add_json,
+    add_plot,
+    plot_target,
+    print_json,
+    progress,
+    run_cli,
+)
 from coci_hpc.errors import PlannerError, UsageError
 from coci_hpc.planner import failures as fmod
 from coci_hpc.planner import simulator as sim
@@ -87,8 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time-since-failure", help="wall time since the failure that restarted the "
                    "job (with a decreasing hazard, checkpoints come sooner after it)")
     p.add_argument("--confidence", type=float, default=0.9, help="interval level (default 0.9)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", metavar="FILE.png", help="write loss curve + overhead comparison")
+    add_json(p, "the plan")
+    add_plot(p, "also draw the loss curve and the overhead comparison into this file (.png, .pdf, .svg; "
+                "a directory: plan.png in it)")
     return p
 
 
@@ -181,6 +190,7 @@ class _Shifted:
 
 def _main(argv: Sequence[str] | None) -> int:
     a = _parser().parse_args(argv)
+    target = plot_target(a, PROG, "plan.png")       # refused before the work, not after it
     if a.nodes < 1:
         raise UsageError(f"--nodes must be >= 1, got {a.nodes}", hint="e.g. --nodes 8")
     if not 0 < a.confidence < 1:
@@ -233,9 +243,10 @@ def _main(argv: Sequence[str] | None) -> int:
     plan = plans[policy.name]
 
     curve = _Shifted(outcome.fit, t_now) if outcome.fit is not None else None
-    expected, sim_info = sim.expected_overhead(
-        {n: [t - t_now for t in p.times] for n, p in plans.items()}, ctx.job_rate, horizon,
-        costs, curve)
+    with progress(PROG, "simulating the plans"):
+        expected, sim_info = sim.expected_overhead(
+            {n: [t - t_now for t in p.times] for n, p in plans.items()}, ctx.job_rate, horizon,
+            costs, curve, confidence=a.confidence)
 
     lo, hi = model.job_mtbf_interval_s(a.nodes)
     out = {
@@ -258,14 +269,19 @@ def _main(argv: Sequence[str] | None) -> int:
                       "first": [c.to_dict() for c in p.checkpoints[:5]]}
                   for n, p in plans.items()},
     }
-    if a.plot:
-        _plot(a.plot, plans, outcome, prof if prof.samples else None, t_now, horizon, expected,
-              out)
-        out["plot"] = a.plot
+    if target is not None:
+        with progress(PROG, f"drawing {target}"):
+            _plot(str(target), plans, outcome, prof if prof.samples else None, t_now, horizon, expected,
+                  out)
+        out["plot"] = str(target)
     if a.json:
-        print(json.dumps(out, indent=1, allow_nan=False, default=_nan_none))
+        print_json(out)
+        if target is not None:
+            print(f"{PROG}: plot written to {target}", file=sys.stderr)
     else:
         _summary(out, model, outcome, plans, a)
+        if target is not None:
+            print(f"plot: {target}")
     return 0
 
 
@@ -294,16 +310,28 @@ def _counts(d: dict, top: int = 8) -> str:
     return (text + (f", ... ({len(items) - top} more)" if len(items) > top else "")) or "none"
 
 
-def _nan_none(o):
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    raise TypeError(type(o))
-
-
 def _fmt_h(s: float | None) -> str:
     if s is None:
         return "inf"
     return f"{s / 3600:.3g} h" if s >= 3600 else f"{s / 60:.3g} min" if s >= 60 else f"{s:.3g} s"
+
+
+def _pm(iv: list[float] | None) -> str:
+    """Half the width of an interval, in the table's units."""
+    return "-" if not iv else "± " + _fmt_h((iv[1] - iv[0]) / 2)
+
+
+def _vs(iv: list[float] | None, is_ref: bool) -> str:
+    if is_ref:
+        return "(reference)"
+    if not iv:
+        return "-"
+    lo, hi = iv
+    if lo <= 0.0 <= hi:
+        return "same"
+    sign = "+" if lo > 0 else "-"
+    a, b = sorted((abs(lo), abs(hi)))
+    return f"{sign}{_fmt_h(a)}..{_fmt_h(b)}"
 
 
 def _summary(out: dict, model, outcome: FitOutcome, plans: dict, a) -> None:
@@ -348,17 +376,24 @@ def _summary(out: dict, model, outcome: FitOutcome, plans: dict, a) -> None:
     if sim_info.get("note"):
         w(f"expected overhead: {sim_info['note']}")
         return
+    ref = sim_info.get("reference") or out["policy"]
+    conf = f"{sim_info.get('confidence', a.confidence):.0%}"
     w(f"expected overhead over {_fmt_h(out['horizon_s'])} ({sim_info['runs']} simulated runs, "
       "same traces for every policy):")
-    w(f"  {'policy':12s} {'ckpts':>6s} {'complete time':>14s} {'%':>6s} {'progress':>10s}"
-      f" {'exploratory time':>17s} {'progress':>10s}")
+    vs = f"vs {ref} ({conf})"
+    w(f"  {'policy':12s} {'ckpts':>6s} {'complete time':>14s} {'± ' + conf:>10s} {vs:>22s} {'%':>6s}"
+      f" {'progress':>10s} {'exploratory time':>17s} {'progress':>10s}")
     for n, e in out["expected_overhead"].items():
         ex = e["exploratory"]
         pg = "-" if e["progress_loss"] is None else f"{e['progress_loss']:.4g}"
         pge = "-" if ex["overhead_progress"] is None else f"{ex['overhead_progress']:.4g}"
-        w(f"  {n:12s} {e['n_checkpoints']:6d} {_fmt_h(e['time_s']):>14s} "
+        w(f"  {n:12s} {e['n_checkpoints']:6d} {_fmt_h(e['time_s']):>14s} {_pm(e.get('time_s_interval')):>10s} "
+          f"{_vs(e.get('vs_reference_s'), n == ref):>22s} "
           f"{100 * e['time_fraction']:5.2f}% {pg:>10s} {_fmt_h(ex['overhead_s']):>17s} {pge:>10s}")
-    w("  (progress = loss drop lost to checkpoints, recomputation and restarts)")
+    w("  complete: jobs that train the whole horizon; exploratory: jobs stopped early (log-uniform, 2-100 % of it)")
+    w("  time: checkpoint stalls + recomputed work + restarts; progress: the loss drop that time costs")
+    w(f"  ±: {conf} interval of the mean over the runs; vs {ref}: the difference on the same runs, "
+      "'same' when its interval holds 0 (no real difference)")
 
 
 def _plot(path: str, plans: dict, outcome: FitOutcome, prof: Profile | None, t_now: float,
