@@ -42,7 +42,8 @@ def _main(argv: Sequence[str] | None) -> int:
     target = plot_target(a, PROG, "history.png")
     # history imports the Slurm helpers; kept out of --help's path.
     from coci_hpc import history
-    h = history.load(a.ckpt_dir, use_sacct=not a.no_sacct)
+    with progress(PROG, "reading the event log" + ("" if a.no_sacct else " and asking sacct")):
+        h = history.load(a.ckpt_dir, use_sacct=not a.no_sacct)
     png, png_error = None, None
     if target is not None:
         try:
