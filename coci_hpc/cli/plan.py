@@ -28,9 +28,8 @@ import math
 import re
 import sys
 import time
-from collections.abc import Sequence
-
-import numpy as np
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from coci_hpc.cli.common import (
     UsageArgumentParser,
@@ -42,14 +41,15 @@ from coci_hpc.cli.common import (
     run_cli,
 )
 from coci_hpc.errors import PlannerError, UsageError
-from coci_hpc.planner import failures as fmod
-from coci_hpc.planner import simulator as sim
-from coci_hpc.planner.convergence import CurveFit, FitOutcome, fit_curve
-from coci_hpc.planner.costs import DEFAULT_RESTART_S, Costs
-from coci_hpc.planner.policies import POLICY_NAMES, PlanContext, make_policy
-from coci_hpc.planner.profile import Profile
-from coci_hpc.slurm import accounting as acct
 from coci_hpc.slurm.timefmt import span_s
+
+# The planner (numpy, scipy) is imported where it is used, not here: --help and --version, and a
+# usage error, answer without it (seconds on a loaded login node).
+if TYPE_CHECKING:
+    from coci_hpc.planner import failures as fmod
+    from coci_hpc.planner.convergence import CurveFit, FitOutcome
+    from coci_hpc.planner.costs import Costs
+    from coci_hpc.planner.profile import Profile
 
 PROG = "coci-plan"
 DEFAULT_CKPT_COST_S = 30.0      # used only without a profile or --ckpt-cost, and said so
@@ -57,13 +57,48 @@ DEFAULT_HORIZON_S = 86400.0
 COMPARED = ("coci", "young", "daly", "checkfreq", "coci-paper")
 
 
+class _Later:
+    """Help text computed when the help is printed (argparse formats it with ``%``, so ``str()``):
+    the names it lists live in modules that import numpy."""
+
+    def __init__(self, make: Callable[[], str]) -> None:
+        self.make = make
+
+    def __str__(self) -> str:
+        return self.make()
+
+
+def _later(action: argparse.Action, make: Callable[[], str]) -> None:
+    action.later = _Later(make)       # type: ignore[attr-defined]   # read by help's %(later)s
+
+
+def _sacct_cmd() -> str:
+    from coci_hpc.slurm import accounting as acct
+    return " ".join(acct.SACCT_ARGS)
+
+
+def _events_cmd() -> str:
+    from coci_hpc.slurm import accounting as acct
+    return " ".join(acct.SACCTMGR_EVENT_ARGS)
+
+
+def _maintenance() -> str:
+    from coci_hpc.slurm import accounting as acct
+    return ", ".join(acct.DEFAULT_MAINTENANCE_PATTERNS)
+
+
+def _policies() -> str:
+    from coci_hpc.planner.policies import POLICY_NAMES
+    return ", ".join(POLICY_NAMES)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = UsageArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="Profile schema:\n" + __doc__.split("Profile JSON")[1])
     src = p.add_argument_group("failure history (one of these, or --mtbf-hours)")
-    src.add_argument("--sacct-file", help="output of: " + " ".join(acct.SACCT_ARGS))
-    src.add_argument("--events-file", help="output of: " + " ".join(acct.SACCTMGR_EVENT_ARGS))
+    _later(src.add_argument("--sacct-file", help="output of: %(later)s"), _sacct_cmd)
+    _later(src.add_argument("--events-file", help="output of: %(later)s"), _events_cmd)
     src.add_argument("--from-cluster", action="store_true",
                      help="run sacct/sacctmgr/sinfo here (needs --since)")
     src.add_argument("--partition", help="with --from-cluster: only this partition's jobs/nodes")
@@ -76,9 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--mtbf-hours", type=float, help="per-node MTBF instead of a history")
     src.add_argument("--skip-bad-lines", action="store_true",
                      help="skip malformed lines (and count them) instead of failing")
-    src.add_argument("--maintenance-pattern", action="append", default=None, metavar="REGEX",
-                     help="reason regex of planned maintenance to ignore (repeatable; replaces "
-                     "the defaults: " + ", ".join(acct.DEFAULT_MAINTENANCE_PATTERNS) + ")")
+    _later(src.add_argument("--maintenance-pattern", action="append", default=None, metavar="REGEX",
+                            help="reason regex of planned maintenance to ignore (repeatable; replaces "
+                            "the defaults: %(later)s)"), _maintenance)
     p.add_argument("--nodes", type=int, default=1, help="nodes the job runs on (default 1)")
     p.add_argument("--profile", help="PROFILE.json: loss samples and measured costs")
     p.add_argument("--ckpt-cost", type=float, help="Tb: blocking seconds of one save "
@@ -87,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
                    "asynchronous save (overrides the profile; default 0)")
     p.add_argument("--restart-cost", type=float, help="Tr seconds (overrides the profile)")
     p.add_argument("--step-time", type=float, help="seconds per step (overrides the profile)")
-    p.add_argument("--policy", default="coci", help="one of: " + ", ".join(POLICY_NAMES))
+    _later(p.add_argument("--policy", default="coci", help="one of: %(later)s"), _policies)
     p.add_argument("--horizon", help="training time left: 3600, 90m, 24h, 2d or Slurm's "
                    "[D-]HH:MM:SS (default: the profile's total_steps, else 24h)")
     p.add_argument("--plateau-loss", type=float, help="stop planning where the fitted loss curve "
@@ -114,6 +149,8 @@ def parse_duration(text: str, flag: str = "--horizon") -> float:
 
 def build_failure_model(a, now: float) -> tuple[fmod.FailureModel, dict]:
     """The failure model and a description of where it came from."""
+    from coci_hpc.planner import failures as fmod
+    from coci_hpc.slurm import accounting as acct
     if a.mtbf_hours is not None:
         if a.sacct_file or a.events_file or a.from_cluster:
             raise UsageError("give either --mtbf-hours or a failure history, not both",
@@ -182,15 +219,22 @@ class _Shifted:
         self.fit, self.t0 = fit, t0
 
     def loss(self, t):
+        import numpy as np
         return self.fit.loss(np.asarray(t, dtype=float) + self.t0)
 
     def rate(self, t):
+        import numpy as np
         return self.fit.rate(np.asarray(t, dtype=float) + self.t0)
 
 
 def _main(argv: Sequence[str] | None) -> int:
     a = _parser().parse_args(argv)
     target = plot_target(a, PROG, "plan.png")       # refused before the work, not after it
+    from coci_hpc.planner import simulator as sim
+    from coci_hpc.planner.convergence import FitOutcome, fit_curve
+    from coci_hpc.planner.costs import DEFAULT_RESTART_S, Costs
+    from coci_hpc.planner.policies import PlanContext, make_policy
+    from coci_hpc.planner.profile import Profile
     if a.nodes < 1:
         raise UsageError(f"--nodes must be >= 1, got {a.nodes}", hint="e.g. --nodes 8")
     if not 0 < a.confidence < 1:
@@ -399,6 +443,7 @@ def _summary(out: dict, model, outcome: FitOutcome, plans: dict, a) -> None:
 def _plot(path: str, plans: dict, outcome: FitOutcome, prof: Profile | None, t_now: float,
           horizon: float, expected: dict, out: dict) -> None:
     import matplotlib
+    import numpy as np
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,3 +125,40 @@ def test_json_convention_has_no_nan() -> None:
     with redirect_stdout(buf):
         common.print_json({"a": float("nan"), "b": [np.float64(1.5), float("inf")], "c": np.int64(3)})
     assert json.loads(buf.getvalue()) == {"a": None, "b": [1.5, None], "c": 3}
+
+
+# -- item 14: quick --help, progress on a terminal --------------------------------------------------
+@pytest.mark.parametrize("module,argv,allowed", [
+    ("coci_hpc.cli.status", ["--help"], ()),
+    ("coci_hpc.cli.status", ["--version"], ()),
+    ("coci_hpc.cli.plan", ["--version"], ()),
+    ("coci_hpc.cli.plan", ["--help"], ("numpy",)),     # the policy names' module; no scipy, no torch
+])
+def test_help_and_version_import_nothing_heavy(module: str, argv: list[str], allowed: tuple[str, ...]) -> None:
+    code = ("import sys, runpy\n"
+            f"sys.argv = ['x', *{argv!r}]\n"
+            "try:\n"
+            f"    runpy.run_module({module!r}, run_name='__main__')\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "print('HEAVY', sorted(m for m in ('torch', 'numpy', 'scipy', 'matplotlib', 'h5py') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert p.returncode == 0, p.stderr
+    heavy = eval(p.stdout.split("HEAVY", 1)[1])
+    assert set(heavy) <= set(allowed), heavy
+
+
+def test_progress_only_on_a_terminal_and_only_when_slow(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    import time
+    monkeypatch.setattr(common, "on_terminal", lambda: True)
+    with common.progress("coci-x", "verifying step 40", after_s=0.05):
+        time.sleep(0.3)
+    err = capsys.readouterr().err
+    assert "coci-x: verifying step 40 ...\n" in err and re.search(r"coci-x: verifying step 40: \d+\.\d s\n", err)
+    with common.progress("coci-x", "quick", after_s=5.0):
+        pass
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(common, "on_terminal", lambda: False)   # a log file or a pipe: nothing
+    with common.progress("coci-x", "slow", after_s=0.01):
+        time.sleep(0.1)
+    assert capsys.readouterr().err == ""
