@@ -555,7 +555,7 @@ class Session:
         self.mgr.close()
         if self.rank == 0:
             _say(f"stopped at step {step} ({reason}: {detail}): "
-                 + ("checkpoint saved" if saved else f"resumes from step {self.mgr.latest_step()}")
+                 + ("checkpoint saved" if saved else f"resumes from step {self.mgr.latest_step() or 0}")
                  + (", job requeued" if requeue else "; Slurm requeues the job" if reason in att.SLURM_REQUEUES
                     else "; not requeued (run again with the same arguments to resume)"))
         raise SystemExit(0)
