@@ -20,6 +20,9 @@ every key but ``samples`` optional::
 
 ``time_s`` is training time since the job started (checkpoint stalls excluded). Plans start at
 the last sample and cover the horizon: --horizon, else total_steps, else 24h.
+
+Exit codes: 0 planned, 2 bad usage or unreadable input, 3 Slurm unreachable (--from-cluster),
+4 no plan from these numbers.
 """
 from __future__ import annotations
 

@@ -56,6 +56,8 @@ def _main(argv: Sequence[str] | None) -> int:
         d["plot"] = str(png) if png else None
         d["plot_error"] = png_error
         print_json(d)
+        if png:
+            print(f"{PROG}: plot written to {png}", file=sys.stderr)
     else:
         print(history.render_text(h))
         if png:
