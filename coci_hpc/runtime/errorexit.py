@@ -21,6 +21,7 @@ import sys
 from types import TracebackType
 from typing import Any
 
+from coci_hpc.cli.common import report_error
 from coci_hpc.errors import CociError
 
 _installed = False
@@ -46,10 +47,7 @@ def install() -> None:
         if not isinstance(exc, CociError):
             previous(tp, exc, tb)
             return
-        name = prog()
-        print(f"{name}: error: {exc.message}", file=sys.stderr)
-        if exc.hint:
-            print(f"{name}: hint: {exc.hint}", file=sys.stderr)
+        report_error(prog(), exc)          # the tools' own format (one place: cli.common)
         sys.stderr.flush()
         _code = int(exc.exit_code)
     sys.excepthook = hook
