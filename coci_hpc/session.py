@@ -59,7 +59,7 @@ from coci_hpc.errors import (
 )
 from coci_hpc.planner.failures import FailureModel, from_mtbf
 from coci_hpc.runtime import attempts as att
-from coci_hpc.runtime import runrecord, signals
+from coci_hpc.runtime import errorexit, runrecord, signals
 from coci_hpc.runtime.config import SessionConfig, resolve
 from coci_hpc.runtime.data import session_state
 from coci_hpc.runtime.distributed import default_comm
@@ -183,6 +183,7 @@ class Session:
                  runner: commands.Runner | None = None, resume_from_other_run: bool | None = None,
                  peer_timeout_s: float | None = None, survivors: bool | None = None) -> None:
         self._init_wall = time.time()
+        errorexit.install()        # a refusal below ends `python train.py` with one line and its exit code
         env = os.environ if environ is None else environ
         # coci-submit's relaunch loop (--spare-nodes) numbers its in-place restarts of the ranks
         # (0: its first launch); absent: not under that loop.
@@ -302,6 +303,9 @@ class Session:
             step = self._begin()
             if step > total:
                 self.mgr.close()
+                # A refusal, not the run's end: coci-status keeps showing how the run ended.
+                self.log.write("end", step=step, status="refused", message="total_steps lower than the "
+                               f"latest checkpoint's step ({total} < {step}); nothing was changed")
                 raise UsageError(f"total_steps={total} is lower than the step of the latest checkpoint in "
                                  f"{self.config.ckpt_dir} ({step}): this run already went further, there "
                                  f"is nothing to train and nothing was changed",
@@ -442,9 +446,8 @@ class Session:
                        survivor_coverage=coverage,
                        in_place_restart=self._in_place, process_wall=self._process_wall,
                        session_wall=self._init_wall)
-        _say(f"attempt {self.log.attempt} (job {self.job.job_id}, restart {rc}) on {nodes or 'this host'}, "
-             f"{self.comm.size} rank(s); previous end: {prev_end.reason} ({prev_end.detail}); "
-             f"resumed from step {resumed}; steps lost {lost}")
+        _say(att.describe_start(self.log.attempt, self.job.job_id, rc, nodes, self.comm.size, prev_end.reason,
+                                prev_end.detail, resumed, lost))
         if verdict is not None:
             self.log.write("end", step=resumed, status="gave_up", message=verdict)
             _say(f"giving up: {verdict}")
@@ -458,7 +461,7 @@ class Session:
             if self._in_place and prev_end.reason != "none" and lat["total"] is not None:
                 self.schedule.restarted_in_place(float(lat["total"]))
             self.log.write("resumed", step=resumed, restart_latency_s=lat)
-            _say(f"resumed from step {resumed}: restart latency {lat}")
+            _say(f"resumed from step {resumed}: {att.describe_latency(lat)}")
         return None
 
     # -- the step boundary ---------------------------------------------------------------------------
@@ -633,7 +636,7 @@ class Session:
         self.mgr.close()
         if self.rank == 0:
             _say(f"stopped at step {step} ({reason}: {detail}): "
-                 + ("checkpoint saved" if saved else f"resumes from step {self.mgr.latest_step()}")
+                 + ("checkpoint saved" if saved else f"resumes from step {self.mgr.latest_step() or 0}")
                  + (", job requeued" if requeue else "; Slurm requeues the job" if reason in att.SLURM_REQUEUES
                     else "; not requeued (run again with the same arguments to resume)"))
         raise SystemExit(0)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from coci_hpc.comm import Comm
 from coci_hpc.errors import UsageError
+from coci_hpc.runtime import errorexit
 from coci_hpc.slurm.env import JobEnvironment
 from coci_hpc.slurm.hostlist import expand_hostlist
 
@@ -85,6 +86,7 @@ def init_distributed(backend: str | None = None, comm: Comm | None = None,
     Returns:
         A ``DistInfo``: rank, world size, local rank, backend and where the rendezvous came from.
     """
+    errorexit.install()            # a CociError out of the script: one line and its exit code
     if timeout_s is None:
         timeout_s = float(os.environ.get("COCI_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     if dist.is_initialized():
