@@ -279,9 +279,9 @@ def plan_two_tier(costs: TierCosts, profile: IncidentProfile, work_s: float, *, 
     rng = np.random.default_rng(seed)
     traces = tsim.poisson_traces(rng, lam, profile.partner_loss, work_s, runs)
     # distinct candidates only (two names may round to the same pair)
-    sim: dict[tuple[int | None, int], float] = {}
-    for pair in dict.fromkeys(cands.values()):
-        sim[pair] = float(tsim.simulate(pair[0], pair[1], costs, work_s, traces).mean()) / work_s
+    pairs = list(dict.fromkeys(cands.values()))
+    means = tsim.simulate_many(pairs, costs, work_s, traces).mean(axis=1) / work_s
+    sim = {p: float(v) for p, v in zip(pairs, means)}
     sim_by_name = {n: sim[p] for n, p in cands.items()}
     best_name = min(cands, key=lambda n: (sim_by_name[n], n != "daly"))
     m, d = cands[best_name]

@@ -55,24 +55,35 @@ def simulate(mem_every_steps: int | None, disk_every_steps: int, costs, work_s: 
     """Overhead seconds of each run. ``mem_every_steps`` None: disk only. The disk interval is
     rounded to a multiple of the memory interval. ``costs``: a
     :class:`~coci_hpc.planner.two_tier.TierCosts`."""
+    return simulate_many([(mem_every_steps, disk_every_steps)], costs, work_s, traces)[0]
+
+
+def simulate_many(pairs, costs, work_s: float, traces: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """:func:`simulate` for several (memory, disk) step pairs at once: (pairs x runs)."""
     times, flags = traces
     st = costs.step_time_s
-    if disk_every_steps < 1 or (mem_every_steps is not None and mem_every_steps < 1):
-        raise PlannerError("checkpoint intervals must be >= 1 step")
-    if mem_every_steps is None:
-        t_seg, kk, cm = disk_every_steps * st, 1, 0.0
-    else:
-        t_seg, kk, cm = mem_every_steps * st, max(1, round(disk_every_steps / mem_every_steps)), costs.mem_ckpt_s
     cd, rm, rd = costs.disk_ckpt_s, costs.mem_restart_s, costs.disk_restart_s
-    has_mem = mem_every_steps is not None
-    n = max(0, math.ceil(work_s / t_seg) - 1)       # checkpoints strictly before the end
-    runs = times.shape[0]
+    t_l, k_l, c_l, m_l = [], [], [], []
+    for mem, disk in pairs:
+        if disk < 1 or (mem is not None and mem < 1):
+            raise PlannerError("checkpoint intervals must be >= 1 step")
+        if mem is None:
+            t_l.append(disk * st), k_l.append(1), c_l.append(0.0), m_l.append(False)
+        else:
+            t_l.append(mem * st), k_l.append(max(1, round(disk / mem)))
+            c_l.append(costs.mem_ckpt_s), m_l.append(True)
+    t_seg = np.asarray(t_l, dtype=float)[:, None]
+    kk = np.asarray(k_l, dtype=np.int64)[:, None]
+    cm = np.asarray(c_l, dtype=float)[:, None]
+    no_mem = ~np.asarray(m_l, dtype=bool)[:, None]
+    n = np.maximum(0, np.ceil(work_s / t_seg) - 1).astype(np.int64)   # checkpoints before the end
+    shape = (len(t_l), times.shape[0])
     seg = t_seg + cm
     cyc = kk * seg + cd
-    w = np.zeros(runs)                              # wall time computing resumes from i0
-    i0 = np.zeros(runs, dtype=np.int64)
-    done = np.zeros(runs, dtype=bool)
-    wall = np.zeros(runs)
+    w = np.zeros(shape)                             # wall time computing resumes from i0
+    i0 = np.zeros(shape, dtype=np.int64)
+    done = np.zeros(shape, dtype=bool)
+    wall = np.zeros(shape)
 
     def finish_at(w_, i_):
         return w_ + (work_s - i_ * t_seg) + (n - i_) * cm + cd * (n // kk - i_ // kk)
@@ -81,33 +92,28 @@ def simulate(mem_every_steps: int | None, disk_every_steps: int, costs, work_s: 
         act = ~done
         if not act.any():
             break
-        f = times[:, c]
+        f = times[None, :, c]
         fin = finish_at(w, i0)
         end = act & (f >= fin)
-        wall[end] = fin[end]
+        wall = np.where(end, fin, wall)
         done |= end
         live = act & ~end
         if not live.any():
             continue
-        to_disk = flags[:, c] | (not has_mem)
+        to_disk = flags[None, :, c] | no_mem
         # an incident during a restart: restart again (from disk when it is flagged)
         rst = live & (f < w)
-        # an incident while computing or checkpointing
+        # an incident while computing or checkpointing: how many checkpoints completed since i0
         run = live & (f >= w)
-        e = f - w
         base = (i0 // kk) * kk
-        h = np.where(run, e + (i0 - base) * seg, 0.0)
+        h = np.where(run, f - w + (i0 - base) * seg, 0.0)
         q = np.floor(h / cyc)
-        rem = h - q * cyc
-        r = np.minimum(np.floor(rem / seg), kk - 1)
+        r = np.minimum(np.floor((h - q * cyc) / seg), kk - 1)
         j = np.clip(base + (q * kk + r).astype(np.int64), i0, n)
         sm = np.where(run, j, i0)                   # newest memory checkpoint
         sd = (sm // kk) * kk                        # newest disk checkpoint (every disk point is one)
-        new_i = np.where(to_disk, sd, sm)
-        new_w = f + np.where(to_disk, rd, rm)
         sel = rst | run
-        i0 = np.where(sel, new_i, i0)
-        w = np.where(sel, new_w, w)
-    rest = ~done
-    wall[rest] = finish_at(w, i0)[rest]
+        i0 = np.where(sel, np.where(to_disk, sd, sm), i0)
+        w = np.where(sel, f + np.where(to_disk, rd, rm), w)
+    wall = np.where(done, wall, finish_at(w, i0))
     return wall - work_s
