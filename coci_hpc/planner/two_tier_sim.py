@@ -17,8 +17,6 @@ Overhead = wall time - useful work.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from coci_hpc.errors import PlannerError
