@@ -65,11 +65,10 @@ def simulate_many(pairs, costs, work_s: float, traces: tuple[np.ndarray, np.ndar
     for mem, disk in pairs:
         if disk < 1 or (mem is not None and mem < 1):
             raise PlannerError("checkpoint intervals must be >= 1 step")
-        if mem is None:
-            t_l.append(disk * st), k_l.append(1), c_l.append(0.0), m_l.append(False)
-        else:
-            t_l.append(mem * st), k_l.append(max(1, round(disk / mem)))
-            c_l.append(costs.mem_ckpt_s), m_l.append(True)
+        t_l.append((disk if mem is None else mem) * st)
+        k_l.append(1 if mem is None else max(1, round(disk / mem)))
+        c_l.append(0.0 if mem is None else costs.mem_ckpt_s)
+        m_l.append(mem is not None)
     t_seg = np.asarray(t_l, dtype=float)[:, None]
     kk = np.asarray(k_l, dtype=np.int64)[:, None]
     cm = np.asarray(c_l, dtype=float)[:, None]
