@@ -36,6 +36,7 @@ from coci_hpc.cli.common import UsageArgumentParser, run_cli
 from coci_hpc.errors import PlannerError, UsageError
 from coci_hpc.planner import failures as fmod
 from coci_hpc.planner import simulator as sim
+from coci_hpc.planner import two_tier
 from coci_hpc.planner.convergence import CurveFit, FitOutcome, fit_curve
 from coci_hpc.planner.costs import DEFAULT_RESTART_S, Costs
 from coci_hpc.planner.policies import POLICY_NAMES, PlanContext, make_policy
@@ -88,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time-since-failure", help="wall time since the failure that restarted the "
                    "job, e.g. 2h (with a decreasing hazard, checkpoints come sooner after it)")
     p.add_argument("--confidence", type=float, default=0.9, help="interval level (default 0.9)")
+    tt_grp = p.add_argument_group("two tiers (memory partner copies + disk; planner/two_tier.py)")
+    tt_grp.add_argument("--two-tier", action="store_true",
+                        help="also plan memory-tier copies every k steps and disk saves (needs --step-time)")
+    tt_grp.add_argument("--memory-copy-s", type=float, help="seconds one partner copy blocks a step")
+    tt_grp.add_argument("--memory-restart-cost", type=float, help="seconds to recover from the memory "
+                        "tier: survivors' save + restart + restore (default: --restart-cost)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="write loss curve + overhead comparison")
     return p
@@ -259,6 +266,9 @@ def _main(argv: Sequence[str] | None) -> int:
                       "first": [c.to_dict() for c in p.checkpoints[:5]]}
                   for n, p in plans.items()},
     }
+    tt_plan = _two_tier(a, model, costs, horizon) if a.two_tier else None
+    if tt_plan is not None:
+        out["two_tier"] = tt_plan.to_dict()
     if a.plot:
         _plot(a.plot, plans, outcome, prof if prof.samples else None, t_now, horizon, expected,
               out)
@@ -267,7 +277,21 @@ def _main(argv: Sequence[str] | None) -> int:
         print(json.dumps(out, indent=1, allow_nan=False, default=_nan_none))
     else:
         _summary(out, model, outcome, plans, a)
+        if tt_plan is not None:
+            print("\n".join(two_tier.describe(tt_plan)))
     return 0
+
+
+def _two_tier(a, model, costs: Costs, horizon: float) -> two_tier.TwoTierPlan:
+    if a.memory_copy_s is None or not (math.isfinite(a.memory_copy_s) and a.memory_copy_s >= 0):
+        raise UsageError("--two-tier needs --memory-copy-s: the seconds one partner copy blocks a step",
+                         hint="measure it (benchmarks/partner_copy_bench.py), e.g. --memory-copy-s 0.5")
+    if costs.step_time_s is None:
+        raise UsageError("--two-tier needs the step time", hint="pass --step-time or a profile with step_time_s")
+    rm = costs.restart_s if a.memory_restart_cost is None else a.memory_restart_cost
+    tc = two_tier.TierCosts(float(a.memory_copy_s), costs.ckpt_s, float(rm), costs.restart_s,
+                            costs.step_time_s)
+    return two_tier.plan_two_tier(tc, two_tier.profile_from_model(model, a.nodes), horizon)
 
 
 def _horizon(a, prof: Profile, fit: CurveFit | None, costs: Costs, t_now: float,

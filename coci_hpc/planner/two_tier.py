@@ -301,3 +301,35 @@ def plan_two_tier(costs: TierCosts, profile: IncidentProfile, work_s: float, *, 
     reason = (f"memory tier pays: simulated waste {sim_by_name[best_name]:.4g} of the work vs "
               f"{sim_by_name['daly']:.4g} for Daly's disk-only plan")
     return TwoTierPlan("two-tier", m, d, reason, costs, lam, profile.partner_loss, alts, params)
+
+
+def profile_from_model(model, nodes: int) -> IncidentProfile:
+    """The incident profile of a :class:`~coci_hpc.planner.failures.FailureModel`: its
+    declustered incidents and their sizes when it has them (a history with node events),
+    else its rate as one-node incidents (a given MTBF says nothing about sizes)."""
+    n_cl = model.cluster_nodes
+    if model.events and n_cl and model.exposure_node_s > 0:
+        sizes = [len(set(e.nodes)) for e in model.events]
+        return IncidentProfile.from_incidents(sizes, model.exposure_node_s / n_cl, n_cl, nodes)
+    return IncidentProfile(nodes * model.per_node_rate, 0.0, nodes,
+                           "no incident sizes known: every incident taken as one node")
+
+
+def describe(plan: TwoTierPlan) -> list[str]:
+    """The plan in a few lines for coci-plan's summary."""
+    st = plan.costs.step_time_s
+    out = [f"two tiers: {plan.reason}"]
+    if plan.mem_every_steps is not None:
+        out.append(f"  memory copy every {plan.mem_every_steps} step(s) ({plan.mem_every_steps * st:.4g} s), "
+                   f"disk save every {plan.disk_every_steps} step(s) ({plan.disk_interval_s / 3600:.4g} h)")
+    else:
+        out.append(f"  disk save every {plan.disk_every_steps} step(s) ({plan.disk_interval_s / 3600:.4g} h)")
+    out.append(f"  incidents hitting the job {plan.job_rate * 3600:.4g}/h, taking a rank and its "
+               f"partner {100 * plan.partner_loss:.3g} %")
+    out.append(f"  {'alternative':22s} {'memory':>7s} {'disk':>8s} {'first order':>12s} {'simulated':>10s}")
+    for n, a in plan.alternatives.items():
+        m = "-" if a["mem_every_steps"] is None else str(a["mem_every_steps"])
+        out.append(f"  {n:22s} {m:>7s} {a['disk_every_steps']:8d} {100 * a['first_order_waste']:11.3f}% "
+                   f"{100 * a['simulated_waste']:9.3f}%")
+    out.append("  (waste = checkpoint stalls + lost work + restarts, % of the training time)")
+    return out
