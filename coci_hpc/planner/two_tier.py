@@ -270,6 +270,10 @@ def plan_two_tier(costs: TierCosts, profile: IncidentProfile, work_s: float, *, 
             k2 = max(1, int(round(k * f_k)))
             cands[f"two-tier-K*{f_k:g}"] = (ms, ms * k2)
         cands["two-tier-k1"] = (1, max(1, int(round(ms * k))))
+    # a disk interval past the horizon means no disk save in it: say so with the horizon
+    # (rounded up to whole memory intervals), not with a number of steps no job reaches
+    last = math.ceil(work_s / st)
+    cands = {n: (m, min(d, last if m is None else m * math.ceil(last / m))) for n, (m, d) in cands.items()}
     for name, (m, d) in cands.items():
         if m is None:
             fo[name] = first_order_waste(d * st, None, costs, lm, ld)

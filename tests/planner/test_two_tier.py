@@ -166,3 +166,10 @@ def test_bad_costs_are_clear_errors():
         tt.IncidentProfile(0.0, 0.1, 4)
     with pytest.raises(PlannerError):
         tt.plan_two_tier(COSTS, tt.IncidentProfile(1e-4, 0.1, 4), -1.0)
+
+
+def test_no_partner_loss_means_no_disk_save_within_the_horizon():
+    # one-node incidents only: the memory tier serves them all; the disk interval is the horizon
+    plan = tt.plan_two_tier(COSTS, tt.IncidentProfile(1 / 3600.0, 0.0, 64), DAY)
+    assert plan.tier == "two-tier"
+    assert plan.disk_interval_s >= DAY and plan.disk_interval_s < DAY + plan.mem_interval_s
