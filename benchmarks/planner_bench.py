@@ -29,6 +29,10 @@ Grids (Tr = 150 s everywhere):
                covers the histories as given, _sparse the sparse versions.
   paper        the published equal-loss-drop rule (coci-paper) vs Daly on the exponential grid
                with a power-law loss curve (reported, no goal).
+  two_tier     (not in the default --only) memory + disk checkpoints: the two-tier planner vs
+               Daly's disk-only plan, Orbax's default (10 / 1000 steps), memory every step +
+               Daly, and the best fixed pair found on the replay itself (benchmarks/
+               two_tier_grid.py; docs/benchmarks/planner-two-tier.md).
 """
 from __future__ import annotations
 
@@ -48,6 +52,9 @@ from coci_hpc.planner.costs import DEFAULT_RESTART_S as RESTART_S
 from coci_hpc.planner.costs import Costs
 from coci_hpc.planner.policies import PlanContext, make_policy
 from coci_hpc.slurm import accounting as acct
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import two_tier_grid  # noqa: E402  (a sibling module: the two-tier grid)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LANL = [("lanl_system2_events.txt", 49), ("lanl_system16_events.txt", 16),
@@ -326,6 +333,12 @@ def main(argv=None) -> int:
                     help="exponential grid only: the share of failures survivors' saves cover (each then "
                     "loses one 1 s step); the default knows it, Daly does not (default 0: the grid as "
                     "always)")
+    ap.add_argument("--tt-runs", type=int, default=100,
+                    help="two_tier: replayed jobs per (history, nodes) (default 100)")
+    ap.add_argument("--tt-nodes", type=lambda t: tuple(int(x) for x in t.split(",")),
+                    default=two_tier_grid.NODES, help="two_tier: job sizes (default 16,64,256,1024)")
+    ap.add_argument("--tt-state", type=lambda t: tuple(float(x) for x in t.split(",")),
+                    default=two_tier_grid.STATE_GB, help="two_tier: GB of state per node (default 1,10,80)")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     only = set(a.only.split(","))
@@ -338,7 +351,7 @@ def main(argv=None) -> int:
         data = os.path.join(HERE, "..", "..", "shared", "data")
         files = [(os.path.join(data, f), n) for f, n in LANL]
         files = [(f, n) for f, n in files if os.path.exists(f)]
-        if not files and "replay" in only:
+        if not files and ("replay" in only or "two_tier" in only):
             print(f"no LANL histories under {data}; pass --events-file", file=sys.stderr)
     grids: dict[str, list[dict]] = {}
     timing = {}
@@ -364,7 +377,15 @@ def main(argv=None) -> int:
                                                    n_c, a.runs, a.seed)
         grids["replay"] = rows
         timing["replay"] = round(time.perf_counter() - t, 1)
+    if "two_tier" in only and files:
+        t = time.perf_counter()
+        grids["two_tier"] = two_tier_grid.grid_two_tier(files, a.tt_runs, a.seed, a.tt_nodes, a.tt_state)
+        timing["two_tier"] = round(time.perf_counter() - t, 1)
     out: dict = {}
+    goals = dict(GOALS)
+    if grids.get("two_tier"):
+        out.update(two_tier_grid.keys(grids["two_tier"]))
+        goals.update(two_tier_grid.GOALS)
     if "exponential" in grids:
         out["default_vs_daly_exponential"] = gmean([r["ratio"] for r in grids["exponential"]])
         out["default_vs_daly_exponential_worst"] = max(r["ratio"] for r in grids["exponential"])
@@ -389,8 +410,8 @@ def main(argv=None) -> int:
         out["default_vs_young_async"] = gmean([r["ratio"] for r in grids["async"]])
     if "paper" in grids:
         out["paper_vs_daly"] = gmean([r["ratio"] for r in grids["paper"]])
-    out["goals"] = {k: f"<= {v}" for k, v in GOALS.items()}
-    out["goals_met"] = {k: bool(out[k] <= v) for k, v in GOALS.items() if k in out}
+    out["goals"] = {k: f"<= {v}" for k, v in goals.items()}
+    out["goals_met"] = {k: bool(out[k] <= v) for k, v in goals.items() if k in out}
     out["settings"] = {"runs_per_setting": a.runs, "seed": a.seed, "restart_s": RESTART_S,
                        **({"survivor_coverage": a.coverage} if a.coverage else {}),
                        "replay_files": [f"{f}:{n}" if n else f for f, n in files],
@@ -412,9 +433,12 @@ def main(argv=None) -> int:
     print()
     for k, v in out.items():
         if isinstance(v, float):
-            goal = GOALS.get(k)
+            goal = goals.get(k)
             print(f"{k:36s} {v:.3f}" + (f"   goal <= {goal}: {'met' if v <= goal else 'NOT met'}"
                                         if goal else ""))
+    for sysname, blk in out.get("per_system", {}).items():
+        print(f"{sysname}: " + ", ".join(f"{k} {v:.3f}" for k, v in blk.items()
+                                         if k in two_tier_grid.GOALS))
     print(f"(elapsed {out['settings']['elapsed_s']} s)")
     return 0
 

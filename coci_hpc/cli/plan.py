@@ -50,6 +50,7 @@ from coci_hpc.slurm.timefmt import read_duration
 # usage error, answer without it (seconds on a loaded login node).
 if TYPE_CHECKING:
     from coci_hpc.planner import failures as fmod
+    from coci_hpc.planner import two_tier
     from coci_hpc.planner.convergence import CurveFit, FitOutcome
     from coci_hpc.planner.costs import Costs
     from coci_hpc.planner.profile import Profile
@@ -134,6 +135,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time-since-failure", help="wall time since the failure that restarted the "
                    "job, e.g. 2h (with a decreasing hazard, checkpoints come sooner after it)")
     p.add_argument("--confidence", type=float, default=0.9, help="interval level (default 0.9)")
+    tt_grp = p.add_argument_group("two tiers (memory partner copies + disk; planner/two_tier.py)")
+    tt_grp.add_argument("--two-tier", action="store_true",
+                        help="also plan memory-tier copies every k steps and disk saves (needs --step-time)")
+    tt_grp.add_argument("--memory-copy-s", type=float, help="seconds one partner copy blocks a step")
+    tt_grp.add_argument("--memory-restart-cost", type=float, help="seconds to recover from the memory "
+                        "tier: survivors' save + restart + restore (default: --restart-cost)")
     add_json(p, "the plan")
     add_plot(p, "also draw the loss curve and the overhead comparison into this file (.png, .pdf, .svg; "
                 "a directory: plan.png in it)")
@@ -317,6 +324,9 @@ def _main(argv: Sequence[str] | None) -> int:
                       "first": [c.to_dict() for c in p.checkpoints[:5]]}
                   for n, p in plans.items()},
     }
+    tt_plan = _two_tier(a, model, costs, horizon) if a.two_tier else None
+    if tt_plan is not None:
+        out["two_tier"] = tt_plan.to_dict()
     if target is not None:
         with progress(PROG, f"drawing {target}"):
             _plot(str(target), plans, outcome, prof if prof.samples else None, t_now, horizon, expected,
@@ -328,9 +338,25 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"{PROG}: plot written to {target}", file=sys.stderr)
     else:
         _summary(out, model, outcome, plans, a)
+        if tt_plan is not None:
+            from coci_hpc.planner.two_tier import describe
+            print("\n".join(describe(tt_plan)))
         if target is not None:
             print(f"plot: {target}")
     return 0
+
+
+def _two_tier(a, model, costs: Costs, horizon: float) -> two_tier.TwoTierPlan:
+    from coci_hpc.planner import two_tier
+    if a.memory_copy_s is None or not (math.isfinite(a.memory_copy_s) and a.memory_copy_s >= 0):
+        raise UsageError("--two-tier needs --memory-copy-s: the seconds one partner copy blocks a step",
+                         hint="measure it (benchmarks/partner_copy_bench.py), e.g. --memory-copy-s 0.5")
+    if costs.step_time_s is None:
+        raise UsageError("--two-tier needs the step time", hint="pass --step-time or a profile with step_time_s")
+    rm = costs.restart_s if a.memory_restart_cost is None else a.memory_restart_cost
+    tc = two_tier.TierCosts(float(a.memory_copy_s), costs.ckpt_s, float(rm), costs.restart_s,
+                            costs.step_time_s)
+    return two_tier.plan_two_tier(tc, two_tier.profile_from_model(model, a.nodes), horizon)
 
 
 def _horizon(a, prof: Profile, fit: CurveFit | None, costs: Costs, t_now: float,
