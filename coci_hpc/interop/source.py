@@ -11,8 +11,9 @@ model and is not offered.
 from __future__ import annotations
 
 import math
+import mmap
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from coci_hpc.errors import CheckpointCorrupt, CheckpointNotFound, UsageError
 from coci_hpc.interop import names
 
 MODEL_KEY = "model"
+_MAP_AT_LEAST = 1 << 20   # bytes from which a tensor read gets its own mapping
 
 
 @dataclass(frozen=True)
@@ -141,11 +143,20 @@ class CheckpointSource:
         if not shape:
             obj, view = empty_like_leaf(entry.dtype, shape)
             self._read_into(entry, view, 0)
-        else:
-            row = entry.nbytes // shape[0] if shape[0] else 0
-            obj, view = empty_like_leaf(entry.dtype, (stop - start,) + shape[1:])
+            return obj if isinstance(obj, torch.Tensor) else torch.from_numpy(obj)
+        row = entry.nbytes // shape[0] if shape[0] else 0
+        out_shape = (stop - start,) + shape[1:]
+        n = (stop - start) * row
+        if n < _MAP_AT_LEAST:
+            obj, view = empty_like_leaf(entry.dtype, out_shape)
             self._read_into(entry, view, start * row)
-        return obj if isinstance(obj, torch.Tensor) else torch.from_numpy(obj)
+            return obj if isinstance(obj, torch.Tensor) else torch.from_numpy(obj)
+        # A large tensor gets its own anonymous mapping, unmapped when the tensor dies: the
+        # export's memory then falls back after each shard (glibc keeps freed blocks of this
+        # size in its heap once its dynamic mmap threshold has risen, and RSS only grows).
+        buf = mmap.mmap(-1, n)
+        self._read_into(entry, np.frombuffer(buf, dtype=np.uint8), start * row)
+        return torch.frombuffer(buf, dtype=torch_dtype(entry.dtype)).view(out_shape)
 
     def _read_into(self, entry: Entry, view: np.ndarray, start: int) -> None:
         try:

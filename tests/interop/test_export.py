@@ -212,3 +212,21 @@ def test_full_disk_midway_leaves_nothing_that_looks_complete(ck: Path, tmp_path:
     assert len(calls) == 2
     assert not out.exists() and _leftovers(tmp_path) == []
     assert not list(tmp_path.rglob("*.safetensors*"))
+
+
+def test_large_tensors_read_into_their_own_mapping_are_bit_identical(tmp_path: Path) -> None:
+    from coci_hpc.interop.source import CheckpointSource
+
+    g = torch.Generator().manual_seed(5)
+    sd = {"big": torch.randn(1024, 600, generator=g),                        # 2.4 MB: mapped read
+          "bigbf": torch.randn(800, 1000, generator=g).to(torch.bfloat16),   # 1.6 MB bf16
+          "flags": torch.rand(2_000_000, generator=g) > 0.5}                 # 2 MB bool
+    mgr = CheckpointManager(tmp_path / "ck")
+    mgr.save(1, {"model": sd})
+    mgr.close()
+    export(tmp_path / "ck", tmp_path / "hf", to="hf", max_shard_size="3MB")
+    got = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert all(same_bits(got[k], v) for k, v in sd.items())
+    with CheckpointSource(tmp_path / "ck") as src:
+        e = next(e for e in src.model() if e.path == "big")
+        assert same_bits(src.read_box(e, (100, 0), (900, 600)), sd["big"][100:1000])
