@@ -104,3 +104,21 @@ def test_export_of_a_damaged_step_exits_7_and_leaves_nothing(ck: Path, tmp_path:
     assert main(["export", str(ck), "--to", "hf", str(tmp_path / "hf")]) == 7
     assert "model.fc2.bias" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
+
+
+def test_verify_progress_shows_on_a_terminal_only(ck: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from coci_hpc.cli import ckpt
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for tty, shown in ((Tty(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", tty)
+        bar = ckpt._Progress("verifying step 5", after_s=0.0)
+        assert ckpt.verify_step(ck, 5, bar) == []
+        bar.end()
+        text = tty.getvalue()
+        assert ("verifying step 5:" in text and "(100%)" in text) is shown, text
