@@ -124,13 +124,14 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, to: str = "hf", st
             fsync_dir(out.parent)
         except BaseException as exc:
             _remove(tmp)
-            if isinstance(exc, OSError):
-                raise CheckpointError(f"export to {out} failed: {exc}; nothing was left at {out}",
-                                      hint="free space there (or pick another OUT) and export again"
-                                      ) from exc
             if isinstance(exc, CociError):
                 raise type(exc)(f"export to {out} failed, nothing was left there: {exc.message}",
                                 hint=exc.hint) from exc
+            if isinstance(exc, Exception):   # OSError; the writers' own (SafetensorError,
+                # torch.save's RuntimeError, DCP's CheckpointException) on a full disk
+                raise CheckpointError(f"export to {out} failed: {str(exc)[:500]}; nothing was left at {out}",
+                                      hint="free space there (or pick another OUT) and export again"
+                                      ) from exc
             raise
     return ExportResult(out, to, source.step, len(plan), total, files, time.perf_counter() - t0)
 
@@ -242,8 +243,15 @@ def _export_dcp(source: CheckpointSource, model_key: str, plan: list[tuple[str, 
 
     tensors, total = _read_all(source, plan, model_key, cast, progress)
     tmp.mkdir()
-    with _quiet_dcp():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _quiet_dcp():
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+    except CheckpointException as exc:   # a BaseException: DCP wraps each rank's error in it
+        first = next(iter(exc.failures.values()), (exc,))[0]
+        raise CheckpointError(f"dcp.save failed: {str(first)[:500]}",
+                              hint="free space there (or pick another OUT) and export again") from None
     fsync_dir(tmp)
     return sorted(p.name for p in tmp.iterdir()), total
 

@@ -230,3 +230,32 @@ def test_large_tensors_read_into_their_own_mapping_are_bit_identical(tmp_path: P
     with CheckpointSource(tmp_path / "ck") as src:
         e = next(e for e in src.model() if e.path == "big")
         assert same_bits(src.read_box(e, (100, 0), (900, 600)), sd["big"][100:1000])
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A real 3 MiB filesystem (tmpfs); skipped where this process may not mount one."""
+    import shutil
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if shutil.which("mount") is None or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.mark.parametrize("to", ["hf", "torch", "dcp"])
+def test_real_full_disk_leaves_nothing(tmp_path: Path, small_disk: Path, to: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    mgr = CheckpointManager(tmp_path / "ck")
+    mgr.save(1, {"model": {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(6)}})   # 6 MiB
+    mgr.close()
+    with pytest.raises(CheckpointError, match="nothing was left") as e:
+        export(tmp_path / "ck", small_disk / "out", to=to, max_shard_size="1MB")
+    assert "free space" in (e.value.hint or "")
+    assert list(small_disk.iterdir()) == []
