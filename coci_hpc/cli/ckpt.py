@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from coci_hpc.cli.common import UsageArgumentParser, run_cli
-from coci_hpc.errors import CheckpointCorrupt, CheckpointNotFound, UsageError
+from coci_hpc.errors import CheckpointCorrupt, CheckpointNotFound
 
 
 def _human(n: float) -> str:
@@ -321,7 +322,11 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli("coci-ckpt", _main, argv)
+    try:
+        return run_cli("coci-ckpt", _main, argv)
+    except BrokenPipeError:   # `coci-ckpt list --json | head`: the reader left, not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

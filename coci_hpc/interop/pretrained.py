@@ -248,10 +248,7 @@ def open_source(path: str | os.PathLike, *, model_key: str = MODEL_KEY, step: in
     if (p / ".metadata").is_file():
         return _DCP(p, model_key)
     if (p / mf.MANIFEST).is_file() or mf.latest_step(p) is not None:
-        if (p / mf.MANIFEST).is_file():   # a step directory: its root and step
-            m = mf.STEP_RE.match(p.name)
-            return _Coci(p.parent, model_key, int(m.group(1)) if m else step)
-        return _Coci(p, model_key, step)
+        return _Coci(p, model_key, step)   # a root, or one step directory of it
     raise UsageError(f"{p} holds no model weights coci can read",
                      hint="expected *.safetensors (+ model.safetensors.index.json), a DCP directory "
                           "(.metadata), a torch.save file or a coci checkpoint")

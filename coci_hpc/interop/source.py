@@ -86,6 +86,9 @@ class CheckpointSource:
 
     def __init__(self, root: str | os.PathLike, step: int | None = None) -> None:
         self.root = Path(root)
+        named = mf.STEP_RE.match(self.root.name)
+        if named and (self.root / mf.MANIFEST).is_file() and step is None:   # a step directory
+            self.root, step = self.root.parent, int(named.group(1))
         if not self.root.is_dir():
             raise CheckpointNotFound(f"{self.root} is not a directory",
                                      hint="pass the checkpoint root (the directory holding step_*)")

@@ -59,3 +59,8 @@ def test_damaged_shard_is_refused(ck: Path) -> None:
     inner = e.value.failures[0][0]
     assert "model.fc1.weight" in str(inner) and "fails its checksum" in str(inner)
     assert torch.count_nonzero(target["fc1.weight"]) == 0
+
+
+def test_a_step_directory_names_its_step(ck: Path) -> None:
+    with CheckpointSource(mf.step_dir(ck, 3)) as src:
+        assert src.step == 3 and src.root == ck
