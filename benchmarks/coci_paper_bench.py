@@ -1,4 +1,4 @@
-"""The COCI paper's rule vs Young / Daly / CheckFreq: the finding behind README's analysis.
+"""The COCI paper's rule vs Young / Daly / CheckFreq: the finding in docs/benchmarks/coci-paper.md.
 
 Reproduces why equal-loss-drop spacing is not the default: ``coci`` below is the published rule
 with gaps capped at 2x Young (policy ``coci-paper:capped``), ``coci-uncapped`` the rule as

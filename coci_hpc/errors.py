@@ -1,7 +1,9 @@
 """The one error hierarchy of coci_hpc.
 
 Library code raises these; only ``coci_hpc.cli`` turns them into messages and exit codes
-(``coci_hpc.cli.common.run_cli``). A message names the problem; ``hint`` says how to fix it.
+(``coci_hpc.cli.common.run_cli``; for a user's script that lets one escape,
+``coci_hpc.runtime.errorexit`` with the same format). A message names the problem; ``hint`` says
+how to fix it.
 """
 from __future__ import annotations
 

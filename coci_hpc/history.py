@@ -1,6 +1,6 @@
 """A run's history: attempts, how each ended, checkpoints, steps lost, restart latency, the loss curve.
 
-Built from the Session's event log (``<ckpt_dir>/events.jsonl``, see docs/session.md) and, where
+Built from the Session's event log (``<ckpt_dir>/events.jsonl``, see docs/reference/event-log.md) and, where
 Slurm is reachable, ``sacct``'s row for each attempt. :func:`build` is pure (records in, a
 :class:`RunHistory` out); :func:`load` does the reading; :func:`render_text`, :meth:`RunHistory.to_dict`
 and :func:`plot` present it. ``coci-status`` is the command.
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from coci_hpc.errors import SlurmError, UsageError
-from coci_hpc.runtime.events import FILENAME, read_events
+from coci_hpc.runtime.events import FILENAME, read_events_counted
 from coci_hpc.slurm import commands
 from coci_hpc.slurm.sacct import SlurmAttempt, job_attempts
 
@@ -56,6 +56,7 @@ class RunHistory:
     # A peer rank lost mid-run: attempt, step saved by the survivors (or why not), seconds from
     # the failure to the commit, the lost ranks, the steps the next attempt repeated.
     peer_losses: list[dict[str, Any]] = field(default_factory=list)
+    skipped_lines: int = 0                    # event-log lines that did not parse (torn, foreign, damaged)
 
     @property
     def steps_lost_total(self) -> int:
@@ -69,8 +70,16 @@ class RunHistory:
         return d
 
 
+def _refused(e: dict[str, Any]) -> bool:
+    """An attempt that refused to start (nothing was trained or changed): not how the run ended.
+    Older logs wrote these as status "error" with the refusal's message."""
+    return e.get("status") == "refused" or (e.get("status") == "error"
+                                            and "nothing was changed" in str(e.get("message") or ""))
+
+
 def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
-          sacct: dict[str, list[SlurmAttempt]] | None = None, sacct_note: str | None = None) -> RunHistory:
+          sacct: dict[str, list[SlurmAttempt]] | None = None, sacct_note: str | None = None,
+          skipped_lines: int = 0) -> RunHistory:
     """The history from the event records (oldest first) and sacct's attempts per job id.
 
     An attempt's end is what the NEXT attempt recorded about it (classified from Slurm's record),
@@ -90,10 +99,17 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
     relaunches: dict[int, dict[str, Any]] = {}   # failed attempt -> the relaunch loop's record
     resumed_wall: dict[int, float] = {}
     starts: dict[int, dict[str, Any]] = {}       # attempt -> its attempt_start record
+    before: dict[int, tuple[str, Any, str]] = {}  # attempt -> the run's status when it started
     for e in events:
-        n, ev = int(e.get("attempt") or 0), e.get("event")
+        n, ev = e.get("attempt"), e.get("event")
+        if not isinstance(n, int) or n < 1:    # a damaged record: no attempt of its own to belong to
+            skipped_lines += 1
+            continue
         if ev == "attempt_start":
             starts[n] = e
+            # A new attempt runs again (a completed run trained further); its refusal puts back the before.
+            before[n] = (status, final_step, message)
+            status, final_step, message = "running", None, ""
             attempts[n] = Attempt(
                 attempt=n, job_id=e.get("job_id"), nodes=list(e.get("nodes") or []), ranks=e.get("ranks"),
                 start_wall=e.get("wall"), resumed_step=e.get("resumed_step"), steps_lost=e.get("steps_lost"),
@@ -133,6 +149,10 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
                                     "blocking_s": None, "persist_s": e.get("save_s")})
                 if a is not None and e.get("step") is not None:
                     a.checkpoints.append(int(e["step"]))
+        elif ev == "end" and _refused(e):
+            if a is not None:
+                a.ended, a.ended_source = "refused", "session"
+            status, final_step, message = before.get(n, (status, final_step, message))
         elif ev == "end":
             status, final_step, message = str(e.get("status")), e.get("step"), str(e.get("message") or "")
             if a is not None:
@@ -140,13 +160,16 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
     ordered = [attempts[k] for k in sorted(attempts)]
     for prev, nxt in zip(ordered, ordered[1:]):
         reason = nxt.prev_end.get("reason")
-        if reason:
+        # "none": the next attempt found this one ended (completed, refused, ...): its own record says how.
+        if reason and reason != "none":
             prev.ended, prev.ended_source = str(reason), str(nxt.prev_end.get("source") or "")
     for prev, nxt in zip(ordered, ordered[1:]):
         r = relaunches.get(prev.attempt)
         if r is None or r.get("action") != "relaunch":
             continue
-        lost = "node_failure" if r.get("lost") or "lost" in str(r.get("reason")) else "crash"
+        # The relaunch record's `lost` names the nodes Slurm reported down; its reason is prose
+        # ("... not n2: lost a task" after a crash) and is not read for the kind.
+        lost = "node_failure" if r.get("lost") or nxt.prev_end.get("reason") == "node_failure" else "crash"
         prev.ended, prev.ended_source = f"{lost} (restarted in place)", "relaunch"
         nxt.in_place = in_place_split(r, [p for p in peer_losses if p["attempt"] == prev.attempt],
                                       starts.get(nxt.attempt) or {}, resumed_wall.get(nxt.attempt))
@@ -179,7 +202,7 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
         ckpt_dir=ckpt_dir, attempts=ordered, checkpoints=checkpoints,
         loss_steps=[p[0] for p in loss_pts], loss_values=[p[1] for p in loss_pts],
         loss_attempts=[p[2] for p in loss_pts], status=status, final_step=final_step, message=message,
-        sacct_note=sacct_note, peer_losses=peer_losses)
+        sacct_note=sacct_note, peer_losses=peer_losses, skipped_lines=skipped_lines)
 
 
 def _gap(a: Any, b: Any) -> float | None:
@@ -212,6 +235,9 @@ def in_place_split(relaunch: dict[str, Any], peer_losses: Sequence[dict[str, Any
     }
 
 
+# How an attempt that nothing interrupted ends (the next attempt, if any, is a new start).
+NOT_INTERRUPTED = ("completed", "refused", "none", "gave_up")
+
 # Slurm states after which nothing of the attempt runs any more (REQUEUED and PREEMPTED come back).
 SLURM_ENDED = ("CANCELLED", "FAILED", "COMPLETED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                "DEADLINE")
@@ -236,7 +262,7 @@ def load(ckpt_dir: str | Path, *, use_sacct: bool = True, runner: commands.Runne
                 "pass the --ckpt-dir the run used (coci-submit prints it); the log appears when the "
                 "Session starts")
         raise UsageError(f"no event log {root / FILENAME}", hint=hint)
-    events = read_events(root / FILENAME)
+    events, skipped = read_events_counted(root / FILENAME)
     sacct: dict[str, list[SlurmAttempt]] = {}
     note = None if use_sacct else "not asked (--no-sacct)"
     if use_sacct:
@@ -247,7 +273,7 @@ def load(ckpt_dir: str | Path, *, use_sacct: bool = True, runner: commands.Runne
             except SlurmError as exc:
                 note = f"sacct unavailable: {exc.message}"
                 break
-    return build(events, str(root), sacct, note)
+    return build(events, str(root), sacct, note, skipped)
 
 
 def _clock(wall: float | None) -> str:
@@ -309,6 +335,8 @@ def render_text(h: RunHistory) -> str:
                          f"{_s(ip.get('restore_s'), 2)}; {ip.get('reason')}")
     if h.sacct_note:
         lines.append(f"sacct: {h.sacct_note}")
+    if h.skipped_lines:
+        lines.append(f"event log: {h.skipped_lines} unreadable line(s) skipped")
     return "\n".join(lines)
 
 
@@ -336,6 +364,8 @@ def interruptions(h: RunHistory) -> list[Interruption]:
     """The interruptions of a run, in order: what the PNG draws (pure, so it is tested apart)."""
     out = []
     for a, nxt in zip(h.attempts, h.attempts[1:]):
+        if a.ended.split(" ")[0] in NOT_INTERRUPTED:
+            continue                  # it ended by itself (completed, refused to start): nothing broke
         x = a.last_step if a.last_step is not None else nxt.resumed_step
         if x is None:
             continue

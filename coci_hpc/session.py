@@ -59,7 +59,7 @@ from coci_hpc.errors import (
 )
 from coci_hpc.planner.failures import FailureModel, from_mtbf
 from coci_hpc.runtime import attempts as att
-from coci_hpc.runtime import runrecord, signals
+from coci_hpc.runtime import errorexit, runrecord, signals
 from coci_hpc.runtime.config import SessionConfig, resolve
 from coci_hpc.runtime.data import session_state
 from coci_hpc.runtime.distributed import default_comm
@@ -101,6 +101,12 @@ class _SessionState:
             self.schedule.load_state_dict(dict(d["schedule"]))
 
 
+# Open MPI prints its own alarming warning in the survivors' logs once a peer is gone, around coci's
+# peer-lost line: say beside it that it is expected, so nobody chases it (issue 26).
+PEER_LOST_MPI_NOTE = ("Open MPI may now warn that it \"failed to TCP connect to a peer MPI process\" and that the job "
+                      "\"may now hang or fail\": expected after a lost peer; the survivors save and leave")
+
+
 def _say(msg: str) -> None:
     print(f"coci: {msg}", file=sys.stderr, flush=True)
 
@@ -114,7 +120,66 @@ def _leave_after_peer_loss(in_place: bool) -> NoReturn:
 
 
 class Session:
-    """See the module docstring. Arguments left None come from the environment (coci-submit)."""
+    """A preemption-safe training loop: restore, plan checkpoints, stop, save and requeue.
+
+    Create one per process (every rank, same arguments), then iterate :meth:`steps` and call
+    :meth:`observe` with each step's loss. See the module docstring for what happens on a signal,
+    a lost rank, a time limit or a preemption. Arguments left ``None`` come from the environment
+    (the ``COCI_*`` variables coci-submit sets), else from the defaults; an explicit argument wins
+    over the environment and rank 0 logs the conflict.
+
+    Args:
+        state: What to checkpoint, by name: modules, optimizers, LR schedulers, a ``GradScaler``,
+            torchdata's ``StatefulDataLoader`` or a ``ResumableSampler``, tensors, numbers,
+            strings and dicts/lists of them. Anything with
+            ``state_dict()``/``load_state_dict()`` works. A plain ``DataLoader`` or a value the
+            store cannot save (a lock, a file handle) is refused here with a ``UsageError``.
+        total_steps: Steps of the whole run; the loop ends after step ``total_steps - 1``. May be
+            given to :meth:`steps` instead. Lower than the latest checkpoint's step: refused.
+        ckpt_dir: Checkpoint directory (holds the checkpoints and ``events.jsonl``);
+            ``COCI_CKPT_DIR``. Required one way or the other. A directory recorded for another
+            script or other arguments is refused (``CheckpointOtherRun``).
+        policy: When to save: ``coci`` (default), ``young``, ``daly``, ``checkfreq[:P]``,
+            ``fixed:N`` (every N steps), ``coci-paper[:capped]``; ``COCI_POLICY``.
+        max_requeues: Give up after this many restarts of this job after unannounced ends (node
+            failures, crashes, requeues by hand; the session's own time-limit and preemption
+            stops do not count); ``COCI_MAX_REQUEUES``; default no limit.
+        no_progress_limit: Give up when this many restarts in a row resumed from the same
+            checkpoint; ``COCI_NO_PROGRESS_LIMIT``; default 3.
+        signal_lead_s: Seconds between Slurm's warning signal and the time limit (sbatch's
+            ``--signal=USR2@N``); used to classify a stop and to check that a step, a save and the
+            requeue fit; ``COCI_SIGNAL_LEAD_S``; default 90.
+        comm: Communicator to use (an mpi4py communicator or a ``coci_hpc.comm.Comm``). Default:
+            MPI's world when launched by MPI, else a gloo group over an initialised
+            ``torch.distributed`` of 2+ ranks, else one process.
+        keep: Committed checkpoints to keep (older ones are deleted after a newer commit).
+        async_save: Save two-phase (snapshot, then a background write) instead of blocking.
+        failure_model: The failure model the planner uses. Default: the partition's, from Slurm's
+            accounting (cached per partition, refreshed at most daily), or the planner's default
+            outside a Slurm job.
+        horizon_s: Planning horizon in seconds of training time (default 24 h).
+        environ: Environment to read instead of ``os.environ`` (tests).
+        runner: Runs Slurm commands instead of ``subprocess`` (tests).
+        resume_from_other_run: Accept a checkpoint directory recorded for another command and make
+            this command its run; ``COCI_RESUME_FROM_OTHER_RUN``; default off.
+        peer_timeout_s: Least time a peer may keep the per-step agreement waiting before it counts
+            as lost (the deadline is at least this and 10 typical steps); ``COCI_PEER_TIMEOUT_S``;
+            default 5 s.
+        survivors: On a lost rank, let the survivors save the last finished step and keep the
+            partner copies that make it possible; ``COCI_SURVIVORS`` (``0`` turns it off);
+            default on.
+        init_from: Pretrained weights for ``state["model"]``, loaded only while the run has no
+            checkpoint of its own (later ignored, and the log says so): a Hugging Face
+            safetensors directory or file, a ``torch.save`` file (read with
+            ``weights_only=True``), a DCP directory or a coci checkpoint. Each rank reads only
+            its slice of a DTensor (FSDP2) parameter. See ``coci_hpc.interop.pretrained``.
+        init_strict: With ``init_from``: refuse (one ``UsageError`` listing them) names that are
+            missing, unexpected or of another shape; ``False`` loads what matches and logs the rest.
+
+    Raises:
+        UsageError: Bad configuration or a state that cannot be saved.
+        CheckpointOtherRun: ``ckpt_dir`` belongs to another run.
+    """
 
     def __init__(self, state: Mapping[str, Any], total_steps: int | None = None, *,
                  ckpt_dir: str | os.PathLike | None = None, policy: str | None = None,
@@ -126,6 +191,7 @@ class Session:
                  peer_timeout_s: float | None = None, survivors: bool | None = None,
                  init_from: str | os.PathLike | None = None, init_strict: bool = True) -> None:
         self._init_wall = time.time()
+        errorexit.install()        # a refusal below ends `python train.py` with one line and its exit code
         # Pretrained weights for state["model"] when the run has no checkpoint of its own yet
         # (coci_hpc.interop.pretrained: safetensors, torch.save, DCP or a coci checkpoint).
         self._init_from, self._init_strict = init_from, init_strict
@@ -204,9 +270,12 @@ class Session:
 
     def _check_same_run(self) -> None:
         """One run, one directory (:mod:`.runtime.runrecord`): refused before anything is loaded."""
-        diff = self.comm.bcast(runrecord.difference(runrecord.recorded_run(read_events(self.events_path)),
-                                                    self.run_record) if self.rank == 0 else None)
+        recorded = runrecord.recorded_run(read_events(self.events_path)) if self.rank == 0 else None
+        diff = self.comm.bcast(runrecord.difference(recorded, self.run_record) if self.rank == 0 else None)
         if diff is None:
+            longer = runrecord.continuation(recorded, self.run_record) if self.rank == 0 else None
+            if longer:
+                _say(f"the same run with another step count ({longer}): resuming it")
             return
         if not self.config.resume_from_other_run:
             raise CheckpointOtherRun(f"checkpoint directory {self.config.ckpt_dir} belongs to another run: {diff}",
@@ -216,7 +285,23 @@ class Session:
 
     # -- the user's calls ----------------------------------------------------------------------------
     def steps(self, total_steps: int | None = None) -> Iterator[int]:
-        """Yield the step indices still to run (from the restored step to ``total_steps - 1``)."""
+        """Yield the step indices still to run (from the restored step to ``total_steps - 1``).
+
+        The first iteration restores the newest committed checkpoint into the state. Between
+        iterations the session agrees with the other ranks on stops and saves; a stop for a signal
+        saves, requeues where Slurm would not, and raises ``SystemExit(0)`` out of the loop.
+
+        Args:
+            total_steps: Overrides the ``total_steps`` given to the constructor.
+
+        Yields:
+            The index of the step to train, starting at the restored step.
+
+        Raises:
+            UsageError: No ``total_steps``, a second call, or ``total_steps`` below the latest
+                checkpoint's step (nothing is changed).
+            GaveUpError: Too many requeues, or restarts that make no progress.
+        """
         total = total_steps if total_steps is not None else self.total_steps
         if total is None or int(total) < 0:
             raise UsageError("steps() needs total_steps", hint="Session(..., total_steps=N) or session.steps(N)")
@@ -229,6 +314,9 @@ class Session:
             step = self._begin()
             if step > total:
                 self.mgr.close()
+                # A refusal, not the run's end: coci-status keeps showing how the run ended.
+                self.log.write("end", step=step, status="refused", message="total_steps lower than the "
+                               f"latest checkpoint's step ({total} < {step}); nothing was changed")
                 raise UsageError(f"total_steps={total} is lower than the step of the latest checkpoint in "
                                  f"{self.config.ckpt_dir} ({step}): this run already went further, there "
                                  f"is nothing to train and nothing was changed",
@@ -258,7 +346,11 @@ class Session:
             signals.after_session()        # coci-submit's placeholders give the default action back
 
     def observe(self, loss: Any) -> None:
-        """The step's loss (a float or a 0-d tensor); rank 0 records it for the planner and the log."""
+        """Record the step's loss; rank 0 feeds it to the planner and the event log.
+
+        Args:
+            loss: The step's loss, a float or a 0-d tensor (other ranks' values are ignored).
+        """
         if self.rank == 0:
             self._loss = float(loss)
 
@@ -382,9 +474,8 @@ class Session:
                        survivor_coverage=coverage,
                        in_place_restart=self._in_place, process_wall=self._process_wall,
                        session_wall=self._init_wall)
-        _say(f"attempt {self.log.attempt} (job {self.job.job_id}, restart {rc}) on {nodes or 'this host'}, "
-             f"{self.comm.size} rank(s); previous end: {prev_end.reason} ({prev_end.detail}); "
-             f"resumed from step {resumed}; steps lost {lost}")
+        _say(att.describe_start(self.log.attempt, self.job.job_id, rc, nodes, self.comm.size, prev_end.reason,
+                                prev_end.detail, resumed, lost))
         if verdict is not None:
             self.log.write("end", step=resumed, status="gave_up", message=verdict)
             _say(f"giving up: {verdict}")
@@ -398,7 +489,7 @@ class Session:
             if self._in_place and prev_end.reason != "none" and lat["total"] is not None:
                 self.schedule.restarted_in_place(float(lat["total"]))
             self.log.write("resumed", step=resumed, restart_latency_s=lat)
-            _say(f"resumed from step {resumed}: restart latency {lat}")
+            _say(f"resumed from step {resumed}: {att.describe_latency(lat)}")
         return None
 
     # -- the step boundary ---------------------------------------------------------------------------
@@ -573,7 +664,7 @@ class Session:
         self.mgr.close()
         if self.rank == 0:
             _say(f"stopped at step {step} ({reason}: {detail}): "
-                 + ("checkpoint saved" if saved else f"resumes from step {self.mgr.latest_step()}")
+                 + ("checkpoint saved" if saved else f"resumes from step {self.mgr.latest_step() or 0}")
                  + (", job requeued" if requeue else "; Slurm requeues the job" if reason in att.SLURM_REQUEUES
                     else "; not requeued (run again with the same arguments to resume)"))
         raise SystemExit(0)
@@ -620,7 +711,7 @@ class Session:
             # A background persist of a regular save may still be writing (its step directory is
             # replaced below when it is the same step): let it finish first, locally, bounded.
             self.mgr.quiesce(timeout_s=5.0)
-            _say(f"rank {self.rank}: peer lost at step {step}: {how}")
+            _say(f"rank {self.rank}: peer lost at step {step}: {how}. {PEER_LOST_MPI_NOTE}")
             sv_ = self.survival
             boundary = sv_.snapshot.step
             root = self.config.ckpt_dir

@@ -91,7 +91,7 @@ job_done=$job; job=
 sacct -X -D -P -j "$job_done" --format=JobID,State,Start,End,NodeList,ExitCode
 
 echo
-"$ROOT/.venv/bin/coci-status" "$OUT/ckpt" --png "$OUT/history.png"
+"$ROOT/.venv/bin/coci-status" "$OUT/ckpt" --plot "$OUT/history.png"
 echo
 # The node failure's cost, from the event log: the attempt after it says how many steps it repeated.
 "$PY" - "$OUT/ckpt" <<'PYEOF'

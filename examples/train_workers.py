@@ -1,5 +1,5 @@
 """A training script whose data comes through DataLoader worker processes, forked AND spawned,
-made preemption-safe by coci_hpc (see README, "DataLoader workers and Slurm's signals").
+made preemption-safe by coci_hpc (see docs/how-to/dataloader-workers.md).
 
     python examples/train_workers.py --steps 60 --ckpt-dir /tmp/run
     sbatch slurm/templates/train_preemptible.sbatch python examples/train_workers.py --steps 60 --ckpt-dir DIR

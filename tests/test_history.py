@@ -104,7 +104,7 @@ def test_build_classifies_each_attempt_end(run_dir: Path) -> None:
 def test_text_json_and_png(run_dir: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(history.commands, "run_command", lambda argv, timeout=60.0: SACCT)
     png = run_dir / "h.png"
-    assert main([str(run_dir), "--png", str(png)]) == 0
+    assert main([str(run_dir), "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "4 attempt(s), job(s) 77, status completed at step 400" in out
     rows = [ln for ln in out.splitlines() if ln[:3].strip().isdigit()]
@@ -118,7 +118,7 @@ def test_text_json_and_png(run_dir: Path, capsys, monkeypatch: pytest.MonkeyPatc
     d = json.loads(capsys.readouterr().out)
     assert [a["ended"] for a in d["attempts"]] == ["preemption", "node_failure", "time_limit", "completed"]
     assert d["steps_lost_total"] == 10 and len(d["losses"]["steps"]) == 400 + 10
-    assert d["png"] is None
+    assert d["plot"] is None
 
 
 def test_sacct_unavailable_is_said(run_dir: Path) -> None:
@@ -177,10 +177,10 @@ def test_a_cancelled_run_is_not_running(tmp_path: Path) -> None:
 
 
 def test_the_table_is_printed_when_the_png_cannot_be_written(run_dir: Path, capsys) -> None:
-    assert main([str(run_dir), "--no-sacct", "--png", "/proc/no-such-dir/history.png"]) == 0
+    assert main([str(run_dir), "--no-sacct", "--plot", "/proc/no-such-dir/history.png"]) == 0
     out, err = capsys.readouterr()
     assert "4 attempt(s), job(s) 77, status completed at step 400" in out
-    assert "loss plot not written to /proc/no-such-dir/history.png" in err and "--no-png" in err
+    assert "loss plot not written to /proc/no-such-dir/history.png" in err and "another --plot" in err
 
 
 def test_an_exception_in_the_users_loop_is_the_attempts_end(tmp_path: Path) -> None:
@@ -272,3 +272,78 @@ def test_queue_restarts_stay_dashed(run_dir: Path) -> None:
     ax = history.figure(h).axes[0]
     assert "interrupted: preemption" in ax.get_legend_handles_labels()[1]
     assert not [ln for ln in ax.get_lines() if ln.get_linestyle() == ":"]
+
+
+# -- issue 26, items 4 and 13 -----------------------------------------------------------------------
+def _done_then_more_then_refused() -> list[dict]:
+    """Trained to 60 (completed), trained further to 100 (completed), then asked for 80: refused."""
+    none = {"reason": "none", "source": "none", "detail": "first attempt"}
+    after = {"reason": "none", "source": "none", "detail": "previous run ended completed"}
+    return [
+        _rec("attempt_start", 1, 0, nodes=["n1"], ranks=1, prev_end=none, resumed_step=None, steps_lost=None),
+        _losses(1, 5, 0, 60),
+        _rec("checkpoint", 1, 5, step=60, kind="final", blocking_s=0.01, persist_s=0.1),
+        _rec("end", 1, 6, step=60, status="completed", message=""),
+        _rec("attempt_start", 2, 10, nodes=["n1"], ranks=1, prev_end=after, resumed_step=60, steps_lost=None),
+        _losses(2, 15, 60, 100),
+        _rec("checkpoint", 2, 15, step=100, kind="final", blocking_s=0.01, persist_s=0.1),
+        _rec("end", 2, 16, step=100, status="completed", message=""),
+        _rec("attempt_start", 3, 20, nodes=["n1"], ranks=1, prev_end=after, resumed_step=100, steps_lost=None),
+        _rec("end", 3, 21, step=100, status="refused", message="total_steps lower than the latest checkpoint's "
+             "step (80 < 100); nothing was changed"),
+    ]
+
+
+def test_completed_attempts_show_completed_and_a_refusal_is_not_the_runs_end(tmp_path: Path, capsys) -> None:
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _done_then_more_then_refused()))
+    h = history.load(d, use_sacct=False)
+    assert [a.ended for a in h.attempts] == ["completed", "completed", "refused"]
+    assert h.status == "completed" and h.final_step == 100
+    assert history.interruptions(h) == []          # nothing interrupted this run
+    labels = history.figure(h).axes[0].get_legend_handles_labels()[1]
+    assert not any(lbl.startswith("interrupted") for lbl in labels)
+    assert main([str(d), "--no-sacct"]) == 0
+    out = capsys.readouterr().out
+    assert "status completed at step 100" in out and "none [none]" not in out
+    assert "completed [session]" in out and "refused [session]" in out
+
+
+def test_an_old_log_whose_refusal_says_error_is_still_completed(tmp_path: Path) -> None:
+    recs = _done_then_more_then_refused()
+    recs[-1] = _rec("end", 3, 21, step=100, status="error", message="UsageError: total_steps=80 is lower than "
+                    "the step of the latest checkpoint in ck (100): this run already went further, there is "
+                    "nothing to train and nothing was changed")
+    h = history.build(recs, "ck")
+    assert h.status == "completed" and h.attempts[-1].ended == "refused"
+
+
+def test_a_run_trained_further_is_running_again(tmp_path: Path) -> None:
+    h = history.build(_done_then_more_then_refused()[:6], "ck")
+    assert h.status == "running" and h.final_step is None and h.attempts[0].ended == "completed"
+
+
+def test_a_crash_whose_reason_says_lost_is_not_a_node_failure() -> None:
+    recs = in_place_story()
+    # coci-submit's relaunch loop wrote this for a crash that swapped a suspect node out
+    recs[4] = {**recs[4], "reason": "the ranks exited with status 137 (no node down); restart 1 of 3 in place "
+               "on n1,n3 (not n2: lost a task)"}
+    h = history.build(recs, "ck")
+    assert h.attempts[0].ended == "crash (restarted in place)"
+    assert h.attempts[1].ended == "node_failure (restarted in place)"     # lost={"n2": "down"}: a node failure
+
+
+def test_an_unreadable_line_is_counted_and_makes_no_attempt_0(run_dir: Path, capsys) -> None:
+    text = (run_dir / "events.jsonl").read_text()
+    lines = text.splitlines()
+    # a damaged record that still parses (no attempt), and garbage
+    lines[3:3] = ['{"v": 1, "event": "losses", "wall": 1795000030.0, "steps": [1], "values": [2.0]}', "\x00\x00garbage"]
+    (run_dir / "events.jsonl").write_text("\n".join(lines) + "\n")
+    h = history.load(run_dir, use_sacct=False)
+    assert [a.attempt for a in h.attempts] == [1, 2, 3, 4] and 0 not in h.loss_attempts
+    assert h.skipped_lines == 3                    # the two above and the torn last line
+    assert main([str(run_dir), "--no-sacct"]) == 0
+    out = capsys.readouterr().out
+    assert "event log: 3 unreadable line(s) skipped" in out
+    assert not any(ln.split()[:1] == ["0"] for ln in out.splitlines())

@@ -13,7 +13,7 @@
 
 Every method marked *collective* must be called by all ranks at the same point.
 Semantics (rollback, the directory lock, a full disk, exceptions and exit, a hung rank, launches
-without MPI) are described in docs/checkpoint-semantics.md.
+without MPI) are described in docs/reference/checkpoint-semantics.md.
 """
 from __future__ import annotations
 
@@ -63,19 +63,42 @@ def make_writer(comm: Comm, backend: str) -> StorageWriter:
 class CheckpointManager:
     """Save, load and list checkpoints under one directory.
 
-    ``keep``: committed checkpoints to retain (older ones are deleted after a newer commit).
-    ``backend``: "auto" | "parallel" (h5py mpio + MPI-IO) | "serial" (same format, no MPI-IO).
-    ``on_busy`` / ``overlap``: two-phase save behaviour, see :mod:`coci_hpc.checkpoint.twophase`.
-    ``rng``: also save/restore every rank's RNG states (python, numpy, torch CUDA).
-    ``lock``: take the directory's writer lock (:mod:`.lock`) now; ``False`` opens it to read
-    only (``save`` is then refused), for tools that look while a run writes.
-    ``on_no_space``: "raise" (a clear CheckpointError; the previous checkpoint stays intact) or
-    "retire_oldest" (delete abandoned and all but the newest committed checkpoints, retry once).
-    ``timeout_s``: a save (or the wait for a background one) that has not finished after this
-    many seconds on some rank is reported naming that rank and not committed (None: no limit).
-    ``access``: who may read what is created: "private" (directories 0700, files 0600, the
-    default, whatever the umask), "group-read" (0750/0640) or "group-write" (0770/0660); see
-    :mod:`.perms`.
+    Sharded parallel-HDF5 checkpoints (``step_NNNNNNNNN/data.h5`` + ``manifest.json``) that
+    commit atomically, verify on load and reshard to any world size. Methods marked collective
+    are called by every rank at the same point. Values are replicated across ranks by default;
+    wrap rank-specific values in ``PerRank(...)`` and tensors split along dim 0 in
+    ``Sharded(...)``.
+
+    Args:
+        directory: The checkpoint root (created if missing, with the mode ``access`` says).
+        comm: Communicator (mpi4py or ``coci_hpc.comm.Comm``). Default: MPI's world when launched
+            by MPI, else one process.
+        keep: Committed checkpoints to retain (older ones are deleted after a newer commit).
+        backend: ``"auto"``, ``"parallel"`` (MPI-IO into an HDF5 file) or ``"serial"`` (the same
+            format, no MPI-IO).
+        lustre: Stripe settings for new step directories on Lustre
+            (``LustrePolicy(stripe_count, stripe_size)``); ignored elsewhere.
+        on_busy: A ``save_async`` while one is in flight: ``"wait"`` for it and commit it, or
+            ``"skip"`` (returns ``"skipped"`` on every rank); see
+            :mod:`coci_hpc.checkpoint.twophase`.
+        overlap: Copy large tensors of a two-phase snapshot in a background thread while
+            training continues (each optimizer's step waits for that copy).
+        rng: Also save and restore every rank's RNG states (python, numpy, torch, CUDA).
+        lock: Take the directory's writer lock (:mod:`.lock`) now; ``False`` opens it to read
+            only (``save`` is then refused), for tools that look while a run writes.
+        on_no_space: ``"raise"`` (a clear ``CheckpointError``; the previous checkpoint stays
+            intact) or ``"retire_oldest"`` (delete abandoned and all but the newest committed
+            checkpoints, retry once).
+        timeout_s: A save (or the wait for a background one) that has not finished after this
+            many seconds on some rank is reported naming that rank and not committed (None: no
+            limit; default 600).
+        access: Who may read what is created: ``"private"`` (directories 0700, files 0600, the
+            default, whatever the umask), ``"group-read"`` (0750/0640) or ``"group-write"``
+            (0770/0660); see :mod:`.perms`.
+
+    Raises:
+        UsageError: A bad ``keep``, ``on_no_space``, ``timeout_s`` or ``access``.
+        CheckpointLocked: Another live writer holds the directory.
     """
 
     def __init__(self, directory: str | os.PathLike, comm: Any = None, *, keep: int = 2,
@@ -151,6 +174,11 @@ class CheckpointManager:
         """Collective, synchronous: write, fsync and commit ``step``; returns its directory.
 
         Saving the newest committed step again is a no-op (it returns that directory).
+
+        Args:
+            step: The training step the state belongs to (a non-negative integer).
+            state: The state to save, by name (modules, optimizers, schedulers, tensors, JSON-able
+                values, ``PerRank`` / ``Sharded`` wrappers).
         """
         t0 = time.perf_counter()
         self._async.wait()
@@ -287,7 +315,12 @@ class CheckpointManager:
         copied while training continues; every optimizer anywhere in ``state`` (also inside
         ``PerRank``, dicts, lists, schedulers) gets a step pre-hook that waits for that copy.
         All other tensors (module buffers that forward changes in place, ...) are copied
-        before this returns. So the snapshot cannot tear; see docs/checkpoint-semantics.md.
+        before this returns. So the snapshot cannot tear; see docs/reference/checkpoint-semantics.md.
+        Commit it with :meth:`poll` (each step), :meth:`wait` or :meth:`close`.
+
+        Args:
+            step: The training step the state belongs to.
+            state: The state to save, as for :meth:`save`.
         """
         step = engine.check_step(step)
         optimizers = find_optimizers(state)
@@ -339,6 +372,13 @@ class CheckpointManager:
         """Collective: load ``step`` into ``state`` in place (any world size can load it).
 
         A later save supersedes the committed steps newer than ``step`` (rollback).
+
+        Args:
+            step: The committed step to load; a damaged one raises ``CheckpointCorrupt``.
+            state: The live state to load into, with the same names as when it was saved.
+
+        Returns:
+            A ``LoadResult`` (the step, and per-rank values that were missing).
         """
         self._async.wait()
         result = recovery.load_step(self.comm, self.root, step,  # damage -> CheckpointCorrupt
@@ -348,7 +388,14 @@ class CheckpointManager:
 
     def load_latest(self, state: Mapping[str, Any]) -> engine.LoadResult:
         """Collective: load the newest committed checkpoint that is intact (a damaged one is skipped
-        with a loud warning); CheckpointNotFound if there is none, CheckpointCorrupt if all are bad."""
+        with a loud warning); CheckpointNotFound if there is none, CheckpointCorrupt if all are bad.
+
+        Args:
+            state: The live state to load into, with the same names as when it was saved.
+
+        Returns:
+            A ``LoadResult`` (its ``step`` is the step loaded).
+        """
         self._async.wait()
         result = recovery.load_latest_intact(self.comm, self.root,  # damaged -> falls back, warns
                                              lambda s: engine.load(self.comm, self.root, s, state, rng=self.rng))

@@ -304,7 +304,12 @@ class LoadResult:
     step: int
     saved_world_size: int
     missing: tuple[str, ...]   # state keys (or "__rng__") the checkpoint had nothing for
-    manifest: dict[str, Any]
+    manifest: dict[str, Any] = field(repr=False)   # thousands of lines for a real model: not in repr
+
+    def __repr__(self) -> str:
+        n = len(self.manifest.get("tensors") or ())
+        return (f"LoadResult(step={self.step}, saved_world_size={self.saved_world_size}, "
+                f"missing={self.missing!r}, manifest=<{n} tensor(s)>)")
 
 
 def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bool = True) -> LoadResult:

@@ -20,28 +20,39 @@ every key but ``samples`` optional::
 
 ``time_s`` is training time since the job started (checkpoint stalls excluded). Plans start at
 the last sample and cover the horizon: --horizon, else total_steps, else 24h.
+
+Exit codes: 0 planned, 2 bad usage or unreadable input, 3 Slurm unreachable (--from-cluster),
+4 no plan from these numbers.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from coci_hpc.cli.common import UsageArgumentParser, run_cli
+from coci_hpc.cli.common import (
+    UsageArgumentParser,
+    add_json,
+    add_plot,
+    plot_target,
+    print_json,
+    progress,
+    run_cli,
+)
 from coci_hpc.errors import PlannerError, UsageError
-from coci_hpc.planner import failures as fmod
-from coci_hpc.planner import simulator as sim
-from coci_hpc.planner.convergence import CurveFit, FitOutcome, fit_curve
-from coci_hpc.planner.costs import DEFAULT_RESTART_S, Costs
-from coci_hpc.planner.policies import POLICY_NAMES, PlanContext, make_policy
-from coci_hpc.planner.profile import Profile
-from coci_hpc.slurm import accounting as acct
-from coci_hpc.slurm.timefmt import span_s
+from coci_hpc.slurm.timefmt import read_duration
+
+# The planner (numpy, scipy) is imported where it is used, not here: --help and --version, and a
+# usage error, answer without it (seconds on a loaded login node).
+if TYPE_CHECKING:
+    from coci_hpc.planner import failures as fmod
+    from coci_hpc.planner.convergence import CurveFit, FitOutcome
+    from coci_hpc.planner.costs import Costs
+    from coci_hpc.planner.profile import Profile
 
 PROG = "coci-plan"
 DEFAULT_CKPT_COST_S = 30.0      # used only without a profile or --ckpt-cost, and said so
@@ -49,13 +60,48 @@ DEFAULT_HORIZON_S = 86400.0
 COMPARED = ("coci", "young", "daly", "checkfreq", "coci-paper")
 
 
+class _Later:
+    """Help text computed when the help is printed (argparse formats it with ``%``, so ``str()``):
+    the names it lists live in modules that import numpy."""
+
+    def __init__(self, make: Callable[[], str]) -> None:
+        self.make = make
+
+    def __str__(self) -> str:
+        return self.make()
+
+
+def _later(action: argparse.Action, make: Callable[[], str]) -> None:
+    action.later = _Later(make)       # type: ignore[attr-defined]   # read by help's %(later)s
+
+
+def _sacct_cmd() -> str:
+    from coci_hpc.slurm import accounting as acct
+    return " ".join(acct.SACCT_ARGS)
+
+
+def _events_cmd() -> str:
+    from coci_hpc.slurm import accounting as acct
+    return " ".join(acct.SACCTMGR_EVENT_ARGS)
+
+
+def _maintenance() -> str:
+    from coci_hpc.slurm import accounting as acct
+    return ", ".join(acct.DEFAULT_MAINTENANCE_PATTERNS)
+
+
+def _policies() -> str:
+    from coci_hpc.planner.policies import POLICY_NAMES
+    return ", ".join(POLICY_NAMES)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = UsageArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="Profile schema:\n" + __doc__.split("Profile JSON")[1])
     src = p.add_argument_group("failure history (one of these, or --mtbf-hours)")
-    src.add_argument("--sacct-file", help="output of: " + " ".join(acct.SACCT_ARGS))
-    src.add_argument("--events-file", help="output of: " + " ".join(acct.SACCTMGR_EVENT_ARGS))
+    _later(src.add_argument("--sacct-file", help="output of: %(later)s"), _sacct_cmd)
+    _later(src.add_argument("--events-file", help="output of: %(later)s"), _events_cmd)
     src.add_argument("--from-cluster", action="store_true",
                      help="run sacct/sacctmgr/sinfo here (needs --since)")
     src.add_argument("--partition", help="with --from-cluster: only this partition's jobs/nodes")
@@ -68,9 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--mtbf-hours", type=float, help="per-node MTBF instead of a history")
     src.add_argument("--skip-bad-lines", action="store_true",
                      help="skip malformed lines (and count them) instead of failing")
-    src.add_argument("--maintenance-pattern", action="append", default=None, metavar="REGEX",
-                     help="reason regex of planned maintenance to ignore (repeatable; replaces "
-                     "the defaults: " + ", ".join(acct.DEFAULT_MAINTENANCE_PATTERNS) + ")")
+    _later(src.add_argument("--maintenance-pattern", action="append", default=None, metavar="REGEX",
+                            help="reason regex of planned maintenance to ignore (repeatable; replaces "
+                            "the defaults: %(later)s)"), _maintenance)
     p.add_argument("--nodes", type=int, default=1, help="nodes the job runs on (default 1)")
     p.add_argument("--profile", help="PROFILE.json: loss samples and measured costs")
     p.add_argument("--ckpt-cost", type=float, help="Tb: blocking seconds of one save "
@@ -79,32 +125,36 @@ def _parser() -> argparse.ArgumentParser:
                    "asynchronous save (overrides the profile; default 0)")
     p.add_argument("--restart-cost", type=float, help="Tr seconds (overrides the profile)")
     p.add_argument("--step-time", type=float, help="seconds per step (overrides the profile)")
-    p.add_argument("--policy", default="coci", help="one of: " + ", ".join(POLICY_NAMES))
-    p.add_argument("--horizon", help="training time left: 3600, 90m, 24h, 2d or Slurm's "
-                   "[D-]HH:MM:SS (default: the profile's total_steps, else 24h)")
+    _later(p.add_argument("--policy", default="coci", help="one of: %(later)s"), _policies)
+    p.add_argument("--horizon", help="training time left: 90m, 24h, 1d12h or Slurm's "
+                   "D-HH:MM:SS, the grammar of coci-submit --time; a bare number needs its unit "
+                   "(default: the profile's total_steps, else 24h)")
     p.add_argument("--plateau-loss", type=float, help="stop planning where the fitted loss curve "
                    "reaches this loss (a shorter horizon, when the fit says it comes sooner)")
     p.add_argument("--time-since-failure", help="wall time since the failure that restarted the "
-                   "job (with a decreasing hazard, checkpoints come sooner after it)")
+                   "job, e.g. 2h (with a decreasing hazard, checkpoints come sooner after it)")
     p.add_argument("--confidence", type=float, default=0.9, help="interval level (default 0.9)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", metavar="FILE.png", help="write loss curve + overhead comparison")
+    add_json(p, "the plan")
+    add_plot(p, "also draw the loss curve and the overhead comparison into this file (.png, .pdf, .svg; "
+                "a directory: plan.png in it)")
     return p
 
 
 def parse_duration(text: str, flag: str = "--horizon") -> float:
-    """``flag``'s duration (:func:`coci_hpc.slurm.timefmt.span_s`: 3600, 90m, 24h, 2d, 1-12:00:00)."""
-    try:
-        v = span_s(text)
-    except ValueError:
-        raise UsageError(f"bad duration {text!r} for {flag}", hint="e.g. 3600, 90m, 24h, 2d, 1-12:00:00") from None
-    if v <= 0:
-        raise UsageError(f"{flag} must be > 0, got {text!r}", hint=f"e.g. {flag} 24h")
-    return v
+    """``flag``'s duration in seconds, in the one grammar of every coci tool
+    (:func:`coci_hpc.slurm.timefmt.read_duration`: 24h, 90m, 1d12h, 1-12:00:00); a bare number,
+    once seconds here and minutes in ``--time``, is refused with a hint to write the unit."""
+    d = read_duration(text, flag=flag, bare=None)
+    assert d.seconds is not None
+    if d.seconds <= 0:
+        raise UsageError(f"{flag} must be > 0, got {d.reading()}", hint=f"e.g. {flag} 24h")
+    return d.seconds
 
 
 def build_failure_model(a, now: float) -> tuple[fmod.FailureModel, dict]:
     """The failure model and a description of where it came from."""
+    from coci_hpc.planner import failures as fmod
+    from coci_hpc.slurm import accounting as acct
     if a.mtbf_hours is not None:
         if a.sacct_file or a.events_file or a.from_cluster:
             raise UsageError("give either --mtbf-hours or a failure history, not both",
@@ -173,14 +223,22 @@ class _Shifted:
         self.fit, self.t0 = fit, t0
 
     def loss(self, t):
+        import numpy as np
         return self.fit.loss(np.asarray(t, dtype=float) + self.t0)
 
     def rate(self, t):
+        import numpy as np
         return self.fit.rate(np.asarray(t, dtype=float) + self.t0)
 
 
 def _main(argv: Sequence[str] | None) -> int:
     a = _parser().parse_args(argv)
+    target = plot_target(a, PROG, "plan.png")       # refused before the work, not after it
+    from coci_hpc.planner import simulator as sim
+    from coci_hpc.planner.convergence import FitOutcome, fit_curve
+    from coci_hpc.planner.costs import DEFAULT_RESTART_S, Costs
+    from coci_hpc.planner.policies import PlanContext, make_policy
+    from coci_hpc.planner.profile import Profile
     if a.nodes < 1:
         raise UsageError(f"--nodes must be >= 1, got {a.nodes}", hint="e.g. --nodes 8")
     if not 0 < a.confidence < 1:
@@ -233,9 +291,10 @@ def _main(argv: Sequence[str] | None) -> int:
     plan = plans[policy.name]
 
     curve = _Shifted(outcome.fit, t_now) if outcome.fit is not None else None
-    expected, sim_info = sim.expected_overhead(
-        {n: [t - t_now for t in p.times] for n, p in plans.items()}, ctx.job_rate, horizon,
-        costs, curve)
+    with progress(PROG, "simulating the plans"):
+        expected, sim_info = sim.expected_overhead(
+            {n: [t - t_now for t in p.times] for n, p in plans.items()}, ctx.job_rate, horizon,
+            costs, curve, confidence=a.confidence)
 
     lo, hi = model.job_mtbf_interval_s(a.nodes)
     out = {
@@ -258,14 +317,19 @@ def _main(argv: Sequence[str] | None) -> int:
                       "first": [c.to_dict() for c in p.checkpoints[:5]]}
                   for n, p in plans.items()},
     }
-    if a.plot:
-        _plot(a.plot, plans, outcome, prof if prof.samples else None, t_now, horizon, expected,
-              out)
-        out["plot"] = a.plot
+    if target is not None:
+        with progress(PROG, f"drawing {target}"):
+            _plot(str(target), plans, outcome, prof if prof.samples else None, t_now, horizon, expected,
+                  out)
+        out["plot"] = str(target)
     if a.json:
-        print(json.dumps(out, indent=1, allow_nan=False, default=_nan_none))
+        print_json(out)
+        if target is not None:
+            print(f"{PROG}: plot written to {target}", file=sys.stderr)
     else:
         _summary(out, model, outcome, plans, a)
+        if target is not None:
+            print(f"plot: {target}")
     return 0
 
 
@@ -294,16 +358,28 @@ def _counts(d: dict, top: int = 8) -> str:
     return (text + (f", ... ({len(items) - top} more)" if len(items) > top else "")) or "none"
 
 
-def _nan_none(o):
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    raise TypeError(type(o))
-
-
 def _fmt_h(s: float | None) -> str:
     if s is None:
         return "inf"
     return f"{s / 3600:.3g} h" if s >= 3600 else f"{s / 60:.3g} min" if s >= 60 else f"{s:.3g} s"
+
+
+def _pm(iv: list[float] | None) -> str:
+    """Half the width of an interval, in the table's units."""
+    return "-" if not iv else "± " + _fmt_h((iv[1] - iv[0]) / 2)
+
+
+def _vs(iv: list[float] | None, is_ref: bool) -> str:
+    if is_ref:
+        return "(reference)"
+    if not iv:
+        return "-"
+    lo, hi = iv
+    if lo <= 0.0 <= hi:
+        return "same"
+    sign = "+" if lo > 0 else "-"
+    a, b = sorted((abs(lo), abs(hi)))
+    return f"{sign}{_fmt_h(a)}..{_fmt_h(b)}"
 
 
 def _summary(out: dict, model, outcome: FitOutcome, plans: dict, a) -> None:
@@ -348,22 +424,30 @@ def _summary(out: dict, model, outcome: FitOutcome, plans: dict, a) -> None:
     if sim_info.get("note"):
         w(f"expected overhead: {sim_info['note']}")
         return
+    ref = sim_info.get("reference") or out["policy"]
+    conf = f"{sim_info.get('confidence', a.confidence):.0%}"
     w(f"expected overhead over {_fmt_h(out['horizon_s'])} ({sim_info['runs']} simulated runs, "
       "same traces for every policy):")
-    w(f"  {'policy':12s} {'ckpts':>6s} {'complete time':>14s} {'%':>6s} {'progress':>10s}"
-      f" {'exploratory time':>17s} {'progress':>10s}")
+    vs = f"vs {ref} ({conf})"
+    w(f"  {'policy':12s} {'ckpts':>6s} {'complete time':>14s} {'± ' + conf:>10s} {vs:>22s} {'%':>6s}"
+      f" {'progress':>10s} {'exploratory time':>17s} {'progress':>10s}")
     for n, e in out["expected_overhead"].items():
         ex = e["exploratory"]
         pg = "-" if e["progress_loss"] is None else f"{e['progress_loss']:.4g}"
         pge = "-" if ex["overhead_progress"] is None else f"{ex['overhead_progress']:.4g}"
-        w(f"  {n:12s} {e['n_checkpoints']:6d} {_fmt_h(e['time_s']):>14s} "
+        w(f"  {n:12s} {e['n_checkpoints']:6d} {_fmt_h(e['time_s']):>14s} {_pm(e.get('time_s_interval')):>10s} "
+          f"{_vs(e.get('vs_reference_s'), n == ref):>22s} "
           f"{100 * e['time_fraction']:5.2f}% {pg:>10s} {_fmt_h(ex['overhead_s']):>17s} {pge:>10s}")
-    w("  (progress = loss drop lost to checkpoints, recomputation and restarts)")
+    w("  complete: jobs that train the whole horizon; exploratory: jobs stopped early (log-uniform, 2-100 % of it)")
+    w("  time: checkpoint stalls + recomputed work + restarts; progress: the loss drop that time costs")
+    w(f"  ±: {conf} interval of the mean over the runs; vs {ref}: the difference on the same runs, "
+      "'same' when its interval holds 0 (no real difference)")
 
 
 def _plot(path: str, plans: dict, outcome: FitOutcome, prof: Profile | None, t_now: float,
           horizon: float, expected: dict, out: dict) -> None:
     import matplotlib
+    import numpy as np
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

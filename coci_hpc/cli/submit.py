@@ -3,18 +3,27 @@
     coci-submit [OPTIONS] SCRIPT [SCRIPT ARGS...]
     coci-submit --partition gpu --nodes 2 --time 4:00:00 train.py --lr 3e-4
 
-Options use sbatch's own spelling; everything after SCRIPT goes to the script untouched. Any other
-sbatch option: --sbatch-arg KEY[=VALUE] (repeatable). --dry-run prints the batch script and submits
-nothing.
+Options use sbatch's own spelling and go BEFORE the script; everything after SCRIPT goes to the
+script. One of coci-submit's own options after SCRIPT (`train.py --dry-run`) is refused, since it
+would silently reach the script instead; to pass one to the script on purpose, put `--` after SCRIPT:
+`coci-submit -p gpu train.py -- --policy fixed:50` (the `--` itself is dropped). Any other sbatch
+option: --sbatch-arg KEY[=VALUE] (repeatable). --dry-run prints the batch script and submits
+nothing; it needs no running Slurm and says what it could not check.
 
-Exit codes: 0 submitted (or dry run printed), 2 bad usage (missing script, unknown partition, bad
---time or other option), 3 Slurm unreachable or sbatch refused the job, 5 checkpoint directory not
-creatable or not writable.
+Durations (--time) take 2h, 90m, 1d12h or Slurm's MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]]; a bare
+number is minutes, as in sbatch, and `1:30` is 1 min 30 s (say 1:30:00 or 1h30m for 90 minutes).
+
+Exit codes: 0 submitted (or dry run printed), 2 bad usage (missing or non-Python script, unknown
+partition, bad --time, --mpi, --python, --sbatch-arg or other option, an own option after SCRIPT),
+3 Slurm unreachable or sbatch refused the job, 5 checkpoint directory not creatable or not
+writable, or another run's (a changed step count is the same run; --resume-from-other-run to take
+another run's checkpoint on purpose).
 """
 from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,9 +33,10 @@ from coci_hpc.errors import UsageError
 from coci_hpc.planner.policies import POLICY_NAMES, make_policy
 from coci_hpc.planner.profile import Profile
 from coci_hpc.runtime.attempts import LEAD_SPARE_S, suggested_lead_s
+from coci_hpc.slurm.timefmt import read_limit
 from coci_hpc.submit import checks, executor
 from coci_hpc.submit.relaunch import DEFAULT_MAX_RESTARTS
-from coci_hpc.submit.spec import build_spec
+from coci_hpc.submit.spec import MPI_PLUGINS, build_spec
 
 DEFAULT_SIGNAL_LEAD = 90
 
@@ -43,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--gpus-per-node", type=int)
     s.add_argument("--cpus-per-task", "-c", type=int)
     s.add_argument("--mem", help="memory per node, Slurm's format (16G, 4000)")
-    s.add_argument("--time", "-t", help="time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS "
+    s.add_argument("--time", "-t", help="time limit: 2h, 90m, 1d12h or Slurm's MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS "
                                           "(default: the partition's)")
     s.add_argument("--account", "-A")
     s.add_argument("--qos", "-q")
@@ -76,16 +86,59 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
                    help=f"in-place restarts with --spare-nodes before falling back to requeue (a lost node) or "
                         f"giving up (a crash with every node healthy) (default {DEFAULT_MAX_RESTARTS})")
-    c.add_argument("--mpi", default="pmix", help="srun --mpi plugin that starts the ranks: pmix (default), pmi2, none")
+    c.add_argument("--mpi", default="pmix", help="srun --mpi plugin that starts the ranks: " + ", ".join(MPI_PLUGINS)
+                   + " (default pmix)")
     c.add_argument("--python", default=shlex.quote(sys.executable), help="interpreter on the nodes (default: this one)")
     c.add_argument("--dry-run", action="store_true", help="print the batch script; submit nothing")
-    p.add_argument("script", help="the training script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments, passed untouched")
+    p.add_argument("script", nargs="?", help="the training script (a Python file)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER,
+                   help="its arguments (after `--` when one looks like a coci-submit option)")
     return p
 
 
+def _own_long_options(p: argparse.ArgumentParser) -> frozenset[str]:
+    return frozenset(o for act in p._actions for o in act.option_strings
+                     if o.startswith("--") and o != "--help")
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """argparse, plus the `--` that marks the script's arguments as meant for it.
+
+    argparse's REMAINDER swallows options placed after the script (`train.py --dry-run` submitted
+    for real), and drops a `--` right after it, so the split at `--` happens here, before argparse.
+    """
+    p = _parser()
+    args = list(sys.argv[1:] if argv is None else argv)
+    cut = args.index("--") if "--" in args else len(args)
+    a = p.parse_args(args[:cut])
+    after = args[cut + 1:]
+    checked = list(a.script_args)
+    if cut < len(args):
+        if a.script is None:                 # coci-submit [OPTIONS] -- train.py ARGS
+            if not after:
+                p.error("the training script is missing after `--`")
+            a.script, a.script_args = after[0], after[1:]
+        elif not a.script_args:              # coci-submit [OPTIONS] train.py -- ARGS: the `--` is ours
+            a.script_args = after
+        else:                                # a `--` inside the script's arguments is the script's
+            a.script_args = [*a.script_args, "--", *after]
+    if a.script is None:
+        p.error("the training script is missing: coci-submit [OPTIONS] train.py [ARGS]")
+    own = _own_long_options(p)
+    for tok in checked:
+        name = tok.split("=", 1)[0]
+        if name in own:
+            shown = " ".join(shlex.quote(t) for t in checked)
+            raise UsageError(
+                f"{name} comes after the script {a.script}, so it would go to the script, not to coci-submit",
+                hint=f"for coci-submit's {name}, put it before the script: coci-submit {name} ... {a.script} ...; "
+                     f"to pass it to the script on purpose, put `--` after the script: "
+                     f"coci-submit [OPTIONS] {a.script} -- {shown}")
+    return a
+
+
 def _main(argv: Sequence[str] | None) -> int:
-    a = _parser().parse_args(argv)
+    a = _parse(argv)
     lead = _signal_lead(a.signal_lead, a.lead_from_profile)
     spec = build_spec(
         script=a.script, script_args=a.script_args, cwd=Path.cwd(), python=a.python,
@@ -96,9 +149,17 @@ def _main(argv: Sequence[str] | None) -> int:
         account=a.account, qos=a.qos, constraint=a.constraint, array=a.array,
         sbatch_args=a.sbatch_arg, resume_from_other_run=a.resume_from_other_run,
         spare_nodes=a.spare_nodes, max_restarts=a.max_restarts, validate_policy=make_policy)
-    checks.run_all(spec, dry_run=a.dry_run)
+    unchecked = checks.run_all(spec, dry_run=a.dry_run)
     if a.dry_run:
         print(executor.render(spec), end="")
+        print(f"{PROG}: dry run: nothing submitted; the ranks would run "
+              f"{spec.python} {shlex.join([str(spec.script), *spec.script_args])}", file=sys.stderr)
+        if a.time is not None:
+            print(f"{PROG}: dry run: --time {read_limit(a.time).reading()}", file=sys.stderr)
+        if shutil.which("srun") is None:
+            unchecked.append("Slurm's commands (`srun` is not on PATH here; a submission needs them)")
+        for what in unchecked:
+            print(f"{PROG}: dry run: not checked: {what}", file=sys.stderr)
         return 0
     sub = executor.submit(spec)
     ids = sub.job_id if len(sub.task_ids) == 1 else f"{sub.job_id} (array tasks {sub.task_ids[0]}..{sub.task_ids[-1]})"
@@ -122,7 +183,7 @@ def _signal_lead(explicit: int | None, profile_path: str | None) -> int:
         return DEFAULT_SIGNAL_LEAD if explicit is None else explicit
     if explicit is not None:
         raise UsageError("--signal-lead and --lead-from-profile both given", hint="keep one of them")
-    prof = Profile.load(profile_path)
+    prof = Profile.load(profile_path, option="--lead-from-profile")
     step_s = prof.measured_step_time()
     if step_s is None:
         raise UsageError(f"{profile_path} has no step time (step_time_s, or two samples with steps)",

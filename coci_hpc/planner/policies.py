@@ -13,10 +13,10 @@ Policies (see :func:`make_policy`):
   number of equal chunks (Bougeret et al., no trailing checkpoint); after a restart, when the
   fitted per-node Weibull shape is < 1, intervals that grow with the time since the failure.
   On a learned history of fewer than 150 incidents, Daly's plan on the record rate. Measured
-  against Daly on simulated and replayed histories in benchmarks/planner_bench.py (README).
+  against Daly on simulated and replayed histories in benchmarks/planner_bench.py (docs/benchmarks/planner.md).
 * ``coci-paper`` (the COCI paper's equal-loss-drop rule, uncapped, as published),
   ``coci-paper:capped`` (gaps capped at 2x Young), ``coci-paper:dp=S[,T]`` (data-parallel).
-  For reproduction; equal-loss-drop spacing costs more than Daly in wall time (README).
+  For reproduction; equal-loss-drop spacing costs more than Daly in wall time (docs/benchmarks/coci-paper.md).
 * ``young``, ``daly``, ``checkfreq[:P]``, ``fixed:N``.
 """
 from __future__ import annotations

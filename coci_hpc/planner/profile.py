@@ -119,13 +119,14 @@ class Profile:
         return cls(tuple(samples), total_steps=ts, extra=extra, **nums)
 
     @classmethod
-    def load(cls, path: str) -> Profile:
+    def load(cls, path: str, option: str = "--profile") -> Profile:
+        """Read a profile JSON; errors name ``option``, the flag that gave the path."""
         try:
             with open(path, encoding="utf-8") as fh:
                 text = fh.read()
         except OSError as exc:
             raise UsageError(f"cannot read profile {path}: {exc.strerror}",
-                             hint="check the --profile path") from exc
+                             hint=f"check the {option} path") from exc
         try:
             d = json.loads(text)
         except json.JSONDecodeError as exc:

@@ -410,11 +410,27 @@ SIM_RUNS = 300
 SIM_SEED = 20250101
 
 
+def mean_interval(x: np.ndarray, confidence: float) -> list[float] | None:
+    """The ``confidence`` interval of the mean of ``x`` (normal approximation; runs are independent)."""
+    x = np.asarray(x, dtype=float)
+    x = x[np.isfinite(x)]
+    if x.size < 2:
+        return None
+    from statistics import NormalDist
+    half = NormalDist().inv_cdf(0.5 + confidence / 2) * float(x.std(ddof=1)) / math.sqrt(x.size)
+    return [float(x.mean() - half), float(x.mean() + half)]
+
+
 def expected_overhead(plans: dict[str, Sequence[float]], job_rate: float, horizon_s: float,
                       costs: Costs, curve: Curve | None = None, *, seed: int = SIM_SEED,
-                      max_runs: int = SIM_RUNS) -> tuple[dict, dict]:
+                      max_runs: int = SIM_RUNS, confidence: float = 0.9) -> tuple[dict, dict]:
     """Every plan (checkpoint times relative to now) on the same simulated traces, for jobs that
-    complete the horizon and for exploratory jobs stopped early. Returns (per plan, info)."""
+    complete the horizon and for exploratory jobs stopped early. Returns (per plan, info).
+
+    The first plan is the reference: each plan's ``complete`` overhead gets the ``confidence``
+    interval of its mean over the simulated runs (``time_s_interval``) and of its difference to
+    the reference on the same runs (``vs_reference_s``, paired, so much tighter than the two
+    intervals): an interval that holds 0 means the simulation cannot tell the two apart."""
     info: dict = {"seed": seed, "exploratory_stop": "log-uniform in [2%, 100%] of the horizon"}
     if job_rate * (costs.ckpt_s + costs.restart_s) > 0.5:
         note = (f"job MTBF {1 / job_rate:.3g} s is not much longer than Ts + Tr = "
@@ -427,13 +443,25 @@ def expected_overhead(plans: dict[str, Sequence[float]], job_rate: float, horizo
     runs = int(min(max_runs, max(20, 2e5 / max(1.0, job_rate * horizon_s))))
     info["runs"] = runs
     overhead: dict = {}
+    per_run: dict[str, np.ndarray] = {}
     for term in ("complete", "exploratory"):
         sc = make_scenario(job_rate, horizon_s, runs, seed, termination=term)
         for n, s in evaluate(plans, sc, costs, curve).items():
             overhead.setdefault(n, {})[term] = s.to_dict()
-    return ({n: {"time_s": o["complete"]["overhead_s"],
-                 "time_fraction": o["complete"]["overhead_fraction"],
-                 "progress_loss": o["complete"]["overhead_progress"],
-                 "n_checkpoints": len(plans[n]),
-                 "complete": o["complete"], "exploratory": o["exploratory"]}
-             for n, o in overhead.items()}, info)
+            if term == "complete" and s.per_run_s is not None:
+                per_run[n] = s.per_run_s
+    ref = next(iter(plans), None)
+    info["confidence"] = confidence
+    info["reference"] = ref
+    out = {}
+    for n, o in overhead.items():
+        runs_n = per_run.get(n)
+        diff = (runs_n - per_run[ref]) if runs_n is not None and ref in per_run and n != ref else None
+        out[n] = {"time_s": o["complete"]["overhead_s"],
+                  "time_s_interval": None if runs_n is None else mean_interval(runs_n, confidence),
+                  "vs_reference_s": None if diff is None else mean_interval(diff, confidence),
+                  "time_fraction": o["complete"]["overhead_fraction"],
+                  "progress_loss": o["complete"]["overhead_progress"],
+                  "n_checkpoints": len(plans[n]),
+                  "complete": o["complete"], "exploratory": o["exploratory"]}
+    return out, info

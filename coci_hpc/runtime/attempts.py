@@ -7,7 +7,7 @@ commands once per attempt; these functions only decide, so they are tested witho
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,3 +316,31 @@ def latency_split(prev_end_wall: float | None, attempt_start_wall: float | None,
         slurm = max(0.0, attempt_start_wall - prev_end_wall)
     proc = None if attempt_start_wall is None else max(0.0, process_wall - attempt_start_wall)
     return {"total": total, "slurm_requeue_s": slurm, "process_start_s": proc, "restore_s": restore_s}
+
+
+def describe_start(attempt: int, job_id: str | None, restart_count: int, nodes: Sequence[str], ranks: int,
+                   prev_reason: str, prev_detail: str, resumed: int | None, lost: int | None) -> str:
+    """The log line of an attempt's start: what is unknown (no job, nothing to resume) is left out,
+    not printed as None."""
+    where = ",".join(nodes) if nodes else "this host"
+    head = f"attempt {attempt}" + (f" (job {job_id}, restart {restart_count})" if job_id else "")
+    text = f"{head} on {where}, {ranks} rank(s)"
+    if prev_reason != "none":
+        text += f"; previous attempt ended: {prev_reason} ({prev_detail})"
+    elif attempt > 1 and prev_detail:
+        text += f"; {prev_detail}"
+    text += f"; resuming from step {resumed}" if resumed is not None else "; starting from step 0"
+    if lost:
+        text += f"; {lost} step(s) to repeat"
+    return text
+
+
+def describe_latency(lat: Mapping[str, float | None]) -> str:
+    """``restart latency 37.3 s (requeue 30.1 s + start 5.2 s + restore 2.0 s)``; parts not known left out."""
+    parts = [f"{name} {lat[key]:.1f} s" for key, name in (("slurm_requeue_s", "requeue"),
+                                                            ("process_start_s", "start"), ("restore_s", "restore"))
+             if lat.get(key) is not None]
+    total = lat.get("total")
+    if total is None:
+        return "restart latency unknown (no record of the previous end)" + (f": {', '.join(parts)}" if parts else "")
+    return f"restart latency {total:.1f} s" + (f" ({' + '.join(parts)})" if parts else "")

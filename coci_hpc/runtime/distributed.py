@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from coci_hpc.comm import Comm
 from coci_hpc.errors import UsageError
+from coci_hpc.runtime import errorexit
 from coci_hpc.slurm.env import JobEnvironment
 from coci_hpc.slurm.hostlist import expand_hostlist
 
@@ -71,9 +72,21 @@ def init_distributed(backend: str | None = None, comm: Comm | None = None,
                      timeout_s: float | None = None) -> DistInfo:
     """Initialise the default process group (also for one process, so DDP works unchanged).
 
-    ``timeout_s`` (default ``COCI_DIST_TIMEOUT_S`` or 120 s) bounds every gloo/NCCL collective:
-    between separate hosts a dead peer sends no reset, and torch's default (30 min for gloo) would
-    keep the survivors waiting far past Slurm's kill window."""
+    The rendezvous comes from, in this order: a group already initialised; ``RANK`` /
+    ``WORLD_SIZE`` (torchrun); an MPI launch (rank 0 sends its host and a free port over MPI); a
+    Slurm step (``SLURM_PROCID`` / ``SLURM_NTASKS``, the job's first node); else one process.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available, else gloo.
+        comm: The MPI communicator to rendezvous over (default: MPI's world when launched by MPI).
+        timeout_s: Bound on every gloo/NCCL collective (default ``COCI_DIST_TIMEOUT_S`` or 120 s):
+            between separate hosts a dead peer sends no reset, and torch's default (30 min for
+            gloo) would keep the survivors waiting far past Slurm's kill window.
+
+    Returns:
+        A ``DistInfo``: rank, world size, local rank, backend and where the rendezvous came from.
+    """
+    errorexit.install()            # a CociError out of the script: one line and its exit code
     if timeout_s is None:
         timeout_s = float(os.environ.get("COCI_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     if dist.is_initialized():

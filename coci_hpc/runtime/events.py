@@ -7,7 +7,7 @@ last line. The writer starts a fresh line when it finds the file not ending in a
 
 Every record has ``v`` (format version, 1), ``event``, ``wall`` (unix seconds), ``attempt``
 (1-based, counted in this log) and ``job_id`` (Slurm's, or null). The events and their fields are
-listed in docs/session.md (attempt_start, resumed, checkpoint, losses, stop, end, peer_lost).
+listed in docs/reference/event-log.md (attempt_start, resumed, checkpoint, losses, stop, end, peer_lost).
 """
 from __future__ import annotations
 
@@ -70,14 +70,20 @@ class EventLog:
 
 def read_events(path: str | os.PathLike) -> list[dict[str, Any]]:
     """All whole records, in order; a torn or foreign line is skipped. A missing file is empty."""
+    return read_events_counted(path)[0]
+
+
+def read_events_counted(path: str | os.PathLike) -> tuple[list[dict[str, Any]], int]:
+    """:func:`read_events` and how many non-empty lines it skipped (torn, foreign, or a record
+    without a valid attempt number), so a reader can say that some were."""
     p = Path(path)
     if p.is_dir():
         p = p / FILENAME
     try:
         text = p.read_text(errors="replace")
     except FileNotFoundError:
-        return []
-    out = []
+        return [], 0
+    out, skipped = [], 0
     for line in text.splitlines():
         line = line.strip()
         if not line:
@@ -85,10 +91,19 @@ def read_events(path: str | os.PathLike) -> list[dict[str, Any]]:
         try:
             rec = json.loads(line)
         except ValueError:
+            skipped += 1
             continue
-        if isinstance(rec, dict) and rec.get("v") == VERSION and "event" in rec:
+        if isinstance(rec, dict) and rec.get("v") == VERSION and "event" in rec and _attempt_ok(rec.get("attempt")):
             out.append(rec)
-    return out
+        else:
+            skipped += 1
+    return out, skipped
+
+
+def _attempt_ok(a: Any) -> bool:
+    # Every writer numbers attempts from 1; a record without one (a damaged line that still
+    # parses) would otherwise become a bogus "attempt 0".
+    return isinstance(a, int) and not isinstance(a, bool) and a >= 1
 
 
 def last_attempt(events: list[dict[str, Any]]) -> int:

@@ -4,7 +4,7 @@ A host that dies or drops off the network sends nothing: its peers' TCP connecti
 silent, so a survivor waiting inside the user's collective (DDP's gradient allreduce in
 ``loss.backward()``) gets no reset and waits for gloo's timeout, ``COCI_DIST_TIMEOUT_S`` (120 s),
 past Slurm's kill window on a site whose SlurmdTimeout is shorter, and always far longer than the
-step agreement's deadline (measured on the local cluster, ``fail --hard --freeze``: README,
+step agreement's deadline (measured on the local cluster, ``fail --hard --freeze``: docs/explanation/survivors.md,
 "When a host goes silent"). Once this attempt's typical step is known, every later gloo operation
 waits at most ``FACTOR`` x the step agreement's deadline (max(5 s, 10 typical steps)); a peer
 silent that long raises gloo's "Timed out waiting" inside the step, which the session handles as

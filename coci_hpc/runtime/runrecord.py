@@ -9,7 +9,13 @@ run (``resume_from_other_run=True``, ``COCI_RESUME_FROM_OTHER_RUN=1``, coci-subm
 ``--resume-from-other-run``); the new run is then recorded and is the directory's run from then on.
 
 The world size is recorded, not compared: the checkpoint store reshards (2 ranks -> 1), so an
-attempt on fewer or more nodes is the same run.
+attempt on fewer or more nodes is the same run. So is a changed step count (``--steps 60``, then
+``--steps 100``: the same run trained longer, or stopped sooner): arguments that differ only in a
+step-count option (:data:`STEP_OPTIONS`) resume the run, and the Session says so in one line.
+Any other difference is named, option by option (``--seed 0 -> 7``).
+
+coci-submit makes the same check when it submits (``coci_hpc.submit.checks``), so a job that
+would be refused on the node is refused before it queues.
 """
 from __future__ import annotations
 
@@ -40,15 +46,85 @@ def recorded_run(events: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     return None
 
 
+# Options that set how long a run trains, not which run it is (normalised: lower case, '_' -> '-').
+STEP_OPTIONS = frozenset({"--steps", "--total-steps", "--max-steps", "--num-steps", "--train-steps",
+                          "--iters", "--max-iters", "--iterations", "--num-iterations", "--max-iterations",
+                          "--epochs", "--num-epochs", "--max-epochs", "--num-train-epochs"})
+
+
+def _is_option(token: str) -> bool:
+    return token.startswith("-") and len(token) > 1 and not _is_number(token)
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def _options(args: Sequence[str]) -> dict[str, list[str]]:
+    """``--lr 1 --steps=5 -v data`` -> {'--lr': ['1'], '--steps': ['5'], '-v': ['data']}; positionals
+    before any option under ''. How most argument parsers read a command line, close enough to name
+    what differs (never to decide more than that)."""
+    out: dict[str, list[str]] = {}
+    key = ""
+    for tok in args:
+        if _is_option(tok):
+            name, eq, value = tok.partition("=")
+            key = name
+            out.setdefault(key, [])
+            if eq:
+                out[key].append(value)
+        else:
+            out.setdefault(key, []).append(tok)
+    return out
+
+
+def _norm(option: str) -> str:
+    return option.lower().replace("_", "-")
+
+
+def _changed(recorded: Sequence[str], current: Sequence[str]) -> list[tuple[str, str, str]]:
+    """(option, old value, new value) for each option whose values differ ('' when absent)."""
+    a, b = _options(recorded), _options(current)
+    keys = list(dict.fromkeys([*a, *b]))
+    return [(k or "(positional)", " ".join(a[k]) if k in a else "(absent)", " ".join(b[k]) if k in b else "(absent)")
+            for k in keys if a.get(k) != b.get(k)]
+
+
+def _only_steps(changed: Sequence[tuple[str, str, str]]) -> bool:
+    return bool(changed) and all(_norm(k) in STEP_OPTIONS and o != "(absent)" and n != "(absent)"
+                                 for k, o, n in changed)
+
+
 def difference(recorded: Mapping[str, Any] | None, current: Mapping[str, Any]) -> str | None:
-    """How ``current`` differs from the directory's run, as a sentence; None when it is the same run."""
+    """How ``current`` differs from the directory's run, as a sentence naming what differs; None
+    when it is the same run (also when only a step count changed: see :func:`continuation`)."""
     if recorded is None:
         return None
     if recorded.get("script") != current["script"]:
         return f"its run is {_command(recorded)}, this one is {_command(current)} (another script)"
-    if list(recorded.get("args") or []) != current["args"]:
-        return f"its run is {_command(recorded)}, this one is {_command(current)} (other arguments)"
-    return None
+    old, new = list(recorded.get("args") or []), list(current["args"])
+    if old == new:
+        return None
+    changed = _changed(old, new)
+    if _only_steps(changed):
+        return None
+    named = ", ".join(f"{k} {o} -> {n}" for k, o, n in changed) or "their order"
+    return f"its run is {_command(recorded)}, this one is {_command(current)} (other arguments: {named})"
+
+
+def continuation(recorded: Mapping[str, Any] | None, current: Mapping[str, Any]) -> str | None:
+    """``--steps 60 -> 100`` when ``current`` is the directory's run with only its step count
+    changed (the same run, trained longer or shorter); None otherwise."""
+    if recorded is None or recorded.get("script") != current["script"]:
+        return None
+    changed = _changed(list(recorded.get("args") or []), list(current["args"]))
+    if not _only_steps(changed):
+        return None
+    return ", ".join(f"{k} {o} -> {n}" for k, o, n in changed)
 
 
 def _command(run: Mapping[str, Any]) -> str:

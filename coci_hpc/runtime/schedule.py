@@ -78,7 +78,11 @@ class _Measured:
         del self.step_times[:-200]  # a recent median is what converts plan times to steps
 
     def due(self, step: int) -> bool:
-        """Collective: whether to checkpoint after ``step`` (rank 0 decides, everyone follows)."""
+        """Collective: whether to checkpoint after ``step`` (rank 0 decides, everyone follows).
+
+        Args:
+            step: The step just finished.
+        """
         return bool(self.comm.bcast(self.decide(step) if self.comm.rank == 0 else None))
 
     def decide(self, step: int) -> bool:
@@ -91,7 +95,12 @@ class _Measured:
             del self.persist_costs[:-20]
 
     def saved(self, step: int, seconds: float) -> None:
-        """Collective: record a finished save and its blocking time (the slowest rank's)."""
+        """Collective: record a finished save and its blocking time (the slowest rank's).
+
+        Args:
+            step: The step saved.
+            seconds: How long the save blocked training on this rank.
+        """
         self.last_saved_step, self.last_saved_time_s = step, self.train_time_s
         self.ckpt_costs.append(float(self.comm.allreduce_max(seconds)))
         self._replan()
@@ -128,7 +137,11 @@ class _Measured:
     def resumed(self, step: int) -> float | None:
         """Collective; call once state is restored from the checkpoint of ``step``.
 
-        Returns the measured restart cost when that checkpoint was a stop-save, else None.
+        Args:
+            step: The step of the checkpoint restored.
+
+        Returns:
+            The measured restart cost when that checkpoint was a stop-save, else None.
         """
         # The saved state was captured before saved() ran for that very checkpoint.
         self.last_saved_step, self.last_saved_time_s = int(step), self.train_time_s
@@ -203,6 +216,30 @@ class FixedSchedule(_Measured):
 
 
 class CheckpointSchedule(_Measured):
+    """The planner in a loop of your own: measures costs, takes losses, says when to save.
+
+    Put it in the checkpointed state (it has ``state_dict``/``load_state_dict``), call
+    :meth:`observe` every step, :meth:`due` to ask whether to save after a step, :meth:`saved`
+    after each save and :meth:`resumed` after a restore. Only rank 0 plans; :meth:`due` broadcasts
+    its decision. See the module docstring for how Ts and Tr are measured.
+
+    Args:
+        policy: The planner's policy: ``coci`` (default of the Session), ``young``, ``daly``,
+            ``checkfreq[:P]``, ``coci-paper[:capped]`` (``fixed:N`` is ``FixedSchedule``). A bad
+            spec raises ``UsageError`` on every rank.
+        failure_model: The cluster's failure model, e.g.
+            ``coci_hpc.planner.failures.from_mtbf(70 * 3600)`` or one learned from Slurm's
+            accounting.
+        nodes: Nodes the job runs on (failures of any of them interrupt it).
+        horizon_s: Training time still to plan for, in seconds.
+        comm: Communicator (default: MPI's world when launched by MPI, else one process).
+        warmup_steps: Steps before the first checkpoint, which measures the save cost Ts.
+        refit_every: Loss observations between refits of the convergence curve.
+        observe_every_s: Training seconds over which losses are averaged into one observation.
+        in_place: Failures restart in place (coci-submit ``--spare-nodes``): once measured, the
+            in-place restart is the restart cost Tr instead of the queue's.
+    """
+
     def __init__(self, policy: str, failure_model: FailureModel, nodes: int, horizon_s: float, *,
                  comm: Comm | None = None, warmup_steps: int = 20, refit_every: int = 50,
                  observe_every_s: float = 1.0, in_place: bool = False) -> None:
@@ -219,6 +256,13 @@ class CheckpointSchedule(_Measured):
 
     # -- the loop's calls --------------------------------------------------------------------------
     def observe(self, step: int, loss: float, step_seconds: float) -> None:
+        """Every step: the step's loss and wall time (rank 0's feed the planner).
+
+        Args:
+            step: The step just finished.
+            loss: Its loss (NaN is ignored).
+            step_seconds: Its wall time, without checkpoint stalls.
+        """
         super().observe(step, loss, step_seconds)
         if self.comm.rank != 0:
             return

@@ -22,7 +22,7 @@ runs on the first node only, so it would have to find and signal the rank proces
 node (``scontrol listpids`` per node, or an ``srun`` per node inside the grace time), and a
 coci-submit job or a user's own sbatch script would each need that trap.
 
-What a user must know (README): processes the training process starts (``subprocess``, workers)
+What a user must know (docs/how-to/dataloader-workers.md): processes the training process starts (``subprocess``, workers)
 do not react to SIGUSR1/SIGUSR2/SIGTERM; ``Popen.terminate()`` on them does nothing, use
 ``kill()`` or unblock in the child (``signal.pthread_sigmask(signal.SIG_UNBLOCK, ...)``). At exit
 the training process kills its remaining daemonic multiprocessing children (multiprocessing's own

@@ -95,6 +95,8 @@ class History:
     n_records: int = 0
     sources: list[str] = field(default_factory=list)
     job_states: Counter = field(default_factory=Counter)    # final state of every job record
+    # When each ignored maintenance event started, so the count can follow the window (--since).
+    maintenance_s: list[float] = field(default_factory=list)
 
     def job_node_seconds_in(self, start_s: float, end_s: float) -> float:
         return sum(j.node_seconds(start_s, end_s) for j in self.jobs)
@@ -118,7 +120,7 @@ class History:
                     self.skipped + other.skipped,
                     self.filtered_maintenance + other.filtered_maintenance,
                     self.n_records + other.n_records, self.sources + other.sources,
-                    self.job_states + other.job_states)
+                    self.job_states + other.job_states, self.maintenance_s + other.maintenance_s)
         for t in (self.first_s, self.last_s, other.first_s, other.last_s):
             h._see(t)
         return h
@@ -250,6 +252,7 @@ def parse_events(text: str, *, source: str = "sacctmgr", skip_bad_lines: bool = 
         reason = row["Reason"]
         if _is_maintenance(reason, maintenance_patterns):
             hist.filtered_maintenance += 1
+            hist.maintenance_s.append(start)
             continue
         for n in nodes:
             hist.events.append(FailureEvent((n,), start, reason=reason, source="event",
@@ -379,7 +382,8 @@ def build_model(hist: History, window_start_s: float, window_end_s: float, *,
         "by_node": dict(by_node.most_common()),
         "by_reason": dict(Counter(_reason_class(e) for e in recs).most_common()),
         "announced_not_counted": {s: announced.get(s, 0) for s in ANNOUNCED_STATES},
-        "skipped_lines": hist.skipped, "filtered_maintenance": hist.filtered_maintenance,
+        "skipped_lines": hist.skipped,
+        "filtered_maintenance": sum(1 for t in hist.maintenance_s if window_start_s <= t <= window_end_s + 1),
         "records_read": hist.n_records,
     }
     return model, summary

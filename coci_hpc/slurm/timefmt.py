@@ -10,13 +10,19 @@ Slurm writes and reads durations in two grammars that look alike but differ on a
   ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``; ``INFINITE``/``UNLIMITED`` mean no
   limit; seconds round up to a minute, as slurmctld does.
 
-And coci's own :func:`span_s` for durations on the command line (``coci-plan --horizon``): a number
-of seconds with an optional unit (``3600``, ``90m``, ``24h``, ``2d``) or Slurm's printed form.
+Durations that people type (``coci-submit --time``, ``coci-plan --horizon`` and
+``--time-since-failure``) have ONE grammar, :func:`read_duration`: Slurm's own ``--time`` forms
+(``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``) plus units (``2h``, ``90m``,
+``1d12h``, ``1h30m``, ``45s``, ``1.5h``). A bare number is minutes, as ``sbatch --time`` reads it;
+a tool where that would change what an old command meant (``coci-plan --horizon 3600`` was seconds)
+refuses the bare number and asks for a unit. Every error says how the value was read, since ``1:30``
+(1 min 30 s) and ``1:30:00`` look alike.
 """
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
 from coci_hpc.errors import UsageError
 
@@ -47,52 +53,97 @@ def printed_s(text: str) -> float | None:
     return h * 3600 + mi * 60 + s
 
 
-def limit_min(text: str) -> int | None:
-    """``sbatch --time`` -> whole minutes (None = no limit); a UsageError names the formats."""
-    s = text.strip()
-    if s.upper() in ("INFINITE", "UNLIMITED"):
-        return None
-    m = _DAY.fullmatch(s)
+DURATION_FORMATS = ("a unit (2h, 90m, 1d12h, 1h30m, 45s) or Slurm's MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, "
+                    "D-HH:MM:SS")
+LIMIT_FORMATS = DURATION_FORMATS
+_UNIT_S = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+_UNIT_FORM = re.compile(r"(?:\d+(?:\.\d+)?[dhms])+")
+_UNIT_PART = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
+
+
+def human(seconds: float) -> str:
+    """``5400`` -> ``1 h 30 min``: how a duration was understood, in words."""
+    left = round(seconds)
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60), ("s", 1)):
+        if left >= size:
+            parts.append(f"{left // size} {unit}")
+            left %= size
+    return " ".join(parts) or "0 s"
+
+
+@dataclass(frozen=True)
+class Duration:
+    """A typed duration and how it was read (``form``); ``seconds`` None means no limit."""
+
+    text: str
+    seconds: float | None
+    form: str
+
+    def reading(self) -> str:
+        """``'1:30' read as MM:SS = 1 min 30 s``: for messages about the value."""
+        if self.seconds is None:
+            return f"{self.text.strip()!r} read as no limit"
+        return f"{self.text.strip()!r} read as {self.form} = {human(self.seconds)}"
+
+
+def read_duration(text: str, *, flag: str, bare: str | None = "minutes", unlimited: bool = False) -> Duration:
+    """A duration typed on the command line, in the one grammar of every coci tool.
+
+    ``bare``: what a bare number means for this flag ("minutes", as ``sbatch --time``), or None to
+    refuse it. ``unlimited``: whether ``INFINITE``/``UNLIMITED`` (no limit) are allowed.
+    A UsageError names the flag, the value and the formats.
+    """
+    t = str(text).strip()
+    bad = UsageError(f"{flag} {text!r} is not a duration",
+                     hint=f"write {DURATION_FORMATS} (e.g. {flag} 2h or {flag} 2:00:00)")
+    if unlimited and t.upper() in ("INFINITE", "UNLIMITED"):
+        return Duration(t, None, "no limit")
+    if _UNIT_FORM.fullmatch(t):
+        parts = _UNIT_PART.findall(t)
+        units = [u for _, u in parts]
+        if len(set(units)) != len(units) or units != sorted(units, key="dhms".index):
+            raise bad                   # 30m2h, 1h1h: a slip, not a duration
+        return Duration(t, sum(float(v) * _UNIT_S[u] for v, u in parts), "units")
+    m = _DAY.fullmatch(t)
     if m:
         days, hours, mins, secs = (int(g) if g is not None else 0 for g in m.groups())
         if hours > 23 or mins > 59 or secs > 59:
-            raise _bad_limit(text)
-    else:
-        parts = s.split(":")
-        if not all(p.isdigit() for p in parts) or len(parts) > 3:
-            raise _bad_limit(text)
-        nums = [int(p) for p in parts]
-        days = 0
-        if len(nums) == 1:             # a bare number is minutes here, seconds in printed_s
-            hours, mins, secs = 0, nums[0], 0
-        elif len(nums) == 2:
-            hours, (mins, secs) = 0, nums
-            if secs > 59:
-                raise _bad_limit(text)
-        else:
-            hours, mins, secs = nums
-            if mins > 59 or secs > 59:
-                raise _bad_limit(text)
-    total_s = ((days * 24 + hours) * 60 + mins) * 60 + secs
-    if total_s <= 0:
-        raise UsageError(f"--time {text!r} is zero", hint=f"give a positive limit ({LIMIT_FORMATS})")
-    return math.ceil(total_s / 60)
+            raise bad
+        form = ("D-HH", "D-HH:MM", "D-HH:MM:SS")[sum(g is not None for g in m.groups()[2:])]
+        return Duration(t, float(((days * 24 + hours) * 60 + mins) * 60 + secs), form)
+    parts_s = t.split(":")
+    if not t or not all(p.isdigit() for p in parts_s) or len(parts_s) > 3:
+        raise bad
+    nums = [int(p) for p in parts_s]
+    if len(nums) == 1:
+        if bare is None:
+            raise UsageError(f"{flag} {text!r} has no unit",
+                             hint=f"write the unit: {t}s, {t}m or {t}h (a bare number is minutes in "
+                                  f"sbatch --time and was seconds in {flag}, so coci asks)")
+        return Duration(t, nums[0] * 60.0, "MM (minutes, as sbatch reads a bare number)")
+    if len(nums) == 2:
+        mins, secs = nums
+        if secs > 59:
+            raise bad
+        return Duration(t, mins * 60.0 + secs, "MM:SS")
+    hours, mins, secs = nums
+    if mins > 59 or secs > 59:
+        raise bad
+    return Duration(t, hours * 3600.0 + mins * 60.0 + secs, "HH:MM:SS")
 
 
-def _bad_limit(text: str) -> UsageError:
-    return UsageError(f"--time {text!r} is not a Slurm time",
-                      hint=f"use one of Slurm's formats: {LIMIT_FORMATS} (e.g. --time 2:00:00)")
+def read_limit(text: str, flag: str = "--time") -> Duration:
+    """A job time limit (``coci-submit --time``): :func:`read_duration`, bare number = minutes,
+    INFINITE/UNLIMITED allowed, zero refused."""
+    d = read_duration(text, flag=flag, bare="minutes", unlimited=True)
+    if d.seconds is not None and d.seconds <= 0:
+        raise UsageError(f"{flag} {text!r} is zero ({d.reading()})", hint=f"give a positive limit: {DURATION_FORMATS}")
+    return d
 
 
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def span_s(text: str) -> float:
-    """A command-line duration: ``3600``, ``90m``, ``24h``, ``2d`` or Slurm's printed ``[D-]HH:MM:SS``
-    -> seconds. Raises ValueError when it is none of them."""
-    t = str(text).strip()
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([smhd]?)", t)
-    v = float(m.group(1)) * _UNITS[m.group(2)] if m else printed_s(t)
-    if v is None or not math.isfinite(v):
-        raise ValueError(f"not a duration: {text!r}")
-    return v
+def limit_min(text: str, flag: str = "--time") -> int | None:
+    """A job time limit -> whole minutes for ``sbatch --time`` (None = no limit); seconds round
+    up to a minute, as slurmctld does."""
+    d = read_limit(text, flag)
+    return None if d.seconds is None else math.ceil(d.seconds / 60)

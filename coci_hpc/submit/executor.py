@@ -29,19 +29,28 @@ class Submission:
     ckpt_dir: Path
 
 
-def _executor(spec: SubmitSpec):
+def _executor(spec: SubmitSpec, *, need_srun: bool = True):
     try:
         import submitit
     except ImportError as exc:  # declared in pyproject; a broken venv is the likely cause
         raise SlurmError("submitit is not importable", hint="run `bash slurm/setup` (or pip install submitit)") from exc
-    if shutil.which("srun") is None:
+    if need_srun and shutil.which("srun") is None:
         raise SlurmError("`srun` not found on PATH: coci-submit needs Slurm's client commands",
                          hint="run on a login node of the cluster (for the local one: `slurm/devcluster up`)")
     if spec.array is not None and spec.python != shlex.quote(sys.executable):
         # submitit's array path builds a second executor without our `python` (submitit 1.5.4).
         raise UsageError("--python cannot be combined with --array",
                          hint="run coci-submit with the interpreter the nodes should use: /path/to/python -m coci_hpc.cli.submit ...")
-    ex = submitit.SlurmExecutor(folder=str(spec.log_dir), python=spec.python)
+    cls = submitit.SlurmExecutor
+    if not need_srun:
+        class _RenderOnly(submitit.SlurmExecutor):
+            """submitit refuses to build an executor where `srun` is missing; rendering needs none."""
+
+            @classmethod
+            def affinity(cls) -> int:
+                return 1
+        cls = _RenderOnly
+    ex = cls(folder=str(spec.log_dir), python=spec.python)
     ex.update_parameters(**executor_parameters(spec))
     if spec.array is not None:
         # submitit's array path copies the executor with map_count set; the dry run does the same.
@@ -58,8 +67,9 @@ def _runner(spec: SubmitSpec) -> ScriptRunner | Relauncher:
 
 
 def render(spec: SubmitSpec) -> str:
-    """The batch script that :func:`submit` would pass to sbatch for this spec."""
-    ex = _executor(spec)
+    """The batch script that :func:`submit` would pass to sbatch for this spec (rendered here, so
+    Slurm's commands need not be installed)."""
+    ex = _executor(spec, need_srun=False)
     return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
 
 

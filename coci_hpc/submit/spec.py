@@ -5,8 +5,10 @@ filesystem, no Slurm; the checks that need them live in :mod:`coci_hpc.submit.ch
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
+import math
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coci_hpc.errors import UsageError
-from coci_hpc.slurm.timefmt import limit_min
+from coci_hpc.slurm.timefmt import read_limit
 
 
 def parse_array(text: str) -> tuple[int, int | None]:
@@ -38,7 +40,8 @@ def parse_array(text: str) -> tuple[int, int | None]:
 
 
 _MEM_RE = re.compile(r"\d+[KMGT]?B?", re.IGNORECASE)
-_MPI_RE = re.compile(r"[a-z0-9_]+")
+# srun's --mpi plugins (`srun --mpi=list`, Slurm 22.05 to 24.x); anything else fails only on the node.
+MPI_PLUGINS = ("pmix", "pmix_v2", "pmix_v3", "pmix_v4", "pmix_v5", "pmi2", "cray_shasta", "none")
 
 # sbatch options that coci-submit sets itself, or that have a first-class option of their own:
 # a pass-through of them would silently fight the managed value.
@@ -53,20 +56,20 @@ _MANAGED = {
     "ntasks": "--nodes and --ntasks-per-node",
 }
 
-# sbatch's long options (sbatch(1), Slurm 22.05 to 24.x). sbatch takes any unambiguous prefix of
+# sbatch's long options (sbatch(1), Slurm 22.05 to 24.11); an option not here is refused. sbatch takes any unambiguous prefix of
 # one (getopt_long), so `--sig=USR1@60` is --signal: the pass-through check resolves prefixes the
 # same way instead of trusting the spelling.
 SBATCH_LONG_OPTIONS = frozenset("""
     account acctg-freq array batch bb bbf begin chdir cluster-constraint clusters comment constraint
-    container contiguous core-spec cores-per-socket cpu-freq cpus-per-gpu cpus-per-task deadline
+    container container-id contiguous core-spec cores-per-socket cpu-freq cpus-per-gpu cpus-per-task deadline
     delay-boot dependency distribution error exclude exclusive export export-file extra-node-info
     get-user-env gid gpu-bind gpu-freq gpus gpus-per-node gpus-per-socket gpus-per-task gres
     gres-flags hint hold ignore-pbs input job-name kill-on-invalid-dep licenses mail-type mail-user
     mcs-label mem mem-bind mem-per-cpu mem-per-gpu mincpus network nice no-kill no-requeue nodefile
     nodelist nodes ntasks ntasks-per-core ntasks-per-gpu ntasks-per-node ntasks-per-socket open-mode
-    output overcommit oversubscribe parsable partition power prefer priority profile propagate qos
-    quiet reboot requeue reservation signal sockets-per-node spread-job switches test-only
-    thread-spec threads-per-core time time-min tmp tres-per-task uid use-min-nodes verbose wait
+    oom-kill-step output overcommit oversubscribe parsable partition power prefer priority profile propagate qos
+    quiet reboot requeue reservation segment signal sockets-per-node spread-job stepmgr switches test-only
+    thread-spec threads-per-core time time-min tmp tres-bind tres-per-task uid use-min-nodes verbose wait
     wait-all-nodes wckey wrap
 """.split())
 
@@ -100,7 +103,10 @@ def _sbatch_option(text: str, given: str) -> str:
     if len(matches) > 1:
         raise UsageError(f"--sbatch-arg {text!r} is ambiguous: it abbreviates {', '.join('--' + m for m in matches)}",
                          hint="spell the option out")
-    return key  # an option this list does not know (a newer Slurm): passed on as typed
+    close = difflib.get_close_matches(key, sorted(SBATCH_LONG_OPTIONS), n=3, cutoff=0.6)
+    raise UsageError(f"--sbatch-arg {text!r}: sbatch has no option --{key}",
+                     hint=(f"did you mean {', '.join('--' + c for c in close)}? " if close else "")
+                          + "see `sbatch --help`; coci-submit knows sbatch's options up to Slurm 24.x")
 
 
 def parse_sbatch_arg(text: str) -> tuple[str, str | bool]:
@@ -245,17 +251,23 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
     if mem is not None and not _MEM_RE.fullmatch(mem):
         raise UsageError(f"--mem {mem!r} is not a Slurm memory size",
                          hint="give megabytes or a unit: --mem 4000, --mem 16G")
-    if not _MPI_RE.fullmatch(mpi):
-        raise UsageError(f"--mpi {mpi!r} is not an srun MPI plugin name",
-                         hint="use pmix (default), pmi2 or none (see `srun --mpi=list`)")
+    if mpi not in MPI_PLUGINS:
+        raise UsageError(f"--mpi {mpi!r} is not one of srun's MPI plugins",
+                         hint=f"use one of {', '.join(MPI_PLUGINS)} (the cluster's: `srun --mpi=list`); "
+                              "pmix is the default and what Open MPI under Slurm needs")
     if validate_policy is not None:
         validate_policy(policy)
-    time_min = limit_min(time) if time is not None else None
-    if time_min is not None and signal_lead * 2 > time_min * 60:
-        raise UsageError(f"--signal-lead {signal_lead}s is more than half of --time {time}",
-                         hint="lower --signal-lead or raise --time: the job must train between warnings")
+    limit = read_limit(time) if time is not None else None
+    time_min = None if limit is None or limit.seconds is None else math.ceil(limit.seconds / 60)
+    if limit is not None and time_min is not None and signal_lead * 2 > time_min * 60:
+        colon = (" (MM:SS is minutes and seconds: for 1 h 30 min write 1:30:00, 90 or 1h30m)"
+                 if limit.form == "MM:SS" else "")
+        raise UsageError(f"--signal-lead {signal_lead}s is more than half of --time {limit.reading()}",
+                         hint=f"lower --signal-lead or raise --time: the job must train between warnings{colon}")
     script_path = (cwd / script).resolve() if not Path(script).is_absolute() else Path(script)
-    name = job_name or script_path.stem or "coci"
+    # A script name Slurm or a path would mangle ("my train.py") gives a cleaned default name; only
+    # a --job-name the user typed is refused for its characters.
+    name = job_name or re.sub(r"[^\w.+-]+", "_", script_path.stem).strip("_") or "coci"
     if not re.fullmatch(r"[\w.+-]+", name):
         raise UsageError(f"--job-name {name!r} has characters Slurm or a path would mangle",
                          hint="use letters, digits, '.', '_', '+' and '-'")
@@ -275,6 +287,17 @@ def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: st
         spare_nodes=spare_nodes, max_restarts=max_restarts)
 
 
+def command_comment(spec: SubmitSpec) -> list[str]:
+    """The user's command, as comment lines of the batch script: the line that runs is submitit's
+    generic ``python -m submitit.core._submit FOLDER``, where the script and its arguments appear nowhere."""
+    ranks = spec.nodes * spec.ntasks_per_node
+    lines = [f"# coci-submit: each of the {ranks} rank(s) runs, in submitit's process:",
+             f"#   {spec.python} {shlex.join([str(spec.script), *spec.script_args])}"]
+    if spec.array is not None:
+        lines.append("#   (in each array task, %a in the arguments becomes the task id)")
+    return lines
+
+
 def executor_parameters(spec: SubmitSpec, extra_env: Mapping[str, str] | None = None) -> dict:
     """The keyword arguments for ``submitit.SlurmExecutor.update_parameters`` (its schema)."""
     env = {**spec.coci_env(), **(extra_env or {})}
@@ -290,7 +313,7 @@ def executor_parameters(spec: SubmitSpec, extra_env: Mapping[str, str] | None = 
         # The Session requeues itself at a step boundary after its save; Slurm requeues on node
         # failure and preemption. Both need the job to be requeueable.
         "additional_parameters": {"requeue": True, **dict(spec.sbatch_args)},
-        "setup": [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())],
+        "setup": [*command_comment(spec), *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()))],
     }
     if spec.spare_nodes:
         # N+K nodes that outlive a lost one (--no-kill); the relaunch loop runs once in the batch
@@ -301,7 +324,7 @@ def executor_parameters(spec: SubmitSpec, extra_env: Mapping[str, str] | None = 
         params["setup"] = [
             f"# coci relaunch loop: the ranks run on {spec.nodes} of these {spec.total_nodes} nodes, started by",
             f"#   srun --no-kill --nodes={spec.nodes} --nodelist=<{spec.nodes} healthy nodes> --mpi={spec.mpi} "
-            f"python -m coci_hpc.submit.rank SCRIPT ARGS",
+            f"python -m coci_hpc.submit.rank {shlex.join([str(spec.script), *spec.script_args])}",
             f"# and again on the healthy ones when that step fails (up to --max-restarts {spec.max_restarts}"
             " in place), else scontrol requeue",
             *params["setup"]]

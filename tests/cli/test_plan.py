@@ -105,7 +105,8 @@ def test_human_summary(capsys, profile):
 @pytest.mark.parametrize("args,code,needle", [
     ([], 2, "no failure information"),
     (["--mtbf-hours", "4", "--policy", "nope"], 2, "unknown policy"),
-    (["--mtbf-hours", "4", "--horizon", "soon"], 2, "bad duration"),
+    (["--mtbf-hours", "4", "--horizon", "soon"], 2, "--horizon 'soon' is not a duration"),
+    (["--mtbf-hours", "4", "--horizon", "3600"], 2, "--horizon '3600' has no unit"),
     (["--mtbf-hours", "-3"], 2, "--mtbf-hours -3"),
     (["--mtbf-hours", "4", "--ckpt-cost", "0"], 2, "--ckpt-cost 0: must be a positive number"),
     (["--mtbf-hours", "4", "--restart-cost", "-1"], 2, "--restart-cost -1"),
@@ -242,3 +243,32 @@ def test_horizon_from_total_steps_and_plateau(capsys, tmp_path):
                                           ("12:00:00", 43200)])
 def test_one_duration_parser(text, seconds):
     assert cli.parse_duration(text) == seconds
+
+
+# -- issue 26, item 15 ----------------------------------------------------------------------------
+def test_table_gives_an_interval_and_a_paired_difference_and_explains_its_columns(capsys):
+    assert cli.main(["--mtbf-hours", "4", "--ckpt-cost", "5", "--horizon", "1d"]) == 0
+    out = capsys.readouterr().out
+    head = next(ln for ln in out.splitlines() if ln.startswith("  policy "))
+    assert "± 90%" in head and "vs coci (90%)" in head
+    rows = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("  ") and ln.split()[0] in cli.COMPARED}
+    assert "(reference)" in rows["coci"] and "±" in rows["daly"]
+    assert "same" in rows["daly"]                  # coci and daly cannot be told apart here
+    assert "+" in rows["checkfreq"] and "same" not in rows["checkfreq"]   # checkfreq's 626 saves cost more
+    assert "complete: jobs that train the whole horizon" in out and "exploratory: jobs stopped early" in out
+    d = run_json(capsys, "--mtbf-hours", "4", "--ckpt-cost", "5", "--horizon", "1d")
+    e = d["expected_overhead"]
+    lo, hi = e["daly"]["time_s_interval"]
+    assert lo < e["daly"]["time_s"] < hi and e["coci"]["vs_reference_s"] is None
+    dlo, dhi = e["checkfreq"]["vs_reference_s"]
+    assert 0 < dlo < dhi and dlo < e["checkfreq"]["time_s"] - e["coci"]["time_s"] < dhi
+    assert d["simulation"]["reference"] == "coci" and d["simulation"]["confidence"] == 0.9
+
+
+def test_since_applies_to_the_ignored_maintenance_count(capsys):
+    args = ["--events-file", os.path.join(FIX, "events_edge.txt"), "--cluster-nodes", "10"]
+    assert run_json(capsys, *args)["failures"]["filtered_maintenance"] == 2
+    # the 2026-11-20T20:00 maintenance window lies before --since; the 11-21 reboot after it
+    assert run_json(capsys, *args, "--since", "2026-11-21T00:00:00")["failures"]["filtered_maintenance"] == 1
+    assert cli.main(args + ["--since", "2026-11-21T00:00:00"]) == 0
+    assert "ignored 1 maintenance event(s)" in capsys.readouterr().out

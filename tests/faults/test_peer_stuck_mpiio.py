@@ -7,6 +7,7 @@ collective never completes). Rank 0 must commit the survivors' checkpoint of the
 seconds, with rank 1's per-rank state from its partner copy."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -59,6 +60,8 @@ def test_a_peer_lost_inside_mpiio_is_noticed_by_the_guard_and_the_survivor_saves
     assert rec["lost_ranks"] == [1]
     assert mf.latest_step(ckpt) == 12                       # the survivors' checkpoint of the last step
     assert "finished 0" not in out                          # rank 0 never got past the stuck save
+    # Open MPI's "failed to TCP connect" warning after a lost peer is explained beside coci's line
+    assert re.search(r"rank 0: peer lost at step \d+: .*Open MPI may now warn .*expected after a lost peer", out), out
     print(rec, f"{time.monotonic() - t0:.1f}s")
 
 

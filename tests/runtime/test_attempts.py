@@ -214,3 +214,20 @@ def test_previous_attempt_restarted_in_place_is_the_relaunch_loops_record() -> N
     requeue = {**relaunch, "action": "requeue", "reason": "node(s) n3 (down) lost; 1 healthy node(s) left"}
     got = att.classify_previous([lost, requeue], SlurmAttempt("REQUEUED", 0.0, 58.0, "n1"), restart_count=1)
     assert (got.reason, got.source, got.end_wall) == ("node_failure", "relaunch", 51.0)
+
+
+# -- issue 26, item 11: the log lines say what is known, readably ----------------------------------
+def test_start_and_latency_lines_leave_unknowns_out_and_round_seconds() -> None:
+    first = att.describe_start(1, None, 0, [], 1, "none", "first attempt", None, None)
+    assert first == "attempt 1 on this host, 1 rank(s); starting from step 0"
+    again = att.describe_start(2, "4711", 1, ["n1", "n2"], 2, "preemption", "stopped at step 120", 120, 3)
+    assert again == ("attempt 2 (job 4711, restart 1) on n1,n2, 2 rank(s); previous attempt ended: preemption "
+                     "(stopped at step 120); resuming from step 120; 3 step(s) to repeat")
+    for line in (first, again):
+        assert "None" not in line
+    lat = {"total": 37.26912, "slurm_requeue_s": 30.1234, "process_start_s": 5.2, "restore_s": 1.94}
+    assert att.describe_latency(lat) == "restart latency 37.3 s (requeue 30.1 s + start 5.2 s + restore 1.9 s)"
+    unknown = att.describe_latency({"total": None, "slurm_requeue_s": None, "process_start_s": None,
+                                    "restore_s": 0.512})
+    assert unknown == "restart latency unknown (no record of the previous end): restore 0.5 s"
+    assert "{" not in unknown and "None" not in unknown

@@ -123,3 +123,20 @@ def test_kill_tasks_kills_only_that_nodes_job_processes(dc) -> None:
         for p in (task, other, daemon, foreign):
             p.kill()
             p.wait()
+
+
+def test_the_task_prolog_keeps_open_mpi_on_loopback(dc, monkeypatch) -> None:
+    """Issue 26, 16: after a lost peer the survivors' logs carried Open MPI's "failed to TCP connect"
+    warning; every virtual node is this machine, so MPI's TCP traffic stays on `lo` (a job's own
+    setting wins). Run as slurmd would: its `export` lines become the task's environment."""
+    conf = dc.render_slurm_conf(2, "h")
+    assert f"TaskProlog={dc.TASK_PROLOG}" in conf.splitlines()
+    monkeypatch.setattr(dc, "link_system_conf", lambda: None)   # leave /etc/slurm alone
+    dc.write_config(2)
+    assert dc.TASK_PROLOG.stat().st_mode & 0o111 == 0o111        # slurmd must be able to exec it
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_MCA_")}
+    p = subprocess.run([str(dc.TASK_PROLOG)], capture_output=True, text=True, env=env, check=True)
+    assert p.stdout.splitlines() == ["export OMPI_MCA_btl_tcp_if_include=lo", "export OMPI_MCA_oob_tcp_if_include=lo"]
+    env["OMPI_MCA_btl_tcp_if_include"] = "eth0"
+    p = subprocess.run([str(dc.TASK_PROLOG)], capture_output=True, text=True, env=env, check=True)
+    assert p.stdout.splitlines() == ["export OMPI_MCA_oob_tcp_if_include=lo"]

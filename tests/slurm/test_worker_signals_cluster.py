@@ -57,7 +57,7 @@ def test_dataloader_workers_preempted_via_template_and_coci_submit_end_bit_exact
     sub_ckpt = wd / "sub"
     p = subprocess.run([sys.executable, "-m", "coci_hpc.cli.submit", "--partition", "gpu", "--nodes", "1",
                         "--time", "5", "--signal-lead", str(LEAD), "--sbatch-arg=--nodelist=n2",
-                        "--output-dir", str(wd / "subrun"), "--ckpt-dir", str(sub_ckpt), str(SCRIPT), *ARGS,
+                        "--output-dir", str(wd / "subrun"), "--ckpt-dir", str(sub_ckpt), str(SCRIPT), "--", *ARGS,
                         "--step-time", "0.3"],
                        capture_output=True, text=True, env={**slurm_cluster.env, "PYTHONPATH": str(ROOT)},
                        cwd=wd, timeout=120)

@@ -1,0 +1,84 @@
+"""A coci_hpc error that escapes the user's script ends it the way the coci-* tools end: one
+``prog: error: ...`` line (and ``prog: hint: ...``), no traceback, and the error's documented exit
+code (:mod:`coci_hpc.errors`: 5 for a checkpoint directory of another run, 2 for bad usage, ...).
+
+Installed by ``Session()`` and ``init_distributed()``. Only :class:`~coci_hpc.errors.CociError`
+is handled; any other exception goes to the hook that was there before (the usual traceback).
+Hooks installed later (the event log's record of the attempt's end, the checkpoint exit guard)
+chain to this one, so they still run first.
+
+Python gives an uncaught exception exit status 1 and offers no way to change it; so the status
+is set at the very end: an ``atexit`` function registered at install time (it runs after those
+registered later: torch's, the checkpoint manager's) ends the process with the error's code.
+In an MPI world of more than one rank the status stays 1: finalizing there could wait on a rank
+that is still training, and the MPI launcher reports the failed rank anyway.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from types import TracebackType
+from typing import Any
+
+from coci_hpc.cli.common import report_error
+from coci_hpc.errors import CociError
+
+_installed = False
+_code: int | None = None
+
+
+def prog() -> str:
+    """The name the user ran (``train.py``), as the tools' ``prog: error:`` lines use theirs."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name and name not in ("-c", "-m") else "python"
+
+
+def install() -> None:
+    """Install once per process; idempotent."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    previous = sys.excepthook
+
+    def hook(tp: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        global _code
+        if not isinstance(exc, CociError):
+            previous(tp, exc, tb)
+            return
+        report_error(prog(), exc)          # the tools' own format (one place: cli.common)
+        sys.stderr.flush()
+        _code = int(exc.exit_code)
+    sys.excepthook = hook
+    atexit.register(_exit_with_code)
+
+
+def _mpi_world_size() -> int:
+    mpi: Any = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return 0
+    try:
+        if not mpi.Is_initialized() or mpi.Is_finalized():
+            return 0
+        return int(mpi.COMM_WORLD.Get_size())
+    except Exception:        # an MPI that cannot answer any more: leave the exit as Python does it
+        return -1
+
+
+def _exit_with_code() -> None:
+    if _code is None:
+        return
+    size = _mpi_world_size()
+    if size > 1 or size < 0:
+        return
+    if size == 1:
+        sys.modules["mpi4py.MPI"].Finalize()
+    if "logging" in sys.modules:          # its own atexit flush may be one this exit skips
+        sys.modules["logging"].shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(_code)
