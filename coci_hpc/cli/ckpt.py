@@ -6,15 +6,13 @@
     coci-ckpt export DIR --to hf|torch|dcp OUT    the model for Hugging Face, torch.load, DCP
     coci-ckpt import SRC OUT           pretrained weights (safetensors, torch.save, DCP) as a coci checkpoint
 
-Every subcommand takes ``--json`` (one JSON document on stdout). Heavy modules (torch, h5py)
+Every subcommand takes ``--json`` (one JSON object on stdout) and the tool ``--version``. Heavy modules (torch, h5py)
 are imported only by the subcommand that needs them: ``--help`` stays fast.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import os
 import sys
 import time
 from collections import defaultdict
@@ -22,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from coci_hpc.cli.common import UsageArgumentParser, run_cli
+from coci_hpc.cli.common import UsageArgumentParser, add_json, print_json, run_cli
 from coci_hpc.errors import CheckpointCorrupt, CheckpointNotFound
 
 
@@ -50,7 +48,7 @@ def _when(m: dict) -> str:
 
 def _emit(args: argparse.Namespace, doc: Any) -> None:
     if args.json:
-        print(json.dumps(doc, indent=2, default=str))
+        print_json(doc)
 
 
 def files_problem(directory: Path, m: dict[str, Any]) -> str | None:
@@ -270,20 +268,13 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
-def _version() -> str:
-    from coci_hpc import __version__
-
-    return __version__
-
-
 def _parser() -> argparse.ArgumentParser:
     p = UsageArgumentParser(prog="coci-ckpt", description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--version", action="version", version=f"coci-ckpt {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, help: str, fn: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
         a = sub.add_parser(name, help=help)
-        a.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+        add_json(a)
         a.set_defaults(fn=fn)
         return a
 
@@ -322,11 +313,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        return run_cli("coci-ckpt", _main, argv)
-    except BrokenPipeError:   # `coci-ckpt list --json | head`: the reader left, not an error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+    return run_cli("coci-ckpt", _main, argv)
 
 
 if __name__ == "__main__":
