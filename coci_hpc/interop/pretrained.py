@@ -118,26 +118,48 @@ def _slices(shape: tuple[int, ...], box: Box | None) -> tuple[slice, ...]:
 
 
 class _Safetensors(_Source):
+    """One or more safetensors files. One file is open (memory-mapped) at a time and the targets
+    are filled file by file: the mapped pages a load touches are released with each file."""
+
     kind = "hf-safetensors"
 
     def __init__(self, files: list[Path]) -> None:
         from safetensors import safe_open
 
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
-        self._where: dict[str, Any] = {}
-        for h in self._handles:
-            for k in h.keys():
-                self._where[k] = h
+        self._open = safe_open
+        self._where: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    self._where[k] = f
+                    self._shapes[k] = tuple(h.get_slice(k).get_shape())
+        self._current: tuple[Path, Any] | None = None
+
+    def _handle(self, name: str) -> Any:
+        f = self._where[name]
+        if self._current is None or self._current[0] != f:
+            self._current = None              # the previous file's mapping goes first
+            self._current = (f, self._open(str(f), framework="pt"))
+        return self._current[1]
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {k: tuple(h.get_slice(k).get_shape()) for k, h in self._where.items()}
+        return dict(self._shapes)
 
     def read(self, name: str, box: Box | None) -> torch.Tensor:
-        sl = self._where[name].get_slice(name)
-        shape = tuple(sl.get_shape())
+        h = self._handle(name)
+        shape = self._shapes[name]
         if not shape:
-            return self._where[name].get_tensor(name)
-        return sl[_slices(shape, box)]
+            return h.get_tensor(name)
+        return h.get_slice(name)[_slices(shape, box)]
+
+    def load_all(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        order = {f: i for i, f in enumerate(dict.fromkeys(self._where.values()))}
+        super().load_all(sorted(pairs, key=lambda p: order[self._where[p[0]]]))
+        self.close()
+
+    def close(self) -> None:
+        self._current = None
 
 
 class _TorchFile(_Source):
