@@ -91,8 +91,12 @@ class CociStorageReader(StorageReader):
                 raise UsageError(f"{req.storage_index.fqn!r} is not a tensor of this coci checkpoint",
                                  hint="CociStorageReader serves tensors only")
             entry = self._entries[req.storage_index.fqn]
-            data = src.read_box(entry, tuple(req.storage_offsets), tuple(req.lengths))
+            box = tuple(req.storage_offsets), tuple(req.lengths)
             target = planner.resolve_tensor(req).detach()
+            if src.read_box_into(entry, *box, target):   # no intermediate copy
+                planner.commit_tensor(req, target)
+                continue
+            data = src.read_box(entry, *box)
             if target.size() != data.size():
                 raise UsageError(f"{req.storage_index.fqn!r}: DCP asked for {tuple(target.size())}, the "
                                  f"slice read is {tuple(data.size())}", hint="report this")

@@ -200,6 +200,14 @@ class _Coci(_Source):
         e = self._e[name]
         return self._src.read(e) if box is None else self._src.read_box(e, *box)
 
+    def load_all(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        rest = []
+        for name, target in pairs:   # straight into the target's memory where it can take it
+            box = _local_box(target) or (tuple(0 for _ in target.shape), tuple(target.shape))
+            if not self._src.read_box_into(self._e[name], *box, _local(target)):
+                rest.append((name, target))
+        super().load_all(rest)
+
     def close(self) -> None:
         self._src.close()
 

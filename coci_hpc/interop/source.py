@@ -23,7 +23,7 @@ import torch
 
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.h5file import DatasetReader
-from coci_hpc.checkpoint.state import empty_like_leaf, storage_dtype
+from coci_hpc.checkpoint.state import empty_like_leaf, leaf_view, storage_dtype
 from coci_hpc.errors import CheckpointCorrupt, CheckpointNotFound, UsageError
 from coci_hpc.interop import names
 
@@ -166,6 +166,22 @@ class CheckpointSource:
             self._reader(entry.meta).read(entry.meta, view, start)
         except CheckpointCorrupt as exc:
             raise CheckpointCorrupt(f"tensor {entry.key}.{entry.path}: {exc.message}", hint=exc.hint) from exc
+
+    def read_box_into(self, entry: Entry, offsets: tuple[int, ...], lengths: tuple[int, ...],
+                      target: torch.Tensor) -> bool:
+        """Read the box straight into ``target`` when it can take the bytes as they are stored (a
+        contiguous CPU tensor of the stored dtype, a box of whole rows); False: it cannot, nothing
+        was read. The bytes are checked as they arrive; on a bad checksum ``target`` holds them
+        and CheckpointCorrupt is raised (as DCP's own readers, no all-or-nothing load)."""
+        shape = entry.shape
+        if not shape or any(o != 0 or n != d for o, n, d in zip(offsets[1:], lengths[1:], shape[1:])):
+            return False
+        view = leaf_view(target, entry.dtype, (lengths[0],) + shape[1:])
+        if view is None:
+            return False
+        row = entry.nbytes // shape[0] if shape[0] else 0
+        self._read_into(entry, view, offsets[0] * row)
+        return True
 
     def read_box(self, entry: Entry, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
         """The box ``offsets``..``offsets+lengths`` (one slice per dim): the rows it spans are read
