@@ -168,6 +168,13 @@ class Session:
         survivors: On a lost rank, let the survivors save the last finished step and keep the
             partner copies that make it possible; ``COCI_SURVIVORS`` (``0`` turns it off);
             default on.
+        init_from: Pretrained weights for ``state["model"]``, loaded only while the run has no
+            checkpoint of its own (later ignored, and the log says so): a Hugging Face
+            safetensors directory or file, a ``torch.save`` file (read with
+            ``weights_only=True``), a DCP directory or a coci checkpoint. Each rank reads only
+            its slice of a DTensor (FSDP2) parameter. See ``coci_hpc.interop.pretrained``.
+        init_strict: With ``init_from``: refuse (one ``UsageError`` listing them) names that are
+            missing, unexpected or of another shape; ``False`` loads what matches and logs the rest.
 
     Raises:
         UsageError: Bad configuration or a state that cannot be saved.
@@ -181,9 +188,13 @@ class Session:
                  async_save: bool = True, failure_model: FailureModel | None = None,
                  horizon_s: float = 24 * 3600.0, environ: Mapping[str, str] | None = None,
                  runner: commands.Runner | None = None, resume_from_other_run: bool | None = None,
-                 peer_timeout_s: float | None = None, survivors: bool | None = None) -> None:
+                 peer_timeout_s: float | None = None, survivors: bool | None = None,
+                 init_from: str | os.PathLike | None = None, init_strict: bool = True) -> None:
         self._init_wall = time.time()
         errorexit.install()        # a refusal below ends `python train.py` with one line and its exit code
+        # Pretrained weights for state["model"] when the run has no checkpoint of its own yet
+        # (coci_hpc.interop.pretrained: safetensors, torch.save, DCP or a coci checkpoint).
+        self._init_from, self._init_strict = init_from, init_strict
         env = os.environ if environ is None else environ
         # coci-submit's relaunch loop (--spare-nodes) numbers its in-place restarts of the ranks
         # (0: its first launch); absent: not under that loop.
@@ -355,6 +366,11 @@ class Session:
         resumed: int | None = None
         if self.mgr.latest_step() is not None:
             resumed = self.mgr.load_latest(self._state).step
+            if self._init_from is not None and self.rank == 0:
+                _say(f"init_from={os.fspath(self._init_from)} ignored: resumed from this run's own "
+                     f"checkpoint step {resumed}")
+        elif self._init_from is not None:
+            self._load_pretrained()
         restore_s = time.perf_counter() - t0
         if resumed is not None:
             self.schedule.resumed(resumed)
@@ -386,6 +402,18 @@ class Session:
             # The first boundary's agreement is sent now (the pipeline is one step deep).
             self.sync.send(STOP if self.recorder.received else 0, self.schedule.decide(self.step + 1), False)
         return self.step
+
+    def _load_pretrained(self) -> None:
+        from coci_hpc.interop.pretrained import load_pretrained
+
+        if "model" not in self._state:
+            raise UsageError("init_from needs the model under the state key 'model'",
+                             hint="pass Session({'model': model, ...}, init_from=PATH)")
+        assert self._init_from is not None
+        report = load_pretrained(self._init_from, self._state["model"], strict=self._init_strict,
+                                 log=_say if self.rank == 0 else None)
+        if self.rank == 0:
+            _say(f"init_from: loaded {len(report.loaded)} tensors from {report.source} ({report.kind})")
 
     def _read_history(self) -> dict[str, Any]:
         events = read_events(self.events_path)

@@ -1,20 +1,26 @@
-"""coci-ckpt: list, verify and inspect coci_hpc checkpoints.
+"""coci-ckpt: list, verify, inspect, export and import coci_hpc checkpoints.
 
-    coci-ckpt list DIR               committed (and uncommitted) steps
-    coci-ckpt verify DIR [STEP]      recompute every shard checksum (default: all committed steps)
-    coci-ckpt inspect DIR STEP       tensors, shapes, dtypes, bytes and the ranks that wrote them
+    coci-ckpt list DIR                 committed (and uncommitted) steps; damaged ones marked
+    coci-ckpt verify DIR [STEP]        recompute every shard checksum (default: all committed steps)
+    coci-ckpt inspect DIR STEP         tensors, shapes, dtypes, bytes and the ranks that wrote them
+    coci-ckpt export DIR --to hf|torch|dcp OUT    the model for Hugging Face, torch.load, DCP
+    coci-ckpt import SRC OUT           pretrained weights (safetensors, torch.save, DCP) as a coci checkpoint
+
+Every subcommand takes ``--json`` (one JSON object on stdout) and the tool ``--version``. Heavy modules (torch, h5py)
+are imported only by the subcommand that needs them: ``--help`` stays fast.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import sys
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-from coci_hpc.checkpoint import manifest as mf
-from coci_hpc.checkpoint.h5file import DatasetReader
-from coci_hpc.cli.common import UsageArgumentParser, run_cli
+from coci_hpc.cli.common import UsageArgumentParser, add_json, print_json, run_cli
 from coci_hpc.errors import CheckpointCorrupt, CheckpointNotFound
 
 
@@ -40,31 +46,74 @@ def _when(m: dict) -> str:
         return "?"
 
 
+def _emit(args: argparse.Namespace, doc: Any) -> None:
+    if args.json:
+        print_json(doc)
+
+
+def files_problem(directory: Path, m: dict[str, Any]) -> str | None:
+    """Cheap check of a committed step (no data read): every data file its manifest names is
+    there, a regular file, and long enough for the datasets the manifest places in it."""
+    need: dict[str, int] = defaultdict(int)
+    for t in m["tensors"]:
+        off = t.get("offset")
+        end = (off + t["nbytes"]) if isinstance(off, int) else 0
+        need[t["file"]] = max(need[t["file"]], end)
+    for f in m["files"]:
+        p = directory / f
+        if p.is_symlink() or not p.exists():
+            return f"{f} is missing"
+        if not p.is_file():
+            return f"{f} is not a regular file"
+        size = p.stat().st_size
+        if size < need.get(f, 0):
+            return f"{f} is {size} bytes, shorter than the {need[f]} its manifest says (truncated)"
+    return None
+
+
 def cmd_list(args: argparse.Namespace) -> int:
-    """Every step directory; a damaged manifest is listed as DAMAGED (exit 7), never a traceback."""
+    """Every step directory; a damaged step (manifest, missing or short data file) is DAMAGED
+    (exit 7), never "latest", never a traceback."""
+    from coci_hpc.checkpoint import manifest as mf
+
     infos = mf.scan(_root(args.dir))
-    if not infos:
-        print(f"no checkpoints under {args.dir}")
-        return 0
-    latest = mf.latest_step(args.dir)
+    rows: list[dict[str, Any]] = []
     damaged: list[str] = []
-    print(f"{'step':>10}  {'status':<11} {'ranks':>5} {'size':>10}  written")
     for c in infos:
         try:
             size = sum(p.stat().st_size for p in c.path.iterdir() if p.is_file())
         except OSError:
             size = 0
+        row: dict[str, Any] = {"step": c.step, "status": "uncommitted", "ranks": None, "bytes": size,
+                               "written": None, "problem": None}
         if c.committed:
             try:
                 m = mf.read(c.path)
+                problem = files_problem(c.path, m)
             except CheckpointCorrupt as exc:
-                damaged.append(f"step {c.step}: {exc.message}")
-                print(f"{c.step:>10}  {'DAMAGED':<11} {'-':>5} {_human(size):>10}  {exc.message}")
-                continue
-            status = "latest" if c.step == latest else "committed"
-            print(f"{c.step:>10}  {status:<11} {m['world_size']:>5} {_human(size):>10}  {_when(m)}")
-        else:
-            print(f"{c.step:>10}  {'UNCOMMITTED':<11} {'-':>5} {_human(size):>10}  (ignored by loaders)")
+                m, problem = None, exc.message
+            if problem is not None:
+                row.update(status="damaged", problem=problem)
+                damaged.append(f"step {c.step}: {problem}")
+            else:
+                assert m is not None
+                row.update(status="committed", ranks=m["world_size"], written=_when(m))
+        rows.append(row)
+    healthy = [r for r in rows if r["status"] == "committed"]
+    latest = healthy[-1]["step"] if healthy else None
+    for r in healthy[-1:]:
+        r["status"] = "latest"
+    if args.json:
+        _emit(args, {"dir": args.dir, "latest": latest, "steps": rows})
+    elif not rows:
+        print(f"no checkpoints under {args.dir}")
+    else:
+        print(f"{'step':>10}  {'status':<11} {'ranks':>5} {'size':>10}  written")
+        for r in rows:
+            ranks = "-" if r["ranks"] is None else r["ranks"]
+            tail = {"damaged": r["problem"], "uncommitted": "(ignored by loaders)"}.get(r["status"], r["written"])
+            status = r["status"].upper() if r["status"] in ("damaged", "uncommitted") else r["status"]
+            print(f"{r['step']:>10}  {status:<11} {ranks:>5} {_human(r['bytes']):>10}  {tail}")
     if damaged:
         raise CheckpointCorrupt(f"{len(damaged)} damaged checkpoint(s); first: {damaged[0]}",
                                 hint="loaders skip them (load_latest falls back to an older step); "
@@ -72,9 +121,36 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def verify_step(root: Path, step: int) -> list[str]:
+class _Progress:
+    """A one-line progress display on a terminal's stderr, shown once a job runs past ~2 s."""
+
+    def __init__(self, what: str, after_s: float = 2.0) -> None:
+        self.what = what
+        self.t0 = time.monotonic()
+        self.after_s = after_s
+        self.on = sys.stderr.isatty()
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.on or time.monotonic() - self.t0 < self.after_s:
+            return
+        pct = 100.0 * done / total if total else 100.0
+        sys.stderr.write(f"\r{self.what}: {_human(done)} of {_human(total)} ({pct:.0f}%)   ")
+        sys.stderr.flush()
+        self.shown = True
+
+    def end(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def verify_step(root: Path, step: int, progress: Callable[[int, int], None] | None = None) -> list[str]:
     """Problems found in one committed checkpoint (empty list = good): every shard's checksum,
     the manifest's own checksum and schema, the links and datasets of the data files."""
+    from coci_hpc.checkpoint import manifest as mf
+    from coci_hpc.checkpoint.h5file import DatasetReader
+
     d = mf.step_dir(root, step)
     try:
         m = mf.read(d)
@@ -83,6 +159,8 @@ def verify_step(root: Path, step: int) -> list[str]:
     by_dataset = {t["dataset"]: t for t in m["tensors"]}
     problems: list[str] = []
     readers: dict[str, DatasetReader] = {}
+    total = sum(s["stop"] - s["start"] for s in m["shards"])
+    done = 0
     try:
         for s in m["shards"]:
             if s["file"] not in readers:
@@ -95,6 +173,9 @@ def verify_step(root: Path, step: int) -> list[str]:
                 readers[s["file"]].read_bytes(by_dataset[s["dataset"]], s["start"], s["stop"])
             except CheckpointCorrupt as exc:  # the reader checks the shard's checksum and names it
                 problems.append(f"step {step}: {exc.message}")
+            done += s["stop"] - s["start"]
+            if progress is not None:
+                progress(done, total)
     finally:
         for r in readers.values():
             r.close()
@@ -102,17 +183,27 @@ def verify_step(root: Path, step: int) -> list[str]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from coci_hpc.checkpoint import manifest as mf
+
     root = _root(args.dir)
     steps = [args.step] if args.step is not None else mf.committed_steps(root)
     if not steps:
         raise CheckpointNotFound(f"no committed checkpoint under {root}", hint="nothing to verify")
     bad: list[str] = []
+    results = []
     for step in steps:
-        problems = verify_step(root, step)
-        print(f"step {step}: {'OK' if not problems else 'CORRUPT'}")
-        for p in problems:
-            print(f"  {p}")
+        bar = _Progress(f"verifying step {step}")
+        try:
+            problems = verify_step(root, step, bar)
+        finally:
+            bar.end()
+        results.append({"step": step, "ok": not problems, "problems": problems})
+        if not args.json:
+            print(f"step {step}: {'OK' if not problems else 'CORRUPT'}")
+            for p in problems:
+                print(f"  {p}")
         bad.extend(problems)
+    _emit(args, {"dir": args.dir, "steps": results})
     if bad:
         raise CheckpointCorrupt(f"{len(bad)} bad shard(s); first: {bad[0]}",
                                 hint="load an older committed step (coci-ckpt list DIR)")
@@ -120,6 +211,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from coci_hpc.checkpoint import manifest as mf
+
     root = _root(args.dir)
     m = mf.read(mf.step_dir(root, args.step))
     writers: dict[str, set[int]] = defaultdict(set)
@@ -127,6 +220,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         writers[s["dataset"]].add(s["rank"])
     when = _when(m)
     total = sum(t["nbytes"] for t in m["tensors"])
+    if args.json:
+        _emit(args, {"step": m["step"], "world_size": m["world_size"], "backend": m["backend"], "written": when,
+                     "format_version": m["format_version"], "bytes": total,
+                     "tensors": [{"tensor": t["dataset"], "kind": t["kind"], "dtype": t["dtype"],
+                                  "shape": t["shape"], "bytes": t["nbytes"],
+                                  "ranks": sorted(writers.get(t["dataset"], ()))} for t in m["tensors"]]})
+        return 0
     print(f"step {m['step']}  world_size {m['world_size']}  backend {m['backend']}  written {when}  "
           f"format v{m['format_version']}  {len(m['tensors'])} tensors, {_human(total)}")
     w = max([len(t["dataset"]) for t in m["tensors"]] + [6])
@@ -138,20 +238,72 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from coci_hpc.interop.export import describe, export
+
+    bar = _Progress(f"exporting to {args.out}")
+    try:
+        result = export(args.dir, args.out, to=args.to, step=args.step, model_key=args.model_key,
+                        with_optimizer=args.with_optimizer, dtype=args.dtype, rename=args.rename,
+                        max_shard_size=args.max_shard_size, progress=bar)
+    finally:
+        bar.end()
+    if args.json:
+        _emit(args, result.as_dict())
+    else:
+        print(describe(result))
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from coci_hpc.interop.pretrained import import_to_checkpoint
+
+    out = import_to_checkpoint(args.src, args.out, step=args.step, model_key=args.model_key)
+    if args.json:
+        _emit(args, out)
+    else:
+        print(f"imported {out['tensors']} tensors ({out['bytes'] / 1e9:.3f} GB, {out['kind']}) from "
+              f"{args.src} as step {out['step']} of {args.out}; start a run from it with "
+              f"Session(..., init_from={args.out!r})")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = UsageArgumentParser(prog="coci-ckpt", description=__doc__.split("\n")[0])
+    p = UsageArgumentParser(prog="coci-ckpt", description=(__doc__ or "").split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("list", help="list checkpoints")
+
+    def add(name: str, help: str, fn: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        a = sub.add_parser(name, help=help)
+        add_json(a)
+        a.set_defaults(fn=fn)
+        return a
+
+    a = add("list", "list checkpoints (damaged ones marked, exit 7)", cmd_list)
     a.add_argument("dir")
-    a.set_defaults(fn=cmd_list)
-    a = sub.add_parser("verify", help="recompute shard checksums; non-zero exit names bad shards")
+    a = add("verify", "recompute shard checksums; non-zero exit names bad shards", cmd_verify)
     a.add_argument("dir")
     a.add_argument("step", nargs="?", type=int)
-    a.set_defaults(fn=cmd_verify)
-    a = sub.add_parser("inspect", help="tensors, shapes, dtypes, bytes, ranks of one step")
+    a = add("inspect", "tensors, shapes, dtypes, bytes, ranks of one step", cmd_inspect)
     a.add_argument("dir")
     a.add_argument("step", type=int)
-    a.set_defaults(fn=cmd_inspect)
+    a = add("export", "write the model as Hugging Face safetensors, a torch.save file or DCP", cmd_export)
+    a.add_argument("dir", help="checkpoint root")
+    a.add_argument("out", help="output directory (hf, dcp) or file (torch); must not exist")
+    a.add_argument("--to", required=True, choices=("hf", "torch", "dcp"))
+    a.add_argument("--step", type=int, help="default: the newest committed step")
+    a.add_argument("--model-key", default="model", help="state key of the model (default: model)")
+    a.add_argument("--with-optimizer", action="store_true",
+                   help="also every other state value, under its key as prefix")
+    a.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating model weights")
+    a.add_argument("--rename", action="append", default=[], metavar="PATTERN=REPL",
+                   help="regex rename of tensor names, after wrapper prefixes are removed (repeatable)")
+    a.add_argument("--max-shard-size", default="5GB", help="hf: bytes per file (default 5GB; e.g. 256MB)")
+    a = add("import", "pretrained weights (safetensors dir/file, torch.save file, DCP dir) as a coci "
+                      "checkpoint holding {'model': ...}", cmd_import)
+    a.add_argument("src")
+    a.add_argument("out", help="checkpoint root to create (must hold no checkpoint)")
+    a.add_argument("--step", type=int, default=0, help="step number to write (default 0)")
+    a.add_argument("--model-key", default="model", help="state key to store the weights under")
     return p
 
 

@@ -1,0 +1,272 @@
+"""Export a committed coci checkpoint to Hugging Face safetensors, ``torch.save`` or DCP.
+
+    export("/scratch/ckpt", "/scratch/out-hf", to="hf")                 # newest committed step
+    export("/scratch/ckpt", "model.pt", to="torch", step=1200, dtype="bf16")
+
+*The model* is the state value saved under the key ``model`` (``model_key=`` / ``--model-key``
+names another): its tensors, named as its ``state_dict()`` names them, cleaned of wrapper
+prefixes (:mod:`.names`). ``with_optimizer=True`` adds every other replicated state value
+(optimizer, scheduler, extras) under its own key as prefix (``optimizer.state.0.exp_avg``).
+
+Every tensor is read on its own from the HDF5 file and checked against the CRC of each shard
+holding its bytes before a byte of it is written (a damaged checkpoint fails naming the
+tensor). The ``hf`` export holds at most one output shard plus one tensor in memory; ``torch``
+and ``dcp`` hold the model (``torch.save`` and ``dcp.save`` take the whole state dict at once).
+Everything is written under a temporary name next to ``out`` and renamed to ``out`` at the end:
+``out`` appears complete or not at all (a failure, a full disk included, removes the temporary).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coci_hpc.checkpoint.manifest import fsync_dir
+from coci_hpc.checkpoint.state import unflatten
+from coci_hpc.errors import CheckpointError, CociError, UsageError
+from coci_hpc.interop import names
+from coci_hpc.interop.source import MODEL_KEY, CheckpointSource, Entry, export_name, nbytes_as
+
+FORMATS = ("hf", "torch", "dcp")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_MAX_SHARD = "5GB"
+SAFE_SINGLE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` -> 5_000_000_000 (decimal, as Hugging Face counts), ``"256MiB"``, ``1000``."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        n = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())
+        if not m or m.group(2) not in _UNITS:
+            raise UsageError(f"size {text!r} is not a size", hint="e.g. 5GB, 256MB, 512MiB")
+        n = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if n <= 0:
+        raise UsageError(f"size {text!r} must be positive", hint="e.g. 5GB")
+    return n
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    format: str
+    step: int
+    tensors: int
+    bytes: int
+    files: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"out": str(self.out), "format": self.format, "step": self.step, "tensors": self.tensors,
+                "bytes": self.bytes, "files": self.files, "seconds": round(self.seconds, 3)}
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """One safetensors file (a seam for tests that inject a full disk)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def export(src: str | os.PathLike, out: str | os.PathLike, *, to: str = "hf", step: int | None = None,
+           model_key: str = MODEL_KEY, with_optimizer: bool = False, dtype: str | None = None,
+           rename: Sequence[str] = (), max_shard_size: str | int = DEFAULT_MAX_SHARD,
+           progress: Callable[[int, int], None] | None = None) -> ExportResult:
+    """Export step ``step`` (default: newest committed) of the coci checkpoint ``src`` to ``out``
+    (a directory for ``hf`` and ``dcp``, a file for ``torch``). See the module docstring."""
+    if to not in FORMATS:
+        raise UsageError(f"--to {to!r} is not one of {FORMATS}", hint="hf: Hugging Face safetensors")
+    if dtype is not None and dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}", hint="bf16, fp16 or fp32")
+    renames = names.parse_renames(rename)
+    shard_limit = parse_size(max_shard_size)
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        raise UsageError(f"{out} exists; export never overwrites", hint="remove it or choose another OUT")
+    if not out.parent.is_dir():
+        raise UsageError(f"{out.parent} is not a directory", hint="create the parent directory first")
+    t0 = time.perf_counter()
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    with CheckpointSource(src, step) as source:
+        model = source.model(model_key)
+        rest = [e for k in source.keys() if k != model_key for e in source.entries(k)] if with_optimizer else []
+        plan = _names(model, rest, renames)
+        cast = DTYPES.get(dtype) if dtype else None
+        try:
+            if to == "hf":
+                files, total = _export_hf(source, model_key, plan, tmp, shard_limit, cast, progress)
+            elif to == "torch":
+                files, total = _export_torch(source, model_key, plan, tmp, cast, with_optimizer, progress)
+            else:
+                files, total = _export_dcp(source, model_key, plan, tmp, cast, progress)
+            os.rename(tmp, out)
+            fsync_dir(out.parent)
+        except BaseException as exc:
+            _remove(tmp)
+            if isinstance(exc, CociError):
+                raise type(exc)(f"export to {out} failed, nothing was left there: {exc.message}",
+                                hint=exc.hint) from exc
+            if isinstance(exc, Exception):   # OSError; the writers' own (SafetensorError,
+                # torch.save's RuntimeError, DCP's CheckpointException) on a full disk
+                raise CheckpointError(f"export to {out} failed: {str(exc)[:500]}; nothing was left at {out}",
+                                      hint="free space there (or pick another OUT) and export again"
+                                      ) from exc
+            raise
+    return ExportResult(out, to, source.step, len(plan), total, files, time.perf_counter() - t0)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _names(model: list[Entry], rest: list[Entry], renames: list) -> list[tuple[str, Entry]]:
+    plan = [(export_name(e, renames), e) for e in model] + \
+           [(export_name(e, renames, prefix=True), e) for e in rest]
+    seen: dict[str, Entry] = {}
+    for name, e in plan:
+        if name in seen:
+            raise UsageError(f"two tensors would both be named {name!r} ({seen[name].key}.{seen[name].path} "
+                             f"and {e.key}.{e.path})", hint="add a --rename PATTERN=REPL that keeps them apart")
+        seen[name] = e
+    return plan
+
+
+def _cast(t: torch.Tensor, e: Entry, cast: torch.dtype | None) -> torch.Tensor:
+    if cast is not None and t.is_floating_point() and t.dtype != cast:
+        return t.to(cast)
+    return t
+
+
+def _export_hf(source: CheckpointSource, model_key: str, plan: list[tuple[str, Entry]], tmp: Path,
+               limit: int, cast: torch.dtype | None, progress: Callable[[int, int], None] | None
+               ) -> tuple[list[str], int]:
+    sizes = [nbytes_as(e, cast if e.key == model_key else None) for _, e in plan]
+    shards: list[list[int]] = [[]]
+    filled = 0
+    for i, n in enumerate(sizes):   # as transformers cuts: a tensor larger than the limit gets its own file
+        if shards[-1] and filled + n > limit:
+            shards.append([])
+            filled = 0
+        shards[-1].append(i)
+        filled += n
+    k = len(shards)
+    files = [SAFE_SINGLE] if k == 1 else [f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)]
+    tmp.mkdir()
+    weight_map: dict[str, str] = {}
+    done, total = 0, sum(sizes)
+    for fname, members in zip(files, shards):
+        tensors: dict[str, torch.Tensor] = {}
+        for i in members:
+            name, e = plan[i]
+            t = source.read(e)   # checked against its shards' CRCs before it is written
+            tensors[name] = _cast(t, e, cast if e.key == model_key else None).contiguous()
+            weight_map[name] = fname
+        _write_safetensors(tensors, tmp / fname)
+        _fsync(tmp / fname)
+        done += sum(sizes[i] for i in members)
+        del tensors
+        if progress is not None:
+            progress(done, total)
+    if k > 1:   # the index last: a reader that finds it finds every file it lists
+        index = {"metadata": {"total_size": total, "format": "pt", "coci_step": source.step},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        _fsync(tmp / SAFE_INDEX)
+        files.append(SAFE_INDEX)
+    fsync_dir(tmp)
+    return files, total
+
+
+def _read_all(source: CheckpointSource, plan: list[tuple[str, Entry]], model_key: str,
+              cast: torch.dtype | None, progress: Callable[[int, int], None] | None
+              ) -> tuple[dict[str, torch.Tensor], int]:
+    out: dict[str, torch.Tensor] = {}
+    total = sum(e.nbytes for _, e in plan)
+    done = 0
+    for name, e in plan:
+        out[name] = _cast(source.read(e), e, cast if e.key == model_key else None)
+        done += e.nbytes
+        if progress is not None:
+            progress(done, total)
+    return out, sum(t.numel() * t.element_size() for t in out.values())
+
+
+def _export_torch(source: CheckpointSource, model_key: str, plan: list[tuple[str, Entry]], tmp: Path,
+                  cast: torch.dtype | None, with_optimizer: bool,
+                  progress: Callable[[int, int], None] | None) -> tuple[list[str], int]:
+    tensors, total = _read_all(source, plan, model_key, cast, progress)
+    obj: dict[str, Any]
+    if not with_optimizer:
+        obj = tensors
+    else:   # {"model": flat cleaned state dict, "<key>": that state's own tree (optimizer state_dict ...)}
+        obj = {model_key: {n: t for (n, e), t in zip(plan, tensors.values()) if e.key == model_key}}
+        by_leaf = {e.meta["name"]: t for (_, e), t in zip(plan, tensors.values()) if e.key != model_key}
+        skel = source.manifest["skeletons"]["replicated"]
+        for key in skel:
+            if key != model_key:
+                obj[key] = unflatten(skel[key], by_leaf)
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return [tmp.name], total
+
+
+def _export_dcp(source: CheckpointSource, model_key: str, plan: list[tuple[str, Entry]], tmp: Path,
+                cast: torch.dtype | None, progress: Callable[[int, int], None] | None) -> tuple[list[str], int]:
+    import torch.distributed.checkpoint as dcp
+
+    tensors, total = _read_all(source, plan, model_key, cast, progress)
+    tmp.mkdir()
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _quiet_dcp():
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+    except CheckpointException as exc:   # a BaseException: DCP wraps each rank's error in it
+        first = next(iter(exc.failures.values()), (exc,))[0]
+        raise CheckpointError(f"dcp.save failed: {str(first)[:500]}",
+                              hint="free space there (or pick another OUT) and export again") from None
+    fsync_dir(tmp)
+    return sorted(p.name for p in tmp.iterdir()), total
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Any:
+    import warnings
+
+    with warnings.catch_warnings():   # "torch.distributed is disabled, unavailable or uninitialized"
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+def describe(result: ExportResult) -> str:
+    gb = result.bytes / 1e9
+    return (f"exported step {result.step}: {result.tensors} tensors, {gb:.3f} GB to {result.out} "
+            f"({result.format}, {len(result.files)} file(s), {result.seconds:.1f} s)")
+
