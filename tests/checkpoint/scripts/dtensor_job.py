@@ -149,7 +149,7 @@ def main() -> int:
         rng = sum(p[3] for t in res.manifest["tensors"] if t["name"].startswith("per_rank/__rng__")
                   for p in t.get("parts", ()) if p[0] == rank)
         result["read"] = comm.gather((res.read_bytes - rng, held))
-        if layout != "plain":  # the loaded state trains on (a step works with these moments)
+        if layout in ("fsdp", "hsdp"):  # the loaded state trains on (a step works with these moments)
             train(model, opt, 1)
     elif mode == "bad":
         case = sys.argv[3]
