@@ -107,10 +107,11 @@ def _overlap(a: Box, b: Box) -> bool:
     return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1]))
 
 
-def plan(name: str, descs: Sequence[Any], turn: int) -> tuple[list[tuple[int, Box]], int]:
+def plan(name: str, descs: Sequence[Any], written: dict[int, int], itemsize: int) -> list[tuple[int, Box]]:
     """Who writes what of one DTensor leaf: [(writer rank, box)] (each distinct non-empty box
     once), after checking the ranks' boxes tile the global tensor. ``descs[r]`` is rank r's
-    description; ``turn`` rotates the writer among a box's replicas from tensor to tensor."""
+    description. A box held by several ranks (replicas) goes to the one of them that has been
+    given the fewest bytes so far (``written``, updated), so the writing spreads over replicas."""
     base = descs[0]
     holders: dict[Box, list[int]] = {}
     for r, d in enumerate(descs):
@@ -133,10 +134,11 @@ def plan(name: str, descs: Sequence[Any], turn: int) -> tuple[list[tuple[int, Bo
                               f"{list(base.shape)} exactly once", hint="the DTensor's device mesh must "
                               "span every rank of the communicator, with Shard/Replicate placements")
     out = []
-    for j, box in enumerate(boxes):
-        h = holders[box]
-        out.append((h[(turn + j) % len(h)], box))
-    return out, turn + len(boxes)
+    for box in boxes:
+        r = min(holders[box], key=lambda q: written.get(q, 0))  # ties: the first replica
+        written[r] = written.get(r, 0) + math.prod(box[1]) * itemsize
+        out.append((r, box))
+    return out
 
 
 # ------------------------------------------------------------------------------------ load

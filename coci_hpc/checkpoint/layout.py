@@ -224,14 +224,14 @@ def _plan_dtensors(per_rank_leaves: Sequence[Sequence[LeafDesc]], datasets: list
 
     by_rank = [{l.name: l for l in leaves if l.kind == "dtensor"} for leaves in per_rank_leaves]
     out: dict[int, tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]] = {}
-    turn = 0
+    written: dict[int, int] = {}
     for name in [l.name for l in per_rank_leaves[0] if l.kind == "dtensor"]:
         descs = [mine.get(name) for mine in by_rank]
-        writers, turn = plan(name, descs, turn)
         base = descs[0]
         assert base is not None
-        idx = len(datasets)
         itemsize = storage_dtype(base.dtype).itemsize
+        writers = plan(name, descs, written, itemsize)
+        idx = len(datasets)
         datasets.append(DatasetSpec(name, name, base.dtype, tuple(base.shape), "dtensor",
                                     math.prod(base.shape) * itemsize))
         out[idx] = tuple((r, box[0], box[1]) for r, box in writers)
