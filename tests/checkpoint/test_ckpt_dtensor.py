@@ -121,6 +121,12 @@ def test_flipped_byte_in_a_shard_falls_back(tmp_path: Path) -> None:
     check_loaded(first, loaded)
 
 
+def test_async_two_phase_save_of_fsdp2(tmp_path: Path) -> None:
+    saved = job(2, "asave", tmp_path)
+    assert saved["changed"]  # training went on after the snapshot ...
+    check_loaded(saved, job(3, "load", tmp_path, "fsdp"))  # ... the checkpoint holds the snapshot
+
+
 def test_cached_layout_and_shape_change(tmp_path: Path) -> None:
     got = job(2, "cache", tmp_path)
     assert got["sources"][:3] == ["planned", "cached", "cached"]

@@ -13,6 +13,7 @@ over 2, 3 or 4 ranks):
     dtensor_job.py save DIR LAYOUT STEP     train STEP Adam steps, save at STEP; print RESULT
     dtensor_job.py load DIR LAYOUT          fresh model + optimizer, load_latest; print RESULT
     dtensor_job.py bad DIR CASE             one bad input; print ERROR type + message
+    dtensor_job.py asave DIR                save_async an FSDP2 state at step 1, train on; print RESULT
     dtensor_job.py cache DIR                cached layout of an unchanged state, a shape change
 
 RESULT (rank 0): sha256 of every full tensor (gathered with full_tensor()), the loaded step,
@@ -136,6 +137,15 @@ def main() -> int:
             mgr.save(step, {"model": model, "optimizer": opt})
             result["hashes"] = hashes(model, opt)
         result["step"] = step
+    elif mode == "asave":  # the two-phase save: snapshot, training goes on, persist in the background
+        model, opt = build("fsdp", world)
+        train(model, opt, 1)
+        result["hashes"] = hashes(model, opt)
+        mgr.save_async(1, {"model": model, "optimizer": opt})
+        train(model, opt, 1)  # its optimizer step waits for the snapshot, then changes the state
+        mgr.wait()
+        result["step"] = 1
+        result["changed"] = hashes(model, opt) != result["hashes"]
     elif mode == "load":
         layout = sys.argv[3]
         model, opt = build(layout, world)
