@@ -185,7 +185,7 @@ def optimizer_targets(state: Mapping[str, Any], tensors: Sequence[Mapping[str, A
             if not idx.isdigit() or "/" in rest or int(idx) >= len(params):
                 continue
             p = params[int(idx)]
-            if is_dtensor(p) and list(p.shape) == list(meta["shape"]) and int(idx) not in inner.state:
+            if is_dtensor(p) and list(p.shape) == list(meta["shape"]) and p not in inner.state:
                 dtype = getattr(torch, str(meta["dtype"]).split(".", 1)[1], None) \
                     if str(meta["dtype"]).startswith("torch.") else None
                 if isinstance(dtype, torch.dtype):
