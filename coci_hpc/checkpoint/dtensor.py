@@ -3,9 +3,9 @@
 A ``torch.distributed.tensor.DTensor`` leaf is stored as ONE dataset of its global shape, named
 like any other leaf, so h5py users and exporters read it whole. Each rank holds a *box* of it
 (global offsets + local shape, from its placements on the device mesh: ``Shard(d)`` on any dim,
-``Replicate()``, uneven FSDP2 chunks included). Saving: each distinct box is written once, by one
-of the ranks holding it, the writers rotating over the replicas from tensor to tensor
-(:func:`plan`). A box of a row-major tensor is a set of contiguous byte runs (one for
+``Replicate()``, uneven FSDP2 chunks included). Saving: each distinct box is written once, by the
+one of the ranks holding it that has been given the fewest bytes so far, so the writing of
+replicated boxes (HSDP) spreads over the replicas (:func:`plan`). A box of a row-major tensor is a set of contiguous byte runs (one for
 ``Shard(0)``); :func:`runs` expands it, coalesced, for the byte-range writer and reader. The
 manifest records the boxes compactly (``"boxes"``: [writer rank, offsets, shape]) beside the
 per-run CRCs.

@@ -65,7 +65,7 @@ class Leaf:
     dtype: str          # "torch.float32" or "numpy.float32": how to give it back
     shape: tuple[int, ...]
     array: np.ndarray | None  # 1-D view in the storage dtype; shares memory with a CPU tensor.
-    kind: str           # "replicated" | "per_rank" | "sharded"
+    kind: str           # "replicated" | "per_rank" | "sharded" | "dtensor"
     nbytes: int
     source: torch.Tensor | None = None  # a device tensor left for the two-phase save to copy
     # Only the optimizer step changes it (a parameter or the state of an optimizer whose step
