@@ -191,7 +191,7 @@ def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: 
     """One process writes the whole N-rank checkpoint of ``step`` and commits it after reading it
     back. ``state`` (already rolled back) gives the replicated part; ``per_rank`` every rank's."""
     skel, leaves = collect(state, rng=False)
-    sharded = [l.name for l in leaves if l.kind == "sharded"]
+    sharded = [l.name for l in leaves if l.kind in ("sharded", "dtensor")]  # DTensor: issue 23
     if sharded:
         raise ValueError(f"Sharded tensor(s) {sharded[:3]} have rows only the lost rank held")
     repl = [l for l in leaves if l.kind == "replicated"]
@@ -311,7 +311,7 @@ def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, ow
         out.reason = f"the regular checkpoint of step {step} had committed"
         out.write_s = time.monotonic() - t0
         return out
-    sharded = [l.name for l in collect(state, rng=False)[1] if l.kind == "sharded"]
+    sharded = [l.name for l in collect(state, rng=False)[1] if l.kind in ("sharded", "dtensor")]
     if sharded:        # decided before waiting for the partner copies: they cannot change it
         out.reason = f"Sharded tensor(s) {sharded[:3]} have rows only the lost rank held"
         return out
