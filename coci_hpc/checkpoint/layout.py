@@ -44,6 +44,7 @@ class LeafDesc(NamedTuple):
     shape: tuple[int, ...]
     kind: str
     nbytes: int
+    box: tuple[Any, ...] = ()  # DTensor leaves: (global offsets, local shape); see :mod:`.dtensor`
 
 
 _FIELDS = attrgetter(*LeafDesc._fields)
@@ -116,6 +117,8 @@ class Layout:
     # signature of each rank's leaves (see :func:`signature`): a later save, or a requeued job
     # reading it from the manifest, reuses this layout when its own leaves have the same one.
     signatures: tuple[str, ...] = ()
+    # DTensor datasets: (writer rank, global offsets, local shape) of each box written
+    boxes: Mapping[int, tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]] = field(default_factory=dict)
     _by_rank: dict[int, list[Piece]] = field(default_factory=dict, compare=False, repr=False)
 
     def pieces_of(self, rank: int) -> list[Piece]:
@@ -135,6 +138,8 @@ def signature(descs: Sequence[LeafDesc], align: int, world: int) -> str:
     h.update(f"{align}|{world}".encode())
     for d in descs:
         h.update(f"\0{d.name}\1{d.dtype}\1{d.shape}\1{d.kind}\1{d.nbytes}".encode())
+        if d.box:
+            h.update(f"\1{d.box}".encode())
     return h.hexdigest()
 
 
@@ -220,7 +225,44 @@ def make_layout(per_rank_leaves: Sequence[Sequence[LeafDesc]], align: int = 4096
         datasets.append(DatasetSpec(packed_path(name, dtype, first_dtype[name]), name, dtype, (elems,),
                                     "per_rank", total))
         parts[idx] = tuple(mine_p)
-    return Layout(tuple(datasets), tuple(pieces), parts, world)
+    boxes = _plan_dtensors(per_rank_leaves, datasets, pieces)
+    return Layout(tuple(datasets), tuple(pieces), parts, world, boxes=boxes)
+
+
+def _plan_dtensors(per_rank_leaves: Sequence[Sequence[LeafDesc]], datasets: list[DatasetSpec],
+                   pieces: list[Piece]) -> dict[int, tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]]:
+    """DTensor leaves: one dataset of the global shape each; every distinct box written once
+    (see :func:`.dtensor.plan`), as its coalesced byte runs."""
+    from coci_hpc.checkpoint.dtensor import plan
+    from coci_hpc.checkpoint.state import storage_dtype
+
+    by_rank = [{l.name: l for l in leaves if l.kind == "dtensor"} for leaves in per_rank_leaves]
+    out: dict[int, tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]] = {}
+    written: dict[int, int] = {}
+    for name in [l.name for l in per_rank_leaves[0] if l.kind == "dtensor"]:
+        descs = [mine.get(name) for mine in by_rank]
+        base = descs[0]
+        assert base is not None
+        itemsize = storage_dtype(base.dtype).itemsize
+        writers = plan(name, descs, written, itemsize)
+        idx = len(datasets)
+        datasets.append(DatasetSpec(name, name, base.dtype, tuple(base.shape), "dtensor",
+                                    math.prod(base.shape) * itemsize))
+        out[idx] = tuple((r, box[0], box[1]) for r, box in writers)
+        pieces.extend(dtensor_pieces(idx, name, tuple(base.shape), itemsize, out[idx]))
+    if any(name not in by_rank[0] for mine in by_rank[1:] for name in mine):
+        extra = sorted({n for mine in by_rank[1:] for n in mine} - set(by_rank[0]))[:3]
+        raise CheckpointError(f"DTensor state {extra} exists on other ranks but not on rank 0",
+                              hint="every rank must hold the same DTensor state (a mesh over all ranks)")
+    return out
+
+
+def dtensor_pieces(idx: int, name: str, shape: tuple[int, ...], itemsize: int,
+                   boxes: Sequence[tuple[int, tuple[int, ...], tuple[int, ...]]]) -> list[Piece]:
+    from coci_hpc.checkpoint.dtensor import runs
+
+    return [Piece(idx, r, start, start + n, name, src)
+            for r, offs, shape_b in boxes for start, src, n in runs(shape, (offs, shape_b), itemsize)]
 
 
 def _row_bytes(locs: Sequence[LeafDesc]) -> int:
@@ -282,8 +324,11 @@ def check_pieces(pieces: Sequence[Piece], descs: Sequence[LeafDesc]) -> None:
 
 def layout_from_manifest(m: Mapping[str, Any]) -> Layout:
     """The layout a (format 3) manifest was written with: datasets, pieces and per-rank parts."""
+    from coci_hpc.checkpoint.state import storage_dtype
+
     datasets: list[DatasetSpec] = []
     parts: dict[int, tuple[RankPart, ...]] = {}
+    boxes: dict[int, tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]] = {}
     index: dict[str, int] = {}
     for t in m["tensors"]:
         if t["kind"] == "per_rank" and t.get("rank") is not None:
@@ -293,13 +338,20 @@ def layout_from_manifest(m: Mapping[str, Any]) -> Layout:
         if t["kind"] == "per_rank":
             parts[len(datasets)] = tuple(RankPart(int(r), int(s), tuple(sh), int(n))
                                          for r, s, sh, n in t["parts"])
+        if t["kind"] == "dtensor":
+            boxes[len(datasets)] = tuple((int(r), tuple(o), tuple(sh)) for r, o, sh in t["boxes"])
         datasets.append(DatasetSpec(t["dataset"], t["name"], t["dtype"], tuple(t["shape"]), t["kind"],
                                     int(t["nbytes"])))
     pieces = []
+    for i, bx in boxes.items():  # the shards are these boxes' runs: expanded again, same order
+        d = datasets[i]
+        pieces.extend(dtensor_pieces(i, d.name, d.shape, storage_dtype(d.dtype).itemsize, bx))
     for sh in m["shards"]:
         i = index[sh["dataset"]]
         d = datasets[i]
+        if d.kind == "dtensor":
+            continue
         src = sh["start"] if d.kind == "replicated" else 0
         pieces.append(Piece(i, int(sh["rank"]), int(sh["start"]), int(sh["stop"]), d.name, int(src)))
     sigs = tuple(m.get("layout", {}).get("signatures", ()))
-    return Layout(tuple(datasets), tuple(pieces), parts, int(m["world_size"]), sigs)
+    return Layout(tuple(datasets), tuple(pieces), parts, int(m["world_size"]), sigs, boxes=boxes)

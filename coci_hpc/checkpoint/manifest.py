@@ -184,7 +184,7 @@ def _is_file_name(x: Any) -> bool:
     return isinstance(x, str) and x not in ("", ".", "..") and "/" not in x and "\\" not in x
 
 
-_KINDS = ("replicated", "per_rank", "sharded")
+_KINDS = ("replicated", "per_rank", "sharded", "dtensor")
 
 
 def _depth(x: Any) -> int:
@@ -255,6 +255,8 @@ def _schema_problem(m: dict[str, Any]) -> str | None:
         itemsize = _itemsize(t["dtype"])
         if itemsize is None:
             return f"tensors[{i}] ({t['name']!r}) has dtype {t['dtype']!r}, which is never stored"
+        if t["kind"] == "dtensor" and _boxes_problem(t):
+            return f"tensors[{i}] ({t['name']!r}) {_boxes_problem(t)}"
         if packed and _parts_problem(t, itemsize, m["world_size"]):
             return f"tensors[{i}] ({t['name']!r}) {_parts_problem(t, itemsize, m['world_size'])}"
         if len(t["shape"]) > MAX_NDIM or math.prod(t["shape"] or [1]) * itemsize != t["nbytes"]:
@@ -285,6 +287,21 @@ def _schema_problem(m: dict[str, Any]) -> str | None:
             pos = b if a == pos else -1
         if pos != size:
             return f"the shards of {key[1]!r} do not cover its {size} bytes exactly once"
+    return None
+
+
+def _boxes_problem(t: dict[str, Any]) -> str | None:
+    """What is wrong with the "boxes" of a DTensor tensor: [writer rank, global offsets, local
+    shape] each, inside the global shape (that they cover it exactly once is the shards' check)."""
+    boxes, shape = t.get("boxes"), t["shape"]
+    if not isinstance(boxes, list):
+        return "is a DTensor but has no valid 'boxes' list"
+    for b in boxes:
+        if not (isinstance(b, list) and len(b) == 3 and _is_int(b[0]) and all(
+                isinstance(x, list) and len(x) == len(shape) and all(_is_int(v) for v in x) for x in b[1:])):
+            return "has a malformed entry in 'boxes'"
+        if any(o + n > g for o, n, g in zip(b[1], b[2], shape)):
+            return f"has a box of rank {b[0]} outside its shape"
     return None
 
 

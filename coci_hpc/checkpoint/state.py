@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coci_hpc.checkpoint.dtensor import check_plain, is_dtensor, local_box, local_of
 from coci_hpc.checkpoint.layout import FROM_RANK0
 from coci_hpc.checkpoint.unsupported import check_value
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError
@@ -72,6 +73,9 @@ class Leaf:
     # Only the optimizer step changes it (a parameter or the state of an optimizer whose step
     # waits for the snapshot), so the two-phase save may copy it in the background.
     deferrable: bool = False
+    # A DTensor leaf (kind "dtensor"): this rank's box of the global tensor, (global offsets,
+    # local shape); ``shape`` is the global shape, ``array``/``nbytes`` the local part's.
+    box: tuple[Any, ...] = ()
 
 
 def storage_dtype(dtype: str) -> np.dtype:
@@ -108,12 +112,27 @@ def _tensor_bytes(t: torch.Tensor) -> tuple[str, np.ndarray]:
 
 def _tensor_leaf(t: torch.Tensor, prefix: str, kind: str, defer_device: bool,
                  guarded: frozenset[int] = frozenset()) -> Leaf:
+    if is_dtensor(t):
+        return _dtensor_leaf(t, prefix, defer_device, guarded)
+    check_plain(t, prefix)
     deferrable = t.numel() > 0 and t.data_ptr() in guarded
     if defer_device and t.device.type != "cpu" and str(t.dtype) in _TORCH_DTYPES:
         return Leaf(prefix, str(t.dtype), tuple(t.shape), None, kind,
                     t.numel() * t.element_size(), t.detach(), deferrable)
     name, arr = _tensor_bytes(t)
     return Leaf(prefix, name, tuple(t.shape), arr, kind, int(arr.nbytes), None, deferrable)
+
+
+def _dtensor_leaf(t: Any, prefix: str, defer_device: bool, guarded: frozenset[int]) -> Leaf:
+    """One global dataset, of which this rank holds (and may write) its box."""
+    box = local_box(t, prefix)
+    local = local_of(t)
+    deferrable = local.numel() > 0 and local.data_ptr() in guarded
+    if defer_device and local.device.type != "cpu" and str(local.dtype) in _TORCH_DTYPES:
+        return Leaf(prefix, str(local.dtype), tuple(t.shape), None, "dtensor",
+                    local.numel() * local.element_size(), local.detach(), deferrable, box)
+    name, arr = _tensor_bytes(local)
+    return Leaf(prefix, name, tuple(t.shape), arr, "dtensor", int(arr.nbytes), None, deferrable, box)
 
 
 def _numpy_bytes(a: np.ndarray) -> tuple[str, np.ndarray]:
@@ -226,6 +245,8 @@ def leaf_view(obj: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray | None
     """A writable 1-D view of an existing tensor/array if it can receive the stored leaf in place."""
     if isinstance(obj, Sharded):
         obj = obj.local
+    if is_dtensor(obj):
+        obj = local_of(obj)
     if isinstance(obj, torch.Tensor):
         if (obj.device.type != "cpu" or str(obj.dtype) != dtype or tuple(obj.shape) != tuple(shape)
                 or not obj.is_contiguous()):
@@ -311,12 +332,12 @@ def guarded_ptrs(optimizers: list[torch.optim.Optimizer]) -> frozenset[int]:
         for group in opt.param_groups:
             for p in group["params"]:
                 if isinstance(p, torch.Tensor) and p.numel():
-                    ptrs.add(p.data_ptr())
+                    ptrs.add((local_of(p) if is_dtensor(p) else p).data_ptr())
         for st in opt.state.values():
             if isinstance(st, Mapping):
                 for v in st.values():
                     if isinstance(v, torch.Tensor) and v.numel():
-                        ptrs.add(v.data_ptr())
+                        ptrs.add((local_of(v) if is_dtensor(v) else v).data_ptr())
     return frozenset(ptrs)
 
 

@@ -1,0 +1,295 @@
+"""Sharded (FSDP2 / DTensor) checkpoint benchmark: coci_hpc vs torch.distributed.checkpoint (DCP).
+
+    python benchmarks/sharded_bench.py                  # ~1 GB FSDP2 state, 2 ranks, 3 repeats
+    python benchmarks/sharded_bench.py --json           # one JSON object on stdout (table on stderr)
+    python benchmarks/sharded_bench.py --size-mb 96     # iterate small
+
+The state is an MLP wrapped with ``fully_shard`` (FSDP2) on a CPU device mesh (gloo), each
+``Linear`` its own FSDP unit, after one Adam step: parameters plus the two moments, about
+``--size-mb`` MB in all, every tensor a ``DTensor`` sharded on dim 0 over the ranks.
+
+Phase 1 (``mpiexec -n 2``), ``--repeats`` rounds, coci and DCP interleaved (their order swapped
+every round):
+
+* save: ``CheckpointManager.save(step, {"model": m, "optimizer": opt})`` against
+  ``dcp.save(get_state_dict(m, opt))`` (both fsync their files);
+* async stall: the time ``save_async`` + ``wait_snapshot`` block the training loop against the
+  time ``dcp.async_save`` (with ``get_state_dict``) blocks it; each then finishes in the background;
+* load on the same mesh, page cache dropped first: ``CheckpointManager.load`` against
+  ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``.
+
+Phase 2 (``mpiexec -n 1`` and ``-n 4 --oversubscribe``): the last checkpoints of phase 1 loaded
+into the same model built with FSDP2 on 1 and 4 ranks, each round with a fresh optimizer (no
+state yet: DCP's ``get_state_dict`` initialises it with a zero-gradient step, coci builds the
+moments from the parameters' placements), page cache dropped first.
+
+Times are the slowest rank's, between barriers; medians over the rounds. Ratios (goals from
+issue 23): ``sharded_save_vs_dcp``, ``sharded_load_vs_dcp``, ``reshard_load_vs_dcp`` (the worse
+of 2 -> 1 and 2 -> 4) <= 0.8; ``sharded_stall_vs_dcp_async`` <= 0.2; ``bytes_written_ratio``
+= coci's data file bytes / unique state bytes <= 1.01.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def drop_cache(paths: list[Path]) -> str:
+    """Evict these files from the page cache (fsync + fadvise DONTNEED): no global drop, the
+    machine is shared."""
+    for p in paths:
+        for f in ([p] if p.is_file() else [q for q in p.rglob("*") if q.is_file()]):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "fadvise"
+
+
+def build(size_mb: int, world: int) -> tuple[Any, Any, Any]:
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
+
+    n_params = size_mb * (1 << 20) // 12
+    layers = 8
+    width = int((n_params / layers) ** 0.5)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(4, width)
+
+    def step(opt: Any) -> None:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    return model, mesh, step
+
+
+def state_bytes(model: Any, opt: Any) -> int:
+    """Unique bytes of the state (global tensors: each counted once, whatever its replicas)."""
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    for st in opt.state.values():
+        n += sum(v.numel() * v.element_size() for v in st.values() if hasattr(v, "numel"))
+    return n
+
+
+class Timer:
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+
+    def __call__(self, fn: Any) -> float:
+        self.comm.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        self.comm.barrier()
+        return float(self.comm.allreduce_max(dt))
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from coci_hpc import init_distributed
+    from coci_hpc.checkpoint import CheckpointManager
+    from coci_hpc.comm import Comm
+
+    torch.set_num_threads(1)
+    comm = Comm.world()
+    init_distributed(comm=comm)
+    world = comm.size
+    timer = Timer(comm)
+    base = Path(args.dir)
+    model, _mesh, step = build(args.size_mb, world)
+    res: dict[str, list[float]] = {}
+
+    def rec(key: str, v: float) -> None:
+        res.setdefault(key, []).append(v)
+
+    def dcp_load(opt: Any, where: Path) -> None:
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=str(where))
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    out: dict[str, Any] = {"world": world}
+    if args.phase == "save":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        step(opt)
+        out["state_bytes"] = state_bytes(model, opt)
+        cdir, ddir = base / "coci", base / "dcp"
+        mgr = CheckpointManager(cdir, comm=comm, keep=1, rng=False)
+        for rep in range(args.repeats):
+            target = ddir / f"s{rep}"
+
+            def coci_save() -> None:
+                mgr.save(rep + 1, {"model": model, "optimizer": opt})
+
+            def dcp_save() -> None:
+                msd, osd = get_state_dict(model, opt)
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(target))
+
+            for name, fn in ([("coci_save", coci_save), ("dcp_save", dcp_save)] if rep % 2 == 0
+                             else [("dcp_save", dcp_save), ("coci_save", coci_save)]):
+                rec(name, timer(fn))
+            if comm.rank == 0:
+                drop_cache([cdir, target])
+            for name, fn in ([("coci_load", lambda: mgr.load(rep + 1, {"model": model, "optimizer": opt})),
+                              ("dcp_load", lambda: dcp_load(opt, target))] if rep % 2 == 0 else
+                             [("dcp_load", lambda: dcp_load(opt, target)),
+                              ("coci_load", lambda: mgr.load(rep + 1, {"model": model, "optimizer": opt}))]):
+                rec(name, timer(fn))
+            if comm.rank == 0 and rep + 1 < args.repeats:
+                shutil.rmtree(target, ignore_errors=True)
+        if args.async_:
+            for rep in range(args.repeats):
+                adir = base / f"dcp_async{rep}"
+                comm.barrier()
+                t0 = time.perf_counter()
+                mgr.save_async(100 + rep, {"model": model, "optimizer": opt})
+                mgr.wait_snapshot()
+                rec("coci_stall", float(comm.allreduce_max(time.perf_counter() - t0)))
+                mgr.wait()
+                comm.barrier()
+                t0 = time.perf_counter()
+                msd, osd = get_state_dict(model, opt)
+                fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(adir))
+                rec("dcp_stall", float(comm.allreduce_max(time.perf_counter() - t0)))
+                fut.result()
+                comm.barrier()
+                if comm.rank == 0:
+                    shutil.rmtree(adir, ignore_errors=True)
+            # the reshard phase loads the last synchronous save's step
+            mgr.save(1000, {"model": model, "optimizer": opt})
+        mgr.close()
+        if comm.rank == 0:
+            data = [p for p in cdir.rglob("data.h5")]
+            out["coci_file_bytes"] = sum(p.stat().st_size for p in data) / max(1, len(data))
+            out["dcp_file_bytes"] = sum(p.stat().st_size for p in (ddir / f"s{args.repeats - 1}").rglob("*")
+                                        if p.is_file())
+    else:
+        cdir, ddir = base / "coci", base / "dcp" / f"s{args.repeats - 1}"
+        mgr = CheckpointManager(cdir, comm=comm, lock=False)
+        for rep in range(args.repeats):
+            order = [("coci_load", "coci"), ("dcp_load", "dcp")]
+            for name, which in (order if rep % 2 == 0 else order[::-1]):
+                opt = torch.optim.Adam(model.parameters(), lr=1e-4)  # fresh: no state yet
+                if comm.rank == 0:
+                    drop_cache([cdir, ddir])
+                rec(name, timer((lambda o=opt: mgr.load_latest({"model": model, "optimizer": o}))
+                                if which == "coci" else (lambda o=opt: dcp_load(o, ddir))))
+        mgr.close()
+    dist.destroy_process_group()
+    out.update({k: statistics.median(v) for k, v in res.items()})
+    out["samples"] = res
+    return out
+
+
+def run(args: argparse.Namespace, n: int, phase: str, workdir: Path) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tf:
+        out_path = tf.name
+    cmd = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", str(n),
+           sys.executable, "-m", "mpi4py", __file__, "--worker", out_path, "--phase", phase,
+           "--size-mb", str(args.size_mb), "--repeats", str(args.repeats), "--dir", str(workdir)]
+    if args.async_:
+        cmd.append("--async")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout}\n{p.stderr}")
+    out = json.loads(Path(out_path).read_text())
+    os.unlink(out_path)
+    return out
+
+
+def table(doc: dict[str, Any]) -> str:
+    s, r1, r4 = doc["by_phase"]["save"], doc["by_phase"]["reshard_1"], doc["by_phase"]["reshard_4"]
+    rows = [("save (2 ranks)", s["coci_save"], s["dcp_save"]),
+            ("load, same mesh (2)", s["coci_load"], s["dcp_load"]),
+            ("reshard load 2 -> 1", r1["coci_load"], r1["dcp_load"]),
+            ("reshard load 2 -> 4", r4["coci_load"], r4["dcp_load"])]
+    if "coci_stall" in s:
+        rows.insert(1, ("async save stall (2)", s["coci_stall"], s["dcp_stall"]))
+    lines = [f"FSDP2 state {doc['state_bytes'] / 1e6:.0f} MB (params + Adam moments), medians of "
+             f"{doc['repeats']} interleaved rounds, slowest rank",
+             f"{'':24s} {'coci s':>9s} {'DCP s':>9s} {'coci/DCP':>9s}"]
+    for name, a, b in rows:
+        lines.append(f"{name:24s} {a:9.3f} {b:9.3f} {a / b:9.2f}")
+    lines.append(f"file bytes / unique state bytes: coci {doc['bytes_written_ratio']:.4f}, "
+                 f"DCP {doc['dcp_bytes_ratio']:.4f}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-mb", type=int, default=1000, help="state size (params + Adam moments)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
+    ap.add_argument("--async", dest="async_", action="store_true", default=True)
+    ap.add_argument("--no-async", dest="async_", action="store_false",
+                    help="skip the async-save stall comparison")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--phase", default="save", help=argparse.SUPPRESS)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        out = worker(args)
+        from coci_hpc.comm import Comm
+
+        if Comm.world().rank == 0:
+            Path(args.worker).write_text(json.dumps(out))
+        return 0
+
+    t0 = time.perf_counter()
+    workdir = Path(tempfile.mkdtemp(prefix="coci-sharded-bench-", dir=args.dir))
+    try:
+        save = run(args, 2, "save", workdir)
+        r1 = run(args, 1, "reshard", workdir)
+        r4 = run(args, 4, "reshard", workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    ratio = lambda ph, k: ph[f"coci_{k}"] / ph[f"dcp_{k}"]  # noqa: E731
+    doc: dict[str, Any] = {
+        "sharded_save_vs_dcp": ratio(save, "save"),
+        "sharded_load_vs_dcp": ratio(save, "load"),
+        "reshard_load_vs_dcp": max(ratio(r1, "load"), ratio(r4, "load")),
+        "bytes_written_ratio": save["coci_file_bytes"] / save["state_bytes"],
+        "dcp_bytes_ratio": save["dcp_file_bytes"] / save["state_bytes"],
+        "state_bytes": save["state_bytes"], "repeats": args.repeats, "page_cache": "fadvise",
+        "elapsed_s": round(time.perf_counter() - t0, 1),
+        "by_phase": {"save": save, "reshard_1": r1, "reshard_4": r4},
+    }
+    if "coci_stall" in save:
+        doc["sharded_stall_vs_dcp_async"] = ratio(save, "stall")
+    if args.json:
+        print(table(doc), file=sys.stderr)
+        print(json.dumps(doc))
+    else:
+        print(table(doc))
+        print(f"\ntotal {doc['elapsed_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

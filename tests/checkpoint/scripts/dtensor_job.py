@@ -1,0 +1,203 @@
+"""Subprocess driver for the DTensor (FSDP2 / tensor parallel / HSDP) checkpoint tests.
+
+Run under ``mpiexec -n N``; torch.distributed (gloo, CPU) comes up through coci's
+``init_distributed``. Layouts of the same small model (uneven dims: 7 rows do not split evenly
+over 2, 3 or 4 ranks):
+
+    fsdp      fully_shard on a 1-D mesh over every rank (Shard(0), uneven chunks)
+    hsdp      fully_shard on a 2-D mesh (replicate x shard), 2 x (N / 2)
+    tp        parallelize_module: fc1 ColwiseParallel (Shard(0)), fc2 RowwiseParallel (Shard(1))
+    plain     no wrapping (every rank holds everything, replicated)
+    sharded   a plain dict of the model's tensors, fc1.weight as Sharded(rows of this rank)
+
+    dtensor_job.py save DIR LAYOUT STEP     train STEP Adam steps, save at STEP; print RESULT
+    dtensor_job.py load DIR LAYOUT          fresh model + optimizer, load_latest; print RESULT
+    dtensor_job.py bad DIR CASE             one bad input; print ERROR type + message
+    dtensor_job.py cache DIR                cached layout of an unchanged state, a shape change
+
+RESULT (rank 0): sha256 of every full tensor (gathered with full_tensor()), the loaded step,
+and per rank the bytes the load read into its own state against the bytes that state holds.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor, init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from coci_hpc import init_distributed
+from coci_hpc.checkpoint import CheckpointManager, Sharded
+from coci_hpc.checkpoint.state import collect
+from coci_hpc.comm import Comm
+from coci_hpc.errors import CociError
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, rows: int = 7) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(10, rows)
+        self.fc2 = torch.nn.Linear(rows, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def build(layout: str, world: int, rows: int = 7) -> tuple[Any, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = MLP(rows)
+    if layout == "fsdp":
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(model.fc1, mesh=mesh)
+        fully_shard(model.fc2, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif layout == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model.fc1, mesh=mesh)
+        fully_shard(model.fc2, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif layout == "tp":
+        mesh = init_device_mesh("cpu", (world,))
+        parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    elif layout not in ("plain", "sharded"):
+        raise SystemExit(f"unknown layout {layout}")
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def train(model: Any, opt: torch.optim.Optimizer, steps: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad()
+        x = torch.randn(4, 10, generator=gen)
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def full(t: Any) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def digest(t: Any) -> str:
+    t = full(t).detach().contiguous()
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()[:16] + \
+        f"{list(t.shape)}{t.dtype}"
+
+
+def hashes(model: Any, opt: torch.optim.Optimizer) -> dict[str, str]:
+    out = {f"model/{k}": digest(v) for k, v in model.state_dict().items()}
+    for idx, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and k != "step":
+                out[f"opt/{idx}/{k}"] = digest(v)
+    return out
+
+
+def placements(model: Any, opt: torch.optim.Optimizer) -> dict[str, str]:
+    out = {}
+    params = list(model.parameters())
+    for i, p in enumerate(params):
+        st = opt.state.get(p, {})
+        for k, v in st.items():
+            if k != "step":
+                same = isinstance(v, DTensor) == isinstance(p, DTensor) and \
+                    (not isinstance(p, DTensor) or (v.placements == p.placements and v.device_mesh == p.device_mesh))
+                out[f"opt/{i}/{k}"] = "same" if same else f"{type(v).__name__} vs {type(p).__name__}"
+    return out
+
+
+def sharded_dict(model: Any, rank: int, world: int) -> dict[str, Any]:
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    w = sd["fc1.weight"]
+    chunks = torch.tensor_split(w, world, dim=0)
+    sd["fc1.weight"] = Sharded(chunks[rank].contiguous())
+    return sd
+
+
+def main() -> int:
+    mode, root = sys.argv[1], sys.argv[2]
+    comm = Comm.world()
+    init_distributed(comm=comm)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mgr = CheckpointManager(root, comm=comm, keep=5)
+    result: dict[str, Any] = {"world": world}
+    if mode == "save":
+        layout, step = sys.argv[3], int(sys.argv[4])
+        model, opt = build(layout, world)
+        train(model, opt, step)
+        if layout == "sharded":
+            mgr.save(step, {"model": sharded_dict(model, rank, world)})
+            result["hashes"] = {f"model/{k}": digest(v) for k, v in model.state_dict().items()}
+        else:
+            mgr.save(step, {"model": model, "optimizer": opt})
+            result["hashes"] = hashes(model, opt)
+        result["step"] = step
+    elif mode == "load":
+        layout = sys.argv[3]
+        model, opt = build(layout, world)
+        state = {"model": model, "optimizer": opt} if len(sys.argv) < 5 else {"model": model}
+        res = mgr.load_latest(state)
+        result["step"] = res.step
+        result["hashes"] = hashes(model, opt)
+        result["placements"] = placements(model, opt)
+        # the RNG states are per rank (read where this rank saved one): counted apart
+        held = sum(l.nbytes for l in collect(state, rng=False)[1])
+        rng = sum(p[3] for t in res.manifest["tensors"] if t["name"].startswith("per_rank/__rng__")
+                  for p in t.get("parts", ()) if p[0] == rank)
+        result["read"] = comm.gather((res.read_bytes - rng, held))
+        if layout in ("fsdp", "hsdp"):  # the loaded state trains on (a step works with these moments)
+            train(model, opt, 1)
+    elif mode == "bad":
+        case = sys.argv[3]
+        mesh = init_device_mesh("cpu", (world,))
+        try:
+            if case == "partial":
+                dt = DTensor.from_local(torch.ones(4), mesh, [Partial()])
+                mgr.save(1, {"extras": {"w": dt}})
+            elif case == "subclass":
+                class Odd(torch.Tensor):
+                    pass
+                mgr.save(1, {"extras": {"w": torch.ones(3).as_subclass(Odd)}})
+            elif case == "mesh":
+                from torch.distributed.device_mesh import DeviceMesh
+                small = DeviceMesh("cpu", [0])  # a mesh of rank 0 alone, in a job of `world`
+                mgr.save(1, {"extras": {"w": distribute_tensor(torch.ones(4, 2), small, [Shard(0)])}})
+            elif case == "shape":
+                model, opt = build("fsdp", world)
+                train(model, opt, 1)
+                mgr.save(1, {"model": model, "optimizer": opt})
+                model2, opt2 = build("fsdp", world, rows=8)
+                mgr.load(1, {"model": model2, "optimizer": opt2})
+            result["error"] = None
+        except CociError as exc:
+            result["error"] = [type(exc).__name__, str(exc)]
+        result["latest"] = mgr.latest_step()
+    elif mode == "cache":
+        model, opt = build("fsdp", world)
+        train(model, opt, 1)
+        sources = []
+        for step in (1, 2, 3):
+            mgr.save(step, {"model": model, "optimizer": opt})
+            sources.append(mgr._layouts.last.get("source"))
+        model2, opt2 = build("fsdp", world, rows=9)  # a shape change
+        train(model2, opt2, 1)
+        mgr.save(4, {"model": model2, "optimizer": opt2})
+        sources.append(mgr._layouts.last.get("source"))
+        result["sources"] = sources
+        model3, opt3 = build("fsdp", world, rows=9)
+        res = mgr.load_latest({"model": model3, "optimizer": opt3})
+        result["step"] = res.step
+        result["same"] = hashes(model2, opt2) == hashes(model3, opt3)
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    raise SystemExit(main())

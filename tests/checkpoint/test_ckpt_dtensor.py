@@ -1,0 +1,160 @@
+"""DTensor state (FSDP2, tensor parallel, HSDP) in the checkpoint store, resharded on load.
+
+Real processes: ``mpiexec -n 1/2/3/4 --oversubscribe``, torch.distributed on gloo (CPU), real
+``fully_shard`` / ``parallelize_module``, real parallel HDF5 files. Every layout change compares
+the full tensors (gathered with ``full_tensor()``) after the load with the ones saved.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+
+from coci_hpc.checkpoint import manifest as mf
+from tests.checkpoint.conftest import SCRIPTS, run_ranks
+
+JOB = str(SCRIPTS / "dtensor_job.py")
+
+
+def job(n: int, *args: Any) -> dict[str, Any]:
+    p = run_ranks(n, JOB, *map(str, args), timeout=180)
+    line = next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def check_loaded(saved: dict[str, Any], loaded: dict[str, Any], *, optimizer: bool = True) -> None:
+    want = saved["hashes"] if optimizer else {k: v for k, v in saved["hashes"].items() if k.startswith("model/")}
+    got = loaded["hashes"] if optimizer else {k: v for k, v in loaded["hashes"].items() if k.startswith("model/")}
+    assert got == want
+    assert loaded["step"] == saved["step"]
+    # the fresh optimizer's moments have the parameter's mesh and placements
+    assert set(loaded["placements"].values()) <= {"same"}, loaded["placements"]
+    # each rank read exactly the bytes its own state holds (its new boxes), no more
+    for read, held in loaded["read"]:
+        assert read == held
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("fsdp2")
+    return root, job(2, "save", root, "fsdp", 1)
+
+
+def test_fsdp2_saves_one_global_dataset_per_tensor(fsdp2: tuple[Path, dict[str, Any]]) -> None:
+    root, saved = fsdp2
+    m = mf.read_step(root, 1)
+    dt = {t["name"]: t for t in m["tensors"] if t["kind"] == "dtensor"}
+    w = dt["replicated/model/fc1.weight"]
+    assert w["shape"] == [7, 10]
+    # uneven FSDP2 chunks: 4 + 3 rows, each written by the rank that holds it
+    assert sorted(map(tuple, [[b[0], *b[1], *b[2]] for b in w["boxes"]])) == [(0, 0, 0, 4, 10), (1, 4, 0, 3, 10)]
+    assert "replicated/optimizer/state/0/exp_avg" in dt
+    # every byte of the dataset is written once: bytes in the file = unique state bytes
+    shards = [s for s in m["shards"] if s["dataset"] == w["dataset"]]
+    assert sum(s["stop"] - s["start"] for s in shards) == w["nbytes"] == 7 * 10 * 4
+    with h5py.File(mf.step_dir(root, 1) / mf.DATA_FILE, "r") as f:  # h5py reads it whole
+        assert f[w["dataset"]].shape == (7, 10)
+        assert np.isfinite(f[w["dataset"]][()]).all()
+
+
+def test_fsdp2_same_mesh(fsdp2: tuple[Path, dict[str, Any]]) -> None:
+    root, saved = fsdp2
+    check_loaded(saved, job(2, "load", root, "fsdp"))
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_fsdp2_other_world_size(fsdp2: tuple[Path, dict[str, Any]], n: int) -> None:
+    root, saved = fsdp2
+    loaded = job(n, "load", root, "fsdp")
+    check_loaded(saved, loaded)
+    if n > 1:  # a rank reads its new shards, not the whole state
+        total = sum(held for _, held in loaded["read"])
+        assert all(read < total / 2 for read, _ in loaded["read"])
+
+
+def test_fsdp2_to_tensor_parallel(fsdp2: tuple[Path, dict[str, Any]]) -> None:
+    root, saved = fsdp2
+    check_loaded(saved, job(2, "load", root, "tp"))
+
+
+def test_fsdp2_to_plain_model_in_one_process(fsdp2: tuple[Path, dict[str, Any]]) -> None:
+    root, saved = fsdp2
+    check_loaded(saved, job(1, "load", root, "plain"))
+
+
+def test_hsdp_to_fsdp2(tmp_path: Path) -> None:
+    saved = job(4, "save", tmp_path, "hsdp", 2)
+    m = mf.read_step(tmp_path, 2)
+    w = next(t for t in m["tensors"] if t["name"] == "replicated/model/fc1.weight")
+    assert w["kind"] == "dtensor" and len(w["boxes"]) == 2  # each shard once, not once per replica
+    writers = [b[0] for t in m["tensors"] if t["kind"] == "dtensor" for b in t["boxes"]]
+    assert len(set(writers)) == 4  # the writing is spread over the replicas
+    check_loaded(saved, job(2, "load", tmp_path, "fsdp"))
+
+
+def test_plain_and_sharded_checkpoints_to_fsdp2(tmp_path: Path) -> None:
+    plain = job(1, "save", tmp_path / "plain", "plain", 1)
+    check_loaded(plain, job(2, "load", tmp_path / "plain", "fsdp"))
+    sharded = job(2, "save", tmp_path / "sharded", "sharded", 1)
+    check_loaded(sharded, job(3, "load", tmp_path / "sharded", "fsdp", "model-only"), optimizer=False)
+
+
+def test_flipped_byte_in_a_shard_falls_back(tmp_path: Path) -> None:
+    first = job(2, "save", tmp_path, "fsdp", 1)
+    job(2, "save", tmp_path, "fsdp", 2)
+    m = mf.read_step(tmp_path, 2)
+    w = next(t for t in m["tensors"] if t["name"] == "replicated/model/fc1.weight")
+    sh = next(s for s in m["shards"] if s["dataset"] == w["dataset"] and s["rank"] == 1)
+    path = mf.step_dir(tmp_path, 2) / mf.DATA_FILE
+    with open(path, "r+b") as f:
+        f.seek(w["offset"] + sh["start"] + 5)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    loaded = job(3, "load", tmp_path, "fsdp")
+    assert loaded["step"] == 1
+    check_loaded(first, loaded)
+
+
+def test_cached_layout_and_shape_change(tmp_path: Path) -> None:
+    got = job(2, "cache", tmp_path)
+    assert got["sources"][:3] == ["planned", "cached", "cached"]
+    assert got["sources"][3] == "planned"  # a shape change plans again
+    assert got["step"] == 4 and got["same"]
+
+
+@pytest.mark.parametrize("case,error,words", [
+    ("partial", "UsageError", ["Partial", "extras/w", "redistribute"]),
+    ("subclass", "UsageError", ["extras/w", "subclass", "Odd"]),
+    ("mesh", "UsageError", ["device mesh of 1 rank", "extras/w", "covers every rank"]),
+    ("shape", "CheckpointError", ["global shape [8, 10]", "[7, 10]", "fc1.weight"]),
+])
+def test_bad_input(tmp_path: Path, case: str, error: str, words: list[str]) -> None:
+    got = job(2, "bad", tmp_path, case)
+    assert got["error"] is not None and got["error"][0] == error, got
+    for w in words:
+        assert w in got["error"][1], (w, got["error"][1])
+    if case != "shape":
+        assert got["latest"] is None  # nothing was written
+    else:
+        assert got["latest"] == 1
+
+
+def test_runs_of_boxes() -> None:
+    from coci_hpc.checkpoint.dtensor import runs
+
+    # Shard(0): one run
+    assert runs((7, 10), ((4, 0), (3, 10)), 4) == [(160, 0, 120)]
+    # Shard(1) of a (3, 4) tensor, columns 2..3: one run per row
+    assert runs((3, 4), ((0, 2), (3, 2)), 1) == [(2, 0, 2), (6, 2, 2), (10, 4, 2)]
+    # a 2-D box of a 3-D tensor spanning the last dim whole: rows coalesce
+    r = runs((4, 3, 5), ((1, 1, 0), (2, 2, 5)), 1)
+    assert r == [(20, 0, 10), (35, 10, 10)]
+    assert sum(n for _, _, n in r) == math.prod((2, 2, 5))
+    assert runs((), ((), ()), 8) == [(0, 0, 8)]
+    assert runs((4, 0), ((0, 0), (4, 0)), 4) == []
