@@ -364,15 +364,13 @@ def collect(state: Mapping[str, Any], *, rng: bool = True, defer_device: bool = 
     return {"replicated": repl, "per_rank": per_rank}, leaves
 
 
-# FROM_RANK0: a replicated leaf whose value on rank 0 is the authoritative one, written by rank 0
-# alone (layout.py): module buffers. Ranks may hold different values there (BatchNorm running statistics are
-# updated from each rank's own batch) and DDP broadcasts rank 0's at the next forward
-# (broadcast_buffers), so rank 0's are the ones the uninterrupted run goes on with. Every other
-# replicated leaf must be equal on all ranks (checked: :mod:`.replicas`).
-
-
 def _buffers_from_rank0(module: torch.nn.Module, prefix: str, leaves: list[Leaf], first: int) -> None:
-    """Mark the leaves ``leaves[first:]`` of ``module``'s buffers as :data:`FROM_RANK0`."""
+    """Mark the leaves ``leaves[first:]`` of ``module``'s buffers as FROM_RANK0: replicated, with
+    rank 0's value the authoritative one, written by rank 0 alone (:mod:`.layout`). Ranks may hold
+    different values there (BatchNorm running statistics come from each rank's own batch) and DDP
+    broadcasts rank 0's at the next forward (``broadcast_buffers``), so rank 0's are the ones the
+    uninterrupted run goes on with. Every other replicated leaf must be equal on all ranks
+    (checked: :mod:`.replicas`)."""
     names = {f"{prefix}/{_escape(n)}" for n, _ in module.named_buffers(remove_duplicate=False)}
     if not names:
         return

@@ -64,3 +64,26 @@ def test_replicated_values_that_differ_between_ranks_are_refused_naming_the_leaf
     assert "PerRank" in out["hint"] and "Sharded" in out["hint"]
     assert out["steps_after_refusal"] == []            # nothing was written
     assert out["steps_after_fix"] == [1]               # the refusal left no stale cached layout
+
+
+def test_the_check_runs_when_the_layout_is_planned_and_never_on_a_cached_save(tmp_path: Path, monkeypatch) -> None:
+    from coci_hpc.checkpoint import CheckpointManager, coordinator
+    from coci_hpc.comm import Comm
+
+    calls: list[int] = []
+    real = coordinator.replicas.check_equal
+    monkeypatch.setattr(coordinator.replicas, "check_equal", lambda comm, leaves: calls.append(len(leaves)) or
+                        real(comm, leaves))
+    state = {"w": torch.zeros(8), "model": torch.nn.BatchNorm1d(4)}
+    mgr = CheckpointManager(tmp_path, Comm.serial())
+    mgr.save(1, state)
+    mgr.save(2, state)                       # same shapes: the cached layout, no bytes read
+    assert len(calls) == 1
+    state["w"] = torch.zeros(9)              # a shape change plans again, and checks again
+    mgr.save(3, state)
+    assert len(calls) == 2
+    mgr.close()
+    again = CheckpointManager(tmp_path, Comm.serial())   # a requeued job: layout from the manifest
+    again.save(4, state)
+    assert len(calls) == 3
+    again.close()
