@@ -39,6 +39,9 @@ class Attempt:
     # Set when this attempt was started by coci-submit's relaunch loop inside the same allocation
     # (--spare-nodes): why, where, and the latency split (detect, process start, restore).
     in_place: dict[str, Any] | None = None
+    # Why a lost rank cannot be covered by a survivors' save in this attempt (state held in parts
+    # across ranks, such as FSDP2's), from its attempt_start record; None when it can.
+    survivors_off: str | None = None
 
 
 @dataclass
@@ -114,7 +117,7 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
                 attempt=n, job_id=e.get("job_id"), nodes=list(e.get("nodes") or []), ranks=e.get("ranks"),
                 start_wall=e.get("wall"), resumed_step=e.get("resumed_step"), steps_lost=e.get("steps_lost"),
                 prev_end=dict(e.get("prev_end") or {}), restart_latency_s=None,
-                sacct_id=e.get("slurm_id") or e.get("job_id"))
+                sacct_id=e.get("slurm_id") or e.get("job_id"), survivors_off=e.get("survivors_off"))
             for step in e.get("torn_survivors_saves") or []:
                 # The previous attempt's survivors were killed mid-save: no peer_lost record of theirs.
                 peer_losses.append({"attempt": n - 1, "step": step, "committed": False, "after_failure_s": None,
@@ -325,6 +328,8 @@ def render_text(h: RunHistory) -> str:
                          f"checkpoint ({pl['reason']}); fell back to step {_i(pl['fallback_step'])}; "
                          f"steps lost {_i(pl['steps_lost'])}")
     lines.append(f"steps lost in total: {h.steps_lost_total}")
+    if h.attempts and h.attempts[-1].survivors_off:
+        lines.append(f"on a lost rank: no survivors' save, back to the last checkpoint: {h.attempts[-1].survivors_off}")
     for a in h.attempts:
         ip = a.in_place
         if ip:

@@ -46,7 +46,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from coci_hpc.checkpoint import CheckpointManager
-from coci_hpc.checkpoint.state import collect
+from coci_hpc.checkpoint.state import Leaf, collect
 from coci_hpc.comm import Comm
 from coci_hpc.errors import (
     CheckpointError,
@@ -70,7 +70,7 @@ from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, requeue
 from coci_hpc.runtime.procinfo import process_start_wall
 from coci_hpc.runtime.schedule import Schedule, make_schedule
 from coci_hpc.runtime.stepsync import MIN_DEADLINE_S, StepSync
-from coci_hpc.runtime.survivors import Survival, sweep_torn, torn_steps
+from coci_hpc.runtime.survivors import Survival, held_in_parts, sweep_torn, torn_steps
 from coci_hpc.slurm import commands, sacct, scontrol
 from coci_hpc.slurm.env import JobEnvironment
 from coci_hpc.slurm.failure_cache import Pending, failure_model_for_job
@@ -237,7 +237,9 @@ class Session:
     def _setup(self, state: Mapping[str, Any], failure_model: FailureModel | None, horizon_s: float,
                keep: int) -> None:
         user_state = session_state(state)
-        _check_saveable(user_state)
+        # On every rank, from the one collective flattening: what a survivors' save could not
+        # rebuild (never a state_dict() on one rank: some are collective).
+        self._parts = held_in_parts(_check_saveable(user_state))
         self._history_pending: Pending | None = None
         self.schedule: Schedule = make_schedule(
             self.config.policy, lambda: failure_model if failure_model is not None else self._failure_model(),
@@ -442,8 +444,7 @@ class Session:
         """Rank 0: the share of failures the planner may count as ~one step lost (survivors' saves)."""
         from coci_hpc.runtime import survivors as sv
 
-        user = {k: v for k, v in self._state.items() if k != STATE_KEY}
-        return sv.coverage_estimate(events, self.survival.enabled and not sv.has_sharded(user))
+        return sv.coverage_estimate(events, self.survival.enabled and not self._parts)
 
     def _record_start(self, info: dict[str, Any], resumed: int | None, restore_s: float) -> str | None:
         events, rows = info["events"], info["rows"]
@@ -460,6 +461,7 @@ class Session:
             self.schedule.after_failure(time.time() - prev_end.end_wall)
         coverage = self._survivor_coverage(events)
         self.schedule.use_survivor_coverage(coverage)
+        from coci_hpc.runtime import survivors as sv
         verdict = att.give_up_reason(events, resumed, prev_end.reason, job_id=self.job.job_id, restart_count=rc,
                                      max_requeues=self.config.max_requeues,
                                      no_progress_limit=self.config.no_progress_limit,
@@ -472,10 +474,13 @@ class Session:
                        torn_survivors_saves=info.get("torn") or [],
                        config_sources=dict(self.config.sources), slurm_id=self.job.requeue_id,
                        survivor_coverage=coverage,
+                       survivors_off=sv.parts_reason(self._parts) if self._parts else None,
                        in_place_restart=self._in_place, process_wall=self._process_wall,
                        session_wall=self._init_wall)
         _say(att.describe_start(self.log.attempt, self.job.job_id, rc, nodes, self.comm.size, prev_end.reason,
                                 prev_end.detail, resumed, lost))
+        if self._parts and self.survival.enabled:
+            _say(f"on a lost rank: no survivors' save, back to the last checkpoint: {sv.parts_reason(self._parts)}")
         if verdict is not None:
             self.log.write("end", step=resumed, status="gave_up", message=verdict)
             _say(f"giving up: {verdict}")
@@ -738,7 +743,8 @@ class Session:
                 # The planner's state_dict() broadcasts rank 0's view: take this survivor's own instead.
                 local = {**self._state, STATE_KEY: {"version": 1, "schedule": self.schedule._own_state()}}
                 out = sv.save(root, boundary, local, self.rank, self.comm.size, own,
-                              [copy] if copy is not None else [], tuning, self.mgr.keep, window_s=3.0)
+                              [copy] if copy is not None else [], tuning, self.mgr.keep, window_s=3.0,
+                              parts=self._parts)
             else:
                 staging = sv.staging_dir(root, boundary)
                 staging.mkdir(mode=0o700, exist_ok=True)
@@ -868,11 +874,12 @@ def record_uncaught(exc: BaseException) -> None:
         pass
 
 
-def _check_saveable(state: Mapping[str, Any]) -> None:
+def _check_saveable(state: Mapping[str, Any]) -> list[Leaf]:
     """Refuse at Session() what the store could not save (a lock, a file, an arbitrary object: it
-    would fail at the first checkpoint, maybe an hour later). Flattening takes views, no copies."""
+    would fail at the first checkpoint, maybe an hour later). Flattening takes views, no copies.
+    Collective where a ``state_dict()`` is: every rank calls it here. Returns the leaves."""
     try:
-        collect(state, rng=False, defer_device=True)
+        return collect(state, rng=False, defer_device=True)[1]
     except CheckpointError as exc:
         raise UsageError(f"this state cannot be checkpointed: {exc.message}",
                          hint=exc.hint or "keep tensors, numpy arrays, JSON values and objects with "

@@ -60,6 +60,28 @@ def make_writer(comm: Comm, backend: str) -> StorageWriter:
     return SerialH5Writer(comm)
 
 
+def per_rank_note(result: engine.LoadResult, size: int) -> str | None:
+    """What a load on ``size`` ranks did with the ``PerRank`` state of a checkpoint saved on
+    another number of ranks (None: same size, or no PerRank state but the RNG streams). The rule:
+    each value is its rank's own and is never redistributed; rank r gets saved rank r's value
+    back, a saved rank with no counterpart is not loaded, a new rank keeps what it was given."""
+    saved = result.saved_world_size
+    per_rank = result.manifest.get("skeletons", {}).get("per_rank", {})
+    keys = sorted({k for tree in per_rank.values() for k in tree} - {"__rng__"})
+    if saved == size or not keys:
+        return None
+    both = min(saved, size)
+    text = (f"checkpoint step {result.step} was saved by {saved} rank(s) and is loaded by {size}: PerRank "
+            f"state {keys} is each rank's own and is not redistributed; rank(s) 0-{both - 1} got their own "
+            f"values back")
+    if saved > size:
+        text += f"; the values of saved rank(s) {list(range(size, saved))[:8]} were not loaded (no rank has their number now)"
+    else:
+        text += (f"; rank(s) {list(range(saved, size))[:8]} are new and keep the values they were given "
+                 f"(LoadResult.missing lists those keys there, with their RNG streams)")
+    return text
+
+
 class CheckpointManager:
     """Save, load and list checkpoints under one directory.
 
@@ -384,6 +406,7 @@ class CheckpointManager:
         result = recovery.load_step(self.comm, self.root, step,  # damage -> CheckpointCorrupt
                                     lambda s: engine.load(self.comm, self.root, s, state, rng=self.rng))
         self._base = result.step
+        self._say_per_rank(result)
         return result
 
     def load_latest(self, state: Mapping[str, Any]) -> engine.LoadResult:
@@ -400,7 +423,14 @@ class CheckpointManager:
         result = recovery.load_latest_intact(self.comm, self.root,  # damaged -> falls back, warns
                                              lambda s: engine.load(self.comm, self.root, s, state, rng=self.rng))
         self._base = result.step
+        self._say_per_rank(result)
         return result
+
+    def _say_per_rank(self, result: engine.LoadResult) -> None:
+        """Rank 0: say what became of ``PerRank`` state loaded on another number of ranks."""
+        note = per_rank_note(result, self.comm.size) if self.comm.rank == 0 else None
+        if note:
+            print(f"coci_hpc: {note}", file=sys.stderr, flush=True)
 
     def latest_step(self) -> int | None:
         """Collective: the newest committed step (decided on rank 0), or None."""

@@ -14,6 +14,10 @@ with the part of the layout it got last time (:class:`LayoutCache`). A save then
   scatters each rank the digest it was made for, and if every rank's leaves still match, scatters
   the pieces of that layout: no gather of descriptions, no planning.
 
+Whenever the layout is made again (the last two cases) the replicated leaves are also compared
+across ranks by checksum (:mod:`.replicas`), since each rank writes a part of them from its own
+copy; the cached save does not read the leaves' bytes.
+
 Only rank 0 keeps the whole layout (it writes the manifest). Pieces that come from a manifest
 are checked against the rank's own leaves before any byte is written; cached pieces are reused
 only for descriptions equal to the ones they were made for and only while their hash is the one
@@ -28,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from coci_hpc.checkpoint import replicas
 from coci_hpc.checkpoint.layout import (
     Layout,
     LeafDesc,
@@ -106,6 +111,8 @@ def agree(comm: Comm, leaves: Sequence[Any], align: int, cache: LayoutCache, *,
         else:
             source = "planned"
             mine, full = _plan(comm, descs, align)
+        # Before the layout is cached: a refused state is checked again at the next save.
+        replicas.check_equal(comm, leaves)
         cache.remember(key, sig, mine, full)
     assert mine is not None
     cache.last = {"source": source, "plan_s": time.perf_counter() - t0}

@@ -7,7 +7,9 @@ alone builds the :class:`Layout`; each rank then gets only its :class:`RankLayou
 * replicated leaves: one dataset each (from rank 0's description; all ranks must agree). Their
   bytes, taken as one stream in dataset order, are cut into ``world`` nearly equal ranges whose
   boundaries fall on ``align``-byte multiples inside a dataset (page / stripe aligned in the
-  file), so each rank writes about 1/N of them.
+  file), so each rank writes about 1/N of them. Leaves of kind ``from_rank0`` (module buffers,
+  whose rank-0 value is the authoritative one) are replicated datasets too, written whole by
+  rank 0.
 * sharded leaves: one dataset holding the rows of all ranks in rank order; rank r writes its rows.
 * per-rank leaves: ONE dataset per leaf name (and dtype) holding every rank's elements one after
   the other (1-D, rank order), so the file's metadata grows with the leaves, not ranks x leaves.
@@ -26,6 +28,11 @@ from operator import attrgetter
 from typing import Any, NamedTuple
 
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError
+
+# A replicated leaf rank 0 writes whole: its value there is the authoritative one (module
+# buffers; see coci_hpc.checkpoint.state.collect).
+FROM_RANK0 = "from_rank0"
+REPLICATED_KINDS = ("replicated", FROM_RANK0)
 
 
 class LeafDesc(NamedTuple):
@@ -147,14 +154,16 @@ def make_layout(per_rank_leaves: Sequence[Sequence[LeafDesc]], align: int = 4096
     datasets: list[DatasetSpec] = []
     pieces: list[Piece] = []
 
-    # Replicated: rank 0 defines them; every rank must describe the same ones.
-    repl0 = [l for l in per_rank_leaves[0] if l.kind == "replicated"]
+    # Replicated: rank 0 defines them; every rank must describe the same ones. Those rank 0 is
+    # the authority for (FROM_RANK0: module buffers) are written whole by rank 0; the bytes of
+    # the others (equal on every rank: checked by .replicas) are spread over all ranks.
+    repl0 = [l for l in per_rank_leaves[0] if l.kind in REPLICATED_KINDS]
     sig0 = [(l.name, l.dtype, l.shape) for l in repl0]
     bad = [r for r, leaves in enumerate(per_rank_leaves)
-           if [(l.name, l.dtype, l.shape) for l in leaves if l.kind == "replicated"] != sig0]
+           if [(l.name, l.dtype, l.shape) for l in leaves if l.kind in REPLICATED_KINDS] != sig0]
     if bad:
         r = bad[0]
-        mine = {(l.name, l.dtype, l.shape) for l in per_rank_leaves[r] if l.kind == "replicated"}
+        mine = {(l.name, l.dtype, l.shape) for l in per_rank_leaves[r] if l.kind in REPLICATED_KINDS}
         diff = sorted(set(sig0) ^ mine)[:3]
         raise CheckpointError(
             f"replicated state differs between rank 0 and rank(s) {bad} (first differences: {diff})",
@@ -162,8 +171,13 @@ def make_layout(per_rank_leaves: Sequence[Sequence[LeafDesc]], align: int = 4096
                  "wrap rank-specific values in PerRank(...) or tensors split across ranks in Sharded(...)")
     repl_idx = []
     for l in repl0:
-        repl_idx.append(len(datasets))
+        idx = len(datasets)
         datasets.append(DatasetSpec(l.name, l.name, l.dtype, l.shape, "replicated", l.nbytes))
+        if l.kind == FROM_RANK0:
+            if l.nbytes:
+                pieces.append(Piece(idx, 0, 0, l.nbytes, l.name, 0))
+        else:
+            repl_idx.append(idx)
     pieces.extend(_split_replicated([datasets[i] for i in repl_idx], repl_idx, world, align))
 
     # Sharded: global dim 0 = sum of local dim 0, other dims equal.

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from coci_hpc.checkpoint.dtensor import check_plain, is_dtensor, local_box, local_of
+from coci_hpc.checkpoint.layout import FROM_RANK0
+from coci_hpc.checkpoint.unsupported import check_value
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError
 
 # torch dtype name -> (numpy dtype used for the stored bytes, torch dtype to view as on the way out).
@@ -65,7 +67,7 @@ class Leaf:
     dtype: str          # "torch.float32" or "numpy.float32": how to give it back
     shape: tuple[int, ...]
     array: np.ndarray | None  # 1-D view in the storage dtype; shares memory with a CPU tensor.
-    kind: str           # "replicated" | "per_rank" | "sharded" | "dtensor"
+    kind: str           # "replicated" | "from_rank0" | "per_rank" | "sharded" | "dtensor"
     nbytes: int
     source: torch.Tensor | None = None  # a device tensor left for the two-phase save to copy
     # Only the optimizer step changes it (a parameter or the state of an optimizer whose step
@@ -351,11 +353,30 @@ def collect(state: Mapping[str, Any], *, rng: bool = True, defer_device: bool = 
                                   hint="use short string keys such as 'model' or 'optimizer'")
         target, kind, value = (per_rank, "per_rank", value.value) if isinstance(value, PerRank) \
             else (repl, "replicated", value)
+        check_value(key, value)
         tree = value.state_dict() if is_stateful(value) else value
+        first = len(leaves)
         target[key] = flatten(tree, f"{kind}/{key}", kind, leaves, defer_device, guarded)
+        if kind == "replicated" and isinstance(value, torch.nn.Module):
+            _buffers_from_rank0(value, f"{kind}/{key}", leaves, first)
     if rng:
         per_rank["__rng__"] = flatten(capture_rng(), "per_rank/__rng__", "per_rank", leaves)
     return {"replicated": repl, "per_rank": per_rank}, leaves
+
+
+def _buffers_from_rank0(module: torch.nn.Module, prefix: str, leaves: list[Leaf], first: int) -> None:
+    """Mark the leaves ``leaves[first:]`` of ``module``'s buffers as FROM_RANK0: replicated, with
+    rank 0's value the authoritative one, written by rank 0 alone (:mod:`.layout`). Ranks may hold
+    different values there (BatchNorm running statistics come from each rank's own batch) and DDP
+    broadcasts rank 0's at the next forward (``broadcast_buffers``), so rank 0's are the ones the
+    uninterrupted run goes on with. Every other replicated leaf must be equal on all ranks
+    (checked: :mod:`.replicas`)."""
+    names = {f"{prefix}/{_escape(n)}" for n, _ in module.named_buffers(remove_duplicate=False)}
+    if not names:
+        return
+    for i in range(first, len(leaves)):
+        if leaves[i].name in names:
+            leaves[i] = replace(leaves[i], kind=FROM_RANK0)
 
 
 def current_trees(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -368,6 +389,7 @@ def current_trees(state: Mapping[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in state.items():
         inner = value.value if isinstance(value, PerRank) else value
+        check_value(key, inner)
         out[key] = inner.state_dict() if is_stateful(inner) else inner
     return out
 

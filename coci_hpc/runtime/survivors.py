@@ -17,8 +17,9 @@ retention); only the way it gets written differs:
    ``Sharded`` tensor (its rows on the dead rank are gone), a model that moved past the step, or a
    failed check: nothing is committed and the previous regular checkpoint stays latest.
 
-``Sharded`` state (ZeRO-style partitioning, tensor rows split over ranks) cannot be rebuilt from
-the survivors and always falls back; replicated (DDP) and ``PerRank`` state gain.
+State held in parts across ranks (``Sharded`` rows, the DTensor shards of FSDP2 and tensor
+parallel) cannot be rebuilt from the survivors and always falls back to the last regular
+checkpoint; replicated (DDP) and ``PerRank`` state gain.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.checkpoint.engine import make_step_dir
 from coci_hpc.checkpoint.h5file import create_datasets, file_kwargs
-from coci_hpc.checkpoint.layout import LeafDesc, make_layout
+from coci_hpc.checkpoint.layout import REPLICATED_KINDS, LeafDesc, make_layout
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.perms import set_file
 from coci_hpc.checkpoint.rawio import WriteItem, pread_into, write_posix
@@ -191,10 +192,10 @@ def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: 
     """One process writes the whole N-rank checkpoint of ``step`` and commits it after reading it
     back. ``state`` (already rolled back) gives the replicated part; ``per_rank`` every rank's."""
     skel, leaves = collect(state, rng=False)
-    sharded = [l.name for l in leaves if l.kind in ("sharded", "dtensor")]  # DTensor: issue 23
-    if sharded:
-        raise ValueError(f"Sharded tensor(s) {sharded[:3]} have rows only the lost rank held")
-    repl = [l for l in leaves if l.kind == "replicated"]
+    parts = held_in_parts(leaves)
+    if parts:
+        raise ValueError(parts_reason(parts))
+    repl = [l for l in leaves if l.kind in REPLICATED_KINDS]
     descs_repl = [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in repl]
     all_descs = [descs_repl + [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in per_rank[r].leaves]
                  for r in range(size)]
@@ -294,8 +295,12 @@ def sweep_torn(root: Path) -> list[int]:
 
 
 def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, own: RankState,
-         partner_copies: list[RankState], tuning: IOTuning, keep: int, window_s: float) -> Outcome:
-    """This survivor's part of the survivors' save of ``step``; see the module docstring."""
+         partner_copies: list[RankState], tuning: IOTuning, keep: int, window_s: float,
+         parts: Sequence[str] | None = None) -> Outcome:
+    """This survivor's part of the survivors' save of ``step``; see the module docstring.
+
+    ``parts``: :func:`held_in_parts` of the state, as the session found it at its start on
+    every rank (None: found here from the state)."""
     t0 = time.monotonic()
     out = Outcome(step)
     post(root, step, me, [own, *partner_copies])
@@ -311,9 +316,10 @@ def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, ow
         out.reason = f"the regular checkpoint of step {step} had committed"
         out.write_s = time.monotonic() - t0
         return out
-    sharded = [l.name for l in collect(state, rng=False)[1] if l.kind in ("sharded", "dtensor")]
-    if sharded:        # decided before waiting for the partner copies: they cannot change it
-        out.reason = f"Sharded tensor(s) {sharded[:3]} have rows only the lost rank held"
+    if parts is None:
+        parts = held_in_parts(collect(state, rng=False)[1])
+    if parts:        # decided before waiting for the partner copies: they cannot change it
+        out.reason = parts_reason(parts)
         return out
     found = gather_posted(root, step, size, window_s)
     missing = [r for r in range(size) if r not in found]
@@ -336,26 +342,20 @@ def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, ow
     return out
 
 
-def has_sharded(tree: Any, _depth: int = 0) -> bool:
-    """Whether a state holds ``Sharded`` tensors (rows only one rank has: a survivors' save of it
-    falls back), in its plain trees or in a stateful value's ``state_dict()``."""
-    from coci_hpc.checkpoint.state import Sharded
+def held_in_parts(leaves: Sequence[Any]) -> list[str]:
+    """The names of the leaves that only some ranks hold a part of (``Sharded`` rows, DTensor
+    shards of FSDP2 / tensor parallel): a survivors' save cannot rebuild a lost rank's part, so it
+    falls back. Taken from the flattened leaves' kinds, which every rank has after the same
+    collective ``collect``: no ``state_dict()`` is ever called on one rank only for it (some are
+    collective, and would hang)."""
+    return [l.name for l in leaves if l.kind not in REPLICATED_KINDS and l.kind != "per_rank"]
 
-    if _depth > 32:
-        return False
-    if isinstance(tree, Sharded):
-        return True
-    if isinstance(tree, PerRank):
-        return has_sharded(tree.value, _depth + 1)
-    if isinstance(tree, (torch.nn.Module, torch.optim.Optimizer)):
-        return False            # their state_dict() holds plain tensors
-    if is_stateful(tree):
-        return has_sharded(tree.state_dict(), _depth + 1)
-    if isinstance(tree, Mapping):
-        return any(has_sharded(v, _depth + 1) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return any(has_sharded(v, _depth + 1) for v in tree)
-    return False
+
+def parts_reason(names: Sequence[str]) -> str:
+    """Why a survivors' save of state with ``names`` (:func:`held_in_parts`) falls back."""
+    return (f"state held in parts across ranks ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}: "
+            f"Sharded tensors or DTensor shards such as FSDP2's) has parts only the lost rank held; "
+            f"the run falls back to the last regular checkpoint")
 
 
 def coverage_estimate(events: list[dict[str, Any]], eligible: bool) -> float:

@@ -36,6 +36,18 @@ def test_checkpoint_written_on_n_ranks_loads_on_m_ranks(tmp_path, writers, reade
     assert mf.read(mf.step_dir(tmp_path, 4))["world_size"] == writers
 
 
+def test_per_rank_state_on_another_world_size_is_explained(tmp_path):
+    """PerRank values are each rank's own and never redistributed; a load on another number of
+    ranks says which ranks got theirs back, which saved values were left and which ranks are new."""
+    run_ranks(2, JOB, "write", str(tmp_path), "4", "21")
+    fewer = run_ranks(1, JOB, "read", str(tmp_path)).stderr
+    assert "saved by 2 rank(s) and is loaded by 1: PerRank state ['mine']" in fewer
+    assert "rank(s) 0-0 got their own values back" in fewer and "saved rank(s) [1] were not loaded" in fewer
+    more = run_ranks(3, JOB, "read", str(tmp_path)).stderr
+    assert "loaded by 3" in more and "rank(s) [2] are new and keep the values they were given" in more
+    assert "PerRank" not in run_ranks(2, JOB, "read", str(tmp_path)).stderr
+
+
 def test_writer_killed_before_commit_leaves_previous_checkpoint_loadable(tmp_path):
     proc = subprocess.Popen([sys.executable, JOB, "die", str(tmp_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT)

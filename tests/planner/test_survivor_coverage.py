@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from coci_hpc.checkpoint import PerRank, Sharded
+from coci_hpc.checkpoint.state import collect
 from coci_hpc.errors import PlannerError
 from coci_hpc.planner import simulator as sim
 from coci_hpc.planner.costs import Costs
@@ -152,7 +153,9 @@ def test_runtime_coverage_estimate_from_the_event_log_and_the_layout() -> None:
     assert sv.coverage_estimate([lost(True)] * 8, eligible=True) == pytest.approx(0.9)
     assert sv.coverage_estimate([lost(True), lost(False)], eligible=True) == pytest.approx(0.5)
     assert sv.coverage_estimate([lost(True)] * 8, eligible=False) == 0.0
-    model = torch.nn.Linear(2, 2)
-    assert not sv.has_sharded({"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1),
-                               "extra": PerRank({"n": 1})})
-    assert sv.has_sharded({"model": model, "emb": {"rows": Sharded(torch.zeros(2, 2))}})
+    model = torch.nn.BatchNorm1d(2)
+    leaves = collect({"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1),
+                      "extra": PerRank({"n": torch.zeros(1)})}, rng=False)[1]
+    assert sv.held_in_parts(leaves) == []
+    leaves = collect({"model": model, "emb": {"rows": Sharded(torch.zeros(2, 2))}}, rng=False)[1]
+    assert sv.held_in_parts(leaves) == ["replicated/emb/rows"]

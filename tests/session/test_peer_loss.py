@@ -244,3 +244,36 @@ def test_a_writer_killed_before_its_manifest_leaves_the_previous_checkpoint_and_
     assert h.peer_losses[0]["attempt"] == 1 and h.peer_losses[0]["step"] == 9 and not h.peer_losses[0]["committed"]
     text = render_text(h)
     assert "killed before its manifest" in text and "fell back to step 4" in text and "steps lost 5" in text, text
+
+
+def test_fsdp2_state_falls_back_with_the_reason_and_no_state_dict_on_one_rank(tmp_path: Path) -> None:
+    """Pure FSDP2 (DTensor shards, here on a real one-rank gloo mesh): a lost rank's shards exist
+    nowhere else, so the survivors' save commits nothing and says why, from the parts the session
+    found at its start on every rank (no state_dict() on a survivor for it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from coci_hpc.checkpoint.state import collect
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        st = {"model": model, "optimizer": opt}
+        parts = sv.held_in_parts(collect(st, rng=False)[1])
+        assert "replicated/model/0.weight" in parts and any("exp_avg" in n for n in parts)
+        tuning = tuning_for(tmp_path, LustrePolicy(), 2)
+        # An empty state: the reason can only come from ``parts`` (found at the session's start).
+        out = sv.save(tmp_path, 3, {}, 0, 2, capture(st, 0, 3), [], tuning, keep=2, window_s=0.2, parts=parts)
+        assert out.writer and not out.committed
+        assert "DTensor" in out.reason and "replicated/model/0.weight" in out.reason and "falls back" in out.reason
+        assert CheckpointManager(tmp_path, Comm.serial(), lock=False).latest_step() is None
+    finally:
+        if started:
+            dist.destroy_process_group()

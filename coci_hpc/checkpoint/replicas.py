@@ -1,0 +1,73 @@
+"""The cross-rank check of replicated state: a leaf each rank writes a part of must be equal on
+every rank, or the file would hold a mix of the ranks' values with no error.
+
+Every rank takes the CRC-32C of each of its ``replicated`` leaves; rank 0 broadcasts its list and
+each rank compares. A difference is refused on every rank with the first differing leaf named.
+It runs whenever the layout is planned again (the first save of a manager, a changed shape, the
+first save of a requeued job): the cached save of an unchanged state costs nothing more. Module
+buffers (``from_rank0``) are not compared: rank 0's are written (:mod:`.layout`). Neither are
+``PerRank`` and ``Sharded`` leaves, which differ by design.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from coci_hpc.checkpoint.integrity import checksum
+from coci_hpc.comm import Comm
+from coci_hpc.errors import CheckpointError
+
+
+def _bytes_of(leaf: Any) -> np.ndarray | None:
+    """The bytes of a leaf: its host array, or a host copy of its device tensor (two-phase save)."""
+    array = getattr(leaf, "array", None)
+    if array is not None:
+        return array
+    source = getattr(leaf, "source", None)
+    if isinstance(source, torch.Tensor):
+        t = source.detach().cpu().contiguous()
+        return t.view(torch.uint8).reshape(-1).numpy() if t.numel() else np.empty(0, np.uint8)
+    return None
+
+
+def checksums(leaves: Sequence[Any]) -> list[tuple[str, int]]:
+    """(name, CRC-32C) of this rank's replicated leaves, in leaf order (leaves without bytes,
+    descriptions only, are skipped)."""
+    out = []
+    for leaf in leaves:
+        if leaf.kind != "replicated":
+            continue
+        data = _bytes_of(leaf)
+        if data is not None:
+            out.append((leaf.name, checksum(data)))
+    return out
+
+
+def check_equal(comm: Comm, leaves: Sequence[Any]) -> None:
+    """Collective: raise a CheckpointError on every rank if a replicated leaf differs between ranks."""
+    if comm.size == 1:
+        return
+    mine = comm.run_step(lambda: checksums(leaves), "checksumming the replicated state")
+    crcs = np.fromiter((c for _, c in mine), dtype=np.uint32, count=len(mine))
+    ref = comm.bcast(crcs if comm.rank == 0 else None)   # 4 bytes a leaf; the names are agreed
+    # Names, dtypes and shapes were checked by the layout, which refuses a list of another
+    # length or order with its own message.
+    differ = np.flatnonzero(crcs != ref) if len(ref) == len(crcs) else np.empty(0, np.int64)
+    found = comm.allgather(int(differ[0]) if len(differ) else -1)
+    differing = [r for r, i in enumerate(found) if i >= 0]
+    if not differing:
+        return
+    at = min(found[r] for r in differing)
+    name = mine[at][0]
+    ranks = [r for r in differing if found[r] == at]
+    raise CheckpointError(
+        f"replicated state {name!r} differs between rank 0 and rank(s) {ranks} (CRC-32C compared "
+        f"across ranks; {len(differing)} rank(s) differ in at least one leaf): saving it would mix the "
+        f"ranks' values, so nothing was written",
+        hint="wrap a value each rank owns in PerRank(...) and a tensor split over the ranks in "
+             "Sharded(...); a value that should be the same everywhere (parameters, optimizer state "
+             "under DDP) must be made equal on every rank before saving, e.g. by stepping on "
+             "all-reduced gradients or broadcasting rank 0's value")
