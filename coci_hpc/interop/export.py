@@ -122,6 +122,8 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, to: str = "hf", st
                 files, total = _export_dcp(source, model_key, plan, tmp, cast, progress)
             os.rename(tmp, out)
             fsync_dir(out.parent)
+            if to == "torch":   # one file, written under the temporary name: report the final one
+                files = [out.name]
         except BaseException as exc:
             _remove(tmp)
             if isinstance(exc, CociError):
@@ -234,7 +236,7 @@ def _export_torch(source: CheckpointSource, model_key: str, plan: list[tuple[str
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-    return [tmp.name], total
+    return [], total   # the file is OUT itself once renamed (export() names it)
 
 
 def _export_dcp(source: CheckpointSource, model_key: str, plan: list[tuple[str, Entry]], tmp: Path,
