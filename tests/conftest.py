@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVCLUSTER = ROOT / "slurm" / "devcluster"
+# What the examples print at the end (rank 0): the hash a resumed run must share with an uninterrupted one.
+FINAL_HASH_RE = re.compile(r"final_params_sha256=([0-9a-f]{64})")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -37,6 +40,14 @@ def run_ranks(n: int, *args: str, timeout: float = 120, env: dict[str, str] | No
     if p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
+
+
+def wait_for(pred: Callable[[], bool], what: str, timeout: float) -> None:
+    """Poll ``pred`` every half second until it holds; fail naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
 
 
 @pytest.fixture
@@ -72,6 +83,12 @@ class SlurmCluster:
         if check and p.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr}{p.stdout}")
         return p
+
+    def cli(self, module: str, *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+        """``python -m module args...`` (a coci CLI) against this cluster, with this checkout importable."""
+        env = {**self.env, "PYTHONPATH": str(ROOT)}
+        return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env,
+                              cwd=cwd, timeout=timeout)
 
     def sbatch(self, *args: str) -> str:
         return self.run("sbatch", "--parsable", *args).stdout.strip().split(";")[0]

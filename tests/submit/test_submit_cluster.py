@@ -5,34 +5,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, SlurmCluster, run_ranks
+from tests.conftest import FINAL_HASH_RE as HASH_RE
+from tests.conftest import ROOT, SlurmCluster, run_ranks, wait_for
 
 pytestmark = pytest.mark.slurm
 
 TRAIN = ROOT / "examples" / "train.py"
 STEPS, EVERY, SEED = 300, 50, 3
-HASH_RE = re.compile(r"final_params_sha256=([0-9a-f]{64})")
-
-
-def _cli(cluster: SlurmCluster, module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**cluster.env, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=120)
-
-
-def _wait_for(pred, what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 def test_coci_submit_preempted_once_resumes_bit_exactly(slurm_cluster: SlurmCluster) -> None:
@@ -44,9 +27,10 @@ def test_coci_submit_preempted_once_resumes_bit_exactly(slurm_cluster: SlurmClus
     ref_hash = HASH_RE.findall(ref.stdout)[-1]
 
     ckpt = wd / "ckpt"
-    p = _cli(slurm_cluster, "coci_hpc.cli.submit", "--partition", "gpu", "--nodes", "2", "--time", "10",
-             "--signal-lead", "60", "--job-name", "e2e", "--output-dir", str(wd / "run"), "--ckpt-dir", str(ckpt),
-             "--policy", f"fixed:{EVERY}", str(TRAIN), *train_args, "--step-time", "0.05", cwd=wd)
+    p = slurm_cluster.cli("coci_hpc.cli.submit", "--partition", "gpu", "--nodes", "2", "--time", "10",
+                          "--signal-lead", "60", "--job-name", "e2e", "--output-dir", str(wd / "run"),
+                          "--ckpt-dir", str(ckpt), "--policy", f"fixed:{EVERY}", str(TRAIN), *train_args,
+                          "--step-time", "0.05", cwd=wd)
     assert p.returncode == 0, p.stdout + p.stderr
     job = re.search(r"submitted job (\d+)", p.stdout).group(1)
     log0 = wd / "run" / "logs" / f"{job}_0_log.out"
@@ -55,7 +39,7 @@ def test_coci_submit_preempted_once_resumes_bit_exactly(slurm_cluster: SlurmClus
     assert "#SBATCH --signal=USR2@60" in script and "--mpi=pmix" in script
 
     # Preempt after the first planned checkpoint, well before the end.
-    _wait_for(lambda: any(e["event"] == "checkpoint" for e in read_events(ckpt)), "the first checkpoint", 180)
+    wait_for(lambda: any(e["event"] == "checkpoint" for e in read_events(ckpt)), "the first checkpoint", 180)
     urgent = slurm_cluster.sbatch("-p", "urgent", "-N", "1", "-o", os.devnull, "--wrap", "sleep 1")
     rows = slurm_cluster.wait_gone(job, timeout=300)
     text = log0.read_text() if log0.exists() else ""
@@ -69,7 +53,7 @@ def test_coci_submit_preempted_once_resumes_bit_exactly(slurm_cluster: SlurmClus
     assert "Caught signal" not in err and "Job not requeued" not in err, err[-2000:]
     assert slurm_cluster.wait_gone(urgent, timeout=60)[-1]["State"] == "COMPLETED"
 
-    st = _cli(slurm_cluster, "coci_hpc.cli.status", str(ckpt), "--json", "--png", str(wd / "h.png"), cwd=wd)
+    st = slurm_cluster.cli("coci_hpc.cli.status", str(ckpt), "--json", "--png", str(wd / "h.png"), cwd=wd)
     assert st.returncode == 0, st.stderr
     h = json.loads(st.stdout)
     print(json.dumps(h["attempts"], indent=1))
@@ -85,7 +69,7 @@ def test_coci_submit_preempted_once_resumes_bit_exactly(slurm_cluster: SlurmClus
     assert any(c["kind"] == "stop" for c in h["checkpoints"])
     assert (wd / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    st = _cli(slurm_cluster, "coci_hpc.cli.status", str(ckpt), "--no-png", cwd=wd)
+    st = slurm_cluster.cli("coci_hpc.cli.status", str(ckpt), "--no-png", cwd=wd)
     assert st.returncode == 0, st.stderr
     print(st.stdout)
     rows_txt = [ln for ln in st.stdout.splitlines() if ln[:3].strip().isdigit()]
