@@ -17,8 +17,9 @@ from tests.conftest import FINAL_HASH_RE, ROOT, SlurmCluster, run_ranks, wait_fo
 pytestmark = pytest.mark.slurm
 
 TRAIN = ROOT / "examples" / "train_fsdp.py"
-# Few, cheap steps; --step-time keeps the job running ~15 s after its first checkpoint (step EVERY),
-# the margin test_submit_cluster.py has shown the preemption needs to land before the end.
+# Few, cheap steps; --step-time keeps the job running >= 13 s after its first checkpoint (step EVERY),
+# the margin test_submit_cluster.py has shown the preemption needs to land before the end. (The
+# reference run, 200 steps with no --step-time, took 21 s under mpiexec -n 2 on the 2-core dev box.)
 STEPS, EVERY, SEED, STEP_TIME = 200, 25, 5, "0.075"
 
 
