@@ -36,6 +36,7 @@ polled = [comm.bcast({"a": [1, 2]} if r == 0 else None), comm.allgather(("x", r)
 comm.barrier()
 res["same"] = repr(blocking) == repr(polled)
 # 2. Rank 1 does not join rank 0's save: rank 0 gets PeerLost within the deadline, then at once.
+torch.manual_seed(0)   # replicated state: equal on every rank (the store refuses to mix differing copies)
 model = torch.nn.Linear(8, 4)
 mgr = CheckpointManager(out / "ckpt", comm)
 mgr.save(1, {"model": model})

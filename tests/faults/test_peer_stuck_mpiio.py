@@ -26,13 +26,15 @@ comm = Comm.world()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-torch.manual_seed(10 + comm.rank)
+# The same data on every rank (no DDP here to average the gradients): the model and the optimizer
+# are replicated state and must stay equal, or the store refuses to mix the ranks' copies.
+torch.manual_seed(10)
 sampler = ResumableSampler(64, seed=1, rank=comm.rank, world_size=comm.size)
 s = coci_hpc.Session({"model": model, "optimizer": opt, "loader": sampler}, total_steps=12,
                      ckpt_dir=sys.argv[1], policy="fixed:1000", environ={}, comm=comm, peer_timeout_s=3.0)
 for step in s.steps():
-    idx = torch.from_numpy(sampler.next_batch(4))
-    loss = model(torch.randn(64, 4)[idx]).sum()
+    sampler.next_batch(4)          # per-rank state that moves, as a real loader's does
+    loss = model(torch.randn(4, 4)).sum()
     opt.zero_grad()
     loss.backward()
     opt.step()
