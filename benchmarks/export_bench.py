@@ -179,10 +179,11 @@ def measure(name: str, paths: dict, work: Path, args: argparse.Namespace) -> dic
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.tensor import DTensor
 
     from coci_hpc.interop.dcp_reader import CociStorageReader
     from coci_hpc.interop.export import export
-    from coci_hpc.interop.pretrained import load_pretrained
+    from coci_hpc.interop.pretrained import load_pretrained, target_tensors
 
     sharded = args.layout == "fsdp2" and name in SHARDED_LOADS
     target: Any = None
@@ -231,6 +232,10 @@ def measure(name: str, paths: dict, work: Path, args: argparse.Namespace) -> dic
         raise SystemExit(f"unknown measurement {name}")
     seconds = time.perf_counter() - t0
     peak = status_kb("VmHWM")
+    if target is not None:   # after the clock: a load that filled nothing is no measurement
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in target_tensors(target).values()]
+        if not local or any(not bool(t.any()) for t in local):
+            raise SystemExit(f"{name}: a target tensor is still all zeros after the load")
     out = {"seconds": seconds, "peak_extra_bytes": max(0, peak - base) * 1024, "cache": cache,
            "peak_reset": peak_reset}
     if sharded:   # the slowest rank's time, the largest rank's peak (each is one of the ranks)
