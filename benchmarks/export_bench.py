@@ -380,5 +380,6 @@ def bench_layout(layout: str, args: argparse.Namespace) -> dict[str, Any]:
         "elapsed_s": round(time.perf_counter() - t_start, 1), "runs": runs,
     }
 
+
 if __name__ == "__main__":
     raise SystemExit(main())
