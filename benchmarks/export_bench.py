@@ -2,10 +2,19 @@
 
     python benchmarks/export_bench.py                      # ~1 GB of model weights
     python benchmarks/export_bench.py --size-mb 200 --json # iterate small; one JSON object on stdout
+    python benchmarks/export_bench.py --layout fsdp2       # the checkpoint saved by an FSDP2 model
+    python benchmarks/export_bench.py --layout ddp,fsdp2   # both, one after the other
 
 A checkpoint of ``--size-mb`` MB of float32 model weights (``--tensor-mb`` each) is saved by
-coci under ``mpiexec -n --save-ranks`` (data parallel: replicated weights, each rank writes
-1/N), and the same weights as a native DCP directory. Each measurement then runs in its own
+coci under ``mpiexec -n --save-ranks``, in one or both ``--layout``s:
+
+* ddp: data parallel, replicated weights (each rank writes 1/N); the same weights saved as a
+  native DCP directory by one process (``dcp.save(no_dist=True)``);
+* fsdp2: the same weights in a model wrapped with ``fully_shard`` on a CPU mesh (gloo), every
+  weight a DTensor sharded on dim 0 (each rank writes its rows); the same state saved as a
+  native DCP directory by the same ranks (``dcp.save(model.state_dict())``).
+
+Each measurement then runs in its own
 Python process, with a cold page cache for the files it reads (drop_caches, else
 fadvise DONTNEED), and reports its wall time and its peak resident memory above its resident
 memory once its imports are done (``/proc/self/status`` VmHWM - VmRSS, the peak reset through
@@ -17,6 +26,12 @@ memory once its imports are done (``/proc/self/status`` VmHWM - VmRSS, the peak 
 * raw_read_hf + import_hf: ``load_pretrained`` of the hf export into preallocated tensors;
 * dcp_native_load vs dcp_reader_load: ``dcp.load`` of the same preallocated state dict from the
   native DCP directory and from the coci checkpoint through ``CociStorageReader``.
+
+With fsdp2, import_hf, dcp_native_load and dcp_reader_load load into the FSDP2 model itself, on
+``--save-ranks`` ranks under mpiexec (each rank reads its rows): the slowest rank's time between
+barriers, the largest rank's peak extra RSS. The raw reads and the exports stay one process.
+The JSON has the ddp keys at the top level (unchanged) and each fsdp2 key in the object
+``"fsdp2"`` (with the layout's own ``runs``).
 
 Keys (goals from issue 24): export_hf_vs_raw_read, export_peak_extra_rss_over_checkpoint
 (<= 0.35 at 1 GB with 256MB shards), import_hf_vs_raw_read, dcp_reader_load_vs_dcp_native (<= 1.2).
@@ -32,6 +47,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -72,58 +88,128 @@ def reset_peak() -> bool:
 
 
 # ------------------------------------------------------------------------------ setup
+def shapes(size_mb: int, tensor_mb: int) -> list[tuple[int, int]]:
+    n = max(1, size_mb // tensor_mb)
+    rows = tensor_mb * (1 << 20) // 4 // 1024
+    return [(rows, 1024)] * n
+
+
 def weights(size_mb: int, tensor_mb: int) -> dict:
     import torch
 
-    n = max(1, size_mb // tensor_mb)
-    rows = tensor_mb * (1 << 20) // 4 // 1024
     g = torch.Generator().manual_seed(0)
-    return {f"layers.{i}.weight": torch.randn(rows, 1024, generator=g) for i in range(n)}
+    return {f"layers.{i}.weight": torch.randn(*shape, generator=g)
+            for i, shape in enumerate(shapes(size_mb, tensor_mb))}
+
+
+def fsdp2_model(size_mb: int, tensor_mb: int, fill: bool) -> Any:
+    """The benchmark's weights as ``layers.<i>.weight`` of bias-free Linears, each its own FSDP2
+    unit on a CPU mesh over the world (gloo must be up). ``fill``: the values of ``weights()``
+    (generated one tensor at a time, so a rank holds one full model at most), else zeros."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
+
+    sh = shapes(size_mb, tensor_mb)
+    with torch.device("meta"):
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList(torch.nn.Linear(c, r, bias=False) for r, c in sh)
+    model.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer, shape in zip(model.layers, sh):
+            if fill:   # the same stream as weights(): same values, same order
+                layer.weight.copy_(torch.randn(*shape, generator=g))
+            else:
+                layer.weight.zero_()
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def save_worker(args: argparse.Namespace) -> None:
     from coci_hpc.checkpoint import CheckpointManager
 
-    mgr = CheckpointManager(args.dir, keep=1, rng=False)
-    mgr.save(1, {"model": weights(args.size_mb, args.tensor_mb)})
-    mgr.close()
-
-
-def setup(work: Path, args: argparse.Namespace) -> dict:
-    coci = work / "coci"
-    cmd = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", str(args.save_ranks), sys.executable,
-           "-m", "mpi4py", __file__, "--save-worker", "--dir", str(coci), "--size-mb", str(args.size_mb),
-           "--tensor-mb", str(args.tensor_mb)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    if args.layout == "ddp":
+        mgr = CheckpointManager(args.dir, keep=1, rng=False)
+        mgr.save(1, {"model": weights(args.size_mb, args.tensor_mb)})
+        mgr.close()
+        return
+    import torch
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
 
-    dcp.save(weights(args.size_mb, args.tensor_mb), checkpoint_id=str(work / "dcp_native"), no_dist=True)
+    from coci_hpc.runtime.distributed import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed("gloo")
+    model = fsdp2_model(args.size_mb, args.tensor_mb, fill=True)
+    assert all(isinstance(v, DTensor) for v in model.state_dict().values())
+    mgr = CheckpointManager(args.dir, keep=1, rng=False)
+    mgr.save(1, {"model": model})
+    mgr.close()
+    dcp.save(model.state_dict(), checkpoint_id=args.dcp_dir)
+    dist.destroy_process_group()
+
+
+def setup(work: Path, args: argparse.Namespace, layout: str) -> dict:
+    coci, dcp_native = work / "coci", work / "dcp_native"
+    cmd = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", str(args.save_ranks),
+           sys.executable, "-m", "mpi4py", __file__, "--save-worker", "--layout", layout, "--dir", str(coci),
+           "--dcp-dir", str(dcp_native), "--size-mb", str(args.size_mb), "--tensor-mb", str(args.tensor_mb)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if p.returncode != 0:
+        raise SystemExit(f"save ({layout}) failed:\n{p.stdout}\n{p.stderr}")
+    if layout == "ddp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(weights(args.size_mb, args.tensor_mb), checkpoint_id=str(dcp_native), no_dist=True)
     data = next(coci.glob("step_*")) / "data.h5"
-    return {"coci": str(coci), "data": str(data), "dcp_native": str(work / "dcp_native"),
-            "bytes": sum(t.numel() * 4 for t in weights(args.size_mb, args.tensor_mb).values())}
+    return {"coci": str(coci), "data": str(data), "dcp_native": str(dcp_native),
+            "bytes": sum(r * c * 4 for r, c in shapes(args.size_mb, args.tensor_mb))}
 
 
 # ------------------------------------------------------------------------------ measurements
-def measure(name: str, paths: dict, work: Path, args: argparse.Namespace) -> dict:
+def measure(name: str, paths: dict, work: Path, args: argparse.Namespace) -> dict | None:
     """Run one measurement in this (fresh) process; imports first, then the baseline RSS."""
     import numpy as np
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.tensor import DTensor
 
     from coci_hpc.interop.dcp_reader import CociStorageReader
     from coci_hpc.interop.export import export
-    from coci_hpc.interop.pretrained import load_pretrained
+    from coci_hpc.interop.pretrained import load_pretrained, target_tensors
 
-    target = None
-    if name in ("import_hf", "dcp_native_load", "dcp_reader_load"):
-        target = {k: torch.zeros_like(v) for k, v in weights(args.size_mb, args.tensor_mb).items()}
+    sharded = args.layout == "fsdp2" and name in SHARDED_LOADS
+    target: Any = None
+    if sharded:   # one of --save-ranks ranks under mpiexec: the FSDP2 model is the target
+        import torch.distributed as dist
+
+        from coci_hpc.runtime.distributed import init_distributed
+
+        torch.set_num_threads(1)
+        init_distributed("gloo")
+        model = fsdp2_model(args.size_mb, args.tensor_mb, fill=False)
+        target = model if name == "import_hf" else model.state_dict()
+    elif name in SHARDED_LOADS:
+        target = {f"layers.{i}.weight": torch.zeros(*shape) for i, shape in enumerate(shapes(args.size_mb, args.tensor_mb))}
     reads = {"raw_read": [Path(paths["data"])], "raw_read_hf": [work / "hf"], "import_hf": [work / "hf"],
              "dcp_to_torch_save": [Path(paths["dcp_native"])], "dcp_native_load": [Path(paths["dcp_native"])]}
-    cache = drop_cache(reads.get(name, [Path(paths["data"])]))
+    if sharded:
+        cache = drop_cache(reads.get(name, [Path(paths["data"])])) if dist.get_rank() == 0 else ""
+        dist.barrier()
+    else:
+        cache = drop_cache(reads.get(name, [Path(paths["data"])]))
     peak_reset = reset_peak()
     base = status_kb("VmRSS")
     out = work / f"out_{name}"
+    if sharded:
+        dist.barrier()
     t0 = time.perf_counter()
     if name in ("raw_read", "raw_read_hf"):
         buf = np.empty(8 << 20, dtype=np.uint8)
@@ -139,22 +225,41 @@ def measure(name: str, paths: dict, work: Path, args: argparse.Namespace) -> dic
     elif name == "import_hf":
         load_pretrained(work / "hf", target)
     elif name == "dcp_native_load":
-        dcp.load(target, checkpoint_id=paths["dcp_native"], no_dist=True)
+        dcp.load(target, checkpoint_id=paths["dcp_native"], no_dist=not sharded)
     elif name == "dcp_reader_load":
-        dcp.load(target, storage_reader=CociStorageReader(paths["coci"]), no_dist=True)
+        dcp.load(target, storage_reader=CociStorageReader(paths["coci"]), no_dist=not sharded)
     else:
         raise SystemExit(f"unknown measurement {name}")
     seconds = time.perf_counter() - t0
     peak = status_kb("VmHWM")
-    return {"seconds": seconds, "peak_extra_bytes": max(0, peak - base) * 1024, "cache": cache,
-            "peak_reset": peak_reset}
+    if target is not None:   # after the clock: a load that filled nothing is no measurement
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in target_tensors(target).values()]
+        if not local or any(not bool(t.any()) for t in local):
+            raise SystemExit(f"{name}: a target tensor is still all zeros after the load")
+    out = {"seconds": seconds, "peak_extra_bytes": max(0, peak - base) * 1024, "cache": cache,
+           "peak_reset": peak_reset}
+    if sharded:   # the slowest rank's time, the largest rank's peak (each is one of the ranks)
+        ranks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, out)
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        out = {"seconds": max(r["seconds"] for r in ranks),
+               "peak_extra_bytes": max(r["peak_extra_bytes"] for r in ranks), "cache": ranks[0]["cache"],
+               "peak_reset": all(r["peak_reset"] for r in ranks), "ranks": len(ranks),
+               "rank_seconds": [round(r["seconds"], 3) for r in ranks]}
+        if rank != 0:
+            return None
+    return out
 
 
+LAYOUTS = ("ddp", "fsdp2")
+# measurements that load into preallocated targets: with fsdp2 into the FSDP2 model, on its ranks
+SHARDED_LOADS = ("import_hf", "dcp_native_load", "dcp_reader_load")
 ORDER = ["raw_read", "export_hf", "export_torch", "export_dcp", "dcp_to_torch_save", "raw_read_hf",
          "import_hf", "dcp_native_load", "dcp_reader_load"]
 
 
-def run_one(name: str, paths: dict, work: Path, args: argparse.Namespace) -> dict:
+def run_one(name: str, paths: dict, work: Path, args: argparse.Namespace, layout: str) -> dict:
     out = work / f"out_{name}"
     if out.is_dir():
         shutil.rmtree(out)
@@ -162,7 +267,10 @@ def run_one(name: str, paths: dict, work: Path, args: argparse.Namespace) -> dic
         out.unlink()
     cmd = [sys.executable, __file__, "--measure", name, "--paths", json.dumps(paths), "--work", str(work),
            "--size-mb", str(args.size_mb), "--tensor-mb", str(args.tensor_mb),
-           "--max-shard-size", args.max_shard_size]
+           "--max-shard-size", args.max_shard_size, "--layout", layout]
+    if layout == "fsdp2" and name in SHARDED_LOADS:
+        cmd = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n",
+               str(args.save_ranks), cmd[0], "-m", "mpi4py", *cmd[1:]]
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if p.returncode != 0:
         raise SystemExit(f"{name} failed:\n{p.stdout}\n{p.stderr}")
@@ -180,7 +288,7 @@ def run_one(name: str, paths: dict, work: Path, args: argparse.Namespace) -> dic
 def table(doc: dict) -> str:
     r = doc["runs"]
     size = doc["checkpoint_bytes"]
-    lines = [f"checkpoint {size / 1e9:.2f} GB of fp32 weights, saved by {doc['save_ranks']} rank(s); "
+    lines = [f"[{doc['layout']}] checkpoint {size / 1e9:.2f} GB of fp32 weights, saved by {doc['save_ranks']} rank(s); "
              f"hf shards {doc['max_shard_size']}; page cache: {doc['page_cache']}",
              f"{'measurement':<20} {'seconds':>8} {'GB/s':>6} {'peak extra RSS':>15} {'/ ckpt':>7}"]
     for name in [n for n in ORDER if n in r]:
@@ -197,6 +305,9 @@ def main() -> int:
     ap.add_argument("--tensor-mb", type=int, default=32, help="size of each weight tensor")
     ap.add_argument("--max-shard-size", default="256MB")
     ap.add_argument("--save-ranks", type=int, default=2)
+    ap.add_argument("--layout", default="ddp", help="ddp, fsdp2 or ddp,fsdp2: the model layout that saves "
+                    "the checkpoint (fsdp2: the loads also run on --save-ranks ranks into the FSDP2 model)")
+    ap.add_argument("--dcp-dir", help=argparse.SUPPRESS)
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
     ap.add_argument("--only", default=None, help="comma-separated measurements (default: all); the "
                     "ratios need their baselines, e.g. --only dcp_native_load,dcp_reader_load")
@@ -210,15 +321,36 @@ def main() -> int:
         save_worker(args)
         return 0
     if args.measure:
-        print(json.dumps(measure(args.measure, json.loads(args.paths), Path(args.work), args)))
+        res = measure(args.measure, json.loads(args.paths), Path(args.work), args)
+        if res is not None:   # under mpiexec, rank 0 alone reports
+            print(json.dumps(res))
         return 0
 
-    work = Path(tempfile.mkdtemp(prefix="coci-export-bench-", dir=args.dir))
+    layouts = args.layout.split(",")
+    bad = [x for x in layouts if x not in LAYOUTS]
+    if bad or not layouts:
+        ap.error(f"--layout: unknown layout(s) {bad}; choose from {', '.join(LAYOUTS)} (comma-separated)")
+    t_start = time.perf_counter()
+    docs = {layout: bench_layout(layout, args) for layout in layouts}
+    doc: dict[str, Any] = dict(docs["ddp"]) if "ddp" in docs else {}
+    doc.update({layout: d for layout, d in docs.items() if layout != "ddp"})
+    doc.update({"layouts": layouts, "elapsed_s": round(time.perf_counter() - t_start, 1)})
+    text = "\n\n".join(table(d) for d in docs.values())
+    if args.json:
+        print(text, file=sys.stderr)
+        print(json.dumps(doc))
+    else:
+        print(text)
+    return 0
+
+
+def bench_layout(layout: str, args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix=f"coci-export-bench-{layout}-", dir=args.dir))
     t_start = time.perf_counter()
     try:
-        paths = setup(work, args)
+        paths = setup(work, args, layout)
         wanted = ORDER if not args.only else [n for n in ORDER if n in args.only.split(",")]
-        runs = {name: run_one(name, paths, work, args) for name in wanted}
+        runs = {name: run_one(name, paths, work, args, layout) for name in wanted}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     size = paths["bytes"]
@@ -231,7 +363,7 @@ def main() -> int:
     def rss(a: str) -> float | None:
         return round(runs[a]["peak_extra_bytes"] / size, 3) if a in runs else None
 
-    doc = {
+    return {
         "export_hf_vs_raw_read": ratio("export_hf", "raw_read"),
         "export_peak_extra_rss_over_checkpoint": rss("export_hf"),
         "import_hf_vs_raw_read": ratio("import_hf", "raw_read_hf"),
@@ -242,16 +374,11 @@ def main() -> int:
         "export_torch_peak_extra_rss_over_checkpoint": rss("export_torch"),
         "import_hf_peak_extra_rss_over_checkpoint": rss("import_hf"),
         "dcp_to_torch_save_peak_extra_rss_over_checkpoint": rss("dcp_to_torch_save"),
-        "checkpoint_bytes": size, "save_ranks": args.save_ranks, "max_shard_size": args.max_shard_size,
+        "checkpoint_bytes": size, "layout": layout, "save_ranks": args.save_ranks,
+        "max_shard_size": args.max_shard_size,
         "page_cache": next(iter(runs.values()))["cache"], "peak_reset": next(iter(runs.values()))["peak_reset"],
         "elapsed_s": round(time.perf_counter() - t_start, 1), "runs": runs,
     }
-    if args.json:
-        print(table(doc), file=sys.stderr)
-        print(json.dumps(doc))
-    else:
-        print(table(doc))
-    return 0
 
 
 if __name__ == "__main__":
