@@ -53,22 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def drop_cache(paths: list[Path]) -> str:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return "drop_caches"
-    except OSError:
-        pass
-    for p in paths:
-        for f in ([p] if p.is_file() else [q for q in p.rglob("*") if q.is_file()]):
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return "fadvise"
+from benchmarks.checkpoint_bench import drop_cache  # noqa: E402  (one page-cache eviction for the benchmarks)
 
 
 def status_kb(field: str) -> int:
