@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from coci_hpc.errors import SlurmError, UsageError
-from coci_hpc.runtime.events import FILENAME, read_events_counted
+from coci_hpc.runtime.events import FILENAME, read_events_counted, relaunch_cause
 from coci_hpc.slurm import commands
 from coci_hpc.slurm.sacct import SlurmAttempt, job_attempts
 
@@ -170,9 +170,9 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
         r = relaunches.get(prev.attempt)
         if r is None or r.get("action") != "relaunch":
             continue
-        # The relaunch record's `lost` names the nodes Slurm reported down; its reason is prose
-        # ("... not n2: lost a task" after a crash) and is not read for the kind.
-        lost = "node_failure" if r.get("lost") or nxt.prev_end.get("reason") == "node_failure" else "crash"
+        # The relaunch record's typed cause, the same rule the next attempt's prev_end used
+        # (runtime/attempts.py); its reason is prose ("not n2: lost a task" after a crash).
+        lost = relaunch_cause(r)
         prev.ended, prev.ended_source = f"{lost} (restarted in place)", "relaunch"
         nxt.in_place = in_place_split(r, [p for p in peer_losses if p["attempt"] == prev.attempt],
                                       starts.get(nxt.attempt) or {}, resumed_wall.get(nxt.attempt))

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from coci_hpc.runtime.events import relaunch_cause
 from coci_hpc.slurm.sacct import SlurmAttempt
 from coci_hpc.slurm.scontrol import JobState
 
@@ -66,9 +67,8 @@ def classify_previous(prev_records: Sequence[dict[str, Any]], prev_slurm: SlurmA
         # coci-submit's relaunch loop (--spare-nodes) saw the step fail and asked Slurm about the
         # nodes, then restarted the ranks inside the allocation (Slurm's attempt row is still this
         # one) or requeued the job (Slurm's row then says REQUEUED, not why).
-        failed = relaunch.get("lost") or {}
         when = (lost.get("failure_wall") or lost.get("wall")) if lost is not None else relaunch.get("step_ended_wall")
-        return PrevEnd("node_failure" if failed else "crash", "relaunch",
+        return PrevEnd(relaunch_cause(relaunch), "relaunch",
                        f"{relaunch.get('reason')}" + ("" if lost is None else f"; rank(s) {lost.get('lost_ranks') or '?'} "
                                                       f"lost after step {lost.get('step')}"),
                        None if when is None else float(when))

@@ -1,29 +1,187 @@
-"""The run's append-only event log, ``<ckpt_dir>/events.jsonl``: one JSON object per line.
+"""The run's append-only event log, ``<ckpt_dir>/events.jsonl``: one JSON object per line, and its schema.
 
-Written by rank 0 only. Each record is one ``os.write`` on an ``O_APPEND`` descriptor followed by
-``fsync``, so a record is either whole on disk or, if the process died inside the write, a torn
-last line. The writer starts a fresh line when it finds the file not ending in a newline, and
-:func:`read_events` skips lines that do not parse, so one torn record never hides the others.
+This module is the one place that knows the records: their types (one dataclass per ``event``,
+:data:`RECORD_TYPES`), how they are written (:class:`EventLog`) and read (:func:`read_events`,
+:func:`parse`), and the few facts several readers derive from them (:func:`current_attempt`,
+:func:`relaunch_cause`, :func:`session_gave_up`). docs/reference/event-log.md's table is
+:func:`markdown_table` (a test checks that they match).
+
+Written by rank 0 only (a survivor writes its ``peer_lost``). Each record is one ``os.write`` on an
+``O_APPEND`` descriptor followed by ``fsync``, so a record is either whole on disk or, if the
+process died inside the write, a torn last line. The writer starts a fresh line when it finds the
+file not ending in a newline, and :func:`read_events` skips lines that do not parse, so one torn
+record never hides the others.
 
 Every record has ``v`` (format version, 1), ``event``, ``wall`` (unix seconds), ``attempt``
-(1-based, counted in this log) and ``job_id`` (Slurm's, or null). The events and their fields are
-listed in docs/reference/event-log.md (attempt_start, resumed, checkpoint, losses, stop, end, peer_lost).
+(1-based, counted in this log: :func:`current_attempt`) and ``job_id`` (Slurm's, or null). Logs
+written before the schema existed read the same: every field of a record type is optional when
+read (a missing one is null), and a field the type does not know is kept in ``extra``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 VERSION = 1
 FILENAME = "events.jsonl"
-EVENTS = ("attempt_start", "resumed", "checkpoint", "losses", "stop", "end", "lead_warning", "peer_lost",
-          "relaunch")  # relaunch: written by coci-submit's relaunch loop (submit/relaunch.py), not the Session
 PREV_END_REASONS = ("time_limit", "preemption", "node_failure", "rank_failure", "requeue_by_hand", "cancelled",
                     "terminated", "crash", "none")
+# Why the relaunch loop's rank step failed, its typed ``cause`` (the reason is prose).
+RELAUNCH_CAUSES = ("node_failure", "crash")
+
+
+def _f(doc: str, default: Any = None) -> Any:
+    """A record field: optional when read (older logs may lack it), documented in the table."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class Record:
+    """The common part of every record; ``wall``, ``attempt`` and ``job_id`` are set by the writer."""
+
+    EVENT: ClassVar[str] = ""
+    WRITER: ClassVar[str] = "the Session (rank 0)"
+    wall: float | None = field(default=None, kw_only=True, metadata={"doc": "unix seconds"})
+    attempt: int | None = field(default=None, kw_only=True, metadata={"doc": "1-based, counted in this log"})
+    job_id: str | None = field(default=None, kw_only=True, metadata={"doc": "Slurm's, or null"})
+    extra: dict[str, Any] = field(default_factory=dict, kw_only=True, repr=False,
+                                  metadata={"doc": "", "internal": True})
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"v": VERSION, "event": self.EVENT}
+        for f in dataclasses.fields(self):
+            if f.name != "extra":
+                d[f.name] = getattr(self, f.name)
+        return {**self.extra, **d}
+
+
+@dataclass
+class AttemptStart(Record):
+    EVENT: ClassVar[str] = "attempt_start"
+    nodes: list[str] = _f("the nodes of this attempt", [])
+    ranks: int | None = _f("the world size")
+    run: dict[str, Any] | None = _f("{`script`, `args`, `world_size`}")
+    policy: str | None = _f("the checkpoint policy")
+    restart_count: int | None = _f("Slurm's SLURM_RESTART_COUNT")
+    prev_end: dict[str, Any] = _f("how the attempt before this one ended: {`reason`: " + "\\|".join(
+        f"`{r}`" for r in PREV_END_REASONS) + ", `source`: `session`\\|`sacct`\\|`scontrol`\\|`relaunch`\\|`none`, "
+        "`detail`}", {})
+    resumed_step: int | None = _f("the checkpoint step resumed from (null: from scratch)")
+    steps_lost: int | None = _f("steps of the previous attempt done again")
+    torn_survivors_saves: list[int] = _f("steps of survivors' saves killed before their manifest", [])
+    config_sources: dict[str, str] = _f("where each setting came from", {})
+    slurm_id: str | None = _f("what sacct knows the job as (an array task's `A_T`)")
+    survivor_coverage: float | None = _f("share of failures a survivors' save covers")
+    survivors_off: str | None = _f("why a lost rank cannot be covered by a survivors' save (null: it can)")
+    in_place_restart: int | None = _f("the relaunch loop's restart number; null outside it")
+    process_wall: float | None = _f("when this process was exec'd, from /proc")
+    session_wall: float | None = _f("when `Session()` was created")
+
+
+@dataclass
+class Resumed(Record):
+    EVENT: ClassVar[str] = "resumed"
+    step: int | None = _f("the step resumed from")
+    restart_latency_s: dict[str, Any] | None = _f(
+        "{`total`, `slurm_requeue_s`, `process_start_s`, `restore_s`}")
+
+
+@dataclass
+class Checkpoint(Record):
+    EVENT: ClassVar[str] = "checkpoint"
+    step: int | None = _f("the step saved")
+    kind: str | None = _f("`planned`\\|`stop`\\|`final`")
+    blocking_s: float | None = _f("seconds training waited")
+    persist_s: float | None = _f("two-phase saves' background seconds; null for synchronous ones")
+
+
+@dataclass
+class Losses(Record):
+    EVENT: ClassVar[str] = "losses"
+    steps: list[int] = _f("steps (rank 0's losses, flushed with checkpoints, stops, the end, and at most "
+                          "every 5 s)", [])
+    values: list[float | None] = _f("their losses (NaN/inf written as null)", [])
+
+
+@dataclass
+class Stop(Record):
+    EVENT: ClassVar[str] = "stop"
+    step: int | None = _f("the step the session stopped at")
+    reason: str | None = _f("`time_limit`\\|`preemption`\\|`cancelled`\\|`requeue_by_hand`\\|`node_failure`"
+                            "\\|`terminated`")
+    signal: str | None = _f("the signal's name")
+    requeued: bool | None = _f("whether the session asked Slurm to requeue the job")
+    detail: str | None = _f("Slurm's record of why")
+    restart_count: int | None = _f("Slurm's SLURM_RESTART_COUNT")
+    saved: bool | None = _f("whether a stop-time checkpoint was written")
+
+
+@dataclass
+class LeadWarning(Record):
+    EVENT: ClassVar[str] = "lead_warning"
+    message: str | None = _f("the signal lead cannot fit a step, a save and the requeue")
+    lead_s: float | None = _f("the signal lead")
+    step_s: float | None = _f("the step time")
+    save_s: float | None = _f("the save time")
+
+
+@dataclass
+class PeerLost(Record):
+    EVENT: ClassVar[str] = "peer_lost"
+    WRITER: ClassVar[str] = "the survivor that wrote (or tried to write) the survivors' checkpoint"
+    step: int | None = _f("the last step every rank finished")
+    how: str | None = _f("agreement timeout, the relaunch loop's peer notice, an exception inside the step, a "
+                         "checkpoint collective that did not complete, or a checkpoint write stuck in MPI-IO")
+    survivor: int | None = _f("the writing survivor's rank")
+    committed: bool | None = _f("whether the survivors' checkpoint committed")
+    lost_ranks: list[int] | None = _f("whose per-rank state came from a partner's copy")
+    reason: str | None = _f("why nothing was committed")
+    failure_wall: float | None = _f("when the peer was lost")
+    detect_wall: float | None = _f("when a survivor saw it")
+    commit_wall: float | None = _f("when the survivors' checkpoint committed")
+    save_s: float | None = _f("the survivors' save seconds")
+    fallback_step: int | None = _f("the checkpoint the next attempt resumes from instead")
+
+
+@dataclass
+class End(Record):
+    EVENT: ClassVar[str] = "end"
+    step: int | None = _f("the last step")
+    status: str | None = _f("`completed`\\|`gave_up`\\|`error`\\|`refused` (the attempt refused to start and "
+                            "changed nothing: not the run's end)")
+    message: str | None = _f("why, for anything but completed")
+
+
+@dataclass
+class Relaunch(Record):
+    EVENT: ClassVar[str] = "relaunch"
+    WRITER: ClassVar[str] = "coci-submit's relaunch loop (`--spare-nodes`), as the failed attempt, per decision"
+    action: str | None = _f("`relaunch`\\|`requeue`\\|`give_up`")
+    cause: str | None = _f("why the rank step failed: " + "\\|".join(f"`{c}`" for c in RELAUNCH_CAUSES)
+                           + " (logs before it: read from `lost`)")
+    reason: str | None = _f("the decision in prose (not parsed)")
+    restart: int | None = _f("the in-place restart this decision starts")
+    rc: int | None = _f("srun's status")
+    lost: dict[str, str] = _f("{node: state} of the nodes Slurm reported down or out of the job", {})
+    nodes: list[str] = _f("where the ranks start again", [])
+    lost_task_on: list[str] = _f("the nodes srun reported a task lost on (suspect: a spare is taken first)", [])
+    step_ended_wall: float | None = _f("when the rank step ended")
+    decided_wall: float | None = _f("when the loop decided")
+
+
+RECORD_TYPES: tuple[type[Record], ...] = (AttemptStart, Resumed, Checkpoint, Losses, Stop, LeadWarning,
+                                          PeerLost, End, Relaunch)
+BY_EVENT: dict[str, type[Record]] = {t.EVENT: t for t in RECORD_TYPES}
+EVENTS = tuple(BY_EVENT)
 
 
 def _clean(x: Any) -> Any:
@@ -46,14 +204,19 @@ class EventLog:
         self.attempt, self.job_id, self.enabled = int(attempt), job_id, enabled
         self._checked_tail = False
 
-    def write(self, event: str, **fields: Any) -> dict[str, Any] | None:
+    def write(self, record: Record | str, **fields: Any) -> dict[str, Any] | None:
+        """Append ``record`` (a :data:`RECORD_TYPES` instance) stamped with the time, this log's
+        attempt and job id; returns the line's dict. ``write("checkpoint", step=...)`` builds the
+        record type named so from ``fields`` (a field the type does not declare is a ValueError)."""
+        if isinstance(record, str):
+            record = make(record, **fields)
+        elif fields:
+            raise TypeError("fields go into the record, not next to it")
         if not self.enabled:
             return None
-        if event not in EVENTS:
-            raise ValueError(f"unknown event {event!r}")
-        rec = {"v": VERSION, "event": event, "wall": time.time(), "attempt": self.attempt,
-               "job_id": self.job_id, **fields}
-        line = json.dumps(_clean(rec), separators=(",", ":"), allow_nan=False) + "\n"
+        record.wall, record.attempt, record.job_id = time.time(), self.attempt, self.job_id
+        rec = _clean(record.to_dict())
+        line = json.dumps(rec, separators=(",", ":"), allow_nan=False) + "\n"
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             if not self._checked_tail:
@@ -66,6 +229,37 @@ class EventLog:
         finally:
             os.close(fd)
         return rec
+
+
+def make(event: str, **fields: Any) -> Record:
+    """The record of type ``event`` with ``fields``; an unknown event or field is a ValueError."""
+    cls = BY_EVENT.get(event)
+    if cls is None:
+        raise ValueError(f"unknown event {event!r}")
+    known = {f.name for f in dataclasses.fields(cls)} - {"extra", "wall", "attempt", "job_id"}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"event {event!r} has no field(s) {', '.join(unknown)} "
+                         "(declare them in coci_hpc/runtime/events.py)")
+    return cls(**fields)
+
+
+def parse(d: dict[str, Any]) -> Record | None:
+    """The typed record of one read line (:func:`read_events`'s dicts); None for an event this
+    version does not know. Missing fields are null; fields the type lacks go to ``extra``."""
+    cls = BY_EVENT.get(str(d.get("event")))
+    if cls is None:
+        return None
+    names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+    kw = {k: v for k, v in d.items() if k in names}
+    extra = {k: v for k, v in d.items() if k not in names and k not in ("v", "event")}
+    rec = cls(**kw)
+    rec.extra = extra
+    for f in dataclasses.fields(cls):     # an old log's explicit null where the type has an empty default
+        factory = f.default_factory
+        if f.name in kw and kw[f.name] is None and callable(factory):
+            setattr(rec, f.name, factory())
+    return rec
 
 
 def read_events(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -106,5 +300,42 @@ def _attempt_ok(a: Any) -> bool:
     return isinstance(a, int) and not isinstance(a, bool) and a >= 1
 
 
-def last_attempt(events: list[dict[str, Any]]) -> int:
+def last_attempt(events: Sequence[dict[str, Any]]) -> int:
+    """The newest attempt number any record carries (0 for an empty log)."""
     return max((int(e.get("attempt") or 0) for e in events), default=0)
+
+
+def current_attempt(events: Sequence[dict[str, Any]]) -> int:
+    """The attempt the newest records belong to, at least 1: the one counter of attempts. The
+    Session numbers a new attempt ``last_attempt + 1``; the relaunch loop records its decision as
+    this attempt. Counting ``attempt_start`` lines instead would go one short after a torn one."""
+    return max(last_attempt(events), 1)
+
+
+def relaunch_cause(rec: dict[str, Any]) -> str:
+    """Why the relaunch loop's rank step failed (:data:`RELAUNCH_CAUSES`): the record's typed
+    ``cause``; in logs written before it, ``node_failure`` when the record names ``lost`` nodes.
+    Never read from the prose ``reason`` (a crash's reason says "lost a task")."""
+    cause = rec.get("cause")
+    if cause in RELAUNCH_CAUSES:
+        return str(cause)
+    return "node_failure" if rec.get("lost") else "crash"
+
+
+def session_gave_up(events: Sequence[dict[str, Any]]) -> str | None:
+    """The Session's give-up message when the newest attempt in the log ended ``gave_up``."""
+    last = last_attempt(events)
+    for e in reversed(events):
+        if int(e.get("attempt") or 0) == last and e.get("event") == "end":
+            return str(e.get("message") or "gave up") if e.get("status") == "gave_up" else None
+    return None
+
+
+def markdown_table() -> str:
+    """The record table of docs/reference/event-log.md, from the record types."""
+    rows = ["| `event` | written by | fields |", "|---|---|---|"]
+    for t in RECORD_TYPES:
+        own = [f for f in dataclasses.fields(t) if f.name not in ("wall", "attempt", "job_id", "extra")]
+        cells = "; ".join(f"`{f.name}`: {f.metadata['doc']}" for f in own)
+        rows.append(f"| `{t.EVENT}` | {t.WRITER} | {cells} |")
+    return "\n".join(rows)

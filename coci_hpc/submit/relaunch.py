@@ -33,7 +33,7 @@ from types import FrameType
 from coci_hpc.errors import GaveUpError, SlurmError
 from coci_hpc.runtime import peernotice
 from coci_hpc.runtime.events import FILENAME as EVENTS_FILE
-from coci_hpc.runtime.events import EventLog, last_attempt, read_events
+from coci_hpc.runtime.events import EventLog, Relaunch, current_attempt, read_events, session_gave_up
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS
 from coci_hpc.slurm import commands
 from coci_hpc.slurm.env import JobEnvironment
@@ -72,6 +72,7 @@ class Decision:
     action: str
     reason: str
     nodes: tuple[str, ...] = ()
+    cause: str | None = None      # why the step failed: node_failure|crash (events.RELAUNCH_CAUSES)
 
 
 def choose_nodes(held: Sequence[str], unhealthy: Mapping[str, str], needed: int,
@@ -126,23 +127,25 @@ def decide(*, rc: int, signaled: bool, held: Sequence[str], unhealthy: Mapping[s
     if gave_up:
         return Decision("give_up", f"the training session gave up: {gave_up}")
     lost = sorted(unhealthy)
+    cause = "node_failure" if lost else "crash"
     what = f"node(s) {','.join(f'{n} ({unhealthy[n]})' for n in lost)} lost" if lost else \
         f"the ranks exited with status {rc} (no node down)"
     nodes = choose_nodes(held, unhealthy, needed, suspect)
     if nodes is None:
         healthy = len(held) - len([n for n in held if n in unhealthy])
         return Decision("requeue", f"{what}; {healthy} healthy node(s) left in the allocation, {needed} "
-                                   "needed: back to the queue")
+                                   "needed: back to the queue", cause=cause)
     if restarts_done >= max_restarts:
         if lost:
             return Decision("requeue", f"{what}; the {max_restarts} in-place restart(s) of --max-restarts "
-                                       "are spent: back to the queue")
+                                       "are spent: back to the queue", cause=cause)
         return Decision("give_up", f"{what}, again after {max_restarts} in-place restart(s) "
-                                   f"(--max-restarts {max_restarts}); see the rank logs for the error")
+                                   f"(--max-restarts {max_restarts}); see the rank logs for the error",
+                        cause=cause)
     swapped = sorted(n for n in suspect if n in held and n not in unhealthy and n not in nodes)
     why_not = f" (not {','.join(swapped)}: lost a task)" if swapped else ""
     return Decision("relaunch", f"{what}; restart {restarts_done + 1} of {max_restarts} in place "
-                                f"on {','.join(nodes)}{why_not}", nodes)
+                                f"on {','.join(nodes)}{why_not}", nodes, cause)
 
 
 class _SignalRecord:
@@ -252,9 +255,10 @@ class Relauncher:
             if d.action == "stop":
                 return 0 if rc == 0 else rc
             if ckpt:
-                _record(Path(ckpt), job.job_id, restart=restarts + (d.action == "relaunch"), rc=rc,
-                        action=d.action, reason=d.reason, lost=bad, nodes=list(d.nodes),
-                        step_ended_wall=ended, decided_wall=decided, lost_task_on=sorted(suspect))
+                _record(Path(ckpt), job.job_id, Relaunch(
+                    restart=restarts + (d.action == "relaunch"), rc=rc, action=d.action, cause=d.cause,
+                    reason=d.reason, lost=bad, nodes=list(d.nodes), step_ended_wall=ended,
+                    decided_wall=decided, lost_task_on=sorted(suspect)))
             if d.action == "give_up":
                 raise GaveUpError(d.reason, hint="fix the error in the rank logs, then submit the same command "
                                                  "again: it resumes from the newest checkpoint")
@@ -352,20 +356,16 @@ def watch_step(argv: Sequence[str], env: Mapping[str, str] | None, grace_s: floa
 
 def _session_gave_up(ckpt: Path) -> str | None:
     """The Session's give-up message when the newest attempt in the log ended ``gave_up``."""
-    events = read_events(ckpt / EVENTS_FILE) if ckpt.is_dir() else []
-    last = last_attempt(events)
-    for e in reversed(events):
-        if int(e.get("attempt") or 0) == last and e.get("event") == "end":
-            return str(e.get("message") or "gave up") if e.get("status") == "gave_up" else None
-    return None
+    return session_gave_up(read_events(ckpt / EVENTS_FILE) if ckpt.is_dir() else [])
 
 
-def _record(ckpt: Path, job_id: str, **fields: object) -> None:
-    """Append the relaunch to the run's event log (the Session writes the rest), as the failed attempt."""
+def _record(ckpt: Path, job_id: str, record: Relaunch) -> None:
+    """Append the relaunch to the run's event log (the Session writes the rest), as the failed
+    attempt: the newest in the log, by the Session's own count (:func:`events.current_attempt`)."""
     if not ckpt.is_dir():
         return
-    attempt = sum(1 for e in read_events(ckpt / EVENTS_FILE) if e.get("event") == "attempt_start")
-    EventLog(ckpt / EVENTS_FILE, attempt=max(attempt, 1), job_id=job_id).write("relaunch", **fields)
+    attempt = current_attempt(read_events(ckpt / EVENTS_FILE))
+    EventLog(ckpt / EVENTS_FILE, attempt=attempt, job_id=job_id).write(record)
 
 
 def _say(msg: str) -> None:
