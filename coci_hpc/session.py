@@ -78,7 +78,7 @@ from coci_hpc.slurm.failure_cache import describe as describe_history
 from coci_hpc.slurm.hostlist import expand_hostlist
 
 STATE_KEY = "coci_session"
-ENV_INPLACE = "COCI_INPLACE_RESTARTS"   # set by submit/relaunch.py for the rank steps it starts
+ENV_INPLACE = "COCI_INPLACE_RESTARTS"   # set by runtime/relaunch.py for the rank steps it starts
 STOP = 1                    # stop level exchanged at the step boundary (MAX over ranks)
 LOSS_BUFFER = 4096          # losses kept between flushes (rank 0), preallocated
 LOSS_FLUSH_S = 5.0          # at most one losses record per this many seconds between checkpoints

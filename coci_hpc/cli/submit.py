@@ -33,9 +33,9 @@ from coci_hpc.errors import UsageError
 from coci_hpc.planner.policies import POLICY_NAMES, make_policy
 from coci_hpc.planner.profile import Profile
 from coci_hpc.runtime.attempts import LEAD_SPARE_S, suggested_lead_s
+from coci_hpc.runtime.relaunch import DEFAULT_MAX_RESTARTS
 from coci_hpc.slurm.timefmt import read_limit
 from coci_hpc.submit import checks, executor
-from coci_hpc.submit.relaunch import DEFAULT_MAX_RESTARTS
 from coci_hpc.submit.spec import MPI_PLUGINS, build_spec
 
 DEFAULT_SIGNAL_LEAD = 90

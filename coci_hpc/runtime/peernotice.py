@@ -5,7 +5,7 @@ agreement, and nothing in Open MPI under ``srun --mpi=pmix`` tells the survivors
 notice only when the agreement's deadline (:data:`.stepsync.MIN_DEADLINE_S`, 5 s) ran out: half of
 a 10 s in-place restart. srun, on the other hand, learns at once: the dead task's slurmstepd reports
 its exit and srun prints ``srun: error: n2: task 1: Killed``. The relaunch loop reads srun's stderr
-(:func:`coci_hpc.submit.relaunch.watch_step`) and, on that line, writes this notice: one small file
+(:func:`coci_hpc.slurm.srun_step.watch_step`) and, on that line, writes this notice: one small file
 whose path the loop gives each rank step in ``COCI_PEER_NOTICE`` (on the job's log folder, shared
 like the checkpoints). A survivor waiting for a late peer (:class:`.stepsync.StepSync`) looks for
 it every :data:`POLL_S` and, once it is there, counts the peer as lost without waiting out the
@@ -47,7 +47,7 @@ def left_marker(path: str | os.PathLike[str]) -> str:
     """The file the survivors' writer creates once the survivors' save is over (committed or not)
     and they are leaving: the step's outcome is decided. A peer that still has not ended by then is
     silent (a frozen or dead host whose node Slurm has not declared down yet: SlurmdTimeout), and
-    the loop ends the step instead of waiting for Slurm (:func:`coci_hpc.submit.relaunch.silent_nodes`)."""
+    the loop ends the step instead of waiting for Slurm (:func:`coci_hpc.slurm.srun_step.silent_nodes`)."""
     return os.fspath(path) + ".left"
 
 

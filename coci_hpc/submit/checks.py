@@ -16,8 +16,7 @@ import tempfile
 from pathlib import Path
 
 from coci_hpc.errors import CheckpointError, CheckpointOtherRun, SlurmError, UsageError
-from coci_hpc.runtime import runrecord
-from coci_hpc.runtime.events import read_events
+from coci_hpc.runtime import entry as runtime
 from coci_hpc.slurm import commands
 from coci_hpc.submit.runner import ARRAY_TASK
 from coci_hpc.submit.spec import SubmitSpec
@@ -134,15 +133,15 @@ def check_run_ownership(spec: SubmitSpec) -> None:
                 for i in range(spec.array[0])]
     for ckpt, args in dirs:
         try:
-            recorded = runrecord.recorded_run(read_events(ckpt))
+            recorded = runtime.recorded_run(runtime.read_events(ckpt))
         except OSError as exc:
             raise CheckpointError(f"cannot read the event log in {ckpt}: {exc.strerror or exc}",
                                   hint="check the directory's permissions, or pass another --ckpt-dir") from exc
         # The Session compares sys.argv, which coci-submit's runner sets to the absolute script + args.
-        diff = runrecord.difference(recorded, runrecord.current_run([str(spec.script), *args], 0))
+        diff = runtime.difference(recorded, runtime.current_run([str(spec.script), *args], 0))
         if diff is not None:
             raise CheckpointOtherRun(f"checkpoint directory {ckpt} belongs to another run: {diff}",
-                                     hint=runrecord.HINT)
+                                     hint=runtime.RUN_RECORD_HINT)
 
 
 # A dry run asks Slurm briefly: sinfo retries a down slurmctld for about 10 s in silence.

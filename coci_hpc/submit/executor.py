@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coci_hpc.errors import SlurmError, UsageError
-from coci_hpc.submit.relaunch import Relauncher
-from coci_hpc.submit.runner import ScriptRunner
+from coci_hpc.runtime.entry import Relauncher
+from coci_hpc.submit.runner import ScriptRunner, clear_stale_result
 from coci_hpc.submit.spec import SubmitSpec, executor_parameters
 
 
@@ -62,7 +62,8 @@ def _runner(spec: SubmitSpec) -> ScriptRunner | Relauncher:
     if spec.spare_nodes:
         return Relauncher(str(spec.script), spec.script_args, nodes=spec.nodes,
                           ntasks_per_node=spec.ntasks_per_node, mpi=spec.mpi, python=spec.python,
-                          log_dir=str(spec.log_dir), max_restarts=spec.max_restarts)
+                          log_dir=str(spec.log_dir), max_restarts=spec.max_restarts,
+                          prepare=clear_stale_result)
     return ScriptRunner(str(spec.script), spec.script_args, spec.coci_env())
 
 

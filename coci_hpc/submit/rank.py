@@ -1,6 +1,6 @@
 """One training rank of a ``--spare-nodes`` job: ``python -m coci_hpc.submit.rank SCRIPT ARGS...``.
 
-The relaunch loop (:mod:`coci_hpc.submit.relaunch`) starts this with ``srun`` on every rank; it
+The relaunch loop (:mod:`coci_hpc.runtime.relaunch`) starts this with ``srun`` on every rank; it
 runs the script in-process exactly as submitit's runner does without spare nodes, so the Session
 owns the signals. The COCI_* environment comes from the batch script's setup lines.
 """

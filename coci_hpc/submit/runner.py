@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
-from coci_hpc.runtime.preemption import DEFAULT_SIGNALS
+from coci_hpc.runtime.entry import DEFAULT_SIGNALS
 from coci_hpc.slurm.env import JobEnvironment
 
 # The signals the Session owns (USR2: coci-submit's --signal, USR1, SIGTERM), held until it starts.

@@ -182,7 +182,7 @@ class SubmitSpec:
     sbatch_args: tuple[tuple[str, str | bool], ...] = field(default_factory=tuple)
     time_unlimited: bool = False
     resume_from_other_run: bool = False
-    spare_nodes: int = 0            # K extra nodes: restart in place on them (submit/relaunch.py)
+    spare_nodes: int = 0            # K extra nodes: restart in place on them (runtime/relaunch.py)
     max_restarts: int = 3           # in-place restarts before the requeue fallback / giving up
 
     @property

@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 
 from coci_hpc import history
-from coci_hpc.runtime import events
+from coci_hpc.runtime import events, relaunch
 from coci_hpc.runtime.attempts import classify_previous, previous_records
-from coci_hpc.submit import relaunch
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "reference" / "event-log.md"
 

@@ -1,4 +1,6 @@
-"""Restart in place: keep the allocation and relaunch the ranks on spare nodes (``--spare-nodes K``).
+"""The relaunch loop: restart in place, keep the allocation and relaunch the ranks on spare nodes (``--spare-nodes K``).
+
+Restart in place: keep the allocation and relaunch the ranks on spare nodes (``--spare-nodes K``).
 
 With spare nodes, coci-submit asks Slurm for N+K nodes with ``--no-kill`` and submitit runs a
 :class:`Relauncher` once, in the batch shell (``use_srun=False``), instead of one copy of the
@@ -14,30 +16,32 @@ Preemption and the time limit are the Session's: it saves and requeues (``scontr
 step boundary, and the relauncher, which saw the signal too (or the step end with status 0), does
 not relaunch.
 
-:func:`decide` is the whole policy, pure; :class:`Relauncher` is its I/O.
+:func:`decide` is the whole policy, pure; :class:`Relauncher` is the loop and its I/O; the rank
+step's supervision (srun, its lost tasks) is the Slurm boundary's
+(:func:`coci_hpc.slurm.srun_step.watch_step`). coci-submit's one entry point into the runtime is
+:mod:`coci_hpc.runtime.entry`.
 """
 from __future__ import annotations
 
 import os
 import shlex
-import signal
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 
 from coci_hpc.errors import GaveUpError, SlurmError
 from coci_hpc.runtime import peernotice
 from coci_hpc.runtime.events import FILENAME as EVENTS_FILE
 from coci_hpc.runtime.events import EventLog, Relaunch, current_attempt, read_events, session_gave_up
-from coci_hpc.runtime.preemption import DEFAULT_SIGNALS
+from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder
 from coci_hpc.slurm import commands
 from coci_hpc.slurm.env import JobEnvironment
-from coci_hpc.submit.runner import clear_stale_result
+from coci_hpc.slurm.srun_step import LEFT_SETTLE_S, START_GRACE_S, StepLoss, silent_nodes, watch_step
+
+__all__ = ["DEFAULT_MAX_RESTARTS", "LEFT_SETTLE_S", "START_GRACE_S", "Decision", "Relauncher", "StepLoss",
+           "choose_nodes", "decide", "silent_nodes", "watch_step"]
 
 DEFAULT_MAX_RESTARTS = 3
 # A node whose task srun reported lost ("n2: task 1: Killed") is suspect: its rank died, and the
@@ -55,14 +59,6 @@ ENV_RESTARTS = "COCI_INPLACE_RESTARTS"
 # stuck in a collective with the dead rank (seen here: a node lost during a checkpoint write, and
 # right after a restart) would otherwise hold the allocation until the time limit.
 DEFAULT_STEP_GRACE_S = 30.0
-# The same, for a step none of whose ranks has started training yet (no ``<notice>.training``
-# marker from the Session): there is nothing newer than the checkpoint they restore to save, and a
-# rank stuck in MPI/gloo start-up with a peer on a node that just went would wait out the grace.
-START_GRACE_S = 1.0
-# Seconds the loop waits, once the survivors' writer has left after a peer loss and every task on
-# the other nodes has ended, before it ends the silent node's tasks: the other survivors' exits may
-# still be on their way to srun (a survivor counted silent is only preferred less on relaunch).
-LEFT_SETTLE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -85,26 +81,6 @@ def choose_nodes(held: Sequence[str], unhealthy: Mapping[str, str], needed: int,
     take = set([n for n in healthy if n not in suspect][:needed])
     take.update([n for n in healthy if n in suspect][:needed - len(take)])
     return tuple(n for n in healthy if n in take)
-
-
-def silent_nodes(step_nodes: Sequence[str], tasks_per_node: int, ended: Mapping[str, int],
-                 survivors_left: bool) -> tuple[str, ...]:
-    """The step's nodes none of whose tasks has ended, when the step can be ended without them:
-    the survivors' writer has left after a peer loss (``survivors_left``, the Session's marker), and
-    every task on every other node has ended (``ended``: tasks srun reported ended, per node). Else
-    ``()``: wait (a slow but live peer keeps its whole deadline: without a peer loss the survivors
-    never leave). Pure.
-
-    Why: a host that goes silent (frozen, powered off, off the network) ends none of its tasks,
-    and srun's step ends only when its last task does, that is when slurmctld declares the node
-    DOWN (SlurmdTimeout, 300 s by default). These nodes are the suspects, not the survivors whose
-    exit srun reported first."""
-    if not survivors_left:
-        return ()
-    if any(0 < ended.get(n, 0) < tasks_per_node for n in step_nodes):
-        return ()        # a node with some tasks still running: a survivor still leaving
-    silent = tuple(n for n in step_nodes if ended.get(n, 0) == 0)
-    return silent if 0 < len(silent) < len(step_nodes) else ()
 
 
 def decide(*, rc: int, signaled: bool, held: Sequence[str], unhealthy: Mapping[str, str], needed: int,
@@ -148,21 +124,6 @@ def decide(*, rc: int, signaled: bool, held: Sequence[str], unhealthy: Mapping[s
                                 f"on {','.join(nodes)}{why_not}", nodes, cause)
 
 
-class _SignalRecord:
-    """Record-only handlers in the batch shell: a signal to the job means Slurm is stopping it."""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received.append(signum)
-
-    def install(self) -> _SignalRecord:
-        for s in DEFAULT_SIGNALS:  # replaces submitit's USR2 handler, which would requeue by itself
-            signal.signal(s, self._handle)
-        return self
-
-
 @dataclass
 class Relauncher:
     """The callable submitit runs once in the batch shell when ``--spare-nodes`` is given."""
@@ -178,6 +139,8 @@ class Relauncher:
     settle_s: float = DEFAULT_SETTLE_S
     step_grace_s: float = DEFAULT_STEP_GRACE_S
     env: dict[str, str] = field(default_factory=dict)
+    # Called once the signals are recorded, before anything else (submit/: submitit's stale result).
+    prepare: Callable[[], None] | None = None
 
     def rank_command(self) -> list[str]:
         return [*shlex.split(self.python), "-u", "-m", "coci_hpc.submit.rank", self.script, *self.args]
@@ -190,7 +153,14 @@ class Relauncher:
 
     def run_step(self, argv: Sequence[str], env: Mapping[str, str], loss: StepLoss, nodes: Sequence[str] = ()) -> int:
         notice = env.get(peernotice.ENV)
-        return watch_step(argv, env, self.step_grace_s, notice=notice, loss=loss,
+
+        def post(line: str) -> None:
+            if notice:
+                try:
+                    peernotice.post(notice, f"{line.strip()} (at {time.time():.3f})")
+                except OSError as exc:    # the survivors' deadline still detects the loss
+                    _say(f"could not post the peer notice {notice}: {exc}")
+        return watch_step(argv, env, self.step_grace_s, on_loss=post, loss=loss,
                           training=peernotice.training_marker(notice) if notice else None,
                           nodes=nodes, tasks_per_node=self.ntasks_per_node,
                           left=peernotice.left_marker(notice) if notice else None)
@@ -211,8 +181,11 @@ class Relauncher:
         return d, bad
 
     def __call__(self) -> int:
-        sig = _SignalRecord().install()
-        clear_stale_result()
+        # Record-only: a signal to the job means Slurm is stopping it (the Session saves and
+        # requeues); chain=False replaces submitit's USR2 handler, which would requeue by itself.
+        sig = SignalRecorder(DEFAULT_SIGNALS, chain=False).install()
+        if self.prepare is not None:
+            self.prepare()
         os.environ.update(self.env)
         job = JobEnvironment.from_env()
         if job.job_id is None:
@@ -267,91 +240,6 @@ class Relauncher:
                 return 0  # Slurm ends this batch shell and starts the job again
             restarts += 1
             nodes = d.nodes
-
-
-@dataclass
-class StepLoss:
-    """What srun said about lost tasks of one rank step: when it first did (monotonic) and on which nodes."""
-
-    at: float | None = None
-    nodes: list[str] = field(default_factory=list)
-
-
-def watch_step(argv: Sequence[str], env: Mapping[str, str] | None, grace_s: float, poll_s: float = 0.2,
-               notice: str | None = None, loss: StepLoss | None = None, training: str | None = None,
-               start_grace_s: float = START_GRACE_S, nodes: Sequence[str] = (), tasks_per_node: int = 1,
-               left: str | None = None, left_settle_s: float = LEFT_SETTLE_S) -> int:
-    """Run the rank step (srun) to its end and return its status; srun's own lines pass through
-    to this process's stderr. Once srun reports a task lost, the loop posts ``notice`` (the step's
-    :mod:`~coci_hpc.runtime.peernotice`: the survivors stop waiting for the lost rank and save at
-    once), and the step gets ``grace_s`` seconds to end by itself (the survivors' save), then it is
-    ended (:func:`commands.end_step_signals`); only ``start_grace_s`` while the file ``training``
-    (the Session's marker: its ranks are past their start) does not exist. ``loss`` collects the
-    nodes srun named. Once the file ``left`` exists (the survivors' writer left after a peer loss)
-    and every task on the step's other ``nodes`` has ended (:func:`silent_nodes`), the step is ended
-    after ``left_settle_s`` and the nodes whose tasks never ended become ``loss``'s suspects."""
-    p = subprocess.Popen(list(argv), env=None if env is None else dict(env), stderr=subprocess.PIPE,
-                         text=True, bufsize=1, errors="replace")
-    loss = loss if loss is not None else StepLoss()
-    ended_tasks: dict[str, int] = {}
-
-    def pump() -> None:
-        assert p.stderr is not None
-        for line in p.stderr:
-            sys.stderr.write(line)
-            sys.stderr.flush()
-            lost = commands.srun_ended_tasks(line)
-            if lost is None:
-                continue
-            node, count = lost
-            ended_tasks[node] = min(tasks_per_node, ended_tasks.get(node, 0) + (count or tasks_per_node))
-            # Suspect: the first loss, a node failure, a task killed by a signal. Not a task that
-            # exited with a status after that (the survivors leave with 1 once they saved), nor what
-            # this loop's own ending of the step killed.
-            if node not in loss.nodes and ended_at is None and (
-                    loss.at is None or "Node failure" in line or "Exited with exit code" not in line):
-                loss.nodes.append(node)
-            if loss.at is None:
-                loss.at = time.monotonic()
-                if notice:
-                    try:
-                        peernotice.post(notice, f"{line.strip()} (at {time.time():.3f})")
-                    except OSError as exc:    # the survivors' deadline still detects the loss
-                        _say(f"could not post the peer notice {notice}: {exc}")
-    ended_at: float | None = None
-    silent_since: float | None = None
-    reader = threading.Thread(target=pump, name="coci-srun-stderr", daemon=True)
-    reader.start()
-    while True:
-        try:
-            rc = p.wait(timeout=poll_s)
-            break
-        except subprocess.TimeoutExpired:
-            now = time.monotonic()
-            lost_at = loss.at
-            limit = grace_s if training is None or os.path.exists(training) else min(grace_s, start_grace_s)
-            silent = silent_nodes(nodes, tasks_per_node, dict(ended_tasks),
-                                  left is not None and os.path.exists(left)) if ended_at is None and nodes else ()
-            silent_since = (silent_since or now) if silent else None
-            if silent and silent_since is not None and now - silent_since >= left_settle_s:
-                ended_at = now                 # first: the pump counts no later line as a loss
-                loss.nodes[:] = list(silent)
-                _say(f"the survivors saved and left after a peer loss; no task on {','.join(silent)} has ended "
-                     f"(a silent host Slurm has not declared down yet): ending the step")
-                commands.end_step_signals(p)
-            elif ended_at is None and lost_at is not None and now - lost_at > limit:
-                if limit < grace_s:
-                    _say(f"a task of the rank step was lost {now - lost_at:.1f}s ago, before its ranks started "
-                         f"training (nothing newer than their checkpoint to save): ending the step")
-                else:
-                    _say(f"a task of the rank step was lost {now - lost_at:.0f}s ago and the step is still "
-                         f"running (a survivor stuck in a collective with the lost rank?): ending the step")
-                ended_at = now                 # first: what the ending kills is no suspect
-                commands.end_step_signals(p)
-            elif ended_at is not None and now - ended_at > 30:
-                p.kill()
-    reader.join(timeout=5)
-    return rc
 
 
 def _session_gave_up(ckpt: Path) -> str | None:
