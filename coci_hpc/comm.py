@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
+from coci_hpc import settings
 from coci_hpc.errors import CociError, CommError, PeerLost
 
 T = TypeVar("T")
@@ -426,7 +427,7 @@ class Comm:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - every failure must reach the agreement below
             error = exc
-            if os.environ.get("COCI_DEBUG"):
+            if settings.DEBUG.raw():
                 traceback.print_exc()
         self.check(error, what)
         return result  # type: ignore[return-value]

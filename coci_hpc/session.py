@@ -45,6 +45,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from coci_hpc import settings
 from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.checkpoint.state import Leaf, collect
 from coci_hpc.comm import Comm
@@ -78,7 +79,7 @@ from coci_hpc.slurm.failure_cache import describe as describe_history
 from coci_hpc.slurm.hostlist import expand_hostlist
 
 STATE_KEY = "coci_session"
-ENV_INPLACE = "COCI_INPLACE_RESTARTS"   # set by runtime/relaunch.py for the rank steps it starts
+ENV_INPLACE = settings.INPLACE_RESTARTS.name   # set by runtime/relaunch.py for the rank steps it starts
 STOP = 1                    # stop level exchanged at the step boundary (MAX over ranks)
 LOSS_BUFFER = 4096          # losses kept between flushes (rank 0), preallocated
 LOSS_FLUSH_S = 5.0          # at most one losses record per this many seconds between checkpoints
@@ -203,8 +204,8 @@ class Session:
         # How long a peer may keep the step agreement waiting before it counts as lost (at least
         # this, and 10 typical steps); survivors' saves on a peer loss (COCI_SURVIVORS=0: off).
         self._min_deadline = float(peer_timeout_s if peer_timeout_s is not None
-                                   else env.get("COCI_PEER_TIMEOUT_S", MIN_DEADLINE_S))
-        self._survivors = survivors if survivors is not None else env.get("COCI_SURVIVORS", "1") != "0"
+                                   else settings.PEER_TIMEOUT.raw(env) or MIN_DEADLINE_S)
+        self._survivors = survivors if survivors is not None else settings.SURVIVORS.raw(env) != "0"
         if STATE_KEY in state:
             raise UsageError(f"the state key {STATE_KEY!r} is the session's own", hint="rename that entry")
         self.job = JobEnvironment.from_env(environ)

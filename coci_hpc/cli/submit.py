@@ -28,6 +28,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from coci_hpc import settings
 from coci_hpc.cli.common import UsageArgumentParser, run_cli
 from coci_hpc.errors import UsageError
 from coci_hpc.planner.policies import POLICY_NAMES, make_policy
@@ -38,7 +39,7 @@ from coci_hpc.slurm.timefmt import read_limit
 from coci_hpc.submit import checks, executor
 from coci_hpc.submit.spec import MPI_PLUGINS, build_spec
 
-DEFAULT_SIGNAL_LEAD = 90
+DEFAULT_SIGNAL_LEAD = settings.SIGNAL_LEAD_S
 
 PROG = "coci-submit"
 

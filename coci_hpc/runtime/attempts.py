@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from coci_hpc import settings
 from coci_hpc.runtime.events import relaunch_cause
 from coci_hpc.slurm.sacct import SlurmAttempt
 from coci_hpc.slurm.scontrol import JobState
@@ -141,7 +142,7 @@ SLURM_REQUEUES = ("requeue_by_hand", "node_failure")
 # Time a stop keeps back for `scontrol requeue` (with its retries' first wait) and the exit.
 REQUEUE_ALLOWANCE_S = 3.0
 # The lead of coci-submit's and the templates' --signal (USR2@90) when the session is not told one.
-DEFAULT_SIGNAL_LEAD_S = 90.0
+DEFAULT_SIGNAL_LEAD_S = float(settings.SIGNAL_LEAD_S)
 LEAD_SPARE_S = 30.0          # what a suggested lead adds for slow steps and a slow filesystem
 
 

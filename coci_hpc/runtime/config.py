@@ -1,7 +1,7 @@
 """The session's configuration: explicit arguments, else coci-submit's environment, else defaults.
 
-One table (``_FIELDS``) names every setting, its ``COCI_*`` variable, its type and its default, so
-a new setting is one line. An argument the script passes explicitly wins over the environment;
+One table (``_FIELDS``) names every setting and its row of :mod:`coci_hpc.settings` (the
+``COCI_*`` variable, its type and its default), so a new setting is one line. An argument the script passes explicitly wins over the environment;
 when both are set and differ, the conflict is reported (the session logs it on rank 0).
 In a Slurm array job the checkpoint directory is ``<ckpt_dir>/task<SLURM_ARRAY_TASK_ID>``: the
 tasks of one array share the submitted directory but never a checkpoint.
@@ -14,44 +14,19 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from coci_hpc import settings
 from coci_hpc.errors import UsageError
 from coci_hpc.planner.policies import make_policy
 from coci_hpc.slurm.env import JobEnvironment
 
-
-def _pos_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise ValueError(text)
-    return v
-
-
-def _lead(text: str) -> float:
-    v = float(text)
-    if not v >= 0:
-        raise ValueError(text)
-    return v
-
-
-def _flag(text: str) -> bool:
-    low = text.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(text)
-
-
-# field -> (environment variable, parser, default)
+# field -> (environment variable, parser, default): the rows of coci_hpc.settings this config reads
 _FIELDS: dict[str, tuple[str, Callable[[str], Any], Any]] = {
-    "ckpt_dir": ("COCI_CKPT_DIR", str, None),
-    "policy": ("COCI_POLICY", str, "coci"),
-    "max_requeues": ("COCI_MAX_REQUEUES", _pos_int, None),       # None: no limit
-    "no_progress_limit": ("COCI_NO_PROGRESS_LIMIT", _pos_int, 3),
-    "signal_lead_s": ("COCI_SIGNAL_LEAD_S", _lead, None),
-    # the directory may hold another run's checkpoint (:mod:`.runrecord`); refused unless set
-    "resume_from_other_run": ("COCI_RESUME_FROM_OTHER_RUN", _flag, False),
-}
+    field: (v.name, v.parse, v.default) for field, v in (
+        ("ckpt_dir", settings.CKPT_DIR), ("policy", settings.POLICY),
+        ("max_requeues", settings.MAX_REQUEUES),                     # None: no limit
+        ("no_progress_limit", settings.NO_PROGRESS), ("signal_lead_s", settings.SIGNAL_LEAD),
+        # the directory may hold another run's checkpoint (:mod:`.runrecord`); refused unless set
+        ("resume_from_other_run", settings.RESUME_OTHER_RUN))}
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from coci_hpc import settings
 from coci_hpc.comm import Comm
 from coci_hpc.errors import UsageError
 from coci_hpc.runtime import errorexit
@@ -88,7 +89,7 @@ def init_distributed(backend: str | None = None, comm: Comm | None = None,
     """
     errorexit.install()            # a CociError out of the script: one line and its exit code
     if timeout_s is None:
-        timeout_s = float(os.environ.get("COCI_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        timeout_s = float(settings.DIST_TIMEOUT.raw() or DEFAULT_TIMEOUT_S)
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
                         dist.get_backend(), "initialized")

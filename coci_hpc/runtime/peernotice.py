@@ -24,7 +24,9 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-ENV = "COCI_PEER_NOTICE"
+from coci_hpc import settings
+
+ENV = settings.PEER_NOTICE.name
 POLL_S = 0.05        # how often a waiting survivor looks (a stat per look, only while a peer is late)
 
 

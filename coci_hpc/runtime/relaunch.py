@@ -31,6 +31,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coci_hpc import settings
 from coci_hpc.errors import GaveUpError, SlurmError
 from coci_hpc.runtime import peernotice
 from coci_hpc.runtime.events import FILENAME as EVENTS_FILE
@@ -43,7 +44,7 @@ from coci_hpc.slurm.srun_step import LEFT_SETTLE_S, START_GRACE_S, StepLoss, sil
 __all__ = ["DEFAULT_MAX_RESTARTS", "LEFT_SETTLE_S", "START_GRACE_S", "Decision", "Relauncher", "StepLoss",
            "choose_nodes", "decide", "silent_nodes", "watch_step"]
 
-DEFAULT_MAX_RESTARTS = 3
+DEFAULT_MAX_RESTARTS = settings.MAX_RESTARTS
 # A node whose task srun reported lost ("n2: task 1: Killed") is suspect: its rank died, and the
 # node itself may be going (a crash, then slurmctld marking it DOWN: SlurmdTimeout later on a real
 # cluster, 1 s later with `devcluster fail --hard --delay 1`). The loop now decides well under a
@@ -52,7 +53,7 @@ DEFAULT_MAX_RESTARTS = 3
 # waited for), and only when it needs a suspect node does it wait until this many seconds after
 # the loss and ask Slurm again (the old fixed wait, 2 s, only where it can change the answer).
 DEFAULT_SETTLE_S = 2.0
-ENV_RESTARTS = "COCI_INPLACE_RESTARTS"
+ENV_RESTARTS = settings.INPLACE_RESTARTS.name
 # Seconds a rank step may go on after srun reported one of its tasks lost (killed, exited non-zero,
 # node failure) before the loop ends it. The survivors normally save and exit within the peer
 # deadline (5 s) plus a save meant to fit Slurm's KillWait (30 s by default, the value here); one
@@ -191,7 +192,7 @@ class Relauncher:
         if job.job_id is None:
             raise SlurmError("the relaunch loop runs inside a Slurm job (SLURM_JOB_ID is not set)",
                              hint="submit with coci-submit --spare-nodes K")
-        ckpt = os.environ.get("COCI_CKPT_DIR")
+        ckpt = settings.CKPT_DIR.raw()
         held = commands.job_nodes(job.job_id)
         nodes = choose_nodes(held, commands.unhealthy_nodes(held), self.nodes)
         if nodes is None:

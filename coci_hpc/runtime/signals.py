@@ -38,10 +38,11 @@ import signal
 import threading
 from collections.abc import Mapping
 
+from coci_hpc import settings
 from coci_hpc.slurm.env import JobEnvironment
 
 SHIELDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
-ENV = "COCI_SHIELD_SIGNALS"
+ENV = settings.SHIELD_SIGNALS.name
 
 _receiver: threading.Thread | None = None
 

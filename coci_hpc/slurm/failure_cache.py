@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from coci_hpc import settings
 from coci_hpc.errors import CociError
 from coci_hpc.planner.failures import FailureModel
 from coci_hpc.slurm import scontrol
@@ -41,8 +42,9 @@ VERSION = 1
 
 def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     env = os.environ if environ is None else environ
-    if env.get("COCI_CACHE_DIR"):
-        return Path(env["COCI_CACHE_DIR"])
+    own = settings.CACHE_DIR.raw(env)
+    if own:
+        return Path(own)
     base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME") or Path.home()) / ".cache")
     return Path(base) / "coci_hpc"
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coci_hpc import settings
 from coci_hpc.errors import UsageError
 from coci_hpc.slurm.timefmt import read_limit
 
@@ -183,7 +184,7 @@ class SubmitSpec:
     time_unlimited: bool = False
     resume_from_other_run: bool = False
     spare_nodes: int = 0            # K extra nodes: restart in place on them (runtime/relaunch.py)
-    max_restarts: int = 3           # in-place restarts before the requeue fallback / giving up
+    max_restarts: int = settings.MAX_RESTARTS  # in-place restarts before the requeue fallback / giving up
 
     @property
     def total_nodes(self) -> int:
@@ -198,12 +199,12 @@ class SubmitSpec:
     def coci_env(self) -> dict[str, str]:
         """The environment the Session reads (its contract with coci-submit)."""
         return {
-            "COCI_CKPT_DIR": str(self.ckpt_dir),
-            "COCI_POLICY": self.policy,
-            "COCI_MAX_REQUEUES": str(self.max_requeues),
-            "COCI_NO_PROGRESS_LIMIT": str(self.no_progress_limit),
-            "COCI_SIGNAL_LEAD_S": str(self.signal_lead_s),
-            **({"COCI_RESUME_FROM_OTHER_RUN": "1"} if self.resume_from_other_run else {}),
+            settings.CKPT_DIR.name: str(self.ckpt_dir),
+            settings.POLICY.name: self.policy,
+            settings.MAX_REQUEUES.name: str(self.max_requeues),
+            settings.NO_PROGRESS.name: str(self.no_progress_limit),
+            settings.SIGNAL_LEAD.name: str(self.signal_lead_s),
+            **({settings.RESUME_OTHER_RUN.name: "1"} if self.resume_from_other_run else {}),
         }
 
 
@@ -223,13 +224,13 @@ def _positive(name: str, value: int | None, *, zero_ok: bool = False) -> None:
 def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: str,
                partition: str | None = None, nodes: int = 1, ntasks_per_node: int = 1,
                time: str | None = None, job_name: str | None = None, output_dir: str | None = None,
-               ckpt_dir: str | None = None, policy: str = "coci", signal_lead: int = 90,
-               max_requeues: int = 10, no_progress_limit: int = 3, mpi: str = "pmix",
+               ckpt_dir: str | None = None, policy: str = "coci", signal_lead: int = settings.SIGNAL_LEAD_S,
+               max_requeues: int = settings.MAX_REQUEUES_SUBMIT, no_progress_limit: int = settings.NO_PROGRESS_LIMIT, mpi: str = "pmix",
                gpus_per_node: int | None = None, cpus_per_task: int | None = None,
                mem: str | None = None, account: str | None = None, qos: str | None = None,
                constraint: str | None = None, array: str | None = None,
                sbatch_args: Sequence[str] = (), resume_from_other_run: bool = False,
-               spare_nodes: int = 0, max_restarts: int = 3,
+               spare_nodes: int = 0, max_restarts: int = settings.MAX_RESTARTS,
                validate_policy: Callable[[str], object] | None = None) -> SubmitSpec:
     """Validate the command line into a spec. Relative paths are taken from ``cwd``.
 
