@@ -15,7 +15,7 @@ from typing import Any
 
 from coci_hpc.errors import SlurmError, UsageError
 from coci_hpc.runtime.events import FILENAME, read_events_counted, relaunch_cause
-from coci_hpc.slurm import commands
+from coci_hpc.slurm import commands, states
 from coci_hpc.slurm.sacct import SlurmAttempt, job_attempts
 
 
@@ -241,9 +241,8 @@ def in_place_split(relaunch: dict[str, Any], peer_losses: Sequence[dict[str, Any
 # How an attempt that nothing interrupted ends (the next attempt, if any, is a new start).
 NOT_INTERRUPTED = ("completed", "refused", "none", "gave_up")
 
-# Slurm states after which nothing of the attempt runs any more (REQUEUED and PREEMPTED come back).
-SLURM_ENDED = ("CANCELLED", "FAILED", "COMPLETED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-               "DEADLINE")
+# Slurm states after which the run does not come back by itself (REQUEUED and PREEMPTED do).
+SLURM_ENDED = states.RUN_OVER
 
 
 def _row_of(a: Attempt, rows: Sequence[SlurmAttempt], slack_s: float = 5.0) -> SlurmAttempt | None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -43,7 +42,7 @@ from coci_hpc.cli.common import (
     progress,
     run_cli,
 )
-from coci_hpc.errors import PlannerError, UsageError
+from coci_hpc.errors import UsageError
 from coci_hpc.slurm.timefmt import read_duration
 
 # The planner (numpy, scipy) is imported where it is used, not here: --help and --version, and a
@@ -159,68 +158,13 @@ def parse_duration(text: str, flag: str = "--horizon") -> float:
 
 
 def build_failure_model(a, now: float) -> tuple[fmod.FailureModel, dict]:
-    """The failure model and a description of where it came from."""
-    from coci_hpc.planner import failures as fmod
-    from coci_hpc.slurm import accounting as acct
-    if a.mtbf_hours is not None:
-        if a.sacct_file or a.events_file or a.from_cluster:
-            raise UsageError("give either --mtbf-hours or a failure history, not both",
-                             hint="drop --mtbf-hours to use the history")
-        if not (math.isfinite(a.mtbf_hours) and a.mtbf_hours > 0):
-            raise UsageError(f"--mtbf-hours {a.mtbf_hours:g}: the per-node MTBF must be a positive number of hours",
-                             hint="e.g. --mtbf-hours 70, or read it from the cluster with --from-cluster")
-        return fmod.from_mtbf(a.mtbf_hours * 3600.0), {"source": "--mtbf-hours"}
-    patterns = tuple(a.maintenance_pattern) if a.maintenance_pattern else \
-        acct.DEFAULT_MAINTENANCE_PATTERNS
-    for pat in patterns:
-        try:
-            re.compile(pat)
-        except re.error as exc:
-            raise UsageError(f"bad --maintenance-pattern {pat!r}: {exc}",
-                             hint="give a Python regular expression") from exc
-    info: dict
-    if a.from_cluster:
-        if a.sacct_file or a.events_file:
-            raise UsageError("--from-cluster reads the cluster; drop --sacct-file/--events-file",
-                             hint="use one source")
-        if not a.since:
-            raise UsageError("--from-cluster needs --since", hint="e.g. --since 2026-01-01")
-        # Both are for files: the cluster's window ends now, and sinfo counts the partition's nodes.
-        if a.cluster_nodes is not None:
-            raise UsageError("--cluster-nodes is for --sacct-file/--events-file; --from-cluster counts the "
-                             "partition's nodes with sinfo", hint="drop --cluster-nodes (or --partition to "
-                                                                  "count another partition's nodes)")
-        if a.until:
-            raise UsageError("--until is for --sacct-file/--events-file; --from-cluster's window ends now",
-                             hint="drop --until, or save sacct/sacctmgr output to files for an older window")
-        model, info = acct.failure_model_from_cluster(
-            a.partition, since=a.since, confidence=a.confidence, skip_bad_lines=a.skip_bad_lines,
-            maintenance_patterns=patterns, now_s=now)
-    elif a.sacct_file or a.events_file:
-        if a.cluster_nodes is not None and a.cluster_nodes < 1:
-            raise UsageError(f"--cluster-nodes {a.cluster_nodes} must be at least 1",
-                             hint="the number of nodes in the cluster (or partition) the files cover")
-        hist = acct.History()
-        kw = {"skip_bad_lines": a.skip_bad_lines}
-        if a.sacct_file:
-            hist = hist.merge(acct.read_file(a.sacct_file, "sacct", **kw))
-        if a.events_file:
-            hist = hist.merge(acct.read_file(a.events_file, "events", maintenance_patterns=patterns,
-                                             **kw))
-        start = acct.parse_since(a.since) if a.since else hist.first_s
-        end = acct.parse_since(a.until, "--until") if a.until else hist.last_s
-        if start is None or end is None:
-            raise PlannerError("the failure history has no timestamps to form a window",
-                               hint="check the files, or give --since/--until")
-        n_cluster = a.cluster_nodes or len(hist.nodes_seen)
-        model, info = acct.build_model(hist, start, end, cluster_nodes=n_cluster,
-                                       have_events=bool(a.events_file), confidence=a.confidence)
-        info["source"] = "files"
-    else:
-        raise UsageError("no failure information",
-                         hint="give --sacct-file, --events-file, --from-cluster or --mtbf-hours")
-    info["maintenance_patterns"] = list(patterns)
-    return model, info
+    """The failure model and a description of where it came from (:mod:`coci_hpc.slurm.failure_input`)."""
+    from coci_hpc.slurm.failure_input import FailureInput, failure_model
+    return failure_model(FailureInput(
+        mtbf_hours=a.mtbf_hours, sacct_file=a.sacct_file, events_file=a.events_file, from_cluster=a.from_cluster,
+        since=a.since, until=a.until, partition=a.partition, cluster_nodes=a.cluster_nodes,
+        confidence=a.confidence, skip_bad_lines=a.skip_bad_lines,
+        maintenance_patterns=tuple(a.maintenance_pattern or ())), now)
 
 
 class _Shifted:

@@ -13,6 +13,7 @@ from typing import Any
 
 from coci_hpc import settings
 from coci_hpc.runtime.events import relaunch_cause
+from coci_hpc.slurm import states
 from coci_hpc.slurm.sacct import SlurmAttempt
 from coci_hpc.slurm.scontrol import JobState
 
@@ -84,7 +85,7 @@ def classify_previous(prev_records: Sequence[dict[str, Any]], prev_slurm: SlurmA
                        + (f"; Slurm: {state}" if state else ""), float(lost.get("failure_wall") or lost["wall"]))
     if in_same_job and prev_slurm is not None:
         state = prev_slurm.state
-        if stop is not None and state in ("REQUEUED", "PREEMPTED", "TIMEOUT", "COMPLETED", "CANCELLED"):
+        if stop is not None and state in states.AFTER_A_STOP:
             return PrevEnd(str(stop.get("reason")), "session",
                            f"stopped at step {stop.get('step')} on {stop.get('signal')}; Slurm: {state}",
                            float(stop["wall"]))

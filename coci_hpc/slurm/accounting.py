@@ -23,13 +23,14 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 
 from coci_hpc.errors import InputFormatError, PlannerError, UsageError
 from coci_hpc.planner import failures as fmod
 from coci_hpc.planner.failures import FailureEvent, FailureModel, merge_events
+from coci_hpc.slurm import states
 from coci_hpc.slurm.commands import Runner, run_command
 from coci_hpc.slurm.hostlist import expand_hostlist
+from coci_hpc.slurm.timefmt import parse_since, parse_time  # noqa: F401 - callers use acct.parse_*
 
 # Exact command lines (the lead captures tests/fixtures/slurm/real_*.txt with these, plus the
 # window arguments added by sacct_argv / sacctmgr_event_argv).
@@ -44,25 +45,11 @@ SINFO_NODES_ARGS = ["sinfo", "--noheader", "--Node", "--format=%N"]
 DEFAULT_MAINTENANCE_PATTERNS = (r"(?i)maint", r"(?i)upgrade", r"(?i)planned", r"(?i)scheduled",
                                 r"(?i)reserv", r"(?i)reboot\s+(asap|requested|issued)")
 FAILURE_STATE = re.compile(r"^(DOWN|DRAIN|DRAINED|DRAINING|FAIL|FAILING|NO_RESPOND)", re.I)
-_UNKNOWN_TIMES = {"", "unknown", "none", "n/a"}
 # Job ends that come with a signal first (the runtime saves on it): not failures.
-ANNOUNCED_STATES = ("PREEMPTED", "TIMEOUT", "DEADLINE")
-UNANNOUNCED_JOB_STATES = ("NODE_FAIL",)
+ANNOUNCED_STATES = states.ANNOUNCED
+UNANNOUNCED_JOB_STATES = states.UNANNOUNCED
 DEFAULT_WINDOW_DAYS = 30.0
 
-
-
-def parse_time(text: str) -> float | None:
-    """Slurm's ISO local time ``2026-11-22T04:19:11`` -> epoch seconds; Unknown/None -> None."""
-    t = text.strip()
-    if t.lower() in _UNKNOWN_TIMES:
-        return None
-    for fmt in ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M", "%Y-%m-%d"):
-        try:
-            return time.mktime(datetime.strptime(t, fmt).timetuple())
-        except ValueError:
-            continue
-    raise ValueError(f"unrecognised time {text!r}")
 
 
 @dataclass(frozen=True)
@@ -300,18 +287,6 @@ class ClusterHistory:
     window_start_s: float
     window_end_s: float
     commands: list[list[str]]
-
-
-def parse_since(text: str, flag: str = "--since") -> float:
-    """A window bound: ``YYYY-MM-DD`` or ``YYYY-MM-DDTHH:MM[:SS]`` (local time) -> epoch seconds."""
-    try:
-        t = parse_time(text)
-    except ValueError:
-        t = None
-    if t is None:
-        raise UsageError(f"{flag} {text!r} is not a time",
-                         hint="use YYYY-MM-DD or YYYY-MM-DDTHH:MM:SS (local time)")
-    return t
 
 
 def from_cluster(since: str, partition: str | None = None, *, runner: Runner | None = None,

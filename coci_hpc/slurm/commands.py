@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from coci_hpc.errors import SlurmError
+from coci_hpc.slurm import states
 from coci_hpc.slurm.timefmt import printed_s
 
 Runner = Callable[[Sequence[str]], str]
@@ -48,9 +49,7 @@ def job_active(job_id: str, runner: Runner = run_command) -> bool:
         if "Invalid job id" in str(exc):
             return False
         raise
-    return bool(out) and not all(s in ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL",
-                                          "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
-                                     for s in out.split())
+    return bool(out) and not all(s in states.NOT_ACTIVE for s in out.split())
 
 
 def step_active(job_id: str, step_id: str, runner: Runner = run_command) -> bool | None:

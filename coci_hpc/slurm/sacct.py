@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coci_hpc.slurm.accounting import parse_time
 from coci_hpc.slurm.commands import Runner, run_command
+from coci_hpc.slurm.timefmt import parse_time
 
 SACCT_FIELDS = ("JobID", "State", "Start", "End", "NodeList")
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from coci_hpc.slurm.accounting import parse_time
 from coci_hpc.slurm.commands import Runner, run_command
-from coci_hpc.slurm.timefmt import printed_s
+from coci_hpc.slurm.timefmt import parse_time, printed_s
 
 DEFAULT_KILL_WAIT_S = 30.0     # Slurm's default KillWait, when the config cannot be read
 

@@ -17,12 +17,18 @@ Durations that people type (``coci-submit --time``, ``coci-plan --horizon`` and
 a tool where that would change what an old command meant (``coci-plan --horizon 3600`` was seconds)
 refuses the bare number and asks for a unit. Every error says how the value was read, since ``1:30``
 (1 min 30 s) and ``1:30:00`` look alike.
+
+Timestamps are here too: :func:`parse_time` reads what Slurm prints for a point in time (sacct
+Start/End, scontrol's times: local ISO ``2026-11-22T04:19:11``), :func:`parse_since` what people
+type for a window bound (``coci-plan --since``).
 """
 from __future__ import annotations
 
 import math
 import re
+import time
 from dataclasses import dataclass
+from datetime import datetime
 
 from coci_hpc.errors import UsageError
 
@@ -147,3 +153,31 @@ def limit_min(text: str, flag: str = "--time") -> int | None:
     up to a minute, as slurmctld does."""
     d = read_limit(text, flag)
     return None if d.seconds is None else math.ceil(d.seconds / 60)
+
+
+_UNKNOWN_TIMES = {"", "unknown", "none", "n/a"}
+
+
+def parse_time(text: str) -> float | None:
+    """Slurm's ISO local time ``2026-11-22T04:19:11`` -> epoch seconds; Unknown/None -> None."""
+    t = text.strip()
+    if t.lower() in _UNKNOWN_TIMES:
+        return None
+    for fmt in ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M", "%Y-%m-%d"):
+        try:
+            return time.mktime(datetime.strptime(t, fmt).timetuple())
+        except ValueError:
+            continue
+    raise ValueError(f"unrecognised time {text!r}")
+
+
+def parse_since(text: str, flag: str = "--since") -> float:
+    """A window bound: ``YYYY-MM-DD`` or ``YYYY-MM-DDTHH:MM[:SS]`` (local time) -> epoch seconds."""
+    try:
+        t = parse_time(text)
+    except ValueError:
+        t = None
+    if t is None:
+        raise UsageError(f"{flag} {text!r} is not a time",
+                         hint="use YYYY-MM-DD or YYYY-MM-DDTHH:MM:SS (local time)")
+    return t
