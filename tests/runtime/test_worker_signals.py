@@ -4,7 +4,7 @@ bit-exactly, at the batch the loop consumed (torchdata's StatefulDataLoader in t
 
 Here the step's processes are this test's child and its process group: ``killpg`` delivers the
 signal to every one of them, as slurmstepd does (the end-to-end run on the cluster is in
-tests/slurm/test_worker_signals_cluster.py)."""
+tests/runtime/test_worker_signals_cluster.py)."""
 from __future__ import annotations
 
 import os
