@@ -19,6 +19,22 @@ ROOT = Path(__file__).resolve().parent.parent
 DEVCLUSTER = ROOT / "slurm" / "devcluster"
 # What the examples print at the end (rank 0): the hash a resumed run must share with an uninterrupted one.
 FINAL_HASH_RE = re.compile(r"final_params_sha256=([0-9a-f]{64})")
+# examples/train_resumable.py's form of it, with the step the run reached.
+PARAM_HASH_RE = re.compile(r"^PARAM_HASH (\w+) step (\d+)$", re.M)
+
+
+def reference_hash(output: str, *, steps: int | None = None) -> str:
+    """The parameter hash a run printed last: ``final_params_sha256=...`` (examples/train.py and the
+    examples built like it) or ``PARAM_HASH H step N`` (examples/train_resumable.py; with ``steps``,
+    N must be it). Fails showing the output's tail when the run printed none."""
+    found = FINAL_HASH_RE.findall(output)
+    if found:
+        return found[-1]
+    resumable = PARAM_HASH_RE.findall(output)
+    assert resumable, f"the run printed no parameter hash:\n{output[-3000:]}"
+    digest, step = resumable[-1]
+    assert steps is None or int(step) == steps, f"the run ended at step {step}, not {steps}:\n{output[-3000:]}"
+    return digest
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -84,9 +100,11 @@ class SlurmCluster:
             raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr}{p.stdout}")
         return p
 
-    def cli(self, module: str, *args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-        """``python -m module args...`` (a coci CLI) against this cluster, with this checkout importable."""
-        env = {**self.env, "PYTHONPATH": str(ROOT)}
+    def cli(self, module: str, *args: str, cwd: Path, timeout: float = 120,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """``python -m module args...`` (a coci CLI) against this cluster, with this checkout importable;
+        ``env`` adds to the cluster's environment."""
+        env = {**self.env, "PYTHONPATH": str(ROOT), **(env or {})}
         return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env,
                               cwd=cwd, timeout=timeout)
 
@@ -140,3 +158,21 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> SlurmCluster:
     yield SlurmCluster(devcluster=DEVCLUSTER, env=env, workdir=workdir, started_here=not was_up)
     if not was_up:
         subprocess.run([str(DEVCLUSTER), "down"], capture_output=True)
+
+
+CLUSTER_FIXTURES = {"slurm_cluster"}  # the fixtures that start or use the local cluster (three_nodes uses it)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that needs the local cluster is marked ``slurm`` and nothing else is: tests/run selects
+    the cluster tests by the marker, so a mismatch either runs a cluster test without the cluster's
+    turn or leaves a unit test out of the unit run."""
+    wrong = []
+    for item in items:
+        needs = bool(CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())))
+        marked = item.get_closest_marker("slurm") is not None
+        if needs != marked:
+            wrong.append(f"{item.nodeid}: " + ("uses the cluster but is not marked slurm" if needs
+                                               else "is marked slurm but does not use the cluster"))
+    if wrong:
+        raise pytest.UsageError("cluster markers:\n  " + "\n  ".join(wrong))

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from coci_hpc.checkpoint import manifest as mf
+from tests.conftest import PARAM_HASH_RE
 from tests.faults import jobs
 
 pytestmark = pytest.mark.timeout(600)
@@ -30,11 +31,12 @@ _REFERENCE: dict[int, str] = {}
 
 
 def _hash(out: str) -> str | None:
-    m = re.search(r"^PARAM_HASH (\w+) step (\d+)$", out, re.M)
+    """The hash a killed run may not have printed (None), unlike tests.conftest.reference_hash."""
+    m = PARAM_HASH_RE.search(out)
     return m.group(1) if m else None
 
 
-def reference_hash(ranks: int, tmp: Path) -> str:
+def uninterrupted_hash(ranks: int, tmp: Path) -> str:
     """PARAM_HASH of an uninterrupted run (sync saves; saving never changes training)."""
     if ranks not in _REFERENCE:
         rc, out, err = jobs.start(ranks, tmp / f"reference{ranks}", *ARGS).finish(timeout=300)
@@ -63,7 +65,7 @@ def _resumed_from(out: str) -> int | None:
                          ids=["1rank-sync", "1rank-async", "2ranks-sync", "2ranks-async"])
 def test_kill9_during_saves_then_resume_is_bit_exact(ranks, use_async, tmp_path, tmp_path_factory,
                                                      record_figure):
-    want = reference_hash(ranks, tmp_path_factory.getbasetemp())
+    want = uninterrupted_hash(ranks, tmp_path_factory.getbasetemp())
     rng = random.Random(f"coci-kills-{ranks}-{use_async}")  # reproducible moments
     root = tmp_path / "ckpt"
     args = [*ARGS, *(["--async"] if use_async else [])]

@@ -4,7 +4,7 @@ bit-exactly, at the batch the loop consumed (torchdata's StatefulDataLoader in t
 
 Here the step's processes are this test's child and its process group: ``killpg`` delivers the
 signal to every one of them, as slurmstepd does (the end-to-end run on the cluster is in
-tests/slurm/test_worker_signals_cluster.py)."""
+tests/runtime/test_worker_signals_cluster.py)."""
 from __future__ import annotations
 
 import os
@@ -18,17 +18,11 @@ from pathlib import Path
 import pytest
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, clean_env
+from tests.conftest import ROOT, clean_env, reference_hash
 
 pytest.importorskip("torchdata")
 SCRIPT = str(ROOT / "examples" / "train_workers.py")
 ARGS = ["--steps", "30", "--policy", "fixed:10"]
-
-
-def _hash(text: str) -> str:
-    found = re.findall(r"final_params_sha256=([0-9a-f]{64})", text)
-    assert found, text[-3000:]
-    return found[-1]
 
 
 def _run(ckpt: Path, *extra: str, signal_at_step: int | None = None, signum: int = signal.SIGUSR2,
@@ -55,7 +49,7 @@ def _run(ckpt: Path, *extra: str, signal_at_step: int | None = None, signum: int
 def test_workers_fork_and_spawn_survive_the_stop_signal_and_resume_bit_exactly(tmp_path: Path) -> None:
     rc, text = _run(tmp_path / "ref")
     assert rc == 0, text[-3000:]
-    ref = _hash(text)
+    ref = reference_hash(text)
     rc, text = _run(tmp_path / "run", "--step-time", "0.2", signal_at_step=14)
     assert rc == 0 and "killed by signal" not in text and "exited unexpectedly" not in text, text[-3000:]
     assert "final_params_sha256" not in text and "stopped at step" in text, text[-3000:]
@@ -63,7 +57,7 @@ def test_workers_fork_and_spawn_survive_the_stop_signal_and_resume_bit_exactly(t
     assert len(stop) == 1 and stop[0]["step"] >= 14, stop
     rc, text = _run(tmp_path / "run", "--step-time", "0.2")     # the same command (one run, one directory)
     assert rc == 0, text[-3000:]
-    assert _hash(text) == ref
+    assert reference_hash(text) == ref
     resumed = [e for e in read_events(tmp_path / "run") if e["event"] == "attempt_start"][-1]
     assert resumed["resumed_step"] == stop[0]["step"]
     # the resumed attempt trained exactly the steps after the stop, each once

@@ -4,7 +4,6 @@ event log says why a lost rank would fall back to the last checkpoint (its shard
 else), and coci-status prints it."""
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
@@ -13,21 +12,15 @@ from pathlib import Path
 
 from coci_hpc.history import build, render_text
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, clean_env, run_ranks
+from tests.conftest import ROOT, clean_env, reference_hash, run_ranks
 
 TRAIN = str(ROOT / "examples" / "train_fsdp.py")
 ARGS = ["--steps", "12", "--policy", "fixed:4", "--seed", "1"]
 MPIEXEC = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2"]
 
 
-def _hash(text: str) -> str:
-    found = re.findall(r"final_params_sha256=([0-9a-f]{64})", text)
-    assert found, text[-3000:]
-    return found[-1]
-
-
 def test_fsdp2_example_stopped_and_resumed_ends_bit_identical(tmp_path: Path) -> None:
-    ref = _hash(run_ranks(2, "-m", "mpi4py", TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "ref"), timeout=300).stdout)
+    ref = reference_hash(run_ranks(2, "-m", "mpi4py", TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "ref"), timeout=300).stdout)
     run = tmp_path / "run"
     cmd = [*MPIEXEC, sys.executable, "-m", "mpi4py", TRAIN, *ARGS, "--ckpt-dir", str(run), "--step-time", "0.3"]
     p = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -38,7 +31,7 @@ def test_fsdp2_example_stopped_and_resumed_ends_bit_identical(tmp_path: Path) ->
     p.send_signal(signal.SIGUSR1)            # mpiexec forwards it to both ranks
     out = p.communicate(timeout=180)[0]
     assert "final_params_sha256" not in out and "stopped at step" in out, out[-3000:]
-    assert _hash(run_ranks(2, "-m", "mpi4py", TRAIN, *ARGS, "--ckpt-dir", str(run), "--step-time", "0.3",
+    assert reference_hash(run_ranks(2, "-m", "mpi4py", TRAIN, *ARGS, "--ckpt-dir", str(run), "--step-time", "0.3",
                            timeout=300).stdout) == ref
     starts = [e for e in read_events(run) if e["event"] == "attempt_start"]
     assert len(starts) == 2 and starts[-1]["resumed_step"] >= 4

@@ -3,7 +3,6 @@
 again with the same arguments, it ends with the parameters of the uninterrupted run."""
 from __future__ import annotations
 
-import re
 import signal
 import socket
 import subprocess
@@ -12,16 +11,10 @@ import time
 from pathlib import Path
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, clean_env, run_ranks
+from tests.conftest import ROOT, clean_env, reference_hash, run_ranks
 
 TRAIN = str(ROOT / "examples" / "train.py")
 ARGS = ["--steps", "80", "--policy", "fixed:20", "--seed", "3"]
-
-
-def _hash(text: str) -> str:
-    found = re.findall(r"final_params_sha256=([0-9a-f]{64})", text)
-    assert found, text[-2000:]
-    return found[-1]
 
 
 def _torch_only(ckpt: Path, extra: list[str], stop_rank1_at: str | None = None) -> list[str]:
@@ -46,15 +39,15 @@ def _torch_only(ckpt: Path, extra: list[str], stop_rank1_at: str | None = None) 
 
 
 def test_ddp_without_mpi_matches_mpiexec_and_resumes_bit_exactly(tmp_path: Path) -> None:
-    ref = _hash(run_ranks(2, "-m", "mpi4py", TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "mpi"), timeout=300).stdout)
-    assert _hash(_torch_only(tmp_path / "torch", [])[0]) == ref
+    ref = reference_hash(run_ranks(2, "-m", "mpi4py", TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "mpi"), timeout=300).stdout)
+    assert reference_hash(_torch_only(tmp_path / "torch", [])[0]) == ref
     out = _torch_only(tmp_path / "stop", ["--step-time", "0.02"], stop_rank1_at="checkpoint")[0]
     assert "final_params_sha256" not in out and "stopped at step" in out
     ev = read_events(tmp_path / "stop")
     assert [e["ranks"] for e in ev if e["event"] == "attempt_start"] == [2]
-    assert _hash(_torch_only(tmp_path / "stop", ["--step-time", "0.02"])[0]) == ref  # the same run
+    assert reference_hash(_torch_only(tmp_path / "stop", ["--step-time", "0.02"])[0]) == ref  # the same run
     # one process, plain python: resumes a 1-rank run after a hard kill
-    one = _hash(run_ranks(0, TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "one")).stdout)
+    one = reference_hash(run_ranks(0, TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "one")).stdout)
     p = subprocess.Popen([sys.executable, TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "kill"), "--step-time", "0.02"],
                          cwd=ROOT, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -63,6 +56,6 @@ def test_ddp_without_mpi_matches_mpiexec_and_resumes_bit_exactly(tmp_path: Path)
         time.sleep(0.1)
     p.kill()
     p.wait()
-    assert _hash(run_ranks(0, TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "kill"), "--step-time", "0.02").stdout) == one
+    assert reference_hash(run_ranks(0, TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "kill"), "--step-time", "0.02").stdout) == one
     starts = [e for e in read_events(tmp_path / "kill") if e["event"] == "attempt_start"]
     assert starts[-1]["prev_end"]["reason"] == "crash" and starts[-1]["resumed_step"] >= 20

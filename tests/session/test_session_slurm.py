@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, SlurmCluster, run_ranks
+from tests.conftest import ROOT, SlurmCluster, reference_hash, run_ranks
 
 pytestmark = pytest.mark.slurm
 
@@ -25,12 +25,6 @@ TRAIN = ROOT / "examples" / "train.py"
 TEMPLATE = ROOT / "slurm" / "templates" / "train_preemptible.sbatch"
 ARRAY = ROOT / "slurm" / "templates" / "train_array.sbatch"
 STEPS, EVERY, LEAD = 2000, 50, 30
-
-
-def _hash(text: str) -> str:
-    found = re.findall(r"final_params_sha256=([0-9a-f]{64})", text)
-    assert found, text[-3000:]
-    return found[-1]
 
 
 def _wait(what: str, cond, timeout: float, info=lambda: "") -> object:
@@ -58,7 +52,7 @@ def _preempt(cluster: SlurmCluster) -> str:
 def test_preemption_node_failure_and_time_limit_end_bit_exact(slurm_cluster: SlurmCluster) -> None:
     wd = slurm_cluster.workdir / "story"
     wd.mkdir()
-    ref = _hash(run_ranks(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--ckpt-dir", str(wd / "ref"),
+    ref = reference_hash(run_ranks(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--ckpt-dir", str(wd / "ref"),
                           "--policy", f"fixed:{EVERY}", timeout=600).stdout)
     ckpt, log = wd / "run", wd / "job-%j.out"
     job = _submit(slurm_cluster, "--time=3", f"--signal=USR2@{LEAD}", "-o", str(log), str(TEMPLATE),
@@ -87,7 +81,7 @@ def test_preemption_node_failure_and_time_limit_end_bit_exact(slurm_cluster: Slu
     out = text()
     events = read_events(ckpt)
     print(out[-4000:], rows, *[e for e in events if e["event"] != "losses"], sep="\n")
-    assert _hash(out) == ref                                        # bit-exact after all of it
+    assert reference_hash(out) == ref                                        # bit-exact after all of it
     states = [r["State"] for r in rows]
     assert states[-1] == "COMPLETED" and "NODE_FAIL" in states and len(rows) >= 4, rows   # sacct shows them
     starts = _starts(ckpt)
@@ -146,7 +140,7 @@ def test_max_requeues_and_no_progress_stop_a_job_with_a_message(slurm_cluster: S
 def test_array_template_runs_each_task_in_its_own_directory(slurm_cluster: SlurmCluster) -> None:
     wd = slurm_cluster.workdir / "array"
     wd.mkdir()
-    ref = _hash(run_ranks(0, str(TRAIN), "--steps", "60", "--ckpt-dir", str(wd / "ref"), "--policy", "fixed:20",
+    ref = reference_hash(run_ranks(0, str(TRAIN), "--steps", "60", "--ckpt-dir", str(wd / "ref"), "--policy", "fixed:20",
                           "--seed", "1").stdout)
     job = _submit(slurm_cluster, "--array=0-1", "-o", str(wd / "%A_%a.out"), str(ARRAY), sys.executable, str(TRAIN),
                   "--steps", "60", "--ckpt-dir", str(wd / "sweep"), "--policy", "fixed:20", "--seed", "%a")
@@ -157,7 +151,7 @@ def test_array_template_runs_each_task_in_its_own_directory(slurm_cluster: Slurm
         assert ev[0]["job_id"] and ev[-1]["event"] == "end" and ev[-1]["status"] == "completed"
     out0, out1 = ((wd / f"{job}_{t}.out").read_text() for t in (0, 1))
     assert f"array job {job} task 1" in out1
-    assert _hash(out1) == ref and _hash(out0) != ref            # %a became the seed of each task
+    assert reference_hash(out1) == ref and reference_hash(out0) != ref            # %a became the seed of each task
 
 
 @pytest.fixture()
@@ -176,7 +170,7 @@ def test_sigterm_only_preemption_saves_requeues_and_ends_bit_exact_and_scancel_d
     wd = cluster.workdir / "sigterm"
     wd.mkdir()
     steps, every = 600, 100
-    ref = _hash(run_ranks(2, "-m", "mpi4py", str(TRAIN), "--steps", str(steps), "--ckpt-dir", str(wd / "ref"),
+    ref = reference_hash(run_ranks(2, "-m", "mpi4py", str(TRAIN), "--steps", str(steps), "--ckpt-dir", str(wd / "ref"),
                           "--policy", f"fixed:{every}", timeout=600).stdout)
     ckpt, log = wd / "run", wd / "job-%j.out"
     job = _submit(cluster, "--time=10", "-o", str(log), str(TEMPLATE), sys.executable, str(TRAIN), "--steps",
@@ -188,7 +182,7 @@ def test_sigterm_only_preemption_saves_requeues_and_ends_bit_exact_and_scancel_d
     rows = cluster.wait_gone(job, timeout=400)
     out, events = text(), read_events(ckpt)
     print(out[-3000:], rows, *[e for e in events if e["event"] != "losses"], sep="\n")
-    assert _hash(out) == ref                                          # bit-exact across the preemption
+    assert reference_hash(out) == ref                                          # bit-exact across the preemption
     assert rows[-1]["State"] == "COMPLETED" and len(rows) >= 2, rows  # requeued by the session, then done
     stop = [e for e in events if e["event"] == "stop"][0]
     assert (stop["reason"], stop["signal"], stop["requeued"], stop["saved"]) == ("preemption", "SIGTERM", True, True)

@@ -81,7 +81,9 @@ def test_status_without_a_cluster_says_so_and_fails(tmp_path: Path) -> None:
     env = dict(os.environ, COCI_DEVCLUSTER_DIR=str(tmp_path / "none"))
     p = subprocess.run([str(DEVCLUSTER), "status"], capture_output=True, text=True, env=env)
     assert p.returncode == 1
-    assert "run `slurm/devcluster up`" in p.stdout
+    assert "no cluster configured" in p.stdout
+    # with another checkout's cluster up on this machine, it says how to reuse that one instead
+    assert "run `slurm/devcluster up`" in p.stdout or "reuse it with `export COCI_DEVCLUSTER_DIR=" in p.stdout
 
 
 def test_user_signal_setting_is_rendered_and_read_back(dc) -> None:
@@ -140,3 +142,22 @@ def test_the_task_prolog_keeps_open_mpi_on_loopback(dc, monkeypatch) -> None:
     env["OMPI_MCA_btl_tcp_if_include"] = "eth0"
     p = subprocess.run([str(dc.TASK_PROLOG)], capture_output=True, text=True, env=env, check=True)
     assert p.stdout.splitlines() == ["export OMPI_MCA_oob_tcp_if_include=lo"]
+
+
+def test_a_second_cluster_is_refused_naming_the_running_one(dc, tmp_path: Path, monkeypatch) -> None:
+    """Issue 26: a fresh clone's `up` (or demo.sh) beside another checkout's running cluster clashed on the
+    ports; it now stops before writing anything and says how to reuse the running one."""
+    other = tmp_path / "other-checkout" / ".devcluster"
+    (other / "etc").mkdir(parents=True)
+    (other / "etc" / "slurm.conf").write_text(dc.MARKER + "\n")
+    link = tmp_path / "etc-slurm" / "slurm.conf"
+    link.parent.mkdir()
+    link.symlink_to(other / "etc" / "slurm.conf")
+    monkeypatch.setattr(dc, "SYSTEM_CONF", link)
+    monkeypatch.setattr(dc, "port_open", lambda port, host="127.0.0.1": port == dc.CTLD_PORT)
+    with pytest.raises(dc.DevclusterError, match="cannot start a second cluster") as ei:
+        dc.cmd_up(2)
+    assert f"export COCI_DEVCLUSTER_DIR={other}" in str(ei.value)
+    assert not (dc.STATE / "etc").exists()  # nothing written for the refused cluster
+    monkeypatch.setattr(dc, "port_open", lambda port, host="127.0.0.1": False)
+    assert dc.other_cluster_dir() is None  # nothing answers: `up` goes ahead as before

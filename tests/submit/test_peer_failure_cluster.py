@@ -6,117 +6,48 @@ save (killed mid-save; ``Sharded`` state) the run falls back to its last regular
 so, and still ends bit-identical."""
 from __future__ import annotations
 
-import json
 import random
-import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, SlurmCluster, run_ranks
+from tests.conftest import SlurmCluster, reference_hash
+from tests.submit.conftest import check_peer_run, submit_peer_run, wait_step
 
 pytestmark = pytest.mark.slurm
 
-TRAIN = ROOT / "examples" / "train.py"
-STEPS, EVERY, SEED = 240, 1000, 5          # no regular checkpoint before the end: only survivors save
-HASH_RE = re.compile(r"final_params_sha256=([0-9a-f]{64})")
-STEP_RE = re.compile(r"^step=(\d+) ", re.M)
-
-
-def _cli(cluster: SlurmCluster, module: str, *args: str, cwd: Path,
-         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = {**cluster.env, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    wd = tmp_path_factory.mktemp("peer-ref")
-    ref = run_ranks(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--seed", str(SEED),
-                    "--policy", f"fixed:{EVERY}", "--ckpt-dir", str(wd / "ref"), timeout=300)
-    return HASH_RE.findall(ref.stdout)[-1]
-
-
-def _submit(cluster: SlurmCluster, wd: Path, every: int = EVERY, extra: tuple[str, ...] = (),
-            env: dict[str, str] | None = None) -> tuple[str, Path, Path]:
-    ckpt = wd / "ckpt"
-    p = _cli(cluster, "coci_hpc.cli.submit", "--partition", "gpu", "--nodes", "2", "--time", "10",
-             "--job-name", "peer", "--output-dir", str(wd / "run"), "--ckpt-dir", str(ckpt),
-             "--policy", f"fixed:{every}", str(TRAIN), "--steps", str(STEPS), "--seed", str(SEED),
-             "--step-time", "0.03", *extra, cwd=wd, env=env)
-    assert p.returncode == 0, p.stdout + p.stderr
-    job = re.search(r"submitted job (\d+)", p.stdout).group(1)
-    return job, ckpt, wd / "run" / "logs" / f"{job}_0_log.out"
-
-
-def _wait_step(log0: Path, at_least: int, timeout: float = 180) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        steps = STEP_RE.findall(log0.read_text()) if log0.exists() else []
-        if steps and int(steps[-1]) >= at_least:
-            return int(steps[-1])
-        assert time.monotonic() < deadline, f"rank 0 did not reach step {at_least}"
-        time.sleep(0.2)
-
-
-def _check_run(cluster: SlurmCluster, wd: Path, job: str, ckpt: Path, log0: Path, ref_hash: str,
-               first_state: tuple[str, ...]) -> dict:
-    rows = cluster.wait_gone(job, timeout=150)
-    text = log0.read_text()
-    err = (wd / "run" / "logs" / f"{job}_0_log.err").read_text()
-    print(text[-1500:], err[-4000:], rows, sep="\n")
-    states = [r["State"] for r in rows]
-    assert states[0] in first_state and states[-1] == "COMPLETED", rows
-    assert HASH_RE.findall(text)[-1] == ref_hash           # bit-exact with the uninterrupted run
-    events = read_events(ckpt)
-    lost = [e for e in events if e["event"] == "peer_lost"]
-    assert len(lost) == 1 and lost[0]["survivor"] == 0, lost
-    starts = [e for e in events if e["event"] == "attempt_start"]
-    assert len(starts) == 2
-    # No fallback: the lost rank's copy of a step leaves at the end of its forward, before the
-    # gradient allreduce that lets the survivor finish that step (issue 13's last window).
-    assert lost[0]["committed"], lost
-    assert lost[0]["lost_ranks"] == [1] and starts[1]["resumed_step"] == lost[0]["step"]
-    assert starts[1]["steps_lost"] is not None and starts[1]["steps_lost"] <= 1
-    st = _cli(cluster, "coci_hpc.cli.status", str(ckpt), "--json", "--no-png", cwd=wd)
-    assert st.returncode == 0, st.stderr
-    h = json.loads(st.stdout)
-    assert h["status"] == "completed" and h["final_step"] == STEPS
-    return {"lost": lost[0], "attempts": h["attempts"], "status": h}
 
 
 def test_sigkilled_rank_survivor_saves_requeues_and_ends_bit_exact(slurm_cluster: SlurmCluster,
-                                                                     reference: str) -> None:
+                                                                     peer_reference: str) -> None:
     wd = slurm_cluster.workdir / "peer-crash"
     wd.mkdir()
-    job, ckpt, log0 = _submit(slurm_cluster, wd)
-    at = _wait_step(log0, random.randint(40, 120))
+    job, ckpt, log0 = submit_peer_run(slurm_cluster, wd)
+    at = wait_step(log0, random.randint(40, 120))
     slurm_cluster.run(str(slurm_cluster.devcluster), "kill-tasks", "n2")   # rank 1 dies; no node goes down
-    res = _check_run(slurm_cluster, wd, job, ckpt, log0, reference, ("REQUEUED",))
+    res = check_peer_run(slurm_cluster, wd, job, ckpt, log0, peer_reference, ("REQUEUED",))
     assert res["lost"]["step"] >= at - 1
     att = res["attempts"]
     assert att[1]["prev_end"]["reason"] == "rank_failure", att[1]["prev_end"]
-    st = _cli(slurm_cluster, "coci_hpc.cli.status", str(ckpt), "--no-png", cwd=wd)
+    st = slurm_cluster.cli("coci_hpc.cli.status", str(ckpt), "--no-png", cwd=wd)
     print(st.stdout)
     assert "survivors' checkpoint" in st.stdout    # committed, or "no survivors' checkpoint (why)"
 
 
-def test_hard_node_failure_resumes_from_survivors_checkpoint(slurm_cluster: SlurmCluster, reference: str) -> None:
+def test_hard_node_failure_resumes_from_survivors_checkpoint(slurm_cluster: SlurmCluster, peer_reference: str) -> None:
     wd = slurm_cluster.workdir / "peer-node"
     wd.mkdir()
-    job, ckpt, log0 = _submit(slurm_cluster, wd)
-    _wait_step(log0, random.randint(40, 120))
+    job, ckpt, log0 = submit_peer_run(slurm_cluster, wd)
+    wait_step(log0, random.randint(40, 120))
     try:
         slurm_cluster.run(str(slurm_cluster.devcluster), "fail", "n2", "--hard", "--delay", "5")
         slurm_cluster.wait_state(job, ("PENDING",), timeout=60)
     finally:
         slurm_cluster.run(str(slurm_cluster.devcluster), "recover", "n2")
-    res = _check_run(slurm_cluster, wd, job, ckpt, log0, reference, ("REQUEUED", "NODE_FAIL"))
+    res = check_peer_run(slurm_cluster, wd, job, ckpt, log0, peer_reference, ("REQUEUED", "NODE_FAIL"))
     assert res["attempts"][1]["prev_end"]["reason"] in ("rank_failure", "node_failure")
 
 
@@ -132,16 +63,16 @@ def _no_leftovers(ckpt: Path) -> None:
 
 
 def test_survivors_killed_mid_save_leave_the_previous_checkpoint(slurm_cluster: SlurmCluster,
-                                                                 reference: str) -> None:
+                                                                 peer_reference: str) -> None:
     """The node fails hard; the survivor's writer pauses after its shards, before its manifest (the
     test-only fault hook), and is SIGKILLed there by Slurm itself (NODE_FAIL: SIGTERM, KillWait,
     SIGKILL). The requeued run loads the last regular checkpoint, never the torn one, says what
     happened, removes the leftovers, and ends bit-exact."""
     wd = slurm_cluster.workdir / "peer-torn"
     wd.mkdir()
-    job, ckpt, log0 = _submit(slurm_cluster, wd, every=40, env={"COCI_FAULT_SURVIVORS_PAUSE_S": "120"})
+    job, ckpt, log0 = submit_peer_run(slurm_cluster, wd, every=40, env={"COCI_FAULT_SURVIVORS_PAUSE_S": "120"})
     err0 = wd / "run" / "logs" / f"{job}_0_log.err"
-    _wait_step(log0, random.randint(90, 110))   # between the checkpoints at 80 and 120
+    wait_step(log0, random.randint(90, 110))   # between the checkpoints at 80 and 120
     fail = subprocess.Popen([str(slurm_cluster.devcluster), "fail", "n2", "--hard", "--delay", "15"],
                             env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -161,7 +92,7 @@ def test_survivors_killed_mid_save_leave_the_previous_checkpoint(slurm_cluster: 
     text = log0.read_text()
     print(text[-800:], err0.read_text()[-3000:], rows, sep="\n")
     assert rows[0]["State"] in ("NODE_FAIL", "REQUEUED") and rows[-1]["State"] == "COMPLETED", rows
-    assert HASH_RE.findall(text)[-1] == reference
+    assert reference_hash(text) == peer_reference
     events = read_events(ckpt)
     assert not [e for e in events if e["event"] == "peer_lost"]     # the writer died before recording
     starts = [e for e in events if e["event"] == "attempt_start"]
@@ -172,27 +103,27 @@ def test_survivors_killed_mid_save_leave_the_previous_checkpoint(slurm_cluster: 
     assert before and starts[1]["resumed_step"] == before[-1] < torn[0], (before, torn, starts[1])
     assert starts[1]["steps_lost"] >= torn[0] - before[-1]      # the torn save's step was reached
     _no_leftovers(ckpt)
-    st = _cli(slurm_cluster, "coci_hpc.cli.status", str(ckpt), "--no-png", cwd=wd)
+    st = slurm_cluster.cli("coci_hpc.cli.status", str(ckpt), "--no-png", cwd=wd)
     print(st.stdout)
     assert f"after step {torn[0]}; no survivors' checkpoint (the survivors' save was killed before its " \
            f"manifest); fell back to step {before[-1]}" in st.stdout
 
 
-def test_sharded_state_on_the_lost_rank_falls_back_and_says_so(slurm_cluster: SlurmCluster, reference: str) -> None:
+def test_sharded_state_on_the_lost_rank_falls_back_and_says_so(slurm_cluster: SlurmCluster, peer_reference: str) -> None:
     """examples/train.py --sharded-state (a ZeRO-style Sharded tensor): rank 1 SIGKILLed; its rows
     are gone, so the survivor commits nothing, names the tensor, and the requeued run resumes from
     the last regular checkpoint and ends bit-exact."""
     wd = slurm_cluster.workdir / "peer-sharded"
     wd.mkdir()
-    job, ckpt, log0 = _submit(slurm_cluster, wd, every=40, extra=("--sharded-state",))
-    _wait_step(log0, random.randint(90, 110))
+    job, ckpt, log0 = submit_peer_run(slurm_cluster, wd, every=40, extra=("--sharded-state",))
+    wait_step(log0, random.randint(90, 110))
     slurm_cluster.run(str(slurm_cluster.devcluster), "kill-tasks", "n2")
     rows = slurm_cluster.wait_gone(job, timeout=150)
     text = log0.read_text()
     err = (wd / "run" / "logs" / f"{job}_0_log.err").read_text()
     print(text[-800:], err[-3000:], rows, sep="\n")
     assert rows[0]["State"] == "REQUEUED" and rows[-1]["State"] == "COMPLETED", rows
-    assert HASH_RE.findall(text)[-1] == reference
+    assert reference_hash(text) == peer_reference
     events = read_events(ckpt)
     lost = [e for e in events if e["event"] == "peer_lost"]
     assert len(lost) == 1 and not lost[0]["committed"], lost
@@ -202,13 +133,13 @@ def test_sharded_state_on_the_lost_rank_falls_back_and_says_so(slurm_cluster: Sl
     assert before and lost[0]["fallback_step"] == before[-1] == starts[1]["resumed_step"], (before, lost, starts)
     assert "no survivors' checkpoint (state held in parts across ranks" in err and "weight_ema" in err
     _no_leftovers(ckpt)
-    st = _cli(slurm_cluster, "coci_hpc.cli.status", str(ckpt), "--no-png", cwd=wd)
+    st = slurm_cluster.cli("coci_hpc.cli.status", str(ckpt), "--no-png", cwd=wd)
     print(st.stdout)
     assert "no survivors' checkpoint (state held in parts across ranks" in st.stdout and f"fell back to step {before[-1]}" in st.stdout
 
 
 def test_peer_killed_mid_save_survivor_saves_that_step_within_seconds(slurm_cluster: SlurmCluster,
-                                                                     reference: str) -> None:
+                                                                     peer_reference: str) -> None:
     """Rank 1 is SIGKILLed while a regular save's collectives are in flight (the test-only fault
     hook pauses it inside its first save, at step 40, while rank 0 waits in that save's next
     collective). Before issue 13's save-path deadline the survivor blocked there until Slurm's
@@ -217,7 +148,7 @@ def test_peer_killed_mid_save_survivor_saves_that_step_within_seconds(slurm_clus
     ends bit-exact."""
     wd = slurm_cluster.workdir / "peer-midsave"
     wd.mkdir()
-    job, ckpt, log0 = _submit(slurm_cluster, wd, every=40, env={"COCI_FAULT_SAVE_PAUSE_S": "120"})
+    job, ckpt, log0 = submit_peer_run(slurm_cluster, wd, every=40, env={"COCI_FAULT_SAVE_PAUSE_S": "120"})
     err1 = wd / "run" / "logs" / f"{job}_1_log.err"
     try:
         deadline = time.monotonic() + 180
@@ -226,7 +157,7 @@ def test_peer_killed_mid_save_survivor_saves_that_step_within_seconds(slurm_clus
             time.sleep(0.1)
         t_kill = time.time()
         slurm_cluster.run(str(slurm_cluster.devcluster), "kill-tasks", "n2")   # rank 1 dies mid-save
-        res = _check_run(slurm_cluster, wd, job, ckpt, log0, reference, ("REQUEUED",))
+        res = check_peer_run(slurm_cluster, wd, job, ckpt, log0, peer_reference, ("REQUEUED",))
     finally:        # a survivor blocked in the save (the bug) must not hold the shared cluster
         slurm_cluster.run("scancel", job, check=False)
     lost = res["lost"]

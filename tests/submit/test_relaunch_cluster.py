@@ -6,71 +6,20 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, SlurmCluster, run_ranks
+from tests.conftest import ROOT, SlurmCluster, reference_hash, wait_for
+from tests.submit.conftest import rank0_logs, reference_then_submit_with_a_spare, submit_in
 
 pytestmark = pytest.mark.slurm
 
-TRAIN = ROOT / "examples" / "train.py"
-STEPS, EVERY, SEED = 400, 50, 5
-HASH_RE = re.compile(r"final_params_sha256=([0-9a-f]{64})")
-
-
-@pytest.fixture(scope="module")
-def three_nodes(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
-    """The shared cluster with 3 nodes for this module; back to the default 2 nodes whatever happens."""
-    dc = str(slurm_cluster.devcluster)
-    try:
-        slurm_cluster.run(dc, "down", timeout=120)
-        slurm_cluster.run(dc, "up", "--nodes", "3", timeout=300)
-        yield slurm_cluster
-    finally:
-        slurm_cluster.run(dc, "down", check=False, timeout=120)
-        slurm_cluster.run(dc, "up", "--nodes", "2", timeout=300)
-
-
-def _submit(cluster: SlurmCluster, wd: Path, *args: str) -> str:
-    env = {**cluster.env, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-m", "coci_hpc.cli.submit", "--partition", "gpu", "--time", "10",
-                        "--signal-lead", "60", "--output-dir", str(wd / "run"), *args],
-                       capture_output=True, text=True, env=env, cwd=wd, timeout=120)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return re.search(r"submitted job (\d+)", p.stdout).group(1)
-
-
-def _reference_then_submit_with_a_spare(cluster: SlurmCluster, wd: Path, steps: int) -> tuple[str, Path, str]:
-    """The uninterrupted run's final hash (mpiexec -n 2), then the same training submitted on 2
-    nodes with 1 spare: (reference hash, checkpoint dir, job id)."""
-    wd.mkdir()
-    train_args = ["--steps", str(steps), "--seed", str(SEED)]
-    ref = run_ranks(2, "-m", "mpi4py", str(TRAIN), *train_args, "--policy", f"fixed:{EVERY}",
-                    "--ckpt-dir", str(wd / "ref"), timeout=300)
-    ckpt = wd / "ckpt"
-    job = _submit(cluster, wd, "--nodes", "2", "--spare-nodes", "1", "--ckpt-dir", str(ckpt),
-                  "--policy", f"fixed:{EVERY}", str(TRAIN), *train_args, "--step-time", "0.05")
-    return HASH_RE.findall(ref.stdout)[-1], ckpt, job
-
-
-def _wait_for(pred, what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
-def _rank0_logs(wd: Path, job: str) -> tuple[str, str]:
-    """Rank 0's stdout and stderr (the relaunch loop's lines are in the latter) of a job run in ``wd``."""
-    logs = wd / "run" / "logs"
-    return (logs / f"{job}_0_log.out").read_text(), (logs / f"{job}_0_log.err").read_text()
+STEPS = 400
 
 
 def _n_attempts(ckpt: Path) -> int:
@@ -80,23 +29,23 @@ def _n_attempts(ckpt: Path) -> int:
 def test_crash_then_node_failure_restart_in_place_bit_exact(three_nodes: SlurmCluster) -> None:
     cluster = three_nodes
     wd = cluster.workdir / "relaunch"
-    ref_hash, ckpt, job = _reference_then_submit_with_a_spare(cluster, wd, STEPS)
+    ref_hash, ckpt, job = reference_then_submit_with_a_spare(cluster, wd, STEPS)
     failures = []
     try:
         # 1. A crash (rank 1's processes SIGKILLed, no node down): restarted in place at once, on the
         # spare n3 rather than on n2, whose task was lost (Slurm may mark a dying node down later).
-        _wait_for(lambda: any(e["event"] == "checkpoint" for e in read_events(ckpt)), "the first checkpoint", 180)
+        wait_for(lambda: any(e["event"] == "checkpoint" for e in read_events(ckpt)), "the first checkpoint", 180)
         time.sleep(random.uniform(0, 1.5))
         failures.append(("crash", time.time()))
         cluster.run(str(cluster.devcluster), "kill-tasks", "n2")
-        _wait_for(lambda: _n_attempts(ckpt) >= 2 and any(e["event"] == "resumed" and e["attempt"] == 2
+        wait_for(lambda: _n_attempts(ckpt) >= 2 and any(e["event"] == "resumed" and e["attempt"] == 2
                                                          for e in read_events(ckpt)), "the restart", 60)
         # 2. A hard node failure at a random step: n2 dies, Slurm marks it DOWN 1 s later. The step is
         # drawn between two checkpoints (after step 100's commit, before step 150 at ~18 steps/s), so
         # that the loss surfaces inside a step, the path this test times. A loss during a save's
         # collectives (polled against the peer deadline since issue 13) is
         # test_peer_failure_cluster.py's test_peer_killed_mid_save_survivor_saves_that_step_within_seconds.
-        _wait_for(lambda: any(e["event"] == "checkpoint" and e["attempt"] == 2 for e in read_events(ckpt)),
+        wait_for(lambda: any(e["event"] == "checkpoint" and e["attempt"] == 2 for e in read_events(ckpt)),
                   "the restarted run's first checkpoint", 60)
         time.sleep(random.uniform(0.2, 1.5))
         failures.append(("node", time.time()))
@@ -104,7 +53,7 @@ def test_crash_then_node_failure_restart_in_place_bit_exact(three_nodes: SlurmCl
         rows = cluster.wait_gone(job, timeout=300)
     finally:
         cluster.run(str(cluster.devcluster), "recover", "n3", check=False)
-    out, err = _rank0_logs(wd, job)
+    out, err = rank0_logs(wd, job)
     print(out[-3000:], err[-4000:], rows, sep="\n")
     events = read_events(ckpt)
     relaunches = [e for e in events if e["event"] == "relaunch"]
@@ -114,7 +63,7 @@ def test_crash_then_node_failure_restart_in_place_bit_exact(three_nodes: SlurmCl
     # RESIZING record of its shrink, same job, no restart).
     states = [r["State"] for r in rows]
     assert states[-1] == "COMPLETED" and set(states) <= {"RESIZING", "COMPLETED"}, rows
-    assert HASH_RE.findall(out)[-1] == ref_hash
+    assert reference_hash(out) == ref_hash
     assert [r["action"] for r in relaunches] == ["relaunch", "relaunch"]
     assert relaunches[0]["nodes"] == ["n1", "n3"] and "no node down" in relaunches[0]["reason"]
     assert relaunches[0]["lost_task_on"] == ["n2"]
@@ -159,10 +108,10 @@ def test_crash_every_time_ends_after_max_restarts(three_nodes: SlurmCluster) -> 
     wd = cluster.workdir / "relaunch-crash"
     wd.mkdir()
     (wd / "crash.py").write_text("import sys\nprint('crashing', flush=True)\nsys.exit(3)\n")
-    job = _submit(cluster, wd, "--nodes", "2", "--spare-nodes", "1", "--max-restarts", "2",
+    job = submit_in(cluster, wd, "--nodes", "2", "--spare-nodes", "1", "--max-restarts", "2",
                   "--ckpt-dir", str(wd / "ckpt"), str(wd / "crash.py"))
     rows = cluster.wait_gone(job, timeout=120)
-    out, err = _rank0_logs(wd, job)
+    out, err = rank0_logs(wd, job)
     print(out, err[-3000:], rows, sep="\n")
     assert [r["State"] for r in rows] == ["FAILED"], rows
     assert out.count("crashing") == 3   # rank 0: the first launch and 2 restarts
@@ -177,25 +126,25 @@ def test_two_node_failures_with_one_spare_second_requeues_bit_exact(three_nodes:
     cluster = three_nodes
     dc = str(cluster.devcluster)
     wd = cluster.workdir / "relaunch-twice"
-    ref_hash, ckpt, job = _reference_then_submit_with_a_spare(cluster, wd, 300)
+    ref_hash, ckpt, job = reference_then_submit_with_a_spare(cluster, wd, 300)
 
     def relaunches() -> list[dict]:
         return [e for e in read_events(ckpt) if e["event"] == "relaunch"]
     try:
-        _wait_for(lambda: any(e["event"] == "checkpoint" for e in read_events(ckpt)), "the first checkpoint", 180)
+        wait_for(lambda: any(e["event"] == "checkpoint" for e in read_events(ckpt)), "the first checkpoint", 180)
         cluster.run(dc, "fail", "n2", "--hard", "--delay", "1")
-        _wait_for(lambda: any(e["event"] == "resumed" and e["attempt"] == 2 for e in read_events(ckpt)),
+        wait_for(lambda: any(e["event"] == "resumed" and e["attempt"] == 2 for e in read_events(ckpt)),
                   "the in-place restart", 90)
         time.sleep(random.uniform(0.5, 2))
         cluster.run(dc, "fail", "n3", "--hard", "--delay", "1")
         # (up to the loop's 30 s step grace when the loss caught the survivor inside a checkpoint write)
-        _wait_for(lambda: len(relaunches()) >= 2, "the second decision", 150)
+        wait_for(lambda: len(relaunches()) >= 2, "the second decision", 150)
     finally:
         # The requeued job asks for its nodes again: give them back.
         cluster.run(dc, "recover", "n2", check=False)
         cluster.run(dc, "recover", "n3", check=False)
     rows = cluster.wait_gone(job, timeout=300)
-    out, err = _rank0_logs(wd, job)
+    out, err = rank0_logs(wd, job)
     print(out[-2000:], err[-4000:], rows, json.dumps(relaunches(), indent=1), sep="\n")
     events = read_events(ckpt)
     assert [(r["action"], r["nodes"]) for r in relaunches()] == [("relaunch", ["n1", "n3"]), ("requeue", [])]
@@ -207,4 +156,4 @@ def test_two_node_failures_with_one_spare_second_requeues_bit_exact(three_nodes:
     starts = [e for e in events if e["event"] == "attempt_start"]
     assert len(starts) == 3 and [s["restart_count"] for s in starts] == [0, 0, 1]
     assert starts[2]["prev_end"]["reason"] == "node_failure"
-    assert HASH_RE.findall(out)[-1] == ref_hash
+    assert reference_hash(out) == ref_hash

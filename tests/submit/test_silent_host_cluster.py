@@ -16,7 +16,7 @@ import pytest
 from coci_hpc.runtime.distributed import DEFAULT_TIMEOUT_S
 from coci_hpc.runtime.events import read_events
 from tests.conftest import SlurmCluster
-from tests.submit.test_peer_failure_cluster import _check_run, _submit, _wait_step, reference  # noqa: F401
+from tests.submit.conftest import check_peer_run, submit_peer_run, wait_step
 
 pytestmark = pytest.mark.slurm
 
@@ -25,11 +25,11 @@ DETECT_BOUND_S = 25     # freeze -> detection: gloo bound (10 s) + the probe (5 
 
 
 def test_frozen_host_is_detected_in_seconds_and_the_run_resumes_bit_exact(slurm_cluster: SlurmCluster,
-                                                                          reference: str) -> None:  # noqa: F811
+                                                                          peer_reference: str) -> None:
     wd = slurm_cluster.workdir / "silent-host"
     wd.mkdir()
-    job, ckpt, log0 = _submit(slurm_cluster, wd)
-    _wait_step(log0, random.randint(40, 120))
+    job, ckpt, log0 = submit_peer_run(slurm_cluster, wd)
+    wait_step(log0, random.randint(40, 120))
     t_freeze = time.time()
     try:
         slurm_cluster.run(str(slurm_cluster.devcluster), "fail", "n2", "--hard", "--freeze",
@@ -37,7 +37,7 @@ def test_frozen_host_is_detected_in_seconds_and_the_run_resumes_bit_exact(slurm_
         slurm_cluster.wait_state(job, ("PENDING",), timeout=60)
     finally:
         slurm_cluster.run(str(slurm_cluster.devcluster), "recover", "n2")
-    res = _check_run(slurm_cluster, wd, job, ckpt, log0, reference, ("REQUEUED", "NODE_FAIL"))
+    res = check_peer_run(slurm_cluster, wd, job, ckpt, log0, peer_reference, ("REQUEUED", "NODE_FAIL"))
     lost = res["lost"]
     detect_s = lost["detect_wall"] - t_freeze
     print(f"frozen -> detected {detect_s:.1f}s, -> committed "

@@ -18,14 +18,8 @@ import time
 import pytest
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import SlurmCluster
-from tests.submit.test_relaunch_cluster import (
-    HASH_RE,
-    _rank0_logs,
-    _reference_then_submit_with_a_spare,
-    _wait_for,
-    three_nodes,  # noqa: F401
-)
+from tests.conftest import SlurmCluster, reference_hash, wait_for
+from tests.submit.conftest import rank0_logs, reference_then_submit_with_a_spare
 
 pytestmark = pytest.mark.slurm
 
@@ -33,20 +27,20 @@ DELAY_S = 60            # n2 is marked DOWN this long after it froze
 RESTART_BOUND_S = 25    # freeze -> the loop ends the step: gloo's bound (10 s) + the probe (5 s) + slack
 
 
-def test_silent_host_is_restarted_in_place_before_it_is_declared_down(three_nodes: SlurmCluster) -> None:  # noqa: F811
+def test_silent_host_is_restarted_in_place_before_it_is_declared_down(three_nodes: SlurmCluster) -> None:
     cluster = three_nodes
     dc = str(cluster.devcluster)
     wd = cluster.workdir / "silent-relaunch"
-    ref_hash, ckpt, job = _reference_then_submit_with_a_spare(cluster, wd, 400)
+    ref_hash, ckpt, job = reference_then_submit_with_a_spare(cluster, wd, 400)
     fail = None
     try:
-        _wait_for(lambda: any(e["event"] == "checkpoint" for e in read_events(ckpt)), "the first checkpoint", 180)
+        wait_for(lambda: any(e["event"] == "checkpoint" for e in read_events(ckpt)), "the first checkpoint", 180)
         time.sleep(random.uniform(0.5, 2.0))
         t_freeze = time.time()
         # Blocks for DELAY_S (then SIGKILLs what it froze and marks n2 DOWN): in the background.
         fail = subprocess.Popen([dc, "fail", "n2", "--hard", "--freeze", "--delay", str(DELAY_S)], env=cluster.env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        _wait_for(lambda: any(e["event"] == "resumed" and e["attempt"] == 2 for e in read_events(ckpt)),
+        wait_for(lambda: any(e["event"] == "resumed" and e["attempt"] == 2 for e in read_events(ckpt)),
                   "the in-place restart", DELAY_S + 60)
         t_resumed = time.time()
         rows = cluster.wait_gone(job, timeout=300)
@@ -55,7 +49,7 @@ def test_silent_host_is_restarted_in_place_before_it_is_declared_down(three_node
             out, _ = fail.communicate(timeout=DELAY_S + 60)
             print(out)
         cluster.run(dc, "recover", "n2", check=False)
-    out, err = _rank0_logs(wd, job)
+    out, err = rank0_logs(wd, job)
     print(out[-2000:], err[-4000:], rows, sep="\n")
     events = read_events(ckpt)
     relaunches = [e for e in events if e["event"] == "relaunch"]
@@ -77,4 +71,4 @@ def test_silent_host_is_restarted_in_place_before_it_is_declared_down(three_node
     assert states[-1] == "COMPLETED" and set(states) <= {"RESIZING", "COMPLETED"}, rows
     starts = [e for e in events if e["event"] == "attempt_start"]
     assert len(starts) == 2 and starts[1]["steps_lost"] <= 1, starts
-    assert HASH_RE.findall(out)[-1] == ref_hash
+    assert reference_hash(out) == ref_hash

@@ -9,8 +9,8 @@ import pytest
 from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.cli.ckpt import main
-from tests.checkpoint.conftest import ROOT, clean_env
 from tests.checkpoint.helpers import full_state
+from tests.conftest import ROOT, clean_env
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, SlurmCluster, run_ranks
+from tests.conftest import ROOT, SlurmCluster, reference_hash, run_ranks
 
 pytestmark = pytest.mark.slurm
 
@@ -19,18 +19,12 @@ TRAIN = ROOT / "examples" / "train_resumable.py"
 STEPS, EVERY = 400, 100
 
 
-def _hash(text: str) -> str:
-    found = re.findall(r"PARAM_HASH (\w+) step (\d+)", text)
-    assert found, text
-    assert int(found[-1][1]) == STEPS
-    return found[-1][0]
-
-
 def test_preempted_training_resumes_bit_exactly(slurm_cluster: SlurmCluster) -> None:
     wd = slurm_cluster.workdir / "train"
     wd.mkdir()
-    ref_hash = _hash(run_ranks(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--ckpt-dir", str(wd / "ref"),
-                               "--ckpt-every", str(EVERY), timeout=300).stdout)
+    ref = run_ranks(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--ckpt-dir", str(wd / "ref"),
+                    "--ckpt-every", str(EVERY), timeout=300)
+    ref_hash = reference_hash(ref.stdout, steps=STEPS)
 
     log = wd / "job-%j.out"
     # The plain sbatch template people use without a CLI: it sets --requeue, --signal=USR1@60, srun --mpi=pmix.
@@ -57,5 +51,5 @@ def test_preempted_training_resumes_bit_exactly(slurm_cluster: SlurmCluster) -> 
     assert f"resumed from step {stop_step}" in text
     assert "attempt 1 on n[1-2]" in text and "attempt 2 on n[1-2]" in text  # the template's own lines
     assert [r["State"] for r in rows][-1] == "COMPLETED" and len(rows) >= 2, rows
-    assert _hash(text) == ref_hash  # bit-exact with the uninterrupted run
+    assert reference_hash(text, steps=STEPS) == ref_hash  # bit-exact with the uninterrupted run
     assert slurm_cluster.wait_gone(urgent, timeout=60)[-1]["State"] == "COMPLETED"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, SlurmCluster, run_ranks
+from tests.conftest import ROOT, SlurmCluster, reference_hash, run_ranks
 
 pytestmark = pytest.mark.slurm
 pytest.importorskip("torchdata")
@@ -25,12 +25,6 @@ SCRIPT = ROOT / "examples" / "train_workers.py"
 TEMPLATE = ROOT / "slurm" / "templates" / "train_preemptible.sbatch"
 ARGS = ["--steps", "40", "--policy", "fixed:10"]
 LEAD = 30
-
-
-def _hash(text: str) -> str:
-    found = re.findall(r"final_params_sha256=([0-9a-f]{64})", text)
-    assert found, text[-3000:]
-    return found[-1]
 
 
 def _wait(what: str, cond, timeout: float) -> None:
@@ -48,7 +42,7 @@ def test_dataloader_workers_preempted_via_template_and_coci_submit_end_bit_exact
         slurm_cluster: SlurmCluster) -> None:
     wd = slurm_cluster.workdir / "workers"
     wd.mkdir()
-    ref = _hash(run_ranks(0, str(SCRIPT), *ARGS, "--ckpt-dir", str(wd / "ref"), timeout=300).stdout)
+    ref = reference_hash(run_ranks(0, str(SCRIPT), *ARGS, "--ckpt-dir", str(wd / "ref"), timeout=300).stdout)
     # Both at once, one per node, each preempted by an urgent job on its node.
     tmpl_ckpt, tmpl_log = wd / "tmpl", wd / "tmpl-%j.out"
     tjob = slurm_cluster.sbatch(f"--export=ALL,COCI_SIGNAL_LEAD_S={LEAD}", "-N", "1", "-w", "n1", "--time=5",
@@ -82,7 +76,7 @@ def test_dataloader_workers_preempted_via_template_and_coci_submit_end_bit_exact
         assert len(stops) == 1 and stops[0]["reason"] == "preemption" and stops[0]["requeued"], stops
         starts = [e for e in read_events(ckpt) if e["event"] == "attempt_start"]
         assert starts[1]["resumed_step"] == stops[0]["step"] and starts[1]["steps_lost"] == 0, starts
-    assert _hash(out_t) == ref
-    assert _hash(out_s) == ref
+    assert reference_hash(out_t) == ref
+    assert reference_hash(out_s) == ref
     for u in urgent:
         slurm_cluster.wait_gone(u, timeout=60)
