@@ -16,7 +16,6 @@ uncommitted leftovers older than the newest commit) only after a newer one has c
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coci_hpc import durable
 from coci_hpc.checkpoint import integrity, perms
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 
@@ -74,14 +74,6 @@ def latest_step(root: str | os.PathLike) -> int | None:
     return steps[-1] if steps else None
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def build(*, step: int, world_size: int, tensors: list[dict[str, Any]], shards: list[dict[str, Any]],
           skeletons: dict[str, Any], files: list[str], backend: str, extra: dict[str, Any] | None = None,
           ) -> dict[str, Any]:
@@ -102,32 +94,12 @@ def build(*, step: int, world_size: int, tensors: list[dict[str, Any]], shards: 
 
 
 def commit(directory: str | os.PathLike, manifest: dict[str, Any]) -> Path:
-    """Seal the manifest with its own checksum and write it atomically: temp name, fsync,
-    rename, fsync of the directory. Its mode follows the step directory's (not the umask)."""
+    """Seal the manifest with its own checksum and write it durably (:func:`coci_hpc.durable.write_atomic`:
+    temp name, fsync, rename, fsync of the directory). Its mode follows the step directory's (not the umask)."""
     directory = Path(directory)
-    final = directory / MANIFEST
-    tmp = directory / f".{MANIFEST}.tmp.{os.getpid()}"
     data = json.dumps(integrity.seal(manifest), separators=(",", ":")).encode()
     mode = perms.file_mode(os.stat(directory).st_mode)  # the step directory's, minus x
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-    try:
-        os.fchmod(fd, mode)  # O_CREAT's mode is masked by the umask; the directory decides
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            if n <= 0:  # never commit a short manifest (a full disk can return 0)
-                raise OSError(f"write of {tmp} returned {n} with {len(view)} bytes left")
-            view = view[n:]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, final)
-    fsync_dir(directory)
-    return final
+    return durable.write_atomic(directory / MANIFEST, data, mode=mode)
 
 
 def read(directory: str | os.PathLike) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from coci_hpc.checkpoint.perms import set_file
 from coci_hpc.checkpoint.rawio import WriteItem, pread_into, write_posix
 from coci_hpc.checkpoint.state import PerRank, collect, empty_like_leaf, is_stateful, restore_rng, unflatten
 from coci_hpc.comm import Comm
+from coci_hpc.durable import write_atomic
 from coci_hpc.runtime.partner import PackedCopy, RankState
 
 BACKEND = "hdf5-survivors"
@@ -131,21 +132,12 @@ def staging_dir(root: Path, step: int) -> Path:
     return root / f".survivors-{step:09d}"
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def post(root: Path, step: int, me: int, states: list[RankState]) -> Path:
     """Put the per-rank states this survivor holds for ``step`` where the writer finds them."""
     d = staging_dir(root, step)
     d.mkdir(mode=0o700, exist_ok=True)
     for rs in states:
-        _write_atomic(d / f"rank{rs.rank:05d}.from{me:05d}", rs.pack())
+        write_atomic(d / f"rank{rs.rank:05d}.from{me:05d}", rs.pack())
     return d
 
 
