@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 
 from coci_hpc.durable import write_atomic
 
