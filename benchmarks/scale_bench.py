@@ -284,6 +284,7 @@ def _old_layout_objects(leaves: int, world: int, tmp: Path) -> int:
 
 def _save_figures(comm: Any, leaves: int, base: Path, meta: bool) -> dict[str, Any]:
     from coci_hpc.checkpoint import CheckpointManager
+    from coci_hpc.checkpoint import catalog as cat
     from coci_hpc.checkpoint import manifest as mf
 
     state = _state(leaves, comm.rank)
@@ -314,7 +315,7 @@ def _save_figures(comm: Any, leaves: int, base: Path, meta: bool) -> dict[str, A
         if keep == 2:
             comm.barrier()
             if comm.rank == 0:  # the real save's file
-                out["hdf5_objects_real_save"] = _count_objects(mf.step_dir(d, 2 + extra) / mf.DATA_FILE)
+                out["hdf5_objects_real_save"] = _count_objects(cat.step_dir(d, 2 + extra) / mf.DATA_FILE)
         if meta:
             all_ops = comm.gather(ops)
             if comm.rank == 0:

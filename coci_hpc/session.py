@@ -273,7 +273,9 @@ class Session:
 
     def _check_same_run(self) -> None:
         """One run, one directory (:mod:`.runtime.runrecord`): refused before anything is loaded."""
-        recorded = runrecord.recorded_run(read_events(self.events_path)) if self.rank == 0 else None
+        # Rank 0 parses events.jsonl once per start: _read_history reuses these records.
+        self._start_events = read_events(self.events_path) if self.rank == 0 else []
+        recorded = runrecord.recorded_run(self._start_events) if self.rank == 0 else None
         diff = self.comm.bcast(runrecord.difference(recorded, self.run_record) if self.rank == 0 else None)
         if diff is None:
             longer = runrecord.continuation(recorded, self.run_record) if self.rank == 0 else None
@@ -382,7 +384,7 @@ class Session:
         if self.rank == 0:
             assert info is not None
             verdict = self._record_start(info, resumed, restore_s)
-            sweep_torn(self.config.ckpt_dir)      # only now that attempt_start is written: see sweep_torn
+            sweep_torn(self.mgr.catalog)          # only now that attempt_start is written: see sweep_torn
             blocking = verdict is None and self._lead_check(warn=True)
         verdict, self._blocking, self.log.attempt = self.comm.bcast((verdict, blocking, self.log.attempt))
         self.survival.boundary(self.step)
@@ -419,7 +421,7 @@ class Session:
             _say(f"init_from: loaded {len(report.loaded)} tensors from {report.source} ({report.kind})")
 
     def _read_history(self) -> dict[str, Any]:
-        events = read_events(self.events_path)
+        events = self._start_events                   # parsed once, by _check_same_run
         self.log.attempt = last_attempt(events) + 1
         rows: list[sacct.SlurmAttempt] = []
         sacct_error = None
@@ -435,7 +437,7 @@ class Session:
         # its staging goes once this attempt is recorded, its data file at the next save (an
         # uncommitted leftover).
         recorded = {e.get("step") for e in att.previous_records(events) if e.get("event") == "peer_lost"}
-        torn = [s for s in torn_steps(self.config.ckpt_dir) if s not in recorded]   # recorded: a fallback
+        torn = [s for s in torn_steps(self.mgr.catalog) if s not in recorded]   # recorded: a fallback
         if torn:
             _say(f"the survivors' save of step(s) {torn} never committed (killed before its manifest); "
                  f"resuming from the latest committed checkpoint instead")
@@ -888,5 +890,5 @@ def _check_saveable(state: Mapping[str, Any]) -> list[Leaf]:
 
 
 def mf_latest(root: Any) -> int | None:
-    from coci_hpc.checkpoint import manifest
-    return manifest.latest_step(root)
+    from coci_hpc.checkpoint import catalog
+    return catalog.latest_step(root)

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import engine, exitguard, h5_parallel, perms, recovery
-from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.catalog import ABANDONED, StepCatalog, is_no_space
 from coci_hpc.checkpoint.coordinator import LayoutCache
 from coci_hpc.checkpoint.h5_serial import SerialH5Writer
@@ -207,7 +207,7 @@ class CheckpointManager:
         step = engine.check_step(step)
         with Watchdog(self.comm, self.timeout_s, f"saving checkpoint step {step}") as dog:
             if self._before_save(step) == "skip":
-                return mf.step_dir(self.root, step)
+                return cat.step_dir(self.root, step)
             directory = self._with_space(step, lambda: self._save_once(step, state, dog))
         self.stats = {"save_s": time.perf_counter() - t0}
         return directory
@@ -421,7 +421,8 @@ class CheckpointManager:
         """
         self._async.wait()
         result = recovery.load_latest_intact(self.comm, self.root,  # damaged -> falls back, warns
-                                             lambda s: engine.load(self.comm, self.root, s, state, rng=self.rng))
+                                             lambda s: engine.load(self.comm, self.root, s, state, rng=self.rng),
+                                             catalog=self._catalog if self._lock is not None else None)
         self._base = result.step
         self._say_per_rank(result)
         return result
@@ -432,16 +433,23 @@ class CheckpointManager:
         if note:
             print(f"coci_hpc: {note}", file=sys.stderr, flush=True)
 
+    @property
+    def catalog(self) -> StepCatalog:
+        """Rank 0's step catalog of the root. A writer's (``lock=True``) lists the root once and
+        is kept current by this manager; the restart's other questions (torn survivors' saves)
+        ask it instead of listing the root again."""
+        return self._catalog
+
     def latest_step(self) -> int | None:
         """Collective: the newest committed step (decided on rank 0), or None."""
         if self.comm.rank != 0:
             return self.comm.bcast(None)
         # The writer (it holds the lock) keeps the catalog; a reader looks afresh each time.
-        return self.comm.bcast(self._catalog.latest() if self._lock is not None else mf.latest_step(self.root))
+        return self.comm.bcast(self._catalog.latest() if self._lock is not None else cat.latest_step(self.root))
 
-    def list(self) -> list[mf.CheckpointInfo]:
+    def list(self) -> list[cat.CheckpointInfo]:
         """Local: committed checkpoints, oldest first."""
-        return [c for c in mf.scan(self.root) if c.committed]
+        return [c for c in cat.scan(self.root) if c.committed]
 
     def close(self) -> None:
         """Collective: finish and commit any background persist; release the directory lock."""

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from coci_hpc import durable
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint import perms
 from coci_hpc.checkpoint.lustre import IOTuning, apply_setstripe
@@ -35,6 +38,9 @@ from coci_hpc.errors import CheckpointError
 
 ABANDONED = "abandoned"
 TRASH_PREFIX = ".trash-"
+STAGING_PREFIX = ".survivors-"   # a survivors' save's staging (runtime/survivors.py posts into it)
+STEP_RE = re.compile(r"^step_(\d{9,})$")  # a step directory
+_STAGING_RE = re.compile(r"^\.survivors-(\d+)$")
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded", "errno = 28", "errno 28",
                   "disk full")  # rawio reports short writes as "(disk full?)"
@@ -86,7 +92,64 @@ def is_no_space(exc: BaseException | None) -> bool:
     return False
 
 
-_reaper: threading.Thread | None = None
+# ------------------------------------------------------------------------------ the layout
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    """``ROOT/step_<step, 9 digits>``: the directory of one checkpoint."""
+    return Path(root) / f"step_{step:09d}"
+
+
+def step_of(directory: str | os.PathLike) -> int | None:
+    """The step a step directory's name says, or None for another name."""
+    m = STEP_RE.match(Path(directory).name)
+    return int(m.group(1)) if m else None
+
+
+def staging_dir(root: str | os.PathLike, step: int) -> Path:
+    """``ROOT/.survivors-<step>``: where the survivors of a lost rank post their states."""
+    return Path(root) / f"{STAGING_PREFIX}{step:09d}"
+
+
+def has_manifest(root: str | os.PathLike, step: int) -> bool:
+    """One lookup, no listing: is ``step`` committed on disk right now?"""
+    OPS.stats += 1
+    return (step_dir(root, step) / mf.MANIFEST).is_file()
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
+    """:func:`.manifest.read`, bound to the step the directory's name says (a manifest moved
+    or edited into another step directory is refused)."""
+    return mf.read(directory, step=step_of(directory))
+
+
+def read_step(root: str | os.PathLike, step: int) -> dict[str, Any]:
+    """The validated manifest of committed ``step`` under ``root``."""
+    return mf.read(step_dir(root, step), step=step)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+    committed: bool
+
+
+def scan(root: str | os.PathLike) -> list[CheckpointInfo]:
+    """A reader's fresh look (one listing): all step directories, oldest first, committed or not."""
+    return StepCatalog(root).infos()
+
+
+def committed_steps(root: str | os.PathLike) -> list[int]:
+    """A reader's fresh look (one listing): the committed steps, oldest first."""
+    return StepCatalog(root).committed()
+
+
+def latest_step(root: str | os.PathLike) -> int | None:
+    """A reader's fresh look (one listing): the newest committed step, or None."""
+    return StepCatalog(root).latest()
+
+
+# ------------------------------------------------------------------------ background deletion
+_catalogs: weakref.WeakSet[StepCatalog] = weakref.WeakSet()
 
 
 def _reap(paths: list[Path]) -> None:
@@ -95,9 +158,10 @@ def _reap(paths: list[Path]) -> None:
 
 
 def wait_for_deletions() -> None:
-    """Block until the background deletion of retired steps has finished."""
-    if _reaper is not None:
-        _reaper.join()
+    """Block until every catalog's background deletion of retired steps has finished (tests,
+    benchmarks; a manager waits for its own catalog's only)."""
+    for c in list(_catalogs):
+        c.wait_for_deletions()
 
 
 def _remove_tree(path: Path) -> None:
@@ -111,8 +175,18 @@ class StepCatalog:
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
         self._steps: dict[int, bool] | None = None
+        self._staging: dict[int, Path] = {}   # survivors' staging directories seen in the listing
         self._trash: list[Path] = []      # retired steps whose data is still being removed
         self._root_ready = False
+        # This catalog's own deletion thread: one manager's close() never waits for another's.
+        self._reaper: threading.Thread | None = None
+        _catalogs.add(self)
+
+    def wait_for_deletions(self) -> None:
+        """Block until this catalog's background deletion of retired steps has finished."""
+        if self._reaper is not None:
+            self._reaper.join()
+            self._reaper = None
 
     # ----------------------------------------------------------------------------- reading
     def _list(self) -> dict[int, bool]:
@@ -125,18 +199,24 @@ class StepCatalog:
         """List the root (one listing, plus one lookup of the manifest per step directory)."""
         OPS.listings += 1
         steps: dict[int, bool] = {}
+        staging: dict[int, Path] = {}
         try:
             entries = list(os.scandir(self.root))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             entries = []
         for e in entries:
-            m = mf.STEP_RE.match(e.name)
-            if m and e.is_dir(follow_symlinks=False):  # d_type from the listing: no stat
+            if not e.is_dir(follow_symlinks=False):  # d_type from the listing: no stat
+                continue
+            m = STEP_RE.match(e.name)
+            if m:
                 OPS.stats += 1
                 steps[int(m.group(1))] = os.path.isfile(os.path.join(e.path, mf.MANIFEST))
-            elif e.name.startswith(TRASH_PREFIX) and e.is_dir(follow_symlinks=False):
+            elif e.name.startswith(TRASH_PREFIX):
                 self._trash.append(Path(e.path))  # a deletion a crash interrupted
+            elif (st := _STAGING_RE.match(e.name)) is not None:
+                staging[int(st.group(1))] = Path(e.path)
         self._steps = dict(sorted(steps.items()))
+        self._staging = dict(sorted(staging.items()))
         self._root_ready = bool(entries) or self.root.is_dir()
 
     def committed(self) -> list[int]:
@@ -149,11 +229,30 @@ class StepCatalog:
     def partial(self) -> list[int]:
         return [s for s, c in self._list().items() if not c]
 
+    def infos(self) -> list[CheckpointInfo]:
+        """Every step directory, oldest first, committed or not."""
+        return [CheckpointInfo(s, step_dir(self.root, s), c) for s, c in self._list().items()]
+
+    def torn_staging(self) -> list[int]:
+        """Steps of earlier survivors' saves whose staging is still there but that did not
+        commit (read only; :meth:`sweep_staging` removes the staging)."""
+        steps = self._list()
+        return [s for s in self._staging if not steps.get(s)]
+
+    def sweep_staging(self) -> list[int]:
+        """Remove every survivors' staging directory seen in the listing; returns
+        :meth:`torn_staging` as it was before."""
+        torn = self.torn_staging()
+        for path in self._staging.values():
+            _remove_tree(path)
+        self._staging = {}
+        return torn
+
     # ----------------------------------------------------------------------------- writing
     def create(self, step: int, tuning: IOTuning) -> Path:
         """Make the (empty) directory of ``step``; refuse a committed one, replace a leftover."""
         steps = self._list()
-        directory = mf.step_dir(self.root, step)
+        directory = step_dir(self.root, step)
         if steps.get(step):
             raise CheckpointError(f"step {step} is already committed in {self.root}",
                                   hint="save under a new step number, or delete that checkpoint first")
@@ -173,7 +272,7 @@ class StepCatalog:
         self._steps = dict(sorted(steps.items()))
         # The new entry must survive a crash before the manifest's own directory fsync: without
         # it a power loss could keep the manifest's inode but lose the step directory's name.
-        mf.fsync_dir(self.root)
+        durable.fsync_dir(self.root)
         apply_setstripe(tuning, directory)
         return directory
 
@@ -182,7 +281,7 @@ class StepCatalog:
         here on the step is committed."""
         OPS.creates += 1
         OPS.renames += 1
-        path = mf.commit(mf.step_dir(self.root, step), manifest)
+        path = mf.commit(step_dir(self.root, step), manifest)
         steps = self._list()
         steps[step] = True
         self._steps = dict(sorted(steps.items()))
@@ -190,7 +289,7 @@ class StepCatalog:
 
     def discard(self, step: int) -> None:
         """Remove the directory of a save that failed (never a committed step)."""
-        directory = mf.step_dir(self.root, step)
+        directory = step_dir(self.root, step)
         OPS.stats += 1
         if (directory / mf.MANIFEST).exists():  # the commit got as far as the manifest
             self._list()[step] = True
@@ -206,7 +305,6 @@ class StepCatalog:
         """Delete all but the newest ``keep`` committed steps, and partial steps older than the
         newest. A victim is made uncommitted first (manifest unlinked), then renamed to
         ``.trash-...`` (both instant); a background thread removes its data. Returns the steps."""
-        global _reaper
         steps = self._list()
         committed = [s for s, c in steps.items() if c]
         if not committed:
@@ -216,7 +314,7 @@ class StepCatalog:
         removed = []
         for step, is_committed in list(steps.items()):
             if (is_committed and step not in keep_steps) or (not is_committed and step < newest):
-                path = mf.step_dir(self.root, step)
+                path = step_dir(self.root, step)
                 if is_committed:  # manifest first: a crash midway never leaves a "committed" half
                     OPS.removes += 1
                     (path / mf.MANIFEST).unlink(missing_ok=True)
@@ -231,10 +329,10 @@ class StepCatalog:
                 removed.append(step)
         if self._trash:
             trash, self._trash = self._trash, []
-            wait_for_deletions()
+            self.wait_for_deletions()
             if background:
-                _reaper = threading.Thread(target=_reap, args=(trash,), name="coci-retention", daemon=True)
-                _reaper.start()
+                self._reaper = threading.Thread(target=_reap, args=(trash,), name="coci-retention", daemon=True)
+                self._reaper.start()
             else:
                 _reap(trash)
         return removed
@@ -247,7 +345,7 @@ class StepCatalog:
         for step, is_committed in list(steps.items()):
             if step <= base:
                 continue
-            path = mf.step_dir(self.root, step)
+            path = step_dir(self.root, step)
             del steps[step]
             if not is_committed:
                 _remove_tree(path)
@@ -263,14 +361,14 @@ class StepCatalog:
             os.rename(path, dest)
             moved.append(step)
         if moved:
-            mf.fsync_dir(self.root)
+            durable.fsync_dir(self.root)
         return moved
 
     def remove_partial(self) -> list[int]:
         """Delete uncommitted step directories (saves that never committed)."""
         removed = self.partial()
         for step in removed:
-            _remove_tree(mf.step_dir(self.root, step))
+            _remove_tree(step_dir(self.root, step))
             del self._list()[step]
         return removed
 
@@ -285,13 +383,13 @@ class StepCatalog:
                 _remove_tree(p)
                 freed.append(f"{ABANDONED}/{p.name}")
         for step in self.committed()[:-1]:
-            path = mf.step_dir(self.root, step)
+            path = step_dir(self.root, step)
             OPS.removes += 1
             (path / mf.MANIFEST).unlink(missing_ok=True)  # uncommitted first: a crash midway is safe
             _remove_tree(path)
             del self._list()[step]
             freed.append(path.name)
-        wait_for_deletions()
+        self.wait_for_deletions()
         OPS.listings += 1
         for p in self.root.glob(f"{TRASH_PREFIX}*"):  # retention's background deletions not finished
             _remove_tree(p)

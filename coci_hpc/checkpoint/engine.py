@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.checkpoint.coordinator import LayoutCache, agree
@@ -143,7 +144,7 @@ def _fault_pause(comm: Comm, root: Path, step: int, where: str = "prepare") -> N
 def _last_manifest(catalog: StepCatalog) -> dict[str, Any] | None:
     """Rank 0, first save of a manager: the newest manifest, whose layout may be reused."""
     step = catalog.latest()
-    return None if step is None else mf.read(mf.step_dir(catalog.root, step))
+    return None if step is None else cat.read_manifest(cat.step_dir(catalog.root, step))
 
 
 def _share_offsets(comm: Comm, cache: LayoutCache, created: dict[int, int]) -> dict[int, int]:
@@ -174,7 +175,7 @@ def make_step_dir(comm: Comm, catalog: StepCatalog, step: int, tuning: IOTuning)
     """Collective: rank 0's catalog creates the (empty) directory of ``step``."""
     comm.run_step(lambda: _on_rank0(comm, catalog.create, step, tuning),
                   f"creating the directory of step {step} in {catalog.root}")
-    return mf.step_dir(catalog.root, step)
+    return cat.step_dir(catalog.root, step)
 
 
 def recreate(comm: Comm, prepared: Prepared, writer: StorageWriter) -> None:
@@ -461,8 +462,8 @@ def _open_checked(comm: Comm, root: Path, step: int, state: Mapping[str, Any],
     opened: list[DatasetReader] = []
 
     def step_fn() -> dict[str, Any]:
-        m = mf.read_step(root, step)
-        opened.append(DatasetReader(mf.step_dir(root, step) / mf.DATA_FILE, m))  # checks CRCs on read
+        m = cat.read_step(root, step)
+        opened.append(DatasetReader(cat.step_dir(root, step) / mf.DATA_FILE, m))  # checks CRCs on read
         mine = _my_tensors(m, comm.rank)
         for meta in mine:
             opened[0].offset(meta)  # present, same shape/dtype/size as the manifest, inside the file

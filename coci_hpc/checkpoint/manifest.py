@@ -1,31 +1,25 @@
-"""The checkpoint manifest: the JSON file whose presence marks a checkpoint committed.
+"""The checkpoint manifest, pure format: build it, seal and write it, read and validate it.
 
-Layout of a checkpoint root::
+A step directory holds the tensors' file(s) (``data.h5``, written first) and ``manifest.json``
+(written last, durably: :func:`coci_hpc.durable.write_atomic`); the manifest's presence is what
+makes a checkpoint committed. Where step directories live, how they are named, listed, retired
+and discarded is the step catalog's (:mod:`~coci_hpc.checkpoint.catalog`), not this module's.
 
-    ROOT/step_000000120/data.h5        HDF5 file(s) with the tensors (written first)
-    ROOT/step_000000120/manifest.json  written last: temp name, fsync, rename, fsync dir
-
-Only a step directory with ``manifest.json`` counts; "latest" is the committed one with the
-highest step. A step directory that is a symlink is ignored (a checkpoint never points outside
-its root). The manifest carries a CRC-32C of its own bytes (format 2, see
+The manifest carries a CRC-32C of its own bytes (format 2, see
 :mod:`~coci_hpc.checkpoint.integrity`); format-1 manifests (zlib CRC-32, no own checksum) are
 still read. Files are created with the mode of their step directory minus the execute bits
 (0600 under the default 0700 directories; see :mod:`~coci_hpc.checkpoint.perms`).
-Retention keeps the newest ``keep`` committed checkpoints and deletes older ones (and
-uncommitted leftovers older than the newest commit) only after a newer one has committed.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coci_hpc import durable
 from coci_hpc.checkpoint import integrity, perms
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 
@@ -37,49 +31,6 @@ MAX_DEPTH = 64              # nesting of a manifest's JSON: deeper is damage, no
 MAX_NDIM = 32               # HDF5's own limit on dataset rank
 MANIFEST = "manifest.json"
 DATA_FILE = "data.h5"
-STEP_RE = re.compile(r"^step_(\d{9,})$")  # a step directory
-_STEP_RE = STEP_RE
-
-
-def step_dir(root: str | os.PathLike, step: int) -> Path:
-    return Path(root) / f"step_{step:09d}"
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    step: int
-    path: Path
-    committed: bool
-
-
-def scan(root: str | os.PathLike) -> list[CheckpointInfo]:
-    """All step directories under ``root``, oldest first, committed or not."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    out = []
-    for entry in root.iterdir():
-        m = _STEP_RE.match(entry.name)
-        if m and not entry.is_symlink() and entry.is_dir():
-            out.append(CheckpointInfo(int(m.group(1)), entry, (entry / MANIFEST).is_file()))
-    return sorted(out, key=lambda c: c.step)
-
-
-def committed_steps(root: str | os.PathLike) -> list[int]:
-    return [c.step for c in scan(root) if c.committed]
-
-
-def latest_step(root: str | os.PathLike) -> int | None:
-    steps = committed_steps(root)
-    return steps[-1] if steps else None
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def build(*, step: int, world_size: int, tensors: list[dict[str, Any]], shards: list[dict[str, Any]],
@@ -102,36 +53,19 @@ def build(*, step: int, world_size: int, tensors: list[dict[str, Any]], shards: 
 
 
 def commit(directory: str | os.PathLike, manifest: dict[str, Any]) -> Path:
-    """Seal the manifest with its own checksum and write it atomically: temp name, fsync,
-    rename, fsync of the directory. Its mode follows the step directory's (not the umask)."""
+    """Seal the manifest with its own checksum and write it durably (:func:`coci_hpc.durable.write_atomic`:
+    temp name, fsync, rename, fsync of the directory). Its mode follows the step directory's (not the umask)."""
     directory = Path(directory)
-    final = directory / MANIFEST
-    tmp = directory / f".{MANIFEST}.tmp.{os.getpid()}"
     data = json.dumps(integrity.seal(manifest), separators=(",", ":")).encode()
     mode = perms.file_mode(os.stat(directory).st_mode)  # the step directory's, minus x
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-    try:
-        os.fchmod(fd, mode)  # O_CREAT's mode is masked by the umask; the directory decides
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            if n <= 0:  # never commit a short manifest (a full disk can return 0)
-                raise OSError(f"write of {tmp} returned {n} with {len(view)} bytes left")
-            view = view[n:]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, final)
-    fsync_dir(directory)
-    return final
+    return durable.write_atomic(directory / MANIFEST, data, mode=mode)
 
 
-def read(directory: str | os.PathLike) -> dict[str, Any]:
+def read(directory: str | os.PathLike, *, step: int | None = None) -> dict[str, Any]:
     """The validated manifest of a committed checkpoint; CheckpointCorrupt names what is wrong.
+
+    ``step``: the step the manifest must say (the step catalog passes the one its directory's
+    name says, :func:`~coci_hpc.checkpoint.catalog.read_manifest`); None: not checked.
 
     Format-1 manifests come back with their shard checksums under ``"crc"`` as well, so readers
     use ``m["checksum"]`` (the algorithm) and ``shard["crc"]`` whatever the format.
@@ -164,8 +98,7 @@ def read(directory: str | os.PathLike) -> dict[str, Any]:
     if problem is None and m["format_version"] >= 2:
         problem = integrity.seal_problem(m)
     problem = problem or _schema_problem(m)
-    dir_step = _STEP_RE.match(Path(directory).name)
-    if problem is None and dir_step and int(dir_step.group(1)) != m["step"]:
+    if problem is None and step is not None and step != m["step"]:
         problem = f"it says step {m['step']} but lives in {Path(directory).name}"
     if problem:
         raise CheckpointCorrupt(f"{path}: manifest is damaged or was edited: {problem}",
@@ -322,14 +255,3 @@ def _parts_problem(t: dict[str, Any], itemsize: int, world: int) -> str | None:
         ranks.add(p[0])
         pos = p[1] + p[3]
     return None
-
-
-def read_step(root: str | os.PathLike, step: int) -> dict[str, Any]:
-    return read(step_dir(root, step))
-
-
-def wait_for_deletions() -> None:
-    """Block until retired steps are deleted (the step catalog deletes them in the background)."""
-    from coci_hpc.checkpoint.catalog import wait_for_deletions as wait
-
-    wait()

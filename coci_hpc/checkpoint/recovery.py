@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointCorrupt, CheckpointNotFound, CociError, CommError
 
@@ -70,7 +70,7 @@ def _agree_damage(comm: Comm, exc: BaseException) -> bool:
 
 def _gone(comm: Comm, root: Path, step: int) -> bool:
     """Collective: rank 0 looks whether ``step`` is still committed."""
-    gone = not (mf.step_dir(root, step) / mf.MANIFEST).is_file() if comm.rank == 0 else None
+    gone = not cat.has_manifest(root, step) if comm.rank == 0 else None
     return bool(comm.bcast(gone))
 
 
@@ -88,12 +88,24 @@ def load_step(comm: Comm, root: str | os.PathLike, step: int, load: Callable[[in
                                      "step, or use load_latest, which falls back by itself") from exc
 
 
-def load_latest_intact(comm: Comm, root: str | os.PathLike, load: Callable[[int], T]) -> T:
-    """Collective: ``load(step)`` for the newest committed step that loads intact (see above)."""
+def _committed(root: Path, catalog: cat.StepCatalog | None, again: bool) -> list[int]:
+    """Rank 0: the committed steps, from the writer's catalog (its one listing of the root) or,
+    for a reader or on a rescan, from a fresh listing."""
+    if catalog is None:
+        return cat.committed_steps(root)
+    if again:
+        catalog.refresh()
+    return catalog.committed()
+
+
+def load_latest_intact(comm: Comm, root: str | os.PathLike, load: Callable[[int], T],
+                       catalog: cat.StepCatalog | None = None) -> T:
+    """Collective: ``load(step)`` for the newest committed step that loads intact (see above).
+    ``catalog``: rank 0's catalog of a writer that holds the directory lock (no fresh listing)."""
     root = Path(root)
     bad: dict[int, str] = {}
-    for _ in range(_RESCANS):
-        steps = comm.bcast(mf.committed_steps(root) if comm.rank == 0 else None)
+    for attempt in range(_RESCANS):
+        steps = comm.bcast(_committed(root, catalog, attempt > 0) if comm.rank == 0 else None)
         candidates = [s for s in reversed(steps) if s not in bad]
         if not candidates and not bad:
             raise CheckpointNotFound(f"no committed checkpoint under {root}",

@@ -71,7 +71,6 @@ import numpy as np
 import torch
 
 from coci_hpc.checkpoint import engine
-from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.checkpoint.coordinator import LayoutCache
 from coci_hpc.checkpoint.lustre import IOTuning
@@ -267,7 +266,7 @@ class TwoPhaseSaver:
 
     def close(self) -> None:
         self.wait()
-        mf.wait_for_deletions()
+        self.catalog.wait_for_deletions()   # this manager's deletions only
 
     def _advance(self, block: bool) -> bool:
         """Run the in-flight job's :meth:`_settle` to its next stop (``block``: to its end)."""

@@ -74,9 +74,9 @@ def files_problem(directory: Path, m: dict[str, Any]) -> str | None:
 def cmd_list(args: argparse.Namespace) -> int:
     """Every step directory; a damaged step (manifest, missing or short data file) is DAMAGED
     (exit 7), never "latest", never a traceback."""
-    from coci_hpc.checkpoint import manifest as mf
+    from coci_hpc.checkpoint import catalog as cat
 
-    infos = mf.scan(_root(args.dir))
+    infos = cat.scan(_root(args.dir))
     rows: list[dict[str, Any]] = []
     damaged: list[str] = []
     for c in infos:
@@ -88,7 +88,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                                "written": None, "problem": None}
         if c.committed:
             try:
-                m = mf.read(c.path)
+                m = cat.read_manifest(c.path)
                 problem = files_problem(c.path, m)
             except CheckpointCorrupt as exc:
                 m, problem = None, exc.message
@@ -148,12 +148,12 @@ class _Progress:
 def verify_step(root: Path, step: int, progress: Callable[[int, int], None] | None = None) -> list[str]:
     """Problems found in one committed checkpoint (empty list = good): every shard's checksum,
     the manifest's own checksum and schema, the links and datasets of the data files."""
-    from coci_hpc.checkpoint import manifest as mf
+    from coci_hpc.checkpoint import catalog as cat
     from coci_hpc.checkpoint.h5file import DatasetReader
 
-    d = mf.step_dir(root, step)
+    d = cat.step_dir(root, step)
     try:
-        m = mf.read(d)
+        m = cat.read_manifest(d)
     except CheckpointCorrupt as exc:
         return [f"step {step}: {exc.message}"]
     by_dataset = {t["dataset"]: t for t in m["tensors"]}
@@ -183,10 +183,10 @@ def verify_step(root: Path, step: int, progress: Callable[[int, int], None] | No
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from coci_hpc.checkpoint import manifest as mf
+    from coci_hpc.checkpoint import catalog as cat
 
     root = _root(args.dir)
-    steps = [args.step] if args.step is not None else mf.committed_steps(root)
+    steps = [args.step] if args.step is not None else cat.committed_steps(root)
     if not steps:
         raise CheckpointNotFound(f"no committed checkpoint under {root}", hint="nothing to verify")
     bad: list[str] = []
@@ -211,10 +211,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from coci_hpc.checkpoint import manifest as mf
+    from coci_hpc.checkpoint import catalog as cat
 
     root = _root(args.dir)
-    m = mf.read(mf.step_dir(root, args.step))
+    m = cat.read_manifest(cat.step_dir(root, args.step))
     writers: dict[str, set[int]] = defaultdict(set)
     for s in m["shards"]:
         writers[s["dataset"]].add(s["rank"])

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.errors import UsageError
 from coci_hpc.interop.source import MODEL_KEY, CheckpointSource, Entry, export_name, torch_dtype
 
@@ -109,7 +109,7 @@ class CociStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         p = os.fspath(checkpoint_id)
-        return os.path.isdir(p) and mf.latest_step(p) is not None
+        return os.path.isdir(p) and cat.latest_step(p) is not None
 
     def close(self) -> None:
         if self._source is not None:

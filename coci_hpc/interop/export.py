@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from coci_hpc.checkpoint.manifest import fsync_dir
 from coci_hpc.checkpoint.state import unflatten
+from coci_hpc.durable import fsync_dir, fsync_file, rename_durable
 from coci_hpc.errors import CheckpointError, CociError, UsageError
 from coci_hpc.interop import names
 from coci_hpc.interop.source import MODEL_KEY, CheckpointSource, Entry, export_name, nbytes_as
@@ -81,14 +81,6 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def export(src: str | os.PathLike, out: str | os.PathLike, *, to: str = "hf", step: int | None = None,
            model_key: str = MODEL_KEY, with_optimizer: bool = False, dtype: str | None = None,
            rename: Sequence[str] = (), max_shard_size: str | int = DEFAULT_MAX_SHARD,
@@ -120,8 +112,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, to: str = "hf", st
                 files, total = _export_torch(source, model_key, plan, tmp, cast, with_optimizer, progress)
             else:
                 files, total = _export_dcp(source, model_key, plan, tmp, cast, progress)
-            os.rename(tmp, out)
-            fsync_dir(out.parent)
+            rename_durable(tmp, out)   # every file fsynced, then the directory: the one durable rule
             if to == "torch":   # one file, written under the temporary name: report the final one
                 files = [out.name]
         except BaseException as exc:
@@ -189,7 +180,7 @@ def _export_hf(source: CheckpointSource, model_key: str, plan: list[tuple[str, E
             tensors[name] = _cast(t, e, cast if e.key == model_key else None).contiguous()
             weight_map[name] = fname
         _write_safetensors(tensors, tmp / fname)
-        _fsync(tmp / fname)
+        fsync_file(tmp / fname)
         done += sum(sizes[i] for i in members)
         del tensors
         if progress is not None:
@@ -198,7 +189,7 @@ def _export_hf(source: CheckpointSource, model_key: str, plan: list[tuple[str, E
         index = {"metadata": {"total_size": total, "format": "pt", "coci_step": source.step},
                  "weight_map": dict(sorted(weight_map.items()))}
         (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        _fsync(tmp / SAFE_INDEX)
+        fsync_file(tmp / SAFE_INDEX)
         files.append(SAFE_INDEX)
     fsync_dir(tmp)
     return files, total

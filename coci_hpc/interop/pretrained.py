@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.errors import CheckpointNotFound, UsageError
 from coci_hpc.interop import names
@@ -277,7 +278,7 @@ def open_source(path: str | os.PathLike, *, model_key: str = MODEL_KEY, step: in
         return _Safetensors(singles)
     if (p / ".metadata").is_file():
         return _DCP(p, model_key)
-    if (p / mf.MANIFEST).is_file() or mf.latest_step(p) is not None:
+    if (p / mf.MANIFEST).is_file() or cat.latest_step(p) is not None:
         return _Coci(p, model_key, step)   # a root, or one step directory of it
     raise UsageError(f"{p} holds no model weights coci can read",
                      hint="expected *.safetensors (+ model.safetensors.index.json), a DCP directory "
@@ -336,7 +337,7 @@ def import_to_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, step
     from coci_hpc.checkpoint import CheckpointManager
 
     out_p = Path(out)
-    if out_p.exists() and (not out_p.is_dir() or mf.scan(out_p)):
+    if out_p.exists() and (not out_p.is_dir() or cat.scan(out_p)):
         raise UsageError(f"{out_p} exists and is not an empty checkpoint directory; import never overwrites",
                          hint="choose a new OUT directory")
     source = open_source(src, model_key=model_key)

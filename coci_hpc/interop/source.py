@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.h5file import DatasetReader
 from coci_hpc.checkpoint.state import empty_like_leaf, leaf_view, storage_dtype
@@ -86,20 +87,20 @@ class CheckpointSource:
 
     def __init__(self, root: str | os.PathLike, step: int | None = None) -> None:
         self.root = Path(root)
-        named = mf.STEP_RE.match(self.root.name)
+        named = cat.STEP_RE.match(self.root.name)
         if named and (self.root / mf.MANIFEST).is_file() and step is None:   # a step directory
             self.root, step = self.root.parent, int(named.group(1))
         if not self.root.is_dir():
             raise CheckpointNotFound(f"{self.root} is not a directory",
                                      hint="pass the checkpoint root (the directory holding step_*)")
         if step is None:
-            step = mf.latest_step(self.root)
+            step = cat.latest_step(self.root)
             if step is None:
                 raise CheckpointNotFound(f"no committed checkpoint under {self.root}",
                                          hint="`coci-ckpt list DIR` shows what is there")
         self.step = int(step)
-        self.dir = mf.step_dir(self.root, self.step)
-        self.manifest = mf.read(self.dir)
+        self.dir = cat.step_dir(self.root, self.step)
+        self.manifest = cat.read_manifest(self.dir)
         self._by_name = {t["name"]: t for t in self.manifest["tensors"]
                          if not (t["kind"] == "per_rank")}
         self._readers: dict[str, DatasetReader] = {}

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from coci_hpc.durable import write_atomic
 from coci_hpc.errors import InputFormatError, UsageError
 
 _NUMBERS = ("ckpt_cost_s", "persist_s", "restart_cost_s", "step_time_s")
@@ -135,8 +135,5 @@ class Profile:
         return cls.from_dict(d, source=path)
 
     def save(self, path: str) -> None:
-        """Write atomically (temp + rename): a reader never sees half a profile."""
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(self.to_dict(), fh, indent=1, allow_nan=False)
-        os.replace(tmp, path)
+        """Write durably (:func:`coci_hpc.durable.write_atomic`): a reader never sees half a profile."""
+        write_atomic(path, json.dumps(self.to_dict(), indent=1, allow_nan=False))

@@ -22,7 +22,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
+
+from coci_hpc.durable import write_atomic
 
 from coci_hpc import settings
 
@@ -32,10 +33,7 @@ POLL_S = 0.05        # how often a waiting survivor looks (a stat per look, only
 
 def post(path: str | os.PathLike[str], why: str) -> None:
     """Write the notice (atomically: a reader sees all of ``why`` or nothing)."""
-    p = Path(path)
-    tmp = p.with_name(p.name + f".tmp{os.getpid()}")
-    tmp.write_text(why.strip() + "\n")
-    os.replace(tmp, p)
+    write_atomic(path, why.strip() + "\n")
 
 
 def training_marker(path: str | os.PathLike[str]) -> str:

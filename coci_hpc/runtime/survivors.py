@@ -37,6 +37,7 @@ import h5py
 import numpy as np
 import torch
 
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import integrity
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.catalog import StepCatalog
@@ -48,6 +49,7 @@ from coci_hpc.checkpoint.perms import set_file
 from coci_hpc.checkpoint.rawio import WriteItem, pread_into, write_posix
 from coci_hpc.checkpoint.state import PerRank, collect, empty_like_leaf, is_stateful, restore_rng, unflatten
 from coci_hpc.comm import Comm
+from coci_hpc.durable import write_atomic
 from coci_hpc.runtime.partner import PackedCopy, RankState
 
 BACKEND = "hdf5-survivors"
@@ -128,16 +130,7 @@ class Outcome:
 
 
 def staging_dir(root: Path, step: int) -> Path:
-    return root / f".survivors-{step:09d}"
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return cat.staging_dir(root, step)    # the layout is the step catalog's
 
 
 def post(root: Path, step: int, me: int, states: list[RankState]) -> Path:
@@ -145,7 +138,7 @@ def post(root: Path, step: int, me: int, states: list[RankState]) -> Path:
     d = staging_dir(root, step)
     d.mkdir(mode=0o700, exist_ok=True)
     for rs in states:
-        _write_atomic(d / f"rank{rs.rank:05d}.from{me:05d}", rs.pack())
+        write_atomic(d / f"rank{rs.rank:05d}.from{me:05d}", rs.pack())
     return d
 
 
@@ -265,33 +258,26 @@ def _fault_pause(step: int) -> None:
         time.sleep(pause)
 
 
-def _staged(root: Path) -> list[tuple[int, Path]]:
-    out = []
-    for d in sorted(root.glob(".survivors-*")):
-        try:
-            out.append((int(d.name.split("-", 1)[1]), d))
-        except ValueError:
-            continue
-    return out
+def _catalog(where: Path | cat.StepCatalog) -> cat.StepCatalog:
+    return where if isinstance(where, cat.StepCatalog) else cat.StepCatalog(where)
 
 
-def torn_steps(root: Path) -> list[int]:
+def torn_steps(where: Path | cat.StepCatalog) -> list[int]:
     """The steps of earlier survivors' saves that did not commit (a fallback its writer recorded,
     or a writer killed mid-save: its data file without a manifest is an uncommitted leftover the
-    catalog removes at the next save). Read only: :func:`sweep_torn` removes their staging."""
-    return [step for step, _ in _staged(root) if not (mf.step_dir(root, step) / mf.MANIFEST).is_file()]
+    catalog removes at the next save). Read only: :func:`sweep_torn` removes their staging.
+    ``where``: the root (listed afresh), or the catalog of the restart (its one listing)."""
+    return _catalog(where).torn_staging()
 
 
-def sweep_torn(root: Path) -> list[int]:
+def sweep_torn(where: Path | cat.StepCatalog) -> list[int]:
     """Once a new attempt has recorded its ``attempt_start``: remove the staging directories of
     earlier survivors' saves (a claim left behind would otherwise keep a later survivors' save of
     the same step from being written) and return :func:`torn_steps`. Not before that record: a
     process of the replaced attempt that runs again late is stopped by the claim until then, and
-    by the newer ``attempt_start`` after (``Session._peer_lost``)."""
-    torn = torn_steps(root)
-    for _, d in _staged(root):
-        shutil.rmtree(d, ignore_errors=True)
-    return torn
+    by the newer ``attempt_start`` after (``Session._peer_lost``). ``where``: as for
+    :func:`torn_steps`."""
+    return _catalog(where).sweep_staging()
 
 
 def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, own: RankState,
@@ -308,11 +294,11 @@ def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, ow
         out.reason = "another survivor writes"
         return out
     out.writer = True
-    if (mf.step_dir(root, step) / mf.MANIFEST).is_file():
+    if (cat.step_dir(root, step) / mf.MANIFEST).is_file():
         # The regular save of this step had committed (its manifest is written last) before the
         # peer was lost in that save's last agreement: it is the checkpoint, complete and checked.
         _drop_posted(root, step)
-        out.committed, out.path = True, mf.step_dir(root, step)
+        out.committed, out.path = True, cat.step_dir(root, step)
         out.reason = f"the regular checkpoint of step {step} had committed"
         out.write_s = time.monotonic() - t0
         return out
@@ -333,7 +319,7 @@ def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, ow
     try:
         out.path = write_checkpoint(root, step, state, found, size, tuning, keep)
     except (OSError, ValueError, KeyError) as exc:
-        shutil.rmtree(mf.step_dir(root, step), ignore_errors=True)
+        shutil.rmtree(cat.step_dir(root, step), ignore_errors=True)
         out.reason = str(exc)
         return out
     _drop_posted(root, step)

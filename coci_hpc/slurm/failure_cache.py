@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from coci_hpc import settings
+from coci_hpc.durable import write_atomic
 from coci_hpc.errors import CociError
 from coci_hpc.planner.failures import FailureModel
 from coci_hpc.slurm import scontrol
@@ -94,12 +95,10 @@ def load(path: Path, now: float | None = None) -> Cached | None:
 
 
 def store(path: Path, model: FailureModel, summary: Mapping[str, Any]) -> None:
-    """Atomically (write a temporary file, rename): a reader never sees half a file."""
+    """Durably (:func:`coci_hpc.durable.write_atomic`): a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"version": VERSION, "written": time.time(), "model": _model_to_dict(model),
-                               "summary": summary}, default=str))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps({"version": VERSION, "written": time.time(), "model": _model_to_dict(model),
+                                   "summary": summary}, default=str))
 
 
 def read_cluster(partition: str, window_days: float, runner: Runner) -> tuple[FailureModel, dict[str, Any]]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from coci_hpc.checkpoint import CheckpointManager, catalog
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,18 +65,54 @@ def test_a_save_lists_the_root_once_then_never_and_its_metadata_ops_do_not_grow_
 def test_the_catalog_follows_rollback_retention_and_partial_leftovers(tmp_path):
     root = tmp_path / "ck"
     root.mkdir()
-    (mf.step_dir(root, 9)).mkdir()                             # a crashed save of an earlier job
+    (cat.step_dir(root, 9)).mkdir()                             # a crashed save of an earlier job
     mgr = CheckpointManager(root, comm=None, keep=2)
     s = {"w": torch.zeros(2)}
     for step in (1, 2, 3):
         mgr.save(step, s)
     catalog.wait_for_deletions()
-    assert [c.step for c in mf.scan(root)] == [2, 3] and mgr.latest_step() == 3
+    assert [c.step for c in cat.scan(root)] == [2, 3] and mgr.latest_step() == 3
     mgr.load(2, s)
     mgr.save(4, s)                                             # rollback: 3 moves to abandoned/
     catalog.wait_for_deletions()
-    assert [c.step for c in mf.scan(root)] == [2, 4] and mgr.latest_step() == 4
+    assert [c.step for c in cat.scan(root)] == [2, 4] and mgr.latest_step() == 4
     assert (root / catalog.ABANDONED / "step_000000003" / mf.MANIFEST).is_file()
     mgr.close()
     reader = CheckpointManager(root, comm=None, lock=False)    # a reader lists afresh
     assert reader.latest_step() == 4
+
+
+def test_one_managers_close_never_waits_for_another_managers_deletions(tmp_path, monkeypatch):
+    """Each catalog owns its deletion thread: manager A's retention stuck in a slow delete (a
+    loaded file system) does not hold up manager B's saves or close()."""
+    import shutil
+    import threading
+    import time
+
+    gate = threading.Event()
+    real_rmtree = shutil.rmtree
+    slow = os.path.realpath(tmp_path / "a")
+
+    def rmtree(path, *args, **kwargs):
+        if threading.current_thread().name == "coci-retention" and os.path.realpath(path).startswith(slow):
+            gate.wait(60)                                   # A's background delete hangs
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(catalog.shutil, "rmtree", rmtree)
+    s = {"w": torch.zeros(2)}
+    a = CheckpointManager(tmp_path / "a", comm=None, keep=1)
+    a.save(1, s)
+    a.save(2, s)                                            # retires step 1: A's thread now hangs
+    assert a.catalog._reaper is not None and a.catalog._reaper.is_alive()
+    t0 = time.monotonic()
+    b = CheckpointManager(tmp_path / "b", comm=None, keep=1)
+    for step in (1, 2, 3):
+        b.save(step, s)
+    b.close()
+    elapsed = time.monotonic() - t0
+    assert elapsed < 20, f"B waited {elapsed:.1f}s for A's deletions"
+    assert a.catalog._reaper.is_alive()                     # A's deletion still running meanwhile
+    assert [p.name for p in (tmp_path / "b").iterdir() if p.name.startswith(catalog.TRASH_PREFIX)] == []
+    gate.set()
+    a.close()                                               # A waits for its own
+    assert [p.name for p in (tmp_path / "a").iterdir() if p.name.startswith(catalog.TRASH_PREFIX)] == []

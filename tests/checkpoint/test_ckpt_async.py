@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from coci_hpc.checkpoint import CheckpointManager, engine
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.errors import CommError, UsageError
 from tests.checkpoint.helpers import canonical, empty_state, full_state
@@ -100,7 +101,7 @@ def test_background_error_surfaces_on_every_rank_at_the_next_call(shared_dir, co
             time.sleep(0.05)
     assert set(info.value.failed_ranks) == {bad} and "Input/output error" in str(info.value)
     assert mgr.latest_step() == 1
-    assert not (mf.step_dir(shared_dir, 2) / mf.MANIFEST).exists()
+    assert not (cat.step_dir(shared_dir, 2) / mf.MANIFEST).exists()
     mgr.close()
 
 

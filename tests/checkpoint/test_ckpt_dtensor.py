@@ -15,6 +15,7 @@ import h5py
 import numpy as np
 import pytest
 
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from tests.checkpoint.conftest import SCRIPTS, run_ranks
 
@@ -47,7 +48,7 @@ def fsdp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
 
 def test_fsdp2_saves_one_global_dataset_per_tensor(fsdp2: tuple[Path, dict[str, Any]]) -> None:
     root, saved = fsdp2
-    m = mf.read_step(root, 1)
+    m = cat.read_step(root, 1)
     dt = {t["name"]: t for t in m["tensors"] if t["kind"] == "dtensor"}
     w = dt["replicated/model/fc1.weight"]
     assert w["shape"] == [7, 10]
@@ -57,7 +58,7 @@ def test_fsdp2_saves_one_global_dataset_per_tensor(fsdp2: tuple[Path, dict[str, 
     # every byte of the dataset is written once: bytes in the file = unique state bytes
     shards = [s for s in m["shards"] if s["dataset"] == w["dataset"]]
     assert sum(s["stop"] - s["start"] for s in shards) == w["nbytes"] == 7 * 10 * 4
-    with h5py.File(mf.step_dir(root, 1) / mf.DATA_FILE, "r") as f:  # h5py reads it whole
+    with h5py.File(cat.step_dir(root, 1) / mf.DATA_FILE, "r") as f:  # h5py reads it whole
         assert f[w["dataset"]].shape == (7, 10)
         assert np.isfinite(f[w["dataset"]][()]).all()
 
@@ -89,7 +90,7 @@ def test_fsdp2_to_plain_model_in_one_process(fsdp2: tuple[Path, dict[str, Any]])
 
 def test_hsdp_to_fsdp2(tmp_path: Path) -> None:
     saved = job(4, "save", tmp_path, "hsdp", 2)
-    m = mf.read_step(tmp_path, 2)
+    m = cat.read_step(tmp_path, 2)
     w = next(t for t in m["tensors"] if t["name"] == "replicated/model/fc1.weight")
     assert w["kind"] == "dtensor" and len(w["boxes"]) == 2  # each shard once, not once per replica
     writers = [b[0] for t in m["tensors"] if t["kind"] == "dtensor" for b in t["boxes"]]
@@ -107,10 +108,10 @@ def test_plain_and_sharded_checkpoints_to_fsdp2(tmp_path: Path) -> None:
 def test_flipped_byte_in_a_shard_falls_back(tmp_path: Path) -> None:
     first = job(2, "save", tmp_path, "fsdp", 1)
     job(2, "save", tmp_path, "fsdp", 2)
-    m = mf.read_step(tmp_path, 2)
+    m = cat.read_step(tmp_path, 2)
     w = next(t for t in m["tensors"] if t["name"] == "replicated/model/fc1.weight")
     sh = next(s for s in m["shards"] if s["dataset"] == w["dataset"] and s["rank"] == 1)
-    path = mf.step_dir(tmp_path, 2) / mf.DATA_FILE
+    path = cat.step_dir(tmp_path, 2) / mf.DATA_FILE
     with open(path, "r+b") as f:
         f.seek(w["offset"] + sh["start"] + 5)
         b = f.read(1)

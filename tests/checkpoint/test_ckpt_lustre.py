@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from coci_hpc.checkpoint import CheckpointManager, LustrePolicy, lustre
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.errors import CheckpointError
 from tests.checkpoint.conftest import FAKES
 
@@ -58,8 +58,8 @@ def test_save_on_forced_lustre_stripes_the_new_directory_and_aligns_datasets(tmp
     state = {"w": {"a": torch.ones(300_000), "b": torch.ones(300_000), "tiny": torch.ones(3)}}
     mgr.save(1, state)
     calls = fake_lfs.read_text().splitlines()
-    assert calls == [f"setstripe -c 4 -S {MiB} {mf.step_dir(tmp_path / 'ck', 1)}"]
-    m = mf.read(mf.step_dir(tmp_path / "ck", 1))
+    assert calls == [f"setstripe -c 4 -S {MiB} {cat.step_dir(tmp_path / 'ck', 1)}"]
+    m = cat.read_manifest(cat.step_dir(tmp_path / "ck", 1))
     assert m["lustre"] is True and m["align"] == MiB
     big = [t for t in m["tensors"] if t["nbytes"] >= MiB]
     assert big and all(t["offset"] % MiB == 0 for t in big)
@@ -72,7 +72,7 @@ def test_no_setstripe_off_lustre_even_with_lfs_installed(tmp_path, fake_lfs, mon
     monkeypatch.setenv(lustre.FORCE_ENV, "other")
     CheckpointManager(tmp_path, comm=None).save(1, {"x": {"t": torch.ones(10)}})
     assert not fake_lfs.exists()
-    assert mf.read(mf.step_dir(tmp_path, 1))["lustre"] is False
+    assert cat.read_manifest(cat.step_dir(tmp_path, 1))["lustre"] is False
 
 
 def test_failing_lfs_is_reported_with_its_output(tmp_path, fake_lfs, monkeypatch):
@@ -80,4 +80,4 @@ def test_failing_lfs_is_reported_with_its_output(tmp_path, fake_lfs, monkeypatch
     monkeypatch.setenv("FAKE_LFS_FAIL", "Disk quota exceeded")
     with pytest.raises(CheckpointError, match="Disk quota exceeded"):
         CheckpointManager(tmp_path, comm=None).save(1, {"x": {"t": torch.ones(10)}})
-    assert mf.committed_steps(tmp_path) == []
+    assert cat.committed_steps(tmp_path) == []

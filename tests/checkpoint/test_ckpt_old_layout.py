@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from coci_hpc.checkpoint import CheckpointManager, PerRank, Sharded
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.cli.ckpt import main as ckpt_main
 from tests.checkpoint.old_layout_state import old_state
 
@@ -34,7 +34,7 @@ def test_a_format_2_checkpoint_with_per_rank_datasets_still_loads(shared_dir, co
         shutil.copytree(FIXTURE, root)
         with h5py.File(root / "step_000000009" / "data.h5", "r") as f:
             assert "rank00001/mine/v" in f  # really the old layout
-        assert mf.read(root / "step_000000009")["format_version"] == 2
+        assert cat.read_manifest(root / "step_000000009")["format_version"] == 2
         assert ckpt_main(["verify", str(root), "9"]) == 0
     comm.barrier()
     mgr = CheckpointManager(root, comm=comm, rng=False)
@@ -49,7 +49,7 @@ def test_a_format_2_checkpoint_with_per_rank_datasets_still_loads(shared_dir, co
     assert torch.equal(target["rows"].local, expected["rows"].local)
     # The next save writes the packed layout (format 3) next to it.
     mgr.save(10, target)
-    m = mf.read(mf.step_dir(root, 10))
+    m = cat.read_manifest(cat.step_dir(root, 10))
     assert m["format_version"] == 3
     assert [t["dataset"] for t in m["tensors"] if t["kind"] == "per_rank"] == ["per_rank/mine/v", "per_rank/mine/s"]
     mgr.close()

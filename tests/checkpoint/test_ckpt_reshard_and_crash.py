@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.cli.ckpt import main as ckpt_main
 from tests.checkpoint.conftest import ROOT, SCRIPTS, clean_env, run_ranks
@@ -33,7 +34,7 @@ def test_checkpoint_written_on_n_ranks_loads_on_m_ranks(tmp_path, writers, reade
     assert read["step"] == 4
     assert read["hash"] == wrote["hash"]          # model, optimizer, scheduler, scaler, extras...
     assert read["rows"] == wrote["rows"]          # the sharded tensor, re-split over M ranks
-    assert mf.read(mf.step_dir(tmp_path, 4))["world_size"] == writers
+    assert cat.read_manifest(cat.step_dir(tmp_path, 4))["world_size"] == writers
 
 
 def test_per_rank_state_on_another_world_size_is_explained(tmp_path):
@@ -56,13 +57,13 @@ def test_writer_killed_before_commit_leaves_previous_checkpoint_loadable(tmp_pat
         while "MIDWRITE" not in line:
             line = proc.stdout.readline()
             assert line or proc.poll() is None, proc.stderr.read()
-        assert (mf.step_dir(tmp_path, 2) / mf.DATA_FILE).exists()
+        assert (cat.step_dir(tmp_path, 2) / mf.DATA_FILE).exists()
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.kill()
         proc.wait()
-    assert mf.committed_steps(tmp_path) == [1]
-    assert not (mf.step_dir(tmp_path, 2) / mf.MANIFEST).exists()
+    assert cat.committed_steps(tmp_path) == [1]
+    assert not (cat.step_dir(tmp_path, 2) / mf.MANIFEST).exists()
     mgr = CheckpointManager(tmp_path, comm=None)
     assert mgr.latest_step() == 1
     target = empty_state()
@@ -71,7 +72,7 @@ def test_writer_killed_before_commit_leaves_previous_checkpoint_loadable(tmp_pat
     assert ckpt_main(["verify", str(tmp_path)]) == 0
     # The next successful save reuses nothing of the dead one and cleans it up.
     mgr.save(3, full_state(3))
-    assert [c.step for c in mf.scan(tmp_path)] == [1, 3]
+    assert [c.step for c in cat.scan(tmp_path)] == [1, 3]
 
 
 def test_retention_keeps_last_k_and_deletes_only_after_a_newer_commit(tmp_path, monkeypatch):
@@ -83,7 +84,7 @@ def test_retention_keeps_last_k_and_deletes_only_after_a_newer_commit(tmp_path, 
         mgr.save(step, s)
     assert [c.step for c in mgr.list()] == [20, 30]
     mgr.close()
-    mf.step_dir(tmp_path, 25).mkdir()  # a stale uncommitted leftover (of a crash: the job restarts)
+    cat.step_dir(tmp_path, 25).mkdir()  # a stale uncommitted leftover (of a crash: the job restarts)
     mgr = CheckpointManager(tmp_path, comm=None, keep=2)
     monkeypatch.setattr(engine, "write_items", lambda *a, **k: (_ for _ in ()).throw(OSError("boom")))
     with pytest.raises(Exception, match="boom"):
@@ -91,10 +92,10 @@ def test_retention_keeps_last_k_and_deletes_only_after_a_newer_commit(tmp_path, 
     assert [c.step for c in mgr.list()] == [20, 30]  # failed save deleted nothing
     monkeypatch.undo()
     mgr.save(50, s)
-    assert [c.step for c in mf.scan(tmp_path)] == [30, 50]
+    assert [c.step for c in cat.scan(tmp_path)] == [30, 50]
     assert mgr.latest_step() == 50
     # Saving the newest committed step again is a no-op (issue 8 #6); going back needs a load.
-    assert mgr.save(50, s) == mf.step_dir(tmp_path, 50)
+    assert mgr.save(50, s) == cat.step_dir(tmp_path, 50)
     with pytest.raises(Exception, match="step 50 is newer"):
         mgr.save(30, s)
 
@@ -104,13 +105,13 @@ def test_manifest_commit_is_atomic_and_validated(tmp_path):
     d.mkdir()
     mf.commit(d, {"format": mf.FORMAT, "format_version": 1, "step": 1})
     assert [p.name for p in d.iterdir()] == [mf.MANIFEST]
-    assert mf.latest_step(tmp_path) == 1
+    assert cat.latest_step(tmp_path) == 1
     (d / mf.MANIFEST).write_text('{"format": "coci-ckpt", "format_version": 99}')
     with pytest.raises(Exception, match="newer"):
-        mf.read(d)
+        cat.read_manifest(d)
     (d / mf.MANIFEST).write_text("{trunc")
     with pytest.raises(Exception, match="does not parse"):
-        mf.read(d)
+        cat.read_manifest(d)
 
 
 def test_edited_manifest_is_refused_with_a_clear_error(tmp_path):
@@ -120,7 +121,7 @@ def test_edited_manifest_is_refused_with_a_clear_error(tmp_path):
 
     mgr = CheckpointManager(tmp_path, comm=None)
     mgr.save(1, {"a": torch.arange(8.0), "b": torch.arange(8.0) + 100})
-    path = mf.step_dir(tmp_path, 1) / mf.MANIFEST
+    path = cat.step_dir(tmp_path, 1) / mf.MANIFEST
     good = json.loads(path.read_text())
 
     def shard_of_b(m):
@@ -155,16 +156,16 @@ def test_load_latest_survives_a_concurrent_commit_retiring_the_chosen_step(tmp_p
 
     writer = CheckpointManager(tmp_path, comm=None, keep=1)
     writer.save(1, {"a": torch.ones(3)})
-    real, fired = mf.read_step, []
+    real, fired = cat.read_step, []
 
     def racing(root, step):
         if not fired:
             fired.append(1)
             writer.save(2, {"a": torch.full((3,), 2.0)})
-            mf.wait_for_deletions()
+            cat.wait_for_deletions()
         return real(root, step)
 
-    monkeypatch.setattr(mf, "read_step", racing)
+    monkeypatch.setattr(cat, "read_step", racing)
     target = {"a": torch.zeros(3)}
     res = CheckpointManager(tmp_path, comm=None).load_latest(target)
     assert fired and res.step == 2 and torch.equal(target["a"], torch.full((3,), 2.0))

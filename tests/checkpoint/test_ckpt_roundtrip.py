@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from coci_hpc.checkpoint import CheckpointManager, PerRank, Sharded
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.integrity import seal
 from coci_hpc.checkpoint.state import collect, unflatten
@@ -36,7 +37,7 @@ def test_every_kind_of_state_round_trips_bit_exact(shared_dir, comm, backend):
     assert ex["pair"] == (1, (2.5, "x")) and ex["by_int"] == {3: "three", 10: [1, 2]}
     assert ex["inf"] == float("inf") and ex["arr"].dtype == np.int32
     assert target["mine"].value["rank"] == comm.rank
-    m = mf.read(mf.step_dir(shared_dir, 7))
+    m = cat.read_manifest(cat.step_dir(shared_dir, 7))
     assert m["world_size"] == comm.size
     assert m["backend"] == ("hdf5-serial" if backend == "serial" or comm.size == 1 and not comm.is_mpi
                             else m["backend"])
@@ -47,7 +48,7 @@ def test_replicated_bytes_are_split_across_ranks(shared_dir, comm):
     state = full_state(1, comm.rank, comm.size, big=1 << 18)
     mgr = CheckpointManager(shared_dir, comm=comm)
     mgr.save(1, state)
-    m = mf.read(mf.step_dir(shared_dir, 1))
+    m = cat.read_manifest(cat.step_dir(shared_dir, 1))
     per_rank = [0] * comm.size
     for s in m["shards"]:
         ds = next(t for t in m["tensors"] if t["dataset"] == s["dataset"])
@@ -70,9 +71,9 @@ def test_no_pickle_in_checkpoint(shared_dir, comm):
     mgr = CheckpointManager(shared_dir, comm=comm)
     mgr.save(1, full_state(2, comm.rank, comm.size))
     comm.barrier()
-    raw = (mf.step_dir(shared_dir, 1) / "data.h5").read_bytes()
+    raw = (cat.step_dir(shared_dir, 1) / "data.h5").read_bytes()
     assert b"torch._utils" not in raw and b"\x80\x04\x95" not in raw  # no pickle protocol-4 frames
-    json.loads((mf.step_dir(shared_dir, 1) / "manifest.json").read_text())
+    json.loads((cat.step_dir(shared_dir, 1) / "manifest.json").read_text())
     comm.barrier()
 
 
@@ -175,7 +176,7 @@ def test_negative_or_non_integer_step_is_refused(shared_dir, comm):
     for step in (-1, 2.5):
         with pytest.raises(UsageError, match="non-negative integer"):
             mgr.save(step, {"a": torch.ones(2)})
-    assert mf.scan(shared_dir) == []
+    assert cat.scan(shared_dir) == []
 
 
 def test_keep_must_be_a_positive_integer(shared_dir, comm):
@@ -189,7 +190,7 @@ def test_a_manifest_cannot_smuggle_objects_into_the_state(shared_dir, comm):
     mgr.save(1, {"x": {"dt": torch.float32, "a": np.zeros(4)}})
     comm.barrier()
     if comm.rank == 0:
-        path = mf.step_dir(shared_dir, 1) / mf.MANIFEST
+        path = cat.step_dir(shared_dir, 1) / mf.MANIFEST
         m = json.loads(path.read_text())
         m["skeletons"]["replicated"]["x"]["dt"] = {"__torch_dtype__": "torch.load"}
         path.write_text(json.dumps(seal(m)))  # a crafted manifest, not damage: checksum redone

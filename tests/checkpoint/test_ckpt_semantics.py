@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from coci_hpc.checkpoint import CheckpointManager, PerRank, ResumableSampler, engine, twophase
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.launch import check_launch
 from coci_hpc.checkpoint.lock import LOCK_FILE, CheckpointLocked, DirectoryLock, Holder, is_stale
@@ -32,7 +33,7 @@ def test_a_save_after_loading_an_older_step_retires_the_abandoned_branch(tmp_pat
         s["w"].fill_(step)
         mgr.save(step, s)
     assert mgr.load(20, s).step == 20
-    assert mgr.save(20, s) == mf.step_dir(tmp_path, 20)  # the step just loaded: not an error
+    assert mgr.save(20, s) == cat.step_dir(tmp_path, 20)  # the step just loaded: not an error
     for step in (21, 22):
         s["w"].fill_(step)
         mgr.save(step, s)
@@ -66,11 +67,11 @@ def test_a_partial_step_left_by_a_crash_is_removed_at_the_next_save(tmp_path):
     mgr = CheckpointManager(tmp_path, comm=None)
     mgr.save(1, {"w": torch.ones(2)})
     mgr.close()                                              # the job crashed while saving step 7:
-    (mf.step_dir(tmp_path, 7)).mkdir()                       # newer than latest: retention kept it
-    (mf.step_dir(tmp_path, 7) / "data.h5").write_bytes(b"x" * 100)
+    (cat.step_dir(tmp_path, 7)).mkdir()                       # newer than latest: retention kept it
+    (cat.step_dir(tmp_path, 7) / "data.h5").write_bytes(b"x" * 100)
     mgr = CheckpointManager(tmp_path, comm=None)             # the restarted job
     mgr.save(2, {"w": torch.ones(2)})
-    assert [c.step for c in mf.scan(tmp_path)] == [1, 2]
+    assert [c.step for c in cat.scan(tmp_path)] == [1, 2]
 
 
 # ------------------------------------------------------------------- all-or-nothing load (#5)
@@ -120,9 +121,9 @@ def test_a_load_fills_the_states_own_tensors_after_checking_every_shard(tmp_path
     assert canonical(target) == canonical(full_state(1))
     assert _ptrs(target) == ptrs                             # the same buffers, now holding step 1
 
-    m = json.loads((mf.step_dir(tmp_path, 1) / mf.MANIFEST).read_text())
+    m = json.loads((cat.step_dir(tmp_path, 1) / mf.MANIFEST).read_text())
     last = max((t for t in m["tensors"] if t["nbytes"]), key=lambda t: t["offset"])
-    with open(mf.step_dir(tmp_path, 1) / mf.DATA_FILE, "r+b") as f:
+    with open(cat.step_dir(tmp_path, 1) / mf.DATA_FILE, "r+b") as f:
         f.seek(last["offset"] + last["nbytes"] - 1)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
@@ -136,7 +137,7 @@ def test_a_load_fills_the_states_own_tensors_after_checking_every_shard(tmp_path
 
 # --------------------------------------------------------------------- skeleton checks (#12)
 def _rewrite_manifest(root, step, edit):
-    d = mf.step_dir(root, step)
+    d = cat.step_dir(root, step)
     m = json.loads((d / mf.MANIFEST).read_text())
     edit(m)
     mf.commit(d, m)  # re-sealed: the crafted manifest carries a valid checksum of its own
@@ -151,7 +152,7 @@ def test_skeleton_values_that_do_not_fit_the_object_are_refused_before_load_stat
         "dict for a list": lambda m: m["skeletons"]["replicated"]["scheduler"].update(base_lrs={"a": 1}),
         "sampler position as string": lambda m: m["skeletons"]["replicated"]["loader"].update(position="x"),
     }
-    good = json.loads((mf.step_dir(tmp_path, 1) / mf.MANIFEST).read_text())
+    good = json.loads((cat.step_dir(tmp_path, 1) / mf.MANIFEST).read_text())
     for what, edit in cases.items():
         _rewrite_manifest(tmp_path, 1, lambda m: (m.clear(), m.update(json.loads(json.dumps(good)))))
         _rewrite_manifest(tmp_path, 1, edit)
@@ -351,7 +352,7 @@ def test_a_hung_background_write_times_out_names_the_rank_and_commits_nothing(tm
     with pytest.raises(CommError, match=r"rank\(s\) \[0\].*did not finish within 1 s on rank 0") as info:
         mgr.wait()
     assert time.monotonic() - t0 < 10 and set(info.value.failed_ranks) == {0}
-    assert mgr.latest_step() == 1 and not mf.step_dir(tmp_path, 2).exists()
+    assert mgr.latest_step() == 1 and not cat.step_dir(tmp_path, 2).exists()
     release.set()
     monkeypatch.undo()
     mgr.save(3, state)                                       # the manager goes on working
@@ -376,8 +377,10 @@ def test_poll_reports_a_hung_background_write_too(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------ root fsync (#15)
 def test_the_root_is_fsynced_after_the_step_directory_is_created(tmp_path, monkeypatch):
     calls = []
-    real = mf.fsync_dir
-    monkeypatch.setattr(mf, "fsync_dir", lambda p: (calls.append((str(p), mf.step_dir(tmp_path, 1).exists())),
+    from coci_hpc import durable
+
+    real = durable.fsync_dir
+    monkeypatch.setattr(durable, "fsync_dir", lambda p: (calls.append((str(p), cat.step_dir(tmp_path, 1).exists())),
                                                       real(p))[1])
     CheckpointManager(tmp_path, comm=None).save(1, {"w": torch.ones(2)})
     assert (str(tmp_path), True) in calls[:2]               # before any data is written

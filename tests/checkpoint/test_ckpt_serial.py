@@ -6,7 +6,7 @@ import json
 import pytest
 
 from coci_hpc.checkpoint import CheckpointManager, h5_parallel
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import catalog as cat
 from tests.checkpoint.conftest import run_ranks
 from tests.checkpoint.helpers import canonical, empty_state, full_state
 
@@ -32,7 +32,7 @@ def test_works_without_mpi4py(tmp_path):
     p = run_ranks(0, "-c", NO_MPI, str(tmp_path))
     res = json.loads(p.stdout.split("RESULT ", 1)[1])
     assert res == {"backend": "hdf5-serial", "same": True, "steps": [1, 2], "mpi": False}
-    assert mf.read(mf.step_dir(tmp_path, 2))["backend"] == "hdf5-serial"
+    assert cat.read_manifest(cat.step_dir(tmp_path, 2))["backend"] == "hdf5-serial"
 
 
 @pytest.mark.mpi
@@ -46,4 +46,4 @@ def test_h5py_without_mpi_falls_back_to_serial_on_all_ranks(shared_dir, comm, mo
     t = empty_state(comm.rank, comm.size)
     mgr.load(1, t)
     assert canonical(t) == canonical(s)
-    assert mf.read(mf.step_dir(shared_dir, 1))["world_size"] == comm.size
+    assert cat.read_manifest(cat.step_dir(shared_dir, 1))["world_size"] == comm.size

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from coci_hpc.checkpoint import CheckpointManager, h5file, rawio
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.h5file import DatasetReader
 from tests.checkpoint.helpers import canonical, full_state
@@ -21,8 +22,8 @@ def _saved(tmp_path: Path) -> tuple[Path, dict]:
     mgr = CheckpointManager(tmp_path, comm=None)
     mgr.save(1, full_state(1, big=300_001))
     mgr.close()
-    d = mf.step_dir(tmp_path, 1)
-    return d / mf.DATA_FILE, mf.read(d)
+    d = cat.step_dir(tmp_path, 1)
+    return d / mf.DATA_FILE, cat.read_manifest(d)
 
 
 def _all_keys(reader: DatasetReader, m: dict) -> set:
@@ -141,7 +142,7 @@ def test_a_load_unmaps_the_file_off_its_own_path(tmp_path):
     mgr.load(1, target)
     assert canonical(target) == canonical(full_state(1, big=300_001))
     rawio.load_helper().submit(lambda: None).result()  # the unmap queued before this ran
-    assert _maps_of(mf.step_dir(tmp_path, 1) / mf.DATA_FILE) == 0
+    assert _maps_of(cat.step_dir(tmp_path, 1) / mf.DATA_FILE) == 0
     mgr.close()
 
 
@@ -176,7 +177,7 @@ def test_the_ranks_of_a_node_each_check_one_contiguous_run_of_the_file(tmp_path,
     mgr = CheckpointManager(tmp_path, comm=None)
     mgr.save(1, {"model": model})
     mgr.close()
-    path, m = mf.step_dir(tmp_path, 1) / mf.DATA_FILE, mf.read(mf.step_dir(tmp_path, 1))
+    path, m = cat.step_dir(tmp_path, 1) / mf.DATA_FILE, cat.read_manifest(cat.step_dir(tmp_path, 1))
     node = list(range(ranks))
     rows: list[dict[str, int]] = [{} for _ in node]
     with DatasetReader(path, m) as r:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.cli.ckpt import main
 from tests.conftest import ROOT, clean_env
@@ -44,7 +45,7 @@ def test_json_on_list_verify_inspect(ck: Path, capsys: pytest.CaptureFixture[str
 @pytest.mark.parametrize("how", ["missing", "short"])
 def test_list_marks_missing_or_short_data_damaged_not_latest(ck: Path, how: str,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    data = mf.step_dir(ck, 5) / mf.DATA_FILE
+    data = cat.step_dir(ck, 5) / mf.DATA_FILE
     if how == "missing":
         data.unlink()
     else:
@@ -96,8 +97,8 @@ def test_export_and_import_from_the_command_line(ck: Path, tmp_path: Path,
 
 def test_export_of_a_damaged_step_exits_7_and_leaves_nothing(ck: Path, tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    d = mf.step_dir(ck, 5)
-    t = next(t for t in mf.read(d)["tensors"] if t["dataset"] == "replicated/model/fc2.bias")
+    d = cat.step_dir(ck, 5)
+    t = next(t for t in cat.read_manifest(d)["tensors"] if t["dataset"] == "replicated/model/fc2.bias")
     with open(d / mf.DATA_FILE, "r+b") as f:
         f.seek(t["offset"])
         f.write(b"\x00\x01\x02\x03")

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.cli.ckpt import main
 from tests.checkpoint.helpers import full_state
@@ -18,7 +19,7 @@ def ckdir(tmp_path):
     mgr = CheckpointManager(tmp_path, comm=None, keep=3)
     mgr.save(5, full_state(1))
     mgr.save(9, full_state(2))
-    mf.step_dir(tmp_path, 12).mkdir()  # an uncommitted leftover
+    cat.step_dir(tmp_path, 12).mkdir()  # an uncommitted leftover
     return tmp_path
 
 
@@ -32,9 +33,9 @@ def test_list_shows_committed_latest_and_uncommitted(ckdir, capsys):
 def test_verify_ok_then_corruption_is_named_with_nonzero_exit(ckdir, capsys):
     assert main(["verify", str(ckdir)]) == 0
     assert "step 9: OK" in capsys.readouterr().out
-    m = mf.read(mf.step_dir(ckdir, 9))
+    m = cat.read_manifest(cat.step_dir(ckdir, 9))
     t = next(t for t in m["tensors"] if t["dataset"] == "replicated/optimizer/state/0/exp_avg")
-    with open(mf.step_dir(ckdir, 9) / mf.DATA_FILE, "r+b") as f:
+    with open(cat.step_dir(ckdir, 9) / mf.DATA_FILE, "r+b") as f:
         f.seek(t["offset"] + 4)
         f.write(b"\xde\xad\xbe\xef")
     rc = main(["verify", str(ckdir), "9"])
@@ -46,7 +47,7 @@ def test_verify_ok_then_corruption_is_named_with_nonzero_exit(ckdir, capsys):
 
 
 def test_verify_reports_a_truncated_file(ckdir, capsys):
-    path = mf.step_dir(ckdir, 5) / mf.DATA_FILE
+    path = cat.step_dir(ckdir, 5) / mf.DATA_FILE
     path.write_bytes(path.read_bytes()[:4096])
     assert main(["verify", str(ckdir), "5"]) == 7
     assert "CORRUPT" in capsys.readouterr().out

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from coci_hpc.checkpoint import CheckpointManager, engine
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointError, CociError
 
@@ -80,7 +80,7 @@ def main() -> int:
             except CheckpointError as exc:
                 outcome = str(exc)
                 break
-        steps = [c.step for c in mf.scan(root)]
+        steps = [c.step for c in cat.scan(root)]
         target = state_of(0.0)
         loaded = mgr.load_latest(target).step
         ok = bool(torch.all(target["w"] == float(loaded)))
@@ -121,7 +121,7 @@ def main() -> int:
         except CociError as exc:
             result(comm, error=str(exc)[:300], failed=sorted(getattr(exc, "failed_ranks", {})),
                    seconds=round(time.monotonic() - t0, 1), latest=mgr.latest_step(),
-                   step2=mf.step_dir(root, 2).exists())
+                   step2=cat.step_dir(root, 2).exists())
         return 0
     raise SystemExit(f"unknown mode {mode}")
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from coci_hpc.checkpoint import CheckpointManager, engine
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CommError
@@ -85,7 +85,7 @@ def test_a_rank_failing_while_the_others_already_poll_commits_nothing_anywhere(
     assert len(set(comm.allgather(n))) == 1 and n > 5  # the others polled, written, before it failed
     assert not mgr.persist_in_flight and mgr.latest_step() == 1
     comm.barrier()
-    assert not mf.step_dir(shared_dir, 2).exists()  # discarded on every rank's behalf
+    assert not cat.step_dir(shared_dir, 2).exists()  # discarded on every rank's behalf
     monkeypatch.setattr(engine, "write_posix", real)
     assert mgr.save_async(2, full_state(2, comm.rank, comm.size)) == "started"  # the same step again
     mgr.close()
@@ -120,7 +120,7 @@ def test_wait_finishes_a_commit_that_polls_began(shared_dir, comm, monkeypatch, 
         assert set(info.value.failed_ranks) == {0} and "Read-only file system" in str(info.value)
         assert mgr.latest_step() == 1
         comm.barrier()
-        assert not mf.step_dir(shared_dir, 2).exists()
+        assert not cat.step_dir(shared_dir, 2).exists()
     else:
         mgr.wait()
         assert mgr.latest_step() == 2

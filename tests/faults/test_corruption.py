@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.integrity import seal
 from coci_hpc.cli.ckpt import main as ckpt_main
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _manifest(root: Path) -> dict:
-    return json.loads((mf.step_dir(root, 2) / mf.MANIFEST).read_text())
+    return json.loads((cat.step_dir(root, 2) / mf.MANIFEST).read_text())
 
 
 def _flip(path: Path, offset: int) -> None:
@@ -51,15 +52,15 @@ def _data_cases(pristine: Path) -> dict[str, Callable[[Path], None]]:
         for where, pos in (("first", sh["start"]), ("last", sh["stop"] - 1)):
             off = offsets[sh["dataset"]] + pos
             cases[f"flip {where} byte of {sh['dataset']}"] = \
-                lambda root, off=off: _flip(mf.step_dir(root, 2) / mf.DATA_FILE, off)
+                lambda root, off=off: _flip(cat.step_dir(root, 2) / mf.DATA_FILE, off)
     data_size = (pristine / "step_000000002" / mf.DATA_FILE).stat().st_size
     for keep in (0, 512, 4096, data_size // 2, data_size - 1):
         cases[f"truncate data.h5 to {keep} bytes"] = \
-            lambda root, keep=keep: os.truncate(mf.step_dir(root, 2) / mf.DATA_FILE, keep)
-    cases["delete data.h5"] = lambda root: (mf.step_dir(root, 2) / mf.DATA_FILE).unlink()
+            lambda root, keep=keep: os.truncate(cat.step_dir(root, 2) / mf.DATA_FILE, keep)
+    cases["delete data.h5"] = lambda root: (cat.step_dir(root, 2) / mf.DATA_FILE).unlink()
     for off in (0, 3, 8, 9, 40):  # the HDF5 signature, version bytes, base/EOF addresses
         cases[f"damage the HDF5 superblock at byte {off}"] = \
-            lambda root, off=off: _flip(mf.step_dir(root, 2) / mf.DATA_FILE, off)
+            lambda root, off=off: _flip(cat.step_dir(root, 2) / mf.DATA_FILE, off)
     return cases
 
 
@@ -72,7 +73,7 @@ def _edit(path: Path, fn: Callable[[dict], object]) -> None:
 def _manifest_cases() -> dict[str, Callable[[Path], None]]:
     """A damaged manifest: truncated, empty, garbage, one-digit edits, a flipped byte."""
     def mpath(root: Path) -> Path:
-        return mf.step_dir(root, 2) / mf.MANIFEST
+        return cat.step_dir(root, 2) / mf.MANIFEST
 
     def sampler_pos(m: dict) -> None:
         m["skeletons"]["replicated"]["loader"]["position"] += 1
@@ -151,7 +152,7 @@ def test_all_checkpoints_damaged_raises_listing_them(pristine, tmp_path, capfd):
     shutil.copytree(pristine, tmp_path / "r")
     root = tmp_path / "r"
     for step in (1, 2):
-        (mf.step_dir(root, step) / mf.MANIFEST).write_text("{")
+        (cat.step_dir(root, step) / mf.MANIFEST).write_text("{")
     target = empty_state()
     before = canonical(target)
     with pytest.raises(CheckpointCorrupt, match=r"every committed checkpoint .* damaged \(2\).*step 2.*step 1"):
@@ -170,8 +171,8 @@ def test_a_state_mismatch_is_raised_not_taken_for_damage(pristine, tmp_path):
 def test_list_survives_damaged_manifests(pristine, tmp_path, capsys):
     shutil.copytree(pristine, tmp_path / "r")
     root = tmp_path / "r"
-    _edit(mf.step_dir(root, 1) / mf.MANIFEST, lambda m: m.update(wall_time=float("nan")))
-    (mf.step_dir(root, 2) / mf.MANIFEST).write_text("[" * 100000)
+    _edit(cat.step_dir(root, 1) / mf.MANIFEST, lambda m: m.update(wall_time=float("nan")))
+    (cat.step_dir(root, 2) / mf.MANIFEST).write_text("[" * 100000)
     assert ckpt_main(["list", str(root)]) == 7
     out = capsys.readouterr().out
     assert [ln.split()[:2] for ln in out.splitlines()[1:]] == [["1", "DAMAGED"], ["2", "DAMAGED"]]
@@ -185,7 +186,7 @@ def test_format_1_crc32_manifests_still_load(pristine, tmp_path):
 
     shutil.copytree(pristine, tmp_path / "r")
     root = tmp_path / "r"
-    d = mf.step_dir(root, 2)
+    d = cat.step_dir(root, 2)
     m = json.loads((d / mf.MANIFEST).read_text())
     by_ds = {t["dataset"]: t for t in m["tensors"]}
     with DatasetReader(d / mf.DATA_FILE) as r:  # no manifest: raw bytes, no checks
@@ -206,12 +207,12 @@ def test_format_1_crc32_manifests_still_load(pristine, tmp_path):
 def test_a_resealed_edit_is_still_bound_to_its_directory(pristine, tmp_path):
     """Even with a valid own checksum, a manifest claiming another step is refused."""
     shutil.copytree(pristine, tmp_path / "r")
-    path = mf.step_dir(tmp_path / "r", 2) / mf.MANIFEST
+    path = cat.step_dir(tmp_path / "r", 2) / mf.MANIFEST
     m = json.loads(path.read_text())
     m["step"] = 7
     path.write_text(json.dumps(seal(m)))
     with pytest.raises(CheckpointCorrupt, match="lives in step_000000002"):
-        mf.read(path.parent)
+        cat.read_manifest(path.parent)
 
 
 @pytest.mark.mpi
@@ -231,7 +232,7 @@ def test_damage_in_one_ranks_shard_makes_every_rank_fall_back_together(tmp_path_
         # per-rank leaves are packed: one dataset per leaf, each rank's part at its own start
         t, part = next((t, p) for t in m["tensors"] if t["kind"] == "per_rank"
                        for p in t["parts"] if p[0] == last and p[3] > 16)
-        _flip(mf.step_dir(root, 2) / mf.DATA_FILE, t["offset"] + part[1] + 7)
+        _flip(cat.step_dir(root, 2) / mf.DATA_FILE, t["offset"] + part[1] + 7)
     comm.barrier()
     target = empty_state(comm.rank, comm.size)
     res = mgr.load_latest(target)
@@ -252,7 +253,7 @@ def test_flipped_bytes_in_hdf5_metadata_never_crash_or_load_wrong_data(pristine,
     import random
 
     m = _manifest(pristine)
-    data = mf.step_dir(pristine, 2) / mf.DATA_FILE
+    data = cat.step_dir(pristine, 2) / mf.DATA_FILE
     size = data.stat().st_size
     taken = sorted((t["offset"], t["offset"] + t["nbytes"]) for t in m["tensors"] if t["nbytes"])
     rng = random.Random(8)
@@ -265,7 +266,7 @@ def test_flipped_bytes_in_hdf5_metadata_never_crash_or_load_wrong_data(pristine,
     for i, off in enumerate(spots):
         root = tmp_path / f"meta{i}"
         shutil.copytree(pristine, root)
-        _flip(mf.step_dir(root, 2) / mf.DATA_FILE, off)
+        _flip(cat.step_dir(root, 2) / mf.DATA_FILE, off)
         rc = ckpt_main(["verify", str(root), "2"])
         target = empty_state()
         try:
@@ -298,7 +299,7 @@ def test_checked_reads_in_chunks_catch_a_flip_in_any_chunk(pristine, tmp_path, m
     for pos in (0, 999, 1000, t["nbytes"] // 2, t["nbytes"] - 1):
         root = tmp_path / f"chunk{pos}"
         shutil.copytree(pristine, root)
-        _flip(mf.step_dir(root, 2) / mf.DATA_FILE, t["offset"] + pos)
+        _flip(cat.step_dir(root, 2) / mf.DATA_FILE, t["offset"] + pos)
         with pytest.raises(CheckpointCorrupt, match="fc1.weight"):
             CheckpointManager(root, comm=None).load(2, empty_state())
 
@@ -385,7 +386,7 @@ def test_a_flip_in_a_middle_chunk_leaves_the_live_state_untouched(tmp_path, monk
     assert bool(views) == (mode != "unmapped")  # the copies went through the mapping
 
     t = _big_meta(_manifest(tmp_path))
-    _flip(mf.step_dir(tmp_path, 2) / mf.DATA_FILE, t["offset"] + t["nbytes"] // 2 + 3)
+    _flip(cat.step_dir(tmp_path, 2) / mf.DATA_FILE, t["offset"] + t["nbytes"] // 2 + 3)
     target = full_state(5, big=_BIG)
     before, ptrs = canonical(target), _ptrs(target)
     with pytest.raises(CheckpointCorrupt, match="big.*fails its checksum"):
@@ -408,7 +409,7 @@ def test_a_file_cut_short_under_a_mapped_load_is_reported_not_a_crash(tmp_path, 
     views = _views(monkeypatch)
     mgr = CheckpointManager(tmp_path, comm=None)
     mgr.save(2, full_state(2, big=_BIG))
-    data = mf.step_dir(tmp_path, 2) / mf.DATA_FILE
+    data = cat.step_dir(tmp_path, 2) / mf.DATA_FILE
     t = _big_meta(_manifest(tmp_path))
     mapped = DatasetReader._mapped
 
@@ -452,7 +453,7 @@ def test_a_flip_any_rank_checks_leaves_every_ranks_state_untouched(tmp_path_fact
     for sh in shards:
         pos = metas[sh["dataset"]]["offset"] + (sh["start"] + sh["stop"]) // 2
         if comm.rank == 0:
-            _flip(mf.step_dir(root, 2) / mf.DATA_FILE, pos)
+            _flip(cat.step_dir(root, 2) / mf.DATA_FILE, pos)
         comm.barrier()
         target = full_state(5, comm.rank, comm.size, big=_BIG)
         before, ptrs = canonical(target), _ptrs(target)
@@ -460,7 +461,7 @@ def test_a_flip_any_rank_checks_leaves_every_ranks_state_untouched(tmp_path_fact
             mgr.load(2, target)
         wrong += int(comm.allreduce_max(float(canonical(target) != before or _ptrs(target) != ptrs)))
         if comm.rank == 0:
-            _flip(mf.step_dir(root, 2) / mf.DATA_FILE, pos)  # flipped back: the next shard's turn
+            _flip(cat.step_dir(root, 2) / mf.DATA_FILE, pos)  # flipped back: the next shard's turn
         comm.barrier()
     target = full_state(5, comm.rank, comm.size, big=_BIG)
     mgr.load(2, target)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import catalog as cat
 from tests.conftest import ROOT, clean_env
 
 JOB = str(Path(__file__).with_name("semantics_job.py"))
@@ -55,7 +55,7 @@ def results(out: str) -> list[dict]:
 def test_a_save_in_flight_at_a_normal_exit_is_committed(tmp_path, ranks, record_figure):
     rc, out, seconds = launch(ranks, "exit_async", str(tmp_path / "ck"))
     assert rc == 0, f"exit {rc} after {seconds:.0f}s (124: hung or too slow)\n{out}"
-    assert mf.committed_steps(tmp_path / "ck") == [1, 2], f"after {seconds:.0f}s\n{out}"
+    assert cat.committed_steps(tmp_path / "ck") == [1, 2], f"after {seconds:.0f}s\n{out}"
     record_figure("exit with a save in flight", runs=1, lost=0)
 
 
@@ -66,6 +66,6 @@ def test_an_uncaught_exception_ends_the_job_promptly_without_collectives(tmp_pat
     assert "training step failed on this rank" in out
     if ranks > 1:
         assert "aborting all 2 ranks" in out
-    assert mf.committed_steps(tmp_path / "ck") == [1]        # the in-flight save never commits
+    assert cat.committed_steps(tmp_path / "ck") == [1]        # the in-flight save never commits
     record_figure("uncaught exception with a save in flight", runs=1, hung=0,
                   max_s=round(seconds, 1))

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import catalog as cat
 from tests.conftest import ROOT, clean_env
 from tests.faults.test_exit import JOB, launch, results
 
@@ -33,7 +33,7 @@ def test_a_rank_whose_synchronous_write_hangs_aborts_the_job_naming_it(tmp_path,
     rc, out, seconds = launch(2, "hang", str(tmp_path / "ck"), "sync", timeout=120)
     assert rc not in (0, 124), f"exit {rc} (124: hung)\n{out}"
     assert "rank 1: saving checkpoint step 2 did not finish within 3 s (stuck writing its data)" in out
-    assert mf.committed_steps(tmp_path / "ck") == [1]
+    assert cat.committed_steps(tmp_path / "ck") == [1]
     record_figure("hung rank during a save", runs=1, detected=1, committed=0)
 
 
@@ -56,11 +56,11 @@ def test_a_second_run_on_the_same_directory_is_refused_up_front_naming_the_holde
             rc, out, _ = launch(ranks, "exit_async", str(root), timeout=120)
             assert rc != 0, out
             assert f"in use by another writer: (pid {holder.pid} on {socket.gethostname()}" in out, out
-            assert mf.scan(root) == [], "the refused run wrote nothing"
+            assert cat.scan(root) == [], "the refused run wrote nothing"
     finally:
         os.killpg(holder.pid, signal.SIGKILL)  # dies holding the lock, as a crashed run does
         holder.wait()
     rc, out, _ = launch(0, "exit_async", str(root), timeout=120)   # the stale lock is taken over
     assert rc == 0, out
-    assert mf.committed_steps(root) == [1, 2]
+    assert cat.committed_steps(root) == [1, 2]
     record_figure("two runs on one directory", second_refused=2, stale_taken_over=1)

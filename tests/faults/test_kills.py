@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import catalog as cat
 from tests.conftest import PARAM_HASH_RE
 from tests.faults import jobs
 
@@ -47,10 +47,10 @@ def uninterrupted_hash(ranks: int, tmp: Path) -> str:
 
 def _wait_for_a_save(root: Path, timeout: float = 3.0) -> bool:
     """Return once a step directory newer than the newest commit exists (a save is under way)."""
-    newest = mf.latest_step(root) or -1
+    newest = cat.latest_step(root) or -1
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(c.step > newest and not c.committed for c in mf.scan(root)):
+        if any(c.step > newest and not c.committed for c in cat.scan(root)):
             return True
         time.sleep(0.001)
     return False
@@ -72,7 +72,7 @@ def test_kill9_during_saves_then_resume_is_bit_exact(ranks, use_async, tmp_path,
     bad: list[str] = []
     tried = in_save = one_rank = 0
     for k in range(KILLS):
-        newest = mf.latest_step(root)
+        newest = cat.latest_step(root)
         job = jobs.start(ranks, root, *args)
         if job.wait_line("saved step", timeout=120) is None:
             out, err = job.output()
@@ -96,7 +96,7 @@ def test_kill9_during_saves_then_resume_is_bit_exact(ranks, use_async, tmp_path,
             bad.append(f"launch {k}: resumed from {_resumed_from(out)}, newest committed was {newest}")
         if "damaged" in err:
             bad.append(f"launch {k}: a damaged checkpoint after a kill: {err[-1500:]}")
-    newest = mf.latest_step(root)
+    newest = cat.latest_step(root)
     rc, out, err = jobs.start(ranks, root, *args).finish(timeout=300)
     if rc != 0 or _resumed_from(out) != newest or "damaged" in err:
         bad.append(f"final run: rc {rc}, resumed from {_resumed_from(out)} (newest {newest}): {err[-1500:]}")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import catalog as cat
 from tests.conftest import ROOT, clean_env
 from tests.faults.test_exit import JOB
 
@@ -30,7 +30,7 @@ def test_torchrun_without_a_covering_communicator_is_refused(tmp_path, record_fi
     (p,) = _run_all([([*torchrun, JOB, "exit_async", str(root)], clean_env())])
     assert p.returncode != 0, p.stdout
     assert "torchrun (WORLD_SIZE) started 2 processes" in p.stdout and "mpi4py" in p.stdout, p.stdout
-    assert mf.scan(root) == []
+    assert cat.scan(root) == []
     record_figure("multi-process launch without MPI", launches=1, written=0)
 
 
@@ -43,5 +43,5 @@ def test_srun_without_mpi_is_refused_on_every_task(tmp_path, record_figure):
     for p in runs:
         assert p.returncode != 0, p.stdout
         assert "srun (SLURM_STEP_NUM_TASKS) started 2 processes" in p.stdout, p.stdout
-    assert mf.scan(root) == []
+    assert cat.scan(root) == []
     record_figure("multi-process launch without MPI", launches=1, written=0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from coci_hpc.checkpoint import CheckpointManager, PerRank, Sharded, engine
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint.layout import Piece, RankLayout
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -85,7 +85,7 @@ def test_a_changed_state_is_planned_again_and_loads_back(shared_dir, comm, chang
     save(4, after)
     assert mgr._layouts.last["source"] == "cached"
 
-    m = mf.read(mf.step_dir(shared_dir, 4))
+    m = cat.read_manifest(cat.step_dir(shared_dir, 4))
     w = next(t for t in m["tensors"] if t["name"] == "replicated/model/w")
     assert tuple(w["shape"]) == tuple(after["model"]["w"].shape) and w["dtype"] == str(after["model"]["w"].dtype)
     x = next(t for t in m["tensors"] if t["name"] == "per_rank/mine/x")
@@ -170,7 +170,7 @@ def test_the_commit_sends_a_ranks_skeleton_only_when_it_changed(shared_dir, comm
     else:
         assert unchanged == [False] + [True] * (len(values) - 1)
     for step, v in enumerate(values, 1):
-        skel = mf.read(mf.step_dir(shared_dir, step))["skeletons"]["per_rank"]
+        skel = cat.read_manifest(cat.step_dir(shared_dir, step))["skeletons"]["per_rank"]
         assert sorted(skel) == [str(r) for r in range(comm.size)]
         got = skel[str(comm.size - 1)]["mine"]["pos"]
         assert type(got) is type(v) and got == v, (step, got, v)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.integrity import seal
 from coci_hpc.cli.ckpt import main as ckpt_main
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def _crafted(fn: Callable[[dict], None]) -> Callable[[Path], None]:
     def edit(root: Path) -> None:
-        path = mf.step_dir(root, 2) / mf.MANIFEST
+        path = cat.step_dir(root, 2) / mf.MANIFEST
         m = json.loads(path.read_text())
         fn(m)
         path.write_text(json.dumps(seal(m)))
@@ -52,25 +53,25 @@ def _outside_file(root: Path) -> Path:
 
 def _external_link(root: Path) -> None:
     outside = _outside_file(root)
-    with h5py.File(mf.step_dir(root, 2) / mf.DATA_FILE, "r+") as f:
+    with h5py.File(cat.step_dir(root, 2) / mf.DATA_FILE, "r+") as f:
         del f["replicated/model/fc1.weight"]
         f["replicated/model/fc1.weight"] = h5py.ExternalLink(str(outside), "replicated/model/fc1.weight")
 
 
 def _soft_link(root: Path) -> None:
-    with h5py.File(mf.step_dir(root, 2) / mf.DATA_FILE, "r+") as f:
+    with h5py.File(cat.step_dir(root, 2) / mf.DATA_FILE, "r+") as f:
         f.create_dataset("elsewhere", data=np.zeros((64, 32), np.float32))
         del f["replicated/model/fc1.weight"]
         f["replicated/model/fc1.weight"] = h5py.SoftLink("/elsewhere")
 
 
 def _extra_dataset(root: Path) -> None:
-    with h5py.File(mf.step_dir(root, 2) / mf.DATA_FILE, "r+") as f:
+    with h5py.File(cat.step_dir(root, 2) / mf.DATA_FILE, "r+") as f:
         f.create_dataset("replicated/model/smuggled", data=np.arange(10))
 
 
 def _symlinked_data(root: Path) -> None:
-    data = mf.step_dir(root, 2) / mf.DATA_FILE
+    data = cat.step_dir(root, 2) / mf.DATA_FILE
     outside = _outside_file(root)
     data.unlink()
     data.symlink_to(outside)
@@ -78,8 +79,8 @@ def _symlinked_data(root: Path) -> None:
 
 def _symlinked_step_dir(root: Path) -> None:
     real = root.parent / f"{root.name}-real-step"
-    shutil.move(mf.step_dir(root, 2), real)
-    mf.step_dir(root, 2).symlink_to(real, target_is_directory=True)
+    shutil.move(cat.step_dir(root, 2), real)
+    cat.step_dir(root, 2).symlink_to(real, target_is_directory=True)
 
 
 CASES: dict[str, Callable[[Path], None]] = {
@@ -128,5 +129,5 @@ def test_a_symlinked_step_directory_is_not_a_checkpoint(pristine, tmp_path):
     root = tmp_path / "r"
     shutil.copytree(pristine, root)
     _symlinked_step_dir(root)
-    assert mf.committed_steps(root) == [1]
+    assert cat.committed_steps(root) == [1]
     assert CheckpointManager(root, comm=None).load_latest(empty_state()).step == 1

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.errors import UsageError
 
@@ -19,7 +20,7 @@ def _mode(p: Path) -> int:
 
 
 def _modes(root: Path, step: int) -> dict[str, int]:
-    d = mf.step_dir(root, step)
+    d = cat.step_dir(root, step)
     return {"root": _mode(root), "step": _mode(d), "data": _mode(d / mf.DATA_FILE),
             "manifest": _mode(d / mf.MANIFEST)}
 

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.runtime.events import read_events
 from tests.conftest import ROOT, clean_env
 
@@ -60,7 +60,7 @@ def test_a_peer_lost_inside_mpiio_is_noticed_by_the_guard_and_the_survivor_saves
     assert "is stuck" in rec["how"] and "did not return within" in rec["how"], rec
     assert rec["commit_wall"] - rec["failure_wall"] < 10.0, rec
     assert rec["lost_ranks"] == [1]
-    assert mf.latest_step(ckpt) == 12                       # the survivors' checkpoint of the last step
+    assert cat.latest_step(ckpt) == 12                       # the survivors' checkpoint of the last step
     assert "finished 0" not in out                          # rank 0 never got past the stuck save
     # Open MPI's "failed to TCP connect" warning after a lost peer is explained beside coci's line
     assert re.search(r"rank 0: peer lost at step \d+: .*Open MPI may now warn .*expected after a lost peer", out), out
@@ -93,4 +93,4 @@ def test_a_process_left_behind_by_a_newer_attempt_neither_saves_nor_records(tmp_
     events = read_events(ckpt)
     assert [e["event"] for e in events if e["event"] != "losses"] == ["attempt_start", "attempt_start"], (events, out)
     assert "attempt 2 of this run has started since this attempt (1) began" in out, out
-    assert "finished 0" not in out and mf.latest_step(ckpt) is None, out    # nothing saved
+    assert "finished 0" not in out and cat.latest_step(ckpt) is None, out    # nothing saved

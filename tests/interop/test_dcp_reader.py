@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.interop.dcp_reader import CociStorageReader
 from coci_hpc.interop.source import CheckpointSource
@@ -46,8 +47,8 @@ def test_a_box_reads_its_rows_checked(ck: Path) -> None:
 
 
 def test_damaged_shard_is_refused(ck: Path) -> None:
-    d = mf.step_dir(ck, 5)
-    t = next(t for t in mf.read(d)["tensors"] if t["dataset"] == "replicated/model/fc1.weight")
+    d = cat.step_dir(ck, 5)
+    t = next(t for t in cat.read_manifest(d)["tensors"] if t["dataset"] == "replicated/model/fc1.weight")
     with open(d / mf.DATA_FILE, "r+b") as f:
         f.seek(t["offset"] + 100)
         f.write(b"\xff\xff\xff\xff")
@@ -62,5 +63,5 @@ def test_damaged_shard_is_refused(ck: Path) -> None:
 
 
 def test_a_step_directory_names_its_step(ck: Path) -> None:
-    with CheckpointSource(mf.step_dir(ck, 3)) as src:
+    with CheckpointSource(cat.step_dir(ck, 3)) as src:
         assert src.step == 3 and src.root == ck

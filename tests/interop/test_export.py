@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError, UsageError
 from coci_hpc.interop import export as export_mod
@@ -162,8 +163,8 @@ def test_existing_output_is_never_overwritten(ck: Path, tmp_path: Path) -> None:
 
 
 def _damage(root: Path, step: int, dataset: str, truncate: bool = False) -> None:
-    d = mf.step_dir(root, step)
-    m = mf.read(d)
+    d = cat.step_dir(root, step)
+    m = cat.read_manifest(d)
     t = next(t for t in m["tensors"] if t["dataset"] == dataset)
     with open(d / mf.DATA_FILE, "r+b") as f:
         if truncate:

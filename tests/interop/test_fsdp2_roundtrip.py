@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.interop.export import export
 from coci_hpc.interop.pretrained import load_pretrained
 from tests.checkpoint.conftest import run_ranks
@@ -46,7 +46,7 @@ def _ref(saved: dict[str, Path]) -> dict[str, torch.Tensor]:
 
 
 def test_the_checkpoint_is_fsdp2_with_uneven_shards(saved: dict[str, Path]) -> None:
-    m = mf.read_step(saved["coci"], STEP)
+    m = cat.read_step(saved["coci"], STEP)
     dt = {t["name"]: t for t in m["tensors"] if t["kind"] == "dtensor"}
     w = dt["replicated/model/fc1.weight"]
     assert w["shape"] == [63, 32]

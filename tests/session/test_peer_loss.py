@@ -148,8 +148,8 @@ def test_survivors_checkpoint_loads_through_the_normal_path(tmp_path: Path) -> N
     assert fresh["extra"].value["count"].item() == 0
     import h5py
 
-    from coci_hpc.checkpoint import manifest as mf
-    man = mf.read(tmp_path / "step_000000005")
+    from coci_hpc.checkpoint import catalog as cat
+    man = cat.read_manifest(tmp_path / "step_000000005")
     t = next(x for x in man["tensors"] if x["name"] == "per_rank/extra/count")
     with h5py.File(tmp_path / "step_000000005" / "data.h5", "r") as f:   # rank 1's part, from the copy
         raw = np.asarray(f[t["dataset"]][()]).view(np.uint8).reshape(-1)
@@ -205,6 +205,7 @@ def test_a_writer_killed_before_its_manifest_leaves_the_previous_checkpoint_and_
     import os
     import signal
 
+    from coci_hpc.checkpoint import catalog as cat
     from coci_hpc.checkpoint import manifest as mf
     from coci_hpc.history import build, render_text
 
@@ -220,13 +221,13 @@ def test_a_writer_killed_before_its_manifest_leaves_the_previous_checkpoint_and_
         finally:
             os._exit(0)
     deadline = time.monotonic() + 30
-    while not (mf.step_dir(tmp_path, 9) / mf.DATA_FILE).exists() and time.monotonic() < deadline:
+    while not (cat.step_dir(tmp_path, 9) / mf.DATA_FILE).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.5)                                            # in the pause: shards written, no manifest
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    assert (mf.step_dir(tmp_path, 9) / mf.DATA_FILE).exists()
-    assert not (mf.step_dir(tmp_path, 9) / mf.MANIFEST).exists()
+    assert (cat.step_dir(tmp_path, 9) / mf.DATA_FILE).exists()
+    assert not (cat.step_dir(tmp_path, 9) / mf.MANIFEST).exists()
     m = CheckpointManager(tmp_path, Comm.serial())
     assert m.latest_step() == 4                                # the torn save never counts
     assert sv.torn_steps(tmp_path) == [9] and sv.staging_dir(tmp_path, 9).exists()    # read only
@@ -236,7 +237,7 @@ def test_a_writer_killed_before_its_manifest_leaves_the_previous_checkpoint_and_
     m.load_latest(fresh)
     assert torch.equal(fresh["model"].weight, st["model"].weight)
     m.save(6, fresh)                                           # the catalog removes the leftover
-    assert not mf.step_dir(tmp_path, 9).exists()
+    assert not cat.step_dir(tmp_path, 9).exists()
     m.close()
     h = build([{"event": "attempt_start", "attempt": 1, "wall": 1.0},
                {"event": "attempt_start", "attempt": 2, "wall": 9.0, "resumed_step": 4, "steps_lost": 5,

@@ -448,9 +448,9 @@ def test_a_torn_survivors_save_is_named_then_its_staging_swept_only_after_attemp
     (staging / "claim").touch()                      # a writer killed before its manifest
     seen: list[list[str]] = []
 
-    def sweep(root: Path) -> list[int]:
-        seen.append([e["event"] for e in read_events(root)])
-        return sv.sweep_torn(root)
+    def sweep(where: Any) -> list[int]:        # the manager's catalog (the restart's one listing)
+        seen.append([e["event"] for e in read_events(tmp_path)])
+        return sv.sweep_torn(where)
 
     monkeypatch.setattr(session_mod, "sweep_torn", sweep)
     state, train_step = _training()

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.runtime.events import read_events
 from tests.conftest import FINAL_HASH_RE, ROOT, SlurmCluster, run_ranks, wait_for
 
@@ -58,9 +58,9 @@ def test_coci_submit_fsdp2_preempted_once_resumes_bit_exactly(slurm_cluster: Slu
     assert slurm_cluster.wait_gone(urgent, timeout=60)[-1]["State"] == "COMPLETED"
 
     # The checkpoints hold sharded state: one global dataset per parameter, each rank its rows.
-    last = mf.latest_step(ckpt)
+    last = cat.latest_step(ckpt)
     assert last is not None and last >= EVERY
-    dt = {t["name"]: t for t in mf.read_step(ckpt, last)["tensors"] if t["kind"] == "dtensor"}
+    dt = {t["name"]: t for t in cat.read_step(ckpt, last)["tensors"] if t["kind"] == "dtensor"}
     w = dt["replicated/model/0.weight"]
     assert w["shape"] == [64, 16] and sorted(b[0] for b in w["boxes"]) == [0, 1]
     assert any(k.startswith("replicated/optimizer/") for k in dt)

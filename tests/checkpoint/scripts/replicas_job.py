@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import coci_hpc
 from coci_hpc.checkpoint import CheckpointManager
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointError
 
@@ -74,7 +74,7 @@ def bn(comm: Comm, root: str) -> dict:
     mgr.load_latest({"model": model, "optimizer": opt})
     mgr.close()
     train(ddp, opt, comm.rank, range(3, 6))
-    m = mf.read_step(root, 3)
+    m = cat.read_step(root, 3)
     writers = sorted({s["rank"] for s in m["shards"] if s["dataset"].endswith("running_mean")})
     return {"straight": comm.allgather(straight), "resumed": comm.allgather(digest(model)),
             "stats_at_save": stats_differ, "running_mean_written_by": writers}
