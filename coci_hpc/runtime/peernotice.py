@@ -23,9 +23,8 @@ import os
 import time
 from collections.abc import Mapping
 
-from coci_hpc.durable import write_atomic
-
 from coci_hpc import settings
+from coci_hpc.durable import write_atomic
 
 ENV = settings.PEER_NOTICE.name
 POLL_S = 0.05        # how often a waiting survivor looks (a stat per look, only while a peer is late)
