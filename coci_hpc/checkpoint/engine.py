@@ -336,14 +336,18 @@ def discard(comm: Comm, prepared: Prepared) -> None:
                   f"removing the failed step {prepared.step}")
 
 
-def save_whole(writer: StorageWriter, catalog: StepCatalog, step: int, replicated: tuple[Any, Sequence[Leaf]],
-               per_rank: Sequence[tuple[Any, Sequence[Leaf]]], tuning: IOTuning, keep: int,
-               extra: Mapping[str, Any] | None = None) -> Path:
+def save_whole(writer: StorageWriter, root: Path, step: int, replicated: tuple[Any, Sequence[Leaf]],
+               per_rank: Sequence[tuple[Any, Sequence[Leaf]]], tuning: IOTuning, keep: int, *,
+               backend: str | None = None, extra: Mapping[str, Any] | None = None) -> Path:
     """One process, no MPI: the transaction for the checkpoint of a world of ``len(per_rank)``
     ranks whose pieces this process holds (the survivors' save): plan, create, write every
-    rank's pieces, read them back and check their CRCs, seal; discard on failure."""
+    rank's pieces, read them back and check their CRCs, seal; discard on failure.
+    ``replicated``: (skeleton, leaves) of the replicated state; ``per_rank``: each rank's
+    (per-rank skeleton, leaves). ``backend``, ``extra``: what the manifest records."""
     serial = Comm.serial()
+    catalog = StepCatalog(root)  # this process alone writes: its catalog owns the step directory
     prepared = create(serial, writer, plan_whole(catalog, step, replicated, per_rank, tuning))
+    prepared.backend = backend or prepared.backend
     prepared.extra = dict(extra or {})
     try:
         assert prepared.full is not None
