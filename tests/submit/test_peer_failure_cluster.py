@@ -22,6 +22,7 @@ from tests.conftest import ROOT, SlurmCluster, run_ranks
 pytestmark = pytest.mark.slurm
 
 TRAIN = ROOT / "examples" / "train.py"
+FAULTY = ROOT / "tests" / "faults" / "faulty.py"   # runs TRAIN with the faulty writers its environment asks for
 STEPS, EVERY, SEED = 240, 1000, 5          # no regular checkpoint before the end: only survivors save
 HASH_RE = re.compile(r"final_params_sha256=([0-9a-f]{64})")
 STEP_RE = re.compile(r"^step=(\d+) ", re.M)
@@ -45,9 +46,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _submit(cluster: SlurmCluster, wd: Path, every: int = EVERY, extra: tuple[str, ...] = (),
             env: dict[str, str] | None = None) -> tuple[str, Path, Path]:
     ckpt = wd / "ckpt"
+    script = (str(FAULTY), str(TRAIN)) if any(k.startswith("COCI_FAULT_") for k in env or {}) else (str(TRAIN),)
     p = _cli(cluster, "coci_hpc.cli.submit", "--partition", "gpu", "--nodes", "2", "--time", "10",
              "--job-name", "peer", "--output-dir", str(wd / "run"), "--ckpt-dir", str(ckpt),
-             "--policy", f"fixed:{every}", str(TRAIN), "--steps", str(STEPS), "--seed", str(SEED),
+             "--policy", f"fixed:{every}", *script, "--steps", str(STEPS), "--seed", str(SEED),
              "--step-time", "0.03", *extra, cwd=wd, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     job = re.search(r"submitted job (\d+)", p.stdout).group(1)
@@ -134,7 +136,7 @@ def _no_leftovers(ckpt: Path) -> None:
 def test_survivors_killed_mid_save_leave_the_previous_checkpoint(slurm_cluster: SlurmCluster,
                                                                  reference: str) -> None:
     """The node fails hard; the survivor's writer pauses after its shards, before its manifest (the
-    test-only fault hook), and is SIGKILLed there by Slurm itself (NODE_FAIL: SIGTERM, KillWait,
+    test-only faulty writer, tests/faults/faulty.py), and is SIGKILLed there by Slurm itself (NODE_FAIL: SIGTERM, KillWait,
     SIGKILL). The requeued run loads the last regular checkpoint, never the torn one, says what
     happened, removes the leftovers, and ends bit-exact."""
     wd = slurm_cluster.workdir / "peer-torn"
