@@ -12,13 +12,14 @@ import time
 import pytest
 import torch
 
-from coci_hpc.checkpoint import CheckpointManager, PerRank, ResumableSampler, twophase
+from coci_hpc.checkpoint import CheckpointManager, PerRank, twophase
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.launch import check_launch
 from coci_hpc.checkpoint.lock import LOCK_FILE, CheckpointLocked, DirectoryLock, Holder, is_stale
 from coci_hpc.checkpoint.rawio import write_posix
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError, CommError, UsageError
+from coci_hpc.runtime.data import ResumableSampler
 from coci_hpc.slurm.env import JobEnvironment
 from tests.checkpoint.helpers import canonical, full_state
 from tests.faults.faulty import patch_writes

@@ -22,7 +22,7 @@ FAULTY = ("-m", "tests.faults.faulty")   # installs the faulty writer the enviro
 SCRIPT = r'''
 import sys, torch
 import coci_hpc
-from coci_hpc.checkpoint import ResumableSampler
+from coci_hpc.runtime.data import ResumableSampler
 from coci_hpc.comm import Comm
 comm = Comm.world()
 torch.manual_seed(0)

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from coci_hpc.checkpoint import CheckpointManager, PerRank, ResumableSampler, Sharded
+from coci_hpc.checkpoint import CheckpointManager, PerRank, Sharded
 from coci_hpc.checkpoint.lustre import LustrePolicy, tuning_for
 from coci_hpc.comm import Comm
 from coci_hpc.errors import PeerLost
 from coci_hpc.runtime import distributed
 from coci_hpc.runtime import survivors as sv
+from coci_hpc.runtime.data import ResumableSampler
 from coci_hpc.runtime.partner import RankState, capture
 from coci_hpc.runtime.stepsync import StepSync
 
