@@ -46,7 +46,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _submit(cluster: SlurmCluster, wd: Path, every: int = EVERY, extra: tuple[str, ...] = (),
             env: dict[str, str] | None = None) -> tuple[str, Path, Path]:
     ckpt = wd / "ckpt"
-    script = (str(FAULTY), str(TRAIN)) if any(k.startswith("COCI_FAULT_") for k in env or {}) else (str(TRAIN),)
+    knobs = {"COCI_FAULT_SAVE_PAUSE_S", "COCI_FAULT_SURVIVORS_PAUSE_S"}
+    script = (str(FAULTY), str(TRAIN)) if knobs & set(env or {}) else (str(TRAIN),)
     p = _cli(cluster, "coci_hpc.cli.submit", "--partition", "gpu", "--nodes", "2", "--time", "10",
              "--job-name", "peer", "--output-dir", str(wd / "run"), "--ckpt-dir", str(ckpt),
              "--policy", f"fixed:{every}", *script, "--steps", str(STEPS), "--seed", str(SEED),
