@@ -152,14 +152,10 @@ def test_no_import_cycle_among_module_level_imports():
 # which moved to coci_hpc.runtime.data (checkpoint/data.py re-exports it; checkpoint/__init__.py's
 # __getattr__ imports it lazily). They are allowed by name here and nowhere else; removing the
 # old import path (a deprecation) would let this list go.
-COMPAT_RUNTIME_IMPORTS = {"coci_hpc.checkpoint": ["coci_hpc.runtime.data"],
-                          "coci_hpc.checkpoint.data": ["coci_hpc.runtime.data"]}
-
-
 def test_the_checkpoint_layer_never_imports_the_runtime():
     bad = {m: sorted(i for i in _imports(m, module_level_only=False) if i.startswith("coci_hpc.runtime"))
            for m in MODULES if m.startswith("coci_hpc.checkpoint")}
-    assert {m: i for m, i in bad.items() if i} == COMPAT_RUNTIME_IMPORTS
+    assert {m: i for m, i in bad.items() if i} == {}
 
 
 @pytest.mark.parametrize("a, b", [("catalog", "manifest"), ("manifest", "catalog")])

@@ -213,37 +213,11 @@ class CheckpointManager:
         return directory
 
     def _save_once(self, step: int, state: Mapping[str, Any], dog: Watchdog) -> Path:
+        """One sync save transaction (:func:`.engine.save`)."""
         dog.enter("preparing the file (collective)", waiting_for_others=True)
         skeletons, leaves = collect(state, rng=self.rng)
-        prepared = engine.prepare(self.comm, self.root, step, skeletons, leaves, self.writer, self.tuning(),
-                                  self._layouts, self._catalog)
-
-        def write() -> list[int]:
-            dog.enter("writing its data")
-            # Agree that every rank has its data before any collective write starts.
-            items = self.comm.run_step(lambda: prepared.items(self.comm.rank),
-                                       f"collecting the data of step {step}")
-            return engine.write_items(prepared, items, self.writer)
-
-        self._write_and_commit(prepared, write, dog)
-        return prepared.directory
-
-    def _write_and_commit(self, prepared: engine.Prepared, write: Callable[[], list[int]],
-                          dog: Watchdog | None = None) -> None:
-        """Collective, the end of one save transaction: write, agree, commit; on any failure the
-        step directory is discarded on every rank (nothing of it was committed)."""
-        try:
-            crcs, error = None, None
-            try:
-                crcs = write()
-            except Exception as exc:  # noqa: BLE001 - agreed on in commit
-                error = exc
-            if dog is not None:
-                dog.enter("waiting for the other ranks to commit", waiting_for_others=True)
-            engine.commit(self.comm, prepared, crcs, error, self.keep)
-        except BaseException:
-            engine.discard(self.comm, prepared)  # raised on every rank: no partial step left
-            raise
+        return engine.save(self.comm, self.writer, self._catalog, self._layouts, step, skeletons, leaves,
+                           self.tuning(), self.keep, progress=dog.enter)
 
     def _with_space(self, step: int, attempt: Callable[[], Any], failed: BaseException | None = None) -> Any:
         """The one no-space policy, for the sync save and the async retry: run ``attempt`` (a save
@@ -323,10 +297,10 @@ class CheckpointManager:
 
     def _async_failed(self, prepared: engine.Prepared, items: list[WriteItem], exc: BaseException) -> None:
         """A background save failed to commit (its directory is already removed): the same
-        no-space policy as a sync save, retrying with the snapshot it still holds."""
+        no-space policy as a sync save, retrying the transaction with the snapshot it still holds."""
         def retry() -> None:
-            engine.recreate(self.comm, prepared, self.writer)
-            self._write_and_commit(prepared, lambda: engine.write_items(prepared, items, None))  # pwrite
+            engine.create(self.comm, self.writer, prepared, again=True)
+            engine.write_and_commit(self.comm, self.writer, prepared, lambda: items, self.keep, independent=True)
 
         self._with_space(prepared.step, retry, failed=exc)
 

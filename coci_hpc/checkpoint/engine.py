@@ -1,7 +1,18 @@
-"""Save and load orchestration (the short sequence described in :mod:`.protocol`).
+"""Save and load orchestration.
 
-``prepare`` (collective) -> ``write_items`` (per rank) -> ``commit`` (collective, rank 0 writes).
-The two-phase save in :mod:`.twophase` reuses the same three steps with the write in a thread.
+The save transaction (the sequence of :mod:`.protocol`; every kind of save runs these phases)::
+
+    prepared = create(comm, writer, plan(comm, catalog, step, skeletons, leaves, tuning, layouts))
+    try:
+        crcs = write(writer, prepared, items)         # async: in a thread, write_independent
+        Commit(comm, prepared, Written(crcs), keep).run()     # async: .step() at each poll()
+    except BaseException:
+        discard(comm, prepared)
+        raise
+
+:func:`save` is this sequence for the sync save; :class:`~.twophase.TwoPhaseSaver` splits it over
+``start`` (plan, create, snapshot), its background thread (write) and ``poll`` (commit);
+:func:`save_whole` is the survivors' save (one process writes every rank's pieces).
 """
 from __future__ import annotations
 
@@ -9,26 +20,28 @@ import json
 import math
 import numbers
 import os
-import sys
+import pickle
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from coci_hpc.checkpoint import catalog as cat
+from coci_hpc.checkpoint import integrity
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.checkpoint.coordinator import LayoutCache, agree
 from coci_hpc.checkpoint.dtensor import is_dtensor, local_of, optimizer_targets, runs, target_box, wrap_like
 from coci_hpc.checkpoint.h5file import DatasetReader
-from coci_hpc.checkpoint.layout import Layout, Piece, RankLayout
+from coci_hpc.checkpoint.layout import Layout, LeafDesc, Piece, RankLayout, make_layout
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
-from coci_hpc.checkpoint.rawio import WriteItem, copy_threads, write_posix
+from coci_hpc.checkpoint.rawio import WriteItem, copy_threads, pread_into
 from coci_hpc.checkpoint.state import (
     Leaf,
     PerRank,
@@ -43,8 +56,11 @@ from coci_hpc.checkpoint.state import (
     leaf_view,
     storage_dtype,
 )
-from coci_hpc.comm import Comm
+from coci_hpc.comm import Comm, Pending
 from coci_hpc.errors import CheckpointError, UsageError
+
+T = TypeVar("T")
+Progress = Callable[[str, bool], None]  # (phase, waiting for the other ranks): a watchdog's enter
 
 
 @dataclass
@@ -63,6 +79,7 @@ class Prepared:
     stats: dict[str, Any] = field(default_factory=dict)
     catalog: StepCatalog | None = None  # rank 0's step catalog: owns the step directory
     layouts: LayoutCache | None = None  # the manager's cache (also of the commit's skeletons)
+    extra: dict[str, Any] = field(default_factory=dict)  # more manifest fields (the survivors' mark)
 
     @property
     def data_path(self) -> Path:
@@ -71,10 +88,12 @@ class Prepared:
     def my_pieces(self, rank: int | None = None) -> list[Piece]:
         return list(self.layout.pieces)
 
-    def items(self, rank: int, arrays: Mapping[str, np.ndarray] | None = None) -> list[WriteItem]:
-        """(file offset, bytes) of this rank's pieces, from ``arrays`` (snapshot) or the live leaves."""
+    def items(self, rank: int, arrays: Mapping[str, np.ndarray] | None = None,
+              pieces: Sequence[Piece] | None = None) -> list[WriteItem]:
+        """(file offset, bytes) of this rank's pieces (or ``pieces``), from ``arrays`` (a
+        snapshot, another rank's state) or the live leaves."""
         out = []
-        for p in self.layout.pieces:
+        for p in self.layout.pieces if pieces is None else pieces:
             src = arrays[p.leaf] if arrays is not None else self.leaves[p.leaf].array
             assert src is not None  # a device leaf (array None) is written from its snapshot only
             b = src.view(np.uint8)
@@ -91,54 +110,284 @@ def check_step(step: Any) -> int:
     return int(step)
 
 
-def prepare(comm: Comm, root: Path, step: int, skeletons: dict[str, Any], leaves: Sequence[Leaf],
-            writer: StorageWriter, tuning: IOTuning, layouts: LayoutCache | None = None,
-            catalog: StepCatalog | None = None) -> Prepared:
-    """Collective: agree on the layout, make the step directory and the file with all datasets.
+# ------------------------------------------------------------------- the save transaction
+def save(comm: Comm, writer: StorageWriter, catalog: StepCatalog, layouts: LayoutCache, step: int,
+         skeletons: dict[str, Any], leaves: Sequence[Leaf], tuning: IOTuning, keep: int,
+         progress: Progress | None = None) -> Path:
+    """Collective, blocking: the sync save, the whole transaction; returns the step directory."""
+    prepared = create(comm, writer, plan(comm, catalog, step, skeletons, leaves, tuning, layouts))
 
-    ``layouts``: the manager's cache of the last layout (:mod:`.coordinator`); without one the
-    layout is planned again (or taken from the last manifest) every time.
-    """
-    step = check_step(step)
-    catalog = catalog if catalog is not None else StepCatalog(root)
-    cache = layouts if layouts is not None else LayoutCache()
-    mine, full = agree(comm, leaves, tuning.align, cache, last_manifest=lambda: _last_manifest(catalog))
-    _fault_pause(comm, root, step)
-    directory = make_step_dir(comm, catalog, step, tuning)
+    def items() -> list[WriteItem]:
+        # Agree that every rank has its data before any collective write starts.
+        return comm.run_step(lambda: prepared.items(comm.rank), f"collecting the data of step {step}")
+
+    write_and_commit(comm, writer, prepared, items, keep, progress=progress)
+    return prepared.directory
+
+
+def write_and_commit(comm: Comm, writer: StorageWriter, prepared: Prepared,
+                     items: Callable[[], Sequence[WriteItem]], keep: int, *, independent: bool = False,
+                     progress: Progress | None = None) -> list[int]:
+    """Collective, blocking: phases 3-4 of a created save (the sync save, the async retry), and
+    the discard on any failure; returns the steps retention removed (rank 0)."""
     try:
-        created = writer.create(directory, None if full is None else full.datasets, tuning)
-        offsets = _share_offsets(comm, cache, created)
-    except BaseException:  # raised on every rank (the writers agree): leave no partial directory
-        comm.run_step(lambda: _on_rank0(comm, catalog.discard, step), f"removing the failed step {step}")
+        written = Written()
+        try:
+            if progress is not None:
+                progress("writing its data", False)
+            written.finish(write(writer, prepared, items(), independent=independent))
+        except Exception as exc:  # noqa: BLE001 - agreed on in the commit
+            written.finish(error=exc)
+        if progress is not None:
+            progress("waiting for the other ranks to commit", True)
+        return Commit(comm, prepared, written, keep).run()
+    except BaseException:
+        discard(comm, prepared)  # raised on every rank: no partial step left
         raise
-    return Prepared(step, directory, mine, full, offsets, {l.name: l for l in leaves}, skeletons, tuning,
-                    writer.name, dict(cache.last), catalog, cache)
 
 
-# FAULT INJECTION, test-only (like COCI_FORCE_FSTYPE and COCI_FAULT_SURVIVORS_PAUSE_S): rank
-# COCI_FAULT_SAVE_PAUSE_RANK (default 1) sleeps this many seconds inside one save while the other
-# ranks wait in that save's next collective; a test kills it there (tests/submit/
-# test_peer_failure_cluster.py: a peer lost mid-save). COCI_FAULT_SAVE_PAUSE_AT says where:
-# "prepare" (default: between the layout agreement and the step directory, the others then wait
-# in a polled collective) or "mpiio" (a synchronous save's collective write, just before MPI-IO:
-# the others wait inside MPI-IO, which only the guard's timer can notice). Once per checkpoint
-# directory (a marker file; the requeued run does not pause again). Never set it for a real run.
-FAULT_SAVE_PAUSE_ENV = "COCI_FAULT_SAVE_PAUSE_S"
-FAULT_SAVE_PAUSE_MARKER = ".fault-save-paused"
+def plan(comm: Comm, catalog: StepCatalog, step: int, skeletons: dict[str, Any], leaves: Sequence[Leaf],
+         tuning: IOTuning, layouts: LayoutCache) -> Prepared:
+    """1. ALL ranks: agree on the layout (:func:`~.coordinator.agree`: one allreduce when nothing
+    changed since the manager's last save); nothing is created yet."""
+    step = check_step(step)
+    mine, full = agree(comm, leaves, tuning.align, layouts, last_manifest=lambda: _last_manifest(catalog))
+    return Prepared(step, cat.step_dir(catalog.root, step), mine, full, {}, {l.name: l for l in leaves},
+                    skeletons, tuning, "", dict(layouts.last), catalog, layouts)
 
 
-def _fault_pause(comm: Comm, root: Path, step: int, where: str = "prepare") -> None:
-    pause = float(os.environ.get(FAULT_SAVE_PAUSE_ENV) or 0)
-    if pause <= 0 or comm.rank != int(os.environ.get("COCI_FAULT_SAVE_PAUSE_RANK", "1")) or \
-            os.environ.get("COCI_FAULT_SAVE_PAUSE_AT", "prepare") != where:
-        return
+def plan_whole(catalog: StepCatalog, step: int, replicated: tuple[Any, Sequence[Leaf]],
+               per_rank: Sequence[tuple[Any, Sequence[Leaf]]], tuning: IOTuning) -> Prepared:
+    """1. for one process that holds every rank's pieces (the survivors' save): the layout of a
+    world of ``len(per_rank)`` ranks, each with the ``replicated`` (skeleton, leaves) and its
+    own (per-rank skeleton, leaves)."""
+    skel, repl = replicated
+    descs = [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in repl]
+    full = make_layout([descs + [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in leaves]
+                        for _, leaves in per_rank], align=tuning.align)
+    return Prepared(check_step(step), cat.step_dir(catalog.root, step), full.for_rank(0), full, {},
+                    {l.name: l for l in repl},
+                    {"replicated": skel, "per_rank": None}, tuning, "", {}, catalog, None)
+
+
+def create(comm: Comm, writer: StorageWriter, prepared: Prepared, *, again: bool = False) -> Prepared:
+    """2. ALL ranks: rank 0's catalog makes the step directory, ``writer.create`` the file and
+    its datasets; each rank learns its offsets. ``again``: a retry of a failed save, whose
+    datasets must land where they did. On failure the directory is discarded on every rank."""
+    catalog = prepared.catalog
+    assert catalog is not None
+    comm.run_step(lambda: _on_rank0(comm, catalog.create, prepared.step, prepared.tuning),
+                  f"creating the directory of step {prepared.step} in {catalog.root}")
+    prepared.backend = writer.name
     try:
-        os.close(os.open(root / FAULT_SAVE_PAUSE_MARKER, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-    except FileExistsError:
-        return
-    print(f"coci: FAULT INJECTION ({FAULT_SAVE_PAUSE_ENV}={pause:g}): rank {comm.rank} pauses in the save of "
-          f"step {step}, at {where}", file=sys.stderr, flush=True)
-    time.sleep(pause)
+        full = prepared.full
+        created = writer.create(prepared.directory, None if full is None else full.datasets, prepared.tuning)
+        if again:
+            comm.run_step(lambda: _same_offsets(prepared, created), f"recreating the file of step {prepared.step}")
+        elif prepared.layouts is None:
+            prepared.offsets = created  # one process: it created them
+        else:
+            prepared.offsets = _share_offsets(comm, prepared.layouts, created)
+    except BaseException:  # raised on every rank (the writers agree): leave no partial directory
+        discard(comm, prepared)
+        raise
+    return prepared
+
+
+def write(writer: StorageWriter, prepared: Prepared, items: Sequence[WriteItem], *,
+          independent: bool = False, direct: bool = False) -> list[int]:
+    """3. EACH rank: write its items, return their CRC-32Cs. ``independent``: no MPI (a
+    background thread, a retry, one process); else ``writer.write``, which is collective when
+    ``writer.collective_write`` (every rank must get here)."""
+    if independent:
+        return writer.write_independent(prepared.data_path, items, prepared.tuning, direct=direct)
+    return writer.write(prepared.data_path, items, prepared.tuning)
+
+
+@dataclass
+class Written:
+    """This rank's write of one save: done now (sync) or by a background thread (async)."""
+
+    crcs: list[int] | None = None
+    error: BaseException | None = None
+    timeout_s: float | None = None
+    thread: threading.Thread | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.timeout_s is not None:
+            self.deadline = time.monotonic() + self.timeout_s
+
+    def finish(self, crcs: list[int] | None = None, error: BaseException | None = None) -> None:
+        self.crcs, self.error = crcs, error
+        self.done.set()
+
+    def timed_out(self, step: int, rank: int) -> bool:
+        if self.done.is_set() or self.deadline is None or time.monotonic() < self.deadline:
+            return False
+        if self.error is None:
+            self.error = TimeoutError(
+                f"the background write of step {step} did not finish within {self.timeout_s:g} s on "
+                f"rank {rank} (hung filesystem or stuck process?)")
+        return True
+
+
+# What each rank contributes to the "finished writing?" MIN-allreduce of the commit.
+_TIMED_OUT, _WRITING, _DONE_FAILED, _DONE_OK = -1.0, 0.0, 1.0, 2.0
+
+
+class Commit:
+    """4. ALL ranks: the commit of one save, as a sequence of non-blocking collectives;
+    :meth:`run` completes them at once (the sync save), :meth:`step` one per call (the async
+    save's ``poll``: each completes the collective every rank started at the previous call, so
+    no training step waits for a slower rank to reach the same call):
+
+    a. agree (MIN-allreduce) whether every rank finished writing, without error, and on the size
+       of the largest commit message; repeated each step until all finished;
+    b. gather every rank's commit message (CRCs, per-rank skeleton if changed) on rank 0, which
+       seals the step (:func:`seal`: the manifest, the commit point; then retention);
+    c. broadcast rank 0's outcome: committed, or failed.
+
+    A failure anywhere (a rank's write, a timeout, the manifest) is raised on every rank as one
+    CommError naming the failed ranks; the caller discards the step directory.
+    """
+
+    def __init__(self, comm: Comm, prepared: Prepared, written: Written, keep: int) -> None:
+        self.comm, self.prepared, self.written, self.keep = comm, prepared, written, keep
+        self.removed: list[int] = []      # steps retention removed (rank 0)
+        self.manifest_s = 0.0
+        self._block = False
+        self._steps = self._run()
+
+    def step(self, block: bool = False) -> bool:
+        """Move the commit on (``block``: to its end); True once committed, on every rank at the
+        same call. Raises the agreed error on failure."""
+        self._block = block
+        try:
+            next(self._steps)
+        except StopIteration:
+            return True
+        return False
+
+    def run(self) -> list[int]:
+        self.step(block=True)
+        return self.removed
+
+    def _completed(self, pending: Pending[T]) -> Generator[None, None, T]:
+        """The result of ``pending``, at the next step or now (blocking). Every rank makes the
+        same calls, so every rank completes it at the same one."""
+        if not self._block:
+            yield
+        return pending.wait()
+
+    def _run(self) -> Generator[None, None, None]:
+        comm, prepared, written = self.comm, self.prepared, self.written
+        data, blob = b"", None
+        while True:  # a.
+            if self._block and not written.done.is_set():
+                written.done.wait(None if written.deadline is None else max(0.0, written.deadline - time.monotonic()))
+            if written.done.is_set():
+                flag = _DONE_FAILED if written.error is not None else _DONE_OK
+            else:
+                flag = _TIMED_OUT if written.timed_out(prepared.step, comm.rank) else _WRITING
+            if flag == _DONE_OK and not data:  # this rank's commit message, made once
+                try:
+                    message, blob = commit_message(prepared, written.crcs)
+                    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+                except Exception as exc:  # noqa: BLE001 - agreed on like a failed write
+                    written.error, flag = exc, _DONE_FAILED
+            sent = len(data) if flag == _DONE_OK else 0
+            agreed, longest = yield from self._completed(comm.iallreduce_min_array([flag, -sent]))
+            if agreed != _WRITING:
+                break
+        if written.thread is not None and written.done.is_set():
+            written.thread.join()
+        if agreed != _DONE_OK:  # some rank failed or timed out: one error on every rank
+            comm.check(written.error, f"writing checkpoint step {prepared.step}")
+            raise AssertionError("the ranks agreed on success after a failure was reported")
+        raw = yield from self._completed(comm.igather_bytes(data, int(-longest)))  # b.
+        error: BaseException | None = None
+        removed: list[int] = []
+        t0 = time.perf_counter()
+        if raw is not None:  # rank 0
+            try:
+                gathered = [pickle.loads(b) for b in raw]  # noqa: S301 - our own ranks' messages, over MPI
+                commit_received(prepared, blob, gathered)
+                removed = seal(comm.size, prepared, gathered, self.keep)
+            except Exception as exc:  # noqa: BLE001 - every rank hears of it below
+                error = exc
+        else:
+            commit_received(prepared, blob, None)
+        self.manifest_s = time.perf_counter() - t0
+        outcome = comm.ibcast_floats([0.0 if error is None else 1.0] if comm.rank == 0 else None, 1)
+        (failed,) = yield from self._completed(outcome)  # c.
+        if failed:  # the same CommError on every rank
+            comm.check(error, f"committing checkpoint step {prepared.step}")
+            raise AssertionError("rank 0 reported a failed manifest but no error")
+        self.removed = removed  # rank 0's news (the others: [])
+
+
+def discard(comm: Comm, prepared: Prepared) -> None:
+    """On failure, ALL ranks: rank 0's catalog removes the directory of the save (nothing of
+    it was committed)."""
+    catalog = prepared.catalog
+    assert catalog is not None
+    comm.run_step(lambda: _on_rank0(comm, catalog.discard, prepared.step),
+                  f"removing the failed step {prepared.step}")
+
+
+def save_whole(writer: StorageWriter, root: Path, step: int, replicated: tuple[Any, Sequence[Leaf]],
+               per_rank: Sequence[tuple[Any, Sequence[Leaf]]], tuning: IOTuning, keep: int, *,
+               backend: str | None = None, extra: Mapping[str, Any] | None = None) -> Path:
+    """One process, no MPI: the transaction for the checkpoint of a world of ``len(per_rank)``
+    ranks whose pieces this process holds (the survivors' save): plan, create, write every
+    rank's pieces, read them back and check their CRCs, seal; discard on failure.
+    ``replicated``: (skeleton, leaves) of the replicated state; ``per_rank``: each rank's
+    (per-rank skeleton, leaves). ``backend``, ``extra``: what the manifest records."""
+    serial = Comm.serial()
+    catalog = StepCatalog(root)  # this process alone writes: its catalog owns the step directory
+    prepared = create(serial, writer, plan_whole(catalog, step, replicated, per_rank, tuning))
+    prepared.backend = backend or prepared.backend
+    prepared.extra = dict(extra or {})
+    try:
+        assert prepared.full is not None
+        items: list[WriteItem] = []
+        for r, (_, leaves) in enumerate(per_rank):
+            arrays = {}
+            for leaf in (*replicated[1], *leaves):
+                if leaf.array is None:
+                    raise ValueError(f"{leaf.name} is not in host memory (a device tensor): a save of "
+                                     f"every rank by one process needs CPU copies")
+                arrays[leaf.name] = leaf.array
+            items += prepared.items(r, arrays, prepared.full.pieces_of(r))
+        crcs = write(writer, prepared, items, independent=True)
+        verify(prepared, items, crcs)
+        gathered, at = [], 0
+        for r, (skel, _) in enumerate(per_rank):
+            n = len(prepared.full.pieces_of(r))
+            gathered.append({"crcs": crcs[at:at + n], "per_rank": skel})
+            at += n
+        seal(len(per_rank), prepared, gathered, keep, background=False)
+    except BaseException:
+        discard(serial, prepared)
+        raise
+    return prepared.directory
+
+
+def verify(prepared: Prepared, items: Sequence[WriteItem], crcs: Sequence[int]) -> None:
+    """Read every item back from the file and check it against its CRC-32C (before it counts)."""
+    fd = os.open(prepared.data_path, os.O_RDONLY)
+    try:
+        for it, crc in zip(items, crcs):
+            buf = np.empty(it.buf.nbytes, dtype=np.uint8)
+            if buf.nbytes:
+                pread_into(fd, buf, it.offset)
+            if integrity.checksum(buf) != crc:
+                raise OSError(f"bytes {it.offset}..{it.offset + buf.nbytes} of {prepared.data_path} read back "
+                              f"with a wrong checksum")
+    finally:
+        os.close(fd)
 
 
 def _last_manifest(catalog: StepCatalog) -> dict[str, Any] | None:
@@ -165,71 +414,16 @@ def _share_offsets(comm: Comm, cache: LayoutCache, created: dict[int, int]) -> d
     return offsets
 
 
+def _same_offsets(prepared: Prepared, created: dict[int, int]) -> None:
+    if created and any(created.get(i) != off for i, off in prepared.offsets.items()):
+        raise CheckpointError(f"retrying step {prepared.step}: the datasets landed at other offsets",
+                              hint="report this; save again under a new step")
+
+
 def _on_rank0(comm: Comm, fn: Callable[..., Any], *args: Any) -> None:
     """The catalog is rank 0's: the other ranks only take part in the agreement."""
     if comm.rank == 0:
         fn(*args)
-
-
-def make_step_dir(comm: Comm, catalog: StepCatalog, step: int, tuning: IOTuning) -> Path:
-    """Collective: rank 0's catalog creates the (empty) directory of ``step``."""
-    comm.run_step(lambda: _on_rank0(comm, catalog.create, step, tuning),
-                  f"creating the directory of step {step} in {catalog.root}")
-    return cat.step_dir(catalog.root, step)
-
-
-def recreate(comm: Comm, prepared: Prepared, writer: StorageWriter) -> None:
-    """Collective: make the directory and file of a failed save again, for a retry of its items."""
-    assert prepared.catalog is not None
-    make_step_dir(comm, prepared.catalog, prepared.step, prepared.tuning)
-    full = prepared.full
-    created = writer.create(prepared.directory, None if full is None else full.datasets, prepared.tuning)
-
-    def same() -> None:
-        if created and any(created.get(i) != off for i, off in prepared.offsets.items()):
-            raise CheckpointError(f"retrying step {prepared.step}: the datasets landed at other offsets",
-                                  hint="report this; save again under a new step")
-
-    comm.run_step(same, f"recreating the file of step {prepared.step}")
-
-
-def discard(comm: Comm, prepared: Prepared) -> None:
-    """Collective: remove the directory of a save that failed (nothing of it was committed)."""
-    catalog = prepared.catalog
-    assert catalog is not None
-    comm.run_step(lambda: _on_rank0(comm, catalog.discard, prepared.step),
-                  f"removing the failed step {prepared.step}")
-
-
-def write_items(prepared: Prepared, items: Sequence[WriteItem], writer: StorageWriter | None) -> list[int]:
-    """Write this rank's items; ``writer=None`` means independent pwrite (no MPI).
-
-    With a collective writer every rank must get here: build ``items`` under
-    ``Comm.run_step`` first so that a local failure stops all ranks before the collective.
-    """
-    if writer is None or not writer.collective_write:
-        return write_posix(prepared.data_path, items)
-    comm = getattr(writer, "comm", None)
-    if prepared.catalog is not None and isinstance(comm, Comm):
-        _fault_pause(comm, prepared.catalog.root, prepared.step, "mpiio")
-    return writer.write(prepared.data_path, items, prepared.tuning)
-
-
-def commit(comm: Comm, prepared: Prepared, crcs: list[int] | None, error: BaseException | None,
-           keep: int) -> list[int]:
-    """Collective: agree every rank wrote; rank 0 writes the manifest and applies retention.
-
-    Raises one CommError on every rank if any rank failed; then nothing is committed.
-    Returns the steps removed by retention. (The two-phase saver makes the same three moves
-    with non-blocking collectives over several polls: :mod:`.twophase`.)
-    """
-    comm.check(error, f"writing checkpoint step {prepared.step}")
-    message, blob = commit_message(prepared, crcs)
-    gathered = comm.gather(message)
-    commit_received(prepared, blob, gathered)
-    removed = comm.run_step(lambda: [] if gathered is None else write_manifest(comm.size, prepared, gathered, keep),
-                            f"committing checkpoint step {prepared.step}")
-    return comm.bcast(removed)
 
 
 def commit_message(prepared: Prepared, crcs: list[int] | None) -> tuple[dict[str, Any], bytes | None]:
@@ -249,9 +443,11 @@ def commit_received(prepared: Prepared, blob: bytes | None, gathered: list[dict[
                 cache.skeletons[r] = g["per_rank"]
 
 
-def write_manifest(world_size: int, prepared: Prepared, gathered: list[dict[str, Any]], keep: int) -> list[int]:
+def seal(world_size: int, prepared: Prepared, gathered: list[dict[str, Any]], keep: int, *,
+         background: bool = True) -> list[int]:
     """Rank 0, no communication: write the manifest of ``prepared`` from every rank's commit
-    message (the commit point), then apply retention; returns the steps removed."""
+    message (the commit point, ``catalog.commit``), then apply retention; returns the steps
+    removed."""
     assert prepared.full is not None
     cache = prepared.layouts
     if any(g["per_rank"] is None for g in gathered):
@@ -282,12 +478,12 @@ def write_manifest(world_size: int, prepared: Prepared, gathered: list[dict[str,
             "per_rank": {str(r): g["per_rank"] for r, g in enumerate(gathered)}}
     m = mf.build(step=prepared.step, world_size=world_size, tensors=tensors, shards=shards,
                  skeletons=skel, files=[mf.DATA_FILE], backend=prepared.backend,
-                 extra={"lustre": prepared.tuning.lustre, "align": prepared.tuning.align,
+                 extra={"lustre": prepared.tuning.lustre, "align": prepared.tuning.align, **prepared.extra,
                         "layout": {"align": prepared.tuning.align,
                                    "signatures": list(layout.signatures)}})
     assert prepared.catalog is not None
     prepared.catalog.commit(prepared.step, m)
-    return prepared.catalog.retain(keep)
+    return prepared.catalog.retain(keep, background=background)
 
 
 def _skeleton_to_send(prepared: Prepared) -> tuple[Any, bytes | None]:

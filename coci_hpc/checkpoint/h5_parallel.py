@@ -15,8 +15,8 @@
   split by bytes so each rank writes ~1/N; no rank ever passes a zero-size HDF5 selection (the
   h5py #965 hang): data never goes through HDF5 selections at all, and MPI-IO accepts empty
   buffers in a collective call.
-* The two-phase (async) save does not use ``write``: its background thread writes the same
-  pieces with plain ``pwrite`` (see :mod:`~coci_hpc.checkpoint.twophase` for why).
+* ``write_independent``: the same pieces with plain ``pwrite``, no MPI: the two-phase (async)
+  save's background thread (see :mod:`~coci_hpc.checkpoint.twophase` for why) and its retry.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import h5py
 from coci_hpc.checkpoint.h5file import create_on_rank0
 from coci_hpc.checkpoint.layout import DatasetSpec
 from coci_hpc.checkpoint.lustre import IOTuning, mpi_info
-from coci_hpc.checkpoint.rawio import WriteItem, write_mpiio
+from coci_hpc.checkpoint.rawio import WriteItem, write_mpiio, write_posix
 from coci_hpc.comm import Comm
 
 
@@ -59,3 +59,7 @@ class ParallelH5Writer:
         finally:
             if tuning.mpi_hints:
                 info.Free()
+
+    def write_independent(self, path: Path, items: Sequence[WriteItem], tuning: IOTuning, *,
+                          direct: bool = False) -> list[int]:
+        return write_posix(path, items, direct=direct)

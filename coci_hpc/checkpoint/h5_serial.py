@@ -29,3 +29,7 @@ class SerialH5Writer:
 
     def write(self, path: Path, items: Sequence[WriteItem], tuning: IOTuning) -> list[int]:
         return write_posix(path, items)
+
+    def write_independent(self, path: Path, items: Sequence[WriteItem], tuning: IOTuning, *,
+                          direct: bool = False) -> list[int]:
+        return write_posix(path, items, direct=direct)

@@ -1,40 +1,51 @@
-"""The storage protocol: how the checkpoint engine talks to a file backend.
+"""The storage protocol: how the save transaction talks to a file backend.
 
-One save is one transaction, the same for the sync save, the async save and the async retry
-(``CheckpointManager._save_once`` / ``TwoPhaseSaver`` / ``_async_failed``); which rank makes
-each call (like torch.distributed.checkpoint's ``StorageWriter``)::
+Every save is one transaction of :mod:`.engine` (like torch.distributed.checkpoint's
+``StorageWriter``: plan -> create -> write -> commit, discard on failure), and only these calls
+reach the backend. The sync save (:func:`~coci_hpc.checkpoint.engine.save`), the async save
+(:class:`~coci_hpc.checkpoint.twophase.TwoPhaseSaver`: create in ``start``, write in a thread,
+commit stepped by ``poll``), the async retry (``CheckpointManager._async_failed``) and the
+survivors' save (:func:`~coci_hpc.checkpoint.engine.save_whole`, one process) run it; which rank
+makes each call::
 
-    0. before_save     RANK 0, then bcast: lock still held; from the step catalog
-                       (:mod:`~coci_hpc.checkpoint.catalog`, the root listed once per manager):
-                       rollback (newer steps -> abandoned/), duplicate or older step, partial
-                       leftovers removed.
-    1. prepare         ALL ranks (:func:`~coci_hpc.checkpoint.engine.prepare`):
-       a. layout         one allreduce says whether any rank's leaves changed since the last
-                         save; only then rank 0 gathers the descriptions, builds the
-                         :class:`~coci_hpc.checkpoint.layout.Layout` and scatters each rank
-                         its own pieces (:mod:`~coci_hpc.checkpoint.coordinator`).
-       b. catalog.create RANK 0: the step directory (Lustre striping), agreed by all.
-       c. writer.create  RANK 0 creates the file and every dataset (serial h5py), agreed by
-                         all; it scatters each rank its datasets' offsets (nothing when unchanged).
-    2. write           EACH rank its own pieces (``writer.write`` collective when
-                       ``collective_write``, else pwrite, possibly in a background thread that
-                       touches no MPI).
-    3. commit          ALL ranks agree on success (one gather); RANK 0 writes the manifest
-                       (``catalog.commit``: temp, fsync, rename, fsync dir), then
-                       ``catalog.retain(keep)``; the removed steps are broadcast. The async
-                       save makes the same moves with non-blocking collectives, one per
-                       ``poll()`` (``TwoPhaseSaver._settle``: all written? -> gather ->
-                       outcome); a failure there is agreed on by this blocking path.
+    0. before_save     RANK 0, then bcast (``CheckpointManager._before_save``): lock still held;
+                       from the step catalog (:mod:`~coci_hpc.checkpoint.catalog`, the root
+                       listed once per manager): rollback (newer steps -> abandoned/), duplicate
+                       or older step, partial leftovers removed.
+    1. engine.plan     ALL ranks: one allreduce says whether any rank's leaves changed since the
+                       last save; only then rank 0 gathers the descriptions, builds the
+                       :class:`~coci_hpc.checkpoint.layout.Layout` and scatters each rank its
+                       own pieces (:mod:`~coci_hpc.checkpoint.coordinator`). (The survivors'
+                       save: ``engine.plan_whole``, every rank's pieces known to one process.)
+    2. engine.create   ALL ranks: RANK 0's catalog creates the step directory (Lustre
+                       striping), agreed by all; ``writer.create``: rank 0 creates the file and
+                       every dataset, agreed by all; it scatters each rank its datasets' offsets
+                       (nothing when unchanged).
+    3. engine.write    EACH rank its own pieces: ``writer.write`` (collective when
+                       ``collective_write``: every rank calls it) or ``writer.write_independent``
+                       (no MPI: the async save's background thread, the async retry, the
+                       survivors' save).
+    4. engine.Commit   ALL ranks: agree every rank wrote (a MIN-allreduce), gather the commit
+                       messages (CRCs, changed skeletons) on rank 0, which seals the step
+                       (``engine.seal``: the manifest through ``catalog.commit``: temp, fsync,
+                       rename, fsync dir; then ``catalog.retain(keep)``), then broadcast the
+                       outcome. One implementation: ``Commit.run()`` blocks (the sync save),
+                       ``Commit.step()`` completes one non-blocking collective per ``poll()``
+                       (the async save).
     on failure         ALL ranks: ``engine.discard`` (rank 0's catalog removes the directory);
-                       a full disk goes to the one no-space policy (``_with_space``: raise a
-                       clear error, or with on_no_space="retire_oldest" ``catalog.free_space``
-                       and run the transaction once more; an async save retries from its
-                       snapshot: ``engine.recreate`` then 2-3).
+                       a full disk goes to the one no-space policy
+                       (``CheckpointManager._with_space``: raise a clear error, or with
+                       on_no_space="retire_oldest" ``catalog.free_space`` and run the
+                       transaction once more; an async save retries from its snapshot:
+                       ``engine.create(..., again=True)`` then 3-4).
 
 File-system metadata operations of a save (rank 0 only; counted by
 :func:`~coci_hpc.checkpoint.catalog.metadata_ops`): no listing after the first save, one step
 directory and one data file created, the manifest created and renamed, and per retired step
 one unlink and one rename: independent of the steps kept and of the number of ranks.
+
+Fault injection for tests wraps a writer (``tests/faults/faulty.py``): it pauses or fails in
+these calls; nothing in the engine reads fault knobs.
 
 Loading (:func:`~coci_hpc.checkpoint.engine.load`): every rank opens the files read-only,
 checks the manifest against its state, then (1) checks the CRC of every shard it will read,
@@ -53,8 +64,8 @@ from coci_hpc.checkpoint.rawio import WriteItem
 
 
 class StorageWriter(Protocol):
-    name: str
-    collective_write: bool
+    name: str                 # the manifest's "backend"
+    collective_write: bool    # ``write`` is collective: every rank must call it
 
     def create(self, directory: Path, datasets: Sequence[DatasetSpec] | None, tuning: IOTuning
                ) -> dict[int, int]:
@@ -63,5 +74,12 @@ class StorageWriter(Protocol):
         ...
 
     def write(self, path: Path, items: Sequence[WriteItem], tuning: IOTuning) -> list[int]:
-        """Write this rank's items and fsync; return their CRC-32Cs (see ``collective_write``)."""
+        """EACH rank (ALL ranks when ``collective_write``): write this rank's items and fsync;
+        return their CRC-32Cs."""
+        ...
+
+    def write_independent(self, path: Path, items: Sequence[WriteItem], tuning: IOTuning, *,
+                          direct: bool = False) -> list[int]:
+        """EACH rank, no MPI (safe from a background thread): ``pwrite`` the items and fsync;
+        return their CRC-32Cs. ``direct``: whole aligned pages with O_DIRECT."""
         ...

@@ -38,7 +38,8 @@ A second ``start`` while a persist is in flight does what ``on_busy`` says:
 Commit of a finished persist happens at later collective calls: ``poll()`` (call it every
 step) spreads it over a few calls, each completing the small non-blocking collective started by
 the previous call and starting the next (all finished? -> gather the CRCs on rank 0, which writes
-the manifest -> broadcast the outcome; :meth:`TwoPhaseSaver._settle`), so no training step waits
+the manifest -> broadcast the outcome; the one commit of every save,
+:class:`~coci_hpc.checkpoint.engine.Commit`, stepped), so no training step waits
 for another rank to reach the same call; ``poll`` returns True on every rank at the same call,
 the fourth call after the last rank finished writing. ``wait()``, ``start()`` (through
 ``make_room``) and ``close()`` finish whatever stage the commit is in, blocking. Until the
@@ -59,13 +60,12 @@ is committed, the snapshot pre-hook is released, and the step directory is remov
 """
 from __future__ import annotations
 
-import pickle
 import threading
 import time
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,13 +77,10 @@ from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, aligned_empty, lower_thread_priority
 from coci_hpc.checkpoint.state import Leaf, collect
-from coci_hpc.comm import Comm, Pending
+from coci_hpc.comm import Comm
 from coci_hpc.errors import UsageError
 
 ON_BUSY = ("wait", "skip")
-T = TypeVar("T")
-# What each rank contributes to the "finished writing?" MIN-allreduce of the commit.
-_TIMED_OUT, _WRITING, _DONE_FAILED, _DONE_OK = -1.0, 0.0, 1.0, 2.0
 
 
 class HostBuffers:
@@ -135,19 +132,17 @@ def copy_bytes(leaf: Leaf, start: int, dst: np.ndarray, pinned: torch.Tensor | N
 
 @dataclass
 class _Job:
+    """One save in flight: created (phases 1-2), written by the thread (3), committed (4)."""
+
     prepared: engine.Prepared
     items: list[WriteItem]
     deferred: list[tuple[Leaf, int, np.ndarray, torch.Tensor | None]]
+    written: engine.Written
+    commit: engine.Commit
     snapshot_done: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
-    crcs: list[int] | None = None
-    error: BaseException | None = None
-    thread: threading.Thread | None = None
-    deadline: float | None = None
     t_start: float = 0.0
     t_snapshot: float = 0.0
     t_persist: float = 0.0
-    settle: Generator[None, None, None] | None = None  # TwoPhaseSaver._settle of this job, once begun
 
 
 class TwoPhaseSaver:
@@ -170,7 +165,6 @@ class TwoPhaseSaver:
         self.catalog = catalog if catalog is not None else StepCatalog(root)
         self.buffers = HostBuffers()
         self._job: _Job | None = None
-        self._blocking = False  # how the running _settle step completes its collective
         self.last_stats: dict[str, float] = {}
         self.committed: list[int] = []
 
@@ -182,14 +176,14 @@ class TwoPhaseSaver:
     def persist_done(self) -> bool:
         """Local: this rank's background write of the in-flight save has finished (True when none
         is in flight); committing it is still collective."""
-        return self._job is None or self._job.done.is_set()
+        return self._job is None or self._job.written.done.is_set()
 
     # ------------------------------------------------------------------ collective calls
     def make_room(self) -> bool:
         """Collective: settle the persist in flight as ``on_busy`` says; False: skip the new save."""
         if self._job is not None:
             if self.on_busy == "skip":
-                if self.comm.allreduce_min(1.0 if self._job.done.is_set() else 0.0) < 1.0:
+                if self.comm.allreduce_min(1.0 if self._job.written.done.is_set() else 0.0) < 1.0:
                     return False
             self.wait()
         return True
@@ -207,8 +201,8 @@ class TwoPhaseSaver:
         if self._job is not None:
             raise RuntimeError("TwoPhaseSaver.start with a save in flight: call make_room() first")
         skeletons, leaves = collect(state, rng=self.rng, defer_device=True, guarded=guarded)
-        prepared = engine.prepare(self.comm, self.root, step, skeletons, leaves, self.writer, self.tuning(),
-                                  self.layouts, self.catalog)
+        prepared = engine.create(self.comm, self.writer, engine.plan(self.comm, self.catalog, step, skeletons,
+                                                                     leaves, self.tuning(), self.layouts))
         # Snapshot only the bytes this rank writes: 1/N of the replicated state plus its own.
         items: list[WriteItem] = []
         deferred = []
@@ -225,13 +219,14 @@ class TwoPhaseSaver:
             else:
                 copy_bytes(*copy)
         self.buffers.drop_unused(used)
-        job = _Job(prepared, items, deferred, t_start=t0,
-                   deadline=None if self.timeout_s is None else time.monotonic() + self.timeout_s)
+        written = engine.Written(timeout_s=self.timeout_s)
+        job = _Job(prepared, items, deferred, written, engine.Commit(self.comm, prepared, written, self.keep),
+                   t_start=t0)
         if not deferred:
             job.snapshot_done.set()
-        job.thread = threading.Thread(target=self._persist, args=(job,), name="coci-persist", daemon=True)
+        written.thread = threading.Thread(target=self._persist, args=(job,), name="coci-persist", daemon=True)
         self._job = job
-        job.thread.start()
+        written.thread.start()
         self.last_stats = {"start_blocked_s": time.perf_counter() - t0}
         return "started"
 
@@ -241,22 +236,12 @@ class TwoPhaseSaver:
 
         Each call completes the non-blocking collective started by the previous call (every
         rank started it one call ago, so this does not wait for a slower rank to reach this
-        call) and starts the next one; see :meth:`_settle`. The commit finishes at the fourth
-        call after the last rank finished writing.
+        call) and starts the next one; see :class:`~coci_hpc.checkpoint.engine.Commit`. The
+        commit finishes at the fourth call after the last rank finished writing.
         """
         if self._job is None:
             return False
         return self._advance(block=False)
-
-    def _timed_out(self, job: _Job) -> bool:
-        if job.done.is_set() or job.deadline is None or time.monotonic() < job.deadline:
-            return False
-        if job.error is None:
-            job.error = TimeoutError(
-                f"the background write of step {job.prepared.step} did not finish within "
-                f"{self.timeout_s:g} s on rank {self.comm.rank} (hung filesystem or stuck process?)")
-        job.snapshot_done.set()  # never leave the optimizer pre-hook waiting for it
-        return True
 
     def wait(self) -> None:
         """Collective: block until the in-flight persist is done everywhere, then commit it
@@ -269,99 +254,32 @@ class TwoPhaseSaver:
         self.catalog.wait_for_deletions()   # this manager's deletions only
 
     def _advance(self, block: bool) -> bool:
-        """Run the in-flight job's :meth:`_settle` to its next stop (``block``: to its end)."""
+        """Move the in-flight job's commit on (``block``: to its end); True once committed. On
+        a failure the step directory is discarded on every rank, and ``on_failure`` may retry."""
         job = self._job
         assert job is not None
-        if job.settle is None:
-            job.settle = self._settle(job)
-        self._blocking = block
         try:
-            next(job.settle)
-        except StopIteration:
-            return True
-        return False
-
-    def _completed(self, pending: Pending[T]) -> Generator[None, None, T]:
-        """Inside :meth:`_settle`: the result of ``pending``, at the next call (``poll``) or now
-        (``wait``). Every rank makes the same calls, so every rank completes it at the same one."""
-        if not self._blocking:
-            yield
-        return pending.wait()
-
-    def _settle(self, job: _Job) -> Generator[None, None, None]:
-        """The end of a background save, as a sequence of non-blocking collectives; each
-        ``poll`` completes one and starts the next, ``wait`` runs the rest at once:
-
-        1. agree (MIN-allreduce) whether every rank finished writing, without error, and on the
-           size of the largest commit message; repeated each call until all finished;
-        2. gather every rank's commit message (CRCs, per-rank skeleton if changed) on rank 0,
-           which then writes the manifest (the commit point) and applies retention;
-        3. broadcast rank 0's outcome: committed, or failed.
-
-        A failure anywhere (a rank's write, a timeout, the manifest) leaves the non-blocking path
-        at a step every rank reaches at the same call, and is then agreed on with the blocking
-        collectives of :func:`engine.commit` (one CommError on every rank naming the failed
-        ranks); the step directory is discarded on every rank, and ``on_failure`` may retry.
-        """
-        data, blob = b"", None
-        try:
-            while True:
-                if self._blocking and not job.done.is_set():
-                    remaining = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
-                    job.done.wait(remaining)
-                if job.done.is_set():
-                    flag = _DONE_FAILED if job.error is not None else _DONE_OK
-                else:
-                    flag = _TIMED_OUT if self._timed_out(job) else _WRITING
-                if flag == _DONE_OK and not data:  # this rank's commit message, made once
-                    try:
-                        message, blob = engine.commit_message(job.prepared, job.crcs)
-                        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-                    except Exception as exc:  # noqa: BLE001 - agreed on like a failed write
-                        job.error, flag = exc, _DONE_FAILED
-                sent = len(data) if flag == _DONE_OK else 0
-                agreed, longest = yield from self._completed(self.comm.iallreduce_min_array([flag, -sent]))
-                if agreed != _WRITING:
-                    break
-            self._finish_thread(job)
-            if agreed != _DONE_OK:  # some rank failed or timed out: agree on it the blocking way
-                engine.commit(self.comm, job.prepared, job.crcs, job.error, self.keep)
-                raise AssertionError("engine.commit agreed on success after a failure was reported")
-            raw = yield from self._completed(self.comm.igather_bytes(data, int(-longest)))
-            error: BaseException | None = None
-            t0 = time.perf_counter()
-            if raw is not None:  # rank 0
-                try:
-                    gathered = [pickle.loads(b) for b in raw]  # noqa: S301 - our own ranks' messages, over MPI
-                    engine.commit_received(job.prepared, blob, gathered)
-                    engine.write_manifest(self.comm.size, job.prepared, gathered, self.keep)
-                except Exception as exc:  # noqa: BLE001 - every rank hears of it below
-                    error = exc
-            else:
-                engine.commit_received(job.prepared, blob, None)
-            self.last_stats["manifest_s"] = time.perf_counter() - t0
-            outcome = self.comm.ibcast_floats([0.0 if error is None else 1.0] if self.comm.rank == 0 else None, 1)
-            (failed,) = yield from self._completed(outcome)
-            if failed:  # the same CommError on every rank as a blocking commit raises
-                self.comm.check(error, f"committing checkpoint step {job.prepared.step}")
-                raise AssertionError("rank 0 reported a failed manifest but no error")
-        except GeneratorExit:
-            raise
+            done = job.commit.step(block)
+            if not done and job.written.error is not None and not job.written.done.is_set():
+                job.snapshot_done.set()  # timed out: never leave the optimizer pre-hook waiting for it
         except BaseException as exc:
             self._job = None
+            job.snapshot_done.set()  # never leave the optimizer pre-hook waiting for it
+            self._note(job)
             engine.discard(self.comm, job.prepared)
-            if self.on_failure is not None:
-                self.on_failure(job.prepared, job.items, exc)  # retries it, or raises a clearer error
-                self.committed.append(job.prepared.step)
-                return
-            raise
-        self._job = None
-        self.committed.append(job.prepared.step)
+            if self.on_failure is None:
+                raise
+            self.on_failure(job.prepared, job.items, exc)  # retries it, or raises a clearer error
+            done = True
+        if done:
+            self._job = None
+            self._note(job)
+            self.committed.append(job.prepared.step)
+        return done
 
-    def _finish_thread(self, job: _Job) -> None:
-        if job.thread is not None and job.done.is_set():
-            job.thread.join()
-        self.last_stats.update({"snapshot_s": job.t_snapshot, "persist_s": job.t_persist})
+    def _note(self, job: _Job) -> None:
+        self.last_stats.update({"snapshot_s": job.t_snapshot, "persist_s": job.t_persist,
+                                "manifest_s": job.commit.manifest_s})
 
     # --------------------------------------------------------------------- local calls
     def wait_snapshot(self) -> float:
@@ -382,10 +300,12 @@ class TwoPhaseSaver:
         if job is None:
             return True
         job.snapshot_done.set()
-        return job.done.wait(timeout_s)
+        return job.written.done.wait(timeout_s)
 
     # ------------------------------------------------------------------------ internals
     def _persist(self, job: _Job) -> None:
+        """The background thread: finish the snapshot, then phase 3 (no MPI)."""
+        crcs, error = None, None
         try:
             for leaf, start, buf, pinned in job.deferred:
                 copy_bytes(leaf, start, buf, pinned)
@@ -394,10 +314,10 @@ class TwoPhaseSaver:
             # The copy ran at full priority (the optimizer step may be waiting for it); the
             # writes yield the CPU to training, which keeps interference low on few cores.
             lower_thread_priority()
-            job.crcs = engine.write_posix(job.prepared.data_path, job.items, direct=self.direct)
+            crcs = engine.write(self.writer, job.prepared, job.items, independent=True, direct=self.direct)
             job.t_persist = time.perf_counter() - job.t_start
         except BaseException as exc:  # noqa: BLE001 - surfaced on every rank at commit
-            job.error = exc
+            error = exc
         finally:
             job.snapshot_done.set()
-            job.done.set()
+            job.written.finish(crcs, error)

@@ -9,11 +9,12 @@ retention); only the way it gets written differs:
    its own (rolled back to the step boundary, :class:`BoundarySnapshot`) and the copy its dead
    partner sent it (:mod:`.partner`); JSON plus raw bytes, never pickle, written to a temporary
    name and renamed;
-2. the first survivor to create ``claim`` (``O_EXCL``) writes the data file alone, with serial
-   h5py and ``pwrite``: the replicated state once (every survivor holds all of it in data-parallel
-   training), every rank's per-rank datasets from the posted states;
-3. it reads every shard back and checks its CRC-32C, then commits the manifest (temporary name,
-   fsync, rename) and applies retention. Any rank's state missing after ``window_s``, a
+2. the first survivor to create ``claim`` (``O_EXCL``) gathers the posted states and hands the
+   pieces to the save transaction (:func:`coci_hpc.checkpoint.engine.save_whole`, one process,
+   a serial writer): the replicated state once (every survivor holds all of it in data-parallel
+   training), every rank's per-rank state from the posted states;
+3. the transaction reads every shard back and checks its CRC-32C, then commits the manifest and
+   applies retention (or discards the step directory). Any rank's state missing after ``window_s``, a
    ``Sharded`` tensor (its rows on the dead rank are gone), a model that moved past the step, or a
    failed check: nothing is committed and the previous regular checkpoint stays latest.
 
@@ -25,28 +26,21 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import h5py
-import numpy as np
 import torch
 
 from coci_hpc.checkpoint import catalog as cat
-from coci_hpc.checkpoint import integrity
+from coci_hpc.checkpoint import engine
 from coci_hpc.checkpoint import manifest as mf
-from coci_hpc.checkpoint.catalog import StepCatalog
-from coci_hpc.checkpoint.engine import make_step_dir
-from coci_hpc.checkpoint.h5file import create_datasets, file_kwargs
-from coci_hpc.checkpoint.layout import REPLICATED_KINDS, LeafDesc, make_layout
+from coci_hpc.checkpoint.h5_serial import SerialH5Writer
+from coci_hpc.checkpoint.layout import REPLICATED_KINDS
 from coci_hpc.checkpoint.lustre import IOTuning
-from coci_hpc.checkpoint.perms import set_file
-from coci_hpc.checkpoint.rawio import WriteItem, pread_into, write_posix
+from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.state import PerRank, collect, empty_like_leaf, is_stateful, restore_rng, unflatten
 from coci_hpc.comm import Comm
 from coci_hpc.durable import write_atomic
@@ -54,10 +48,12 @@ from coci_hpc.runtime.partner import PackedCopy, RankState
 
 BACKEND = "hdf5-survivors"
 DRAIN_EVERY = 4        # boundaries between taking in the partner's copies (they wait in MPI's queue)
-# FAULT INJECTION, test-only (like COCI_FORCE_FSTYPE): the writer sleeps this many seconds after
-# its shards are written and checked, before the manifest, so that a test can kill the survivors
-# mid-save (tests/submit/test_peer_failure_cluster.py). Never set it for a real run.
-FAULT_PAUSE_ENV = "COCI_FAULT_SURVIVORS_PAUSE_S"
+
+
+def make_writer() -> StorageWriter:
+    """The survivors' writer: one process, serial HDF5 and ``pwrite``. (Fault-injection tests
+    replace this function with one that wraps the writer: ``tests/faults/faulty.py``.)"""
+    return SerialH5Writer(Comm.serial())
 
 
 class BoundarySnapshot:
@@ -182,80 +178,17 @@ def gather_posted(root: Path, step: int, size: int, window_s: float) -> dict[int
 
 def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: Mapping[int, RankState],
                      size: int, tuning: IOTuning, keep: int) -> Path:
-    """One process writes the whole N-rank checkpoint of ``step`` and commits it after reading it
-    back. ``state`` (already rolled back) gives the replicated part; ``per_rank`` every rank's."""
+    """Hand the save transaction the pieces of the N-rank checkpoint of ``step``: ``state``
+    (already rolled back) gives the replicated part, ``per_rank`` every rank's own; one process
+    writes, checks and commits it (:func:`coci_hpc.checkpoint.engine.save_whole`)."""
     skel, leaves = collect(state, rng=False)
     parts = held_in_parts(leaves)
     if parts:
         raise ValueError(parts_reason(parts))
     repl = [l for l in leaves if l.kind in REPLICATED_KINDS]
-    descs_repl = [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in repl]
-    all_descs = [descs_repl + [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in per_rank[r].leaves]
-                 for r in range(size)]
-    plan = make_layout(all_descs, align=tuning.align)
-    catalog = StepCatalog(root)  # one process writes: its catalog owns the step directory
-    directory = make_step_dir(Comm.serial(), catalog, step, tuning)
-    data = directory / mf.DATA_FILE
-    with h5py.File(data, "w", **file_kwargs(tuning.align, tuning.align_threshold)) as f:
-        offsets = create_datasets(f, plan.datasets)
-    set_file(data, tuning.dir_mode)
-    shards: list[dict[str, Any]] = []
-    offsets_of: list[int] = []
-    for r in range(size):
-        mine: dict[str, np.ndarray] = {}
-        for leaf in (*repl, *per_rank[r].leaves):
-            if leaf.array is None:
-                raise ValueError(f"{leaf.name} is not in host memory (a device tensor): survivors' saves need "
-                                 f"CPU copies")
-            mine[leaf.name] = leaf.array
-        pieces = plan.pieces_of(r)
-        items = [WriteItem(offsets[p.dataset] + p.start,
-                           mine[p.leaf].view(np.uint8)[p.src_start:p.src_start + (p.stop - p.start)])
-                 for p in pieces]
-        crcs = write_posix(data, items)
-        for p, it, crc in zip(pieces, items, crcs):
-            shards.append({"file": mf.DATA_FILE, "dataset": plan.datasets[p.dataset].path, "rank": r,
-                           "start": p.start, "stop": p.stop, "crc32c": crc})
-            offsets_of.append(it.offset)
-    # Checked before it counts: every shard read back from the file matches its checksum.
-    fd = os.open(data, os.O_RDONLY)
-    try:
-        for s, off in zip(shards, offsets_of):
-            n = int(s["stop"]) - int(s["start"])
-            buf = np.empty(n, dtype=np.uint8)
-            if n:
-                pread_into(fd, buf, off)
-            if integrity.checksum(buf) != s["crc32c"]:
-                raise OSError(f"shard {s['dataset']}[{s['start']}:{s['stop']}] reads back with a wrong checksum")
-    finally:
-        os.close(fd)
-    _fault_pause(step)
-    # The same manifest as engine.commit writes for a collective save of this layout.
-    tensors = []
-    for i, d in enumerate(plan.datasets):
-        entry: dict[str, Any] = {"name": d.name, "dataset": d.path, "file": mf.DATA_FILE, "dtype": d.dtype,
-                                 "shape": list(d.shape), "kind": d.kind, "rank": None, "nbytes": d.nbytes,
-                                 "offset": offsets.get(i)}
-        if d.kind == "per_rank":
-            entry["parts"] = [[p.rank, p.start, list(p.shape), p.nbytes] for p in plan.parts[i]]
-        tensors.append(entry)
-    skeletons = {"replicated": skel["replicated"],
-                 "per_rank": {str(r): per_rank[r].skeleton for r in range(size)}}
-    m = mf.build(step=step, world_size=size, tensors=tensors, shards=shards, skeletons=skeletons,
-                 files=[mf.DATA_FILE], backend=BACKEND,
-                 extra={"lustre": tuning.lustre, "align": tuning.align, "survivors_save": True,
-                        "layout": {"align": tuning.align, "signatures": list(plan.signatures)}})
-    catalog.commit(step, m)
-    catalog.retain(keep, background=False)
-    return directory
-
-
-def _fault_pause(step: int) -> None:
-    pause = float(os.environ.get(FAULT_PAUSE_ENV) or 0)
-    if pause > 0:
-        print(f"coci: FAULT INJECTION ({FAULT_PAUSE_ENV}={pause:g}): the survivors' save of step {step} "
-              f"pauses before its manifest", file=sys.stderr, flush=True)
-        time.sleep(pause)
+    return engine.save_whole(make_writer(), root, step, (skel["replicated"], repl),
+                             [(per_rank[r].skeleton, per_rank[r].leaves) for r in range(size)],
+                             tuning, keep, backend=BACKEND, extra={"survivors_save": True})
 
 
 def _catalog(where: Path | cat.StepCatalog) -> cat.StepCatalog:
@@ -318,8 +251,7 @@ def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, ow
                                     if not (staging_dir(root, step) / f"rank{r:05d}.from{r:05d}").exists())
     try:
         out.path = write_checkpoint(root, step, state, found, size, tuning, keep)
-    except (OSError, ValueError, KeyError) as exc:
-        shutil.rmtree(cat.step_dir(root, step), ignore_errors=True)
+    except (OSError, ValueError, KeyError) as exc:  # the transaction discarded the step directory
         out.reason = str(exc)
         return out
     _drop_posted(root, step)

@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from coci_hpc.checkpoint import PerRank, ResumableSampler, Sharded
+from coci_hpc.checkpoint import PerRank, Sharded
+from coci_hpc.runtime.data import ResumableSampler
 
 
 class Net(torch.nn.Module):

@@ -7,18 +7,20 @@ import time
 import pytest
 import torch
 
-from coci_hpc.checkpoint import CheckpointManager, engine
+from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint.rawio import write_posix
 from coci_hpc.errors import CommError, UsageError
 from tests.checkpoint.helpers import canonical, empty_state, full_state
+from tests.faults.faulty import patch_writes
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 BIG = 1 << 19  # 2 MiB parameter: above the overlap threshold, copied by the background thread
 
 
 def slow_writes(monkeypatch, seconds: float, only_rank: int | None, comm, started: threading.Event | None = None):
-    real = engine.write_posix
+    real = write_posix
 
     def slow(path, items, **kw):
         if only_rank is None or comm.rank == only_rank:
@@ -27,7 +29,7 @@ def slow_writes(monkeypatch, seconds: float, only_rank: int | None, comm, starte
             time.sleep(seconds)
         return real(path, items, **kw)
 
-    monkeypatch.setattr(engine, "write_posix", slow)
+    patch_writes(slow, monkeypatch.setattr)
 
 
 def test_async_round_trip_and_snapshot_is_taken_before_the_update(shared_dir, comm, monkeypatch):
@@ -86,14 +88,14 @@ def test_background_error_surfaces_on_every_rank_at_the_next_call(shared_dir, co
     state = full_state(1, comm.rank, comm.size)
     mgr.save(1, state)
     bad = comm.size - 1
-    real = engine.write_posix
+    real = write_posix
 
     def failing(path, items, **kw):
         if comm.rank == bad:
             raise OSError("Input/output error")  # (a full disk has its own error: test_ckpt_no_space)
         return real(path, items, **kw)
 
-    monkeypatch.setattr(engine, "write_posix", failing)
+    patch_writes(failing, monkeypatch.setattr)
     assert mgr.save_async(2, state) == "started"
     time.sleep(0.2)
     with pytest.raises(CommError) as info:

@@ -76,7 +76,7 @@ def test_writer_killed_before_commit_leaves_previous_checkpoint_loadable(tmp_pat
 
 
 def test_retention_keeps_last_k_and_deletes_only_after_a_newer_commit(tmp_path, monkeypatch):
-    from coci_hpc.checkpoint import engine
+    from tests.faults.faulty import patch_writes
 
     mgr = CheckpointManager(tmp_path, comm=None, keep=2)
     s = full_state(1)
@@ -86,7 +86,7 @@ def test_retention_keeps_last_k_and_deletes_only_after_a_newer_commit(tmp_path, 
     mgr.close()
     cat.step_dir(tmp_path, 25).mkdir()  # a stale uncommitted leftover (of a crash: the job restarts)
     mgr = CheckpointManager(tmp_path, comm=None, keep=2)
-    monkeypatch.setattr(engine, "write_items", lambda *a, **k: (_ for _ in ()).throw(OSError("boom")))
+    patch_writes(lambda *a, **k: (_ for _ in ()).throw(OSError("boom")), monkeypatch.setattr)  # the writer fails
     with pytest.raises(Exception, match="boom"):
         mgr.save(40, s)
     assert [c.step for c in mgr.list()] == [20, 30]  # failed save deleted nothing

@@ -12,15 +12,18 @@ import time
 import pytest
 import torch
 
-from coci_hpc.checkpoint import CheckpointManager, PerRank, ResumableSampler, engine, twophase
+from coci_hpc.checkpoint import CheckpointManager, PerRank, twophase
 from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.launch import check_launch
 from coci_hpc.checkpoint.lock import LOCK_FILE, CheckpointLocked, DirectoryLock, Holder, is_stale
+from coci_hpc.checkpoint.rawio import write_posix
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError, CommError, UsageError
+from coci_hpc.runtime.data import ResumableSampler
 from coci_hpc.slurm.env import JobEnvironment
 from tests.checkpoint.helpers import canonical, full_state
+from tests.faults.faulty import patch_writes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -337,7 +340,7 @@ def test_a_read_only_manager_takes_no_lock_and_cannot_save(tmp_path):
 # --------------------------------------------------------------- hung background save
 def test_a_hung_background_write_times_out_names_the_rank_and_commits_nothing(tmp_path, monkeypatch):
     release = threading.Event()
-    real = engine.write_posix
+    real = write_posix
 
     def hang(path, items, **kw):
         release.wait(30)
@@ -346,7 +349,7 @@ def test_a_hung_background_write_times_out_names_the_rank_and_commits_nothing(tm
     mgr = CheckpointManager(tmp_path, comm=None, timeout_s=1.0)
     state = full_state(1, big=1 << 19)
     mgr.save(1, state)
-    monkeypatch.setattr(engine, "write_posix", hang)
+    patch_writes(hang, monkeypatch.setattr)
     mgr.save_async(2, state)
     t0 = time.monotonic()
     with pytest.raises(CommError, match=r"rank\(s\) \[0\].*did not finish within 1 s on rank 0") as info:
@@ -361,8 +364,8 @@ def test_a_hung_background_write_times_out_names_the_rank_and_commits_nothing(tm
 
 def test_poll_reports_a_hung_background_write_too(tmp_path, monkeypatch):
     release = threading.Event()
-    real = engine.write_posix
-    monkeypatch.setattr(engine, "write_posix", lambda p, i, **k: (release.wait(30), real(p, i, **k))[1])
+    real = write_posix
+    patch_writes(lambda p, i, **k: (release.wait(30), real(p, i, **k))[1], monkeypatch.setattr)
     mgr = CheckpointManager(tmp_path, comm=None, timeout_s=0.5)
     mgr.save_async(1, {"w": torch.ones(4)})
     deadline = time.monotonic() + 10

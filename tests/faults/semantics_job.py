@@ -19,10 +19,12 @@ from pathlib import Path
 
 import torch
 
-from coci_hpc.checkpoint import CheckpointManager, engine
+from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.checkpoint import catalog as cat
+from coci_hpc.checkpoint.rawio import write_posix
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointError, CociError
+from tests.faults.faulty import patch_writes
 
 N = 1 << 20  # 4 MiB of float32 per checkpoint
 
@@ -32,14 +34,14 @@ def result(comm: Comm, **values) -> None:
 
 
 def slow_writes(seconds: float, only_rank: int | None, comm: Comm) -> None:
-    real = engine.write_posix
+    real = write_posix
 
     def slow(path, items, **kw):
         if only_rank is None or comm.rank == only_rank:
             time.sleep(seconds)
         return real(path, items, **kw)
 
-    engine.write_posix = slow
+    patch_writes(slow)
 
 
 def state_of(value: float) -> dict:
@@ -100,14 +102,14 @@ def main() -> int:
         how = sys.argv[3]
         mgr = CheckpointManager(root, comm=comm, timeout_s=3.0, backend="serial")
         mgr.save(1, state_of(1.0))
-        real, never = engine.write_posix, threading.Event()
+        real, never = write_posix, threading.Event()
 
         def hang(path, items, **kw):
             if comm.rank == last:
                 never.wait()
             return real(path, items, **kw)
 
-        engine.write_posix = hang
+        patch_writes(hang)
         t0 = time.monotonic()
         try:
             if how == "sync":

@@ -11,12 +11,14 @@ import time
 
 import pytest
 
-from coci_hpc.checkpoint import CheckpointManager, engine
+from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint.catalog import StepCatalog
+from coci_hpc.checkpoint.rawio import write_posix
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CommError
 from tests.checkpoint.helpers import canonical, empty_state, full_state
+from tests.faults.faulty import patch_writes
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -70,7 +72,7 @@ def test_a_rank_failing_while_the_others_already_poll_commits_nothing_anywhere(
     mgr = CheckpointManager(shared_dir, comm=comm)
     mgr.save(1, full_state(1, comm.rank, comm.size))
     bad = comm.size - 1
-    real = engine.write_posix
+    real = write_posix
 
     def late_failure(path, items, **kw):
         if comm.rank == bad:
@@ -78,7 +80,7 @@ def test_a_rank_failing_while_the_others_already_poll_commits_nothing_anywhere(
             raise OSError("Input/output error")
         return real(path, items, **kw)
 
-    monkeypatch.setattr(engine, "write_posix", late_failure)
+    patch_writes(late_failure, monkeypatch.setattr)
     assert mgr.save_async(2, full_state(2, comm.rank, comm.size)) == "started"
     n, err = polls_until_outcome(mgr)
     assert err is not None and set(err.failed_ranks) == {bad} and "Input/output error" in str(err)
@@ -86,7 +88,7 @@ def test_a_rank_failing_while_the_others_already_poll_commits_nothing_anywhere(
     assert not mgr.persist_in_flight and mgr.latest_step() == 1
     comm.barrier()
     assert not cat.step_dir(shared_dir, 2).exists()  # discarded on every rank's behalf
-    monkeypatch.setattr(engine, "write_posix", real)
+    patch_writes(real, monkeypatch.setattr)
     assert mgr.save_async(2, full_state(2, comm.rank, comm.size)) == "started"  # the same step again
     mgr.close()
     assert mgr.latest_step() == 2

@@ -1,8 +1,8 @@
 """A peer lost while a synchronous save is inside collective MPI-IO (issue 13): the survivor's
 main thread is blocked in a call that cannot be polled, and the guard's timer (``Comm.guard``)
 starts the survivors' save from its thread. Two real MPI ranks under a Session, no cluster:
-rank 1 stalls just before the final save's MPI-IO (the test-only fault hook
-COCI_FAULT_SAVE_PAUSE_AT=mpiio), which to rank 0 is the same as a peer killed there (its
+rank 1 stalls just before the final save's MPI-IO (the test-only faulty writer of
+tests/faults/faulty.py, COCI_FAULT_SAVE_PAUSE_AT=mpiio), which to rank 0 is the same as a peer killed there (its
 collective never completes). Rank 0 must commit the survivors' checkpoint of the last step within
 seconds, with rank 1's per-rank state from its partner copy."""
 from __future__ import annotations
@@ -17,10 +17,12 @@ from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.runtime.events import read_events
 from tests.conftest import ROOT, clean_env
 
+FAULTY = ("-m", "tests.faults.faulty")   # installs the faulty writer the environment asks for
+
 SCRIPT = r'''
 import sys, torch
 import coci_hpc
-from coci_hpc.checkpoint import ResumableSampler
+from coci_hpc.runtime.data import ResumableSampler
 from coci_hpc.comm import Comm
 comm = Comm.world()
 torch.manual_seed(0)
@@ -50,8 +52,8 @@ def test_a_peer_lost_inside_mpiio_is_noticed_by_the_guard_and_the_survivor_saves
     env = clean_env(COCI_FAULT_SAVE_PAUSE_S="10", COCI_FAULT_SAVE_PAUSE_AT="mpiio")
     t0 = time.monotonic()
     # The survivor leaves with os._exit (no MPI_Finalize with a lost peer): mpiexec reports it.
-    p = subprocess.run(["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, str(script),
-                        str(ckpt)], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    p = subprocess.run(["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, *FAULTY,
+                        str(script), str(ckpt)], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     out = p.stdout + p.stderr
     lost = [e for e in read_events(ckpt) if e["event"] == "peer_lost"]
     assert lost, out
@@ -78,7 +80,7 @@ def test_a_process_left_behind_by_a_newer_attempt_neither_saves_nor_records(tmp_
     script.write_text(SCRIPT)
     ckpt = tmp_path / "ckpt"
     env = clean_env(COCI_FAULT_SAVE_PAUSE_S="10", COCI_FAULT_SAVE_PAUSE_AT="mpiio")
-    p = subprocess.Popen(["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable,
+    p = subprocess.Popen(["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, *FAULTY,
                           str(script), str(ckpt)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=env, cwd=ROOT)
     try:

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from coci_hpc.checkpoint import CheckpointManager, PerRank, ResumableSampler, Sharded
+from coci_hpc.checkpoint import CheckpointManager, PerRank, Sharded
 from coci_hpc.checkpoint.lustre import LustrePolicy, tuning_for
 from coci_hpc.comm import Comm
 from coci_hpc.errors import PeerLost
 from coci_hpc.runtime import distributed
 from coci_hpc.runtime import survivors as sv
+from coci_hpc.runtime.data import ResumableSampler
 from coci_hpc.runtime.partner import RankState, capture
 from coci_hpc.runtime.stepsync import StepSync
 
@@ -200,7 +201,7 @@ def test_init_distributed_bounds_collectives(monkeypatch: pytest.MonkeyPatch) ->
 def test_a_writer_killed_before_its_manifest_leaves_the_previous_checkpoint_and_is_swept(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The survivors' writer SIGKILLed mid-save (here in a forked child, paused by the test-only
-    fault hook after its shards and before its manifest): step 4 stays latest; the next attempt's
+    faulty writer after its shards and before its manifest): step 4 stays latest; the next attempt's
     sweep names the torn step and removes its staging; the next save removes its data file."""
     import os
     import signal
@@ -213,7 +214,10 @@ def test_a_writer_killed_before_its_manifest_leaves_the_previous_checkpoint_and_
     tuning = tuning_for(tmp_path, LustrePolicy(), 2)
     assert sv.save(tmp_path, 4, st, 0, 2, capture(st, 0, 4), [capture(st, 1, 4)], tuning, keep=2,
                    window_s=1.0).committed
-    monkeypatch.setenv(sv.FAULT_PAUSE_ENV, "60")
+    from tests.faults.faulty import FaultyWriter
+
+    make = sv.make_writer                                      # the survivors' writer pauses after its shards
+    monkeypatch.setattr(sv, "make_writer", lambda: FaultyWriter(make(), pause_s=60, at="written", once=False))
     pid = os.fork()
     if pid == 0:                                               # the writer, to be killed mid-save
         try:

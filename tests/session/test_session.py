@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from coci_hpc.checkpoint import ResumableSampler
 from coci_hpc.comm import Comm
 from coci_hpc.errors import GaveUpError, SlurmError
+from coci_hpc.runtime.data import ResumableSampler
 from coci_hpc.runtime.distributed import rendezvous
 from coci_hpc.runtime.events import read_events
 from coci_hpc.runtime.preemption import requeue_with_retries

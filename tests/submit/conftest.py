@@ -66,6 +66,8 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
 # ----------------------------------------------------------------------------- the cluster tests' runs
 
 TRAIN = ROOT / "examples" / "train.py"
+FAULTY = ROOT / "tests" / "faults" / "faulty.py"   # runs TRAIN with the faulty writers its environment asks for
+FAULT_KNOBS = {"COCI_FAULT_SAVE_PAUSE_S", "COCI_FAULT_SURVIVORS_PAUSE_S"}
 STEP_RE = re.compile(r"^step=(\d+) ", re.M)
 # A lost peer (test_peer_failure_cluster, test_silent_host_cluster): no regular checkpoint before the
 # end, so only the survivors save.
@@ -85,9 +87,10 @@ def submit_peer_run(cluster: SlurmCluster, wd: Path, every: int = PEER_EVERY, ex
                     env: dict[str, str] | None = None) -> tuple[str, Path, Path]:
     """examples/train.py through coci-submit on 2 nodes: (job id, checkpoint dir, rank 0's log)."""
     ckpt = wd / "ckpt"
+    script = (str(FAULTY), str(TRAIN)) if FAULT_KNOBS & set(env or {}) else (str(TRAIN),)
     p = cluster.cli("coci_hpc.cli.submit", "--partition", "gpu", "--nodes", "2", "--time", "10",
                     "--job-name", "peer", "--output-dir", str(wd / "run"), "--ckpt-dir", str(ckpt),
-                    "--policy", f"fixed:{every}", str(TRAIN), "--steps", str(PEER_STEPS), "--seed", str(PEER_SEED),
+                    "--policy", f"fixed:{every}", *script, "--steps", str(PEER_STEPS), "--seed", str(PEER_SEED),
                     "--step-time", "0.03", *extra, cwd=wd, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     job = re.search(r"submitted job (\d+)", p.stdout).group(1)

@@ -65,7 +65,7 @@ def _no_leftovers(ckpt: Path) -> None:
 def test_survivors_killed_mid_save_leave_the_previous_checkpoint(slurm_cluster: SlurmCluster,
                                                                  peer_reference: str) -> None:
     """The node fails hard; the survivor's writer pauses after its shards, before its manifest (the
-    test-only fault hook), and is SIGKILLed there by Slurm itself (NODE_FAIL: SIGTERM, KillWait,
+    test-only faulty writer, tests/faults/faulty.py), and is SIGKILLed there by Slurm itself (NODE_FAIL: SIGTERM, KillWait,
     SIGKILL). The requeued run loads the last regular checkpoint, never the torn one, says what
     happened, removes the leftovers, and ends bit-exact."""
     wd = slurm_cluster.workdir / "peer-torn"

@@ -12,9 +12,11 @@ import time
 
 import torch
 
-from coci_hpc.checkpoint import CheckpointManager, engine
+from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.checkpoint.rawio import write_posix
 from coci_hpc.comm import Comm
 from tests.checkpoint.helpers import empty_state, full_state, replicated_hash
+from tests.faults.faulty import patch_writes
 
 
 def report(comm: Comm, state: dict, step: int) -> None:
@@ -40,14 +42,14 @@ def main() -> int:
         report(comm, state, res.step)
     elif mode == "die":
         mgr.save(1, full_state(1))
-        real = engine.write_posix
+        real = write_posix
 
         def write_then_hang(path, items, **kw):
             real(path, items[:1], fsync=True)  # some data reaches the file ...
             print("MIDWRITE", flush=True)
             time.sleep(600)                    # ... and the writer is killed here
 
-        engine.write_posix = write_then_hang
+        patch_writes(write_then_hang)
         mgr.save(2, full_state(2))
     return 0
 
