@@ -59,10 +59,18 @@ def create_datasets(f: h5py.File, datasets: Sequence[DatasetSpec]) -> dict[int, 
     With the mpio driver this must run on every rank with the same datasets (it is collective).
     """
     dcpl = _dcpl()
+    lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+    lcpl.set_create_intermediate_group(True)
+    types: dict[str, Any] = {}
     offsets: dict[int, int] = {}
+    # Low-level H5Dcreate: the same file, byte for byte, as f.create_dataset, at a third of the
+    # time (for an FSDP2 model's hundreds of datasets, a visible part of the async save's stall).
     for i, d in enumerate(datasets):
-        ds = f.create_dataset(d.path, shape=h5_shape(d.shape), dtype=storage_dtype(d.dtype), dcpl=dcpl)
-        off = ds.id.get_offset()
+        tid = types.get(d.dtype)
+        if tid is None:
+            tid = types[d.dtype] = h5py.h5t.py_create(storage_dtype(d.dtype))
+        space = h5py.h5s.create_simple(h5_shape(d.shape))
+        off = h5py.h5d.create(f.id, d.path.encode(), tid, space, dcpl=dcpl, lcpl=lcpl).get_offset()
         if off is not None:
             offsets[i] = int(off)
     return offsets
