@@ -53,7 +53,10 @@ def drop_cache(paths: list[Path]) -> str:
     machine is shared."""
     for p in paths:
         for f in ([p] if p.is_file() else [q for q in p.rglob("*") if q.is_file()]):
-            fd = os.open(f, os.O_RDONLY)
+            try:  # retention's reaper removes old steps (.trash-*) meanwhile
+                fd = os.open(f, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
             try:
                 os.fsync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

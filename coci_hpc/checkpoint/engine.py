@@ -813,6 +813,7 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
     direct: list[tuple[dict[str, Any], Runs, np.ndarray]] = []
     after: list[tuple[dict[str, Any], Runs, tuple[int, ...], Any]] = []
     fresh: list[tuple[np.ndarray, int]] = []
+    in_place: set[int] = set()  # ids of the state's own tensors the checked bytes go into
     for meta, start, shape, _ in ranges:
         name = meta["name"]
         tgt = targets.get(name)
@@ -828,6 +829,7 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
         tensors[name] = tgt.local if isinstance(tgt, Sharded) else tgt
         if how == "direct":
             direct.append((meta, start, view))
+            in_place.add(id(tensors[name]))
         else:
             after.append((meta, start, shape, _owner(state, name)))
     reader.copy_verified(fresh, threads)
@@ -865,7 +867,7 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
     skeletons = {"replicated": m["skeletons"]["replicated"], "per_rank": per_rank_skel}
     with torch.no_grad():
         missing = apply(state, skeletons, tensors, rng=rng and str(rank) in m["skeletons"]["per_rank"],
-                        before=trees, fill=fill)
+                        before=trees, fill=fill, in_place=frozenset(in_place))
     if rng and str(rank) not in m["skeletons"]["per_rank"]:
         missing.append("__rng__")
     return LoadResult(int(m["step"]), int(m["world_size"]), tuple(missing), m,

@@ -506,7 +506,7 @@ def _collect_tensors(tree: Any, prefix: str, out: dict[str, Any]) -> None:
 
 def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mapping[str, Any],
           *, rng: bool = True, before: Mapping[str, Any] | None = None,
-          fill: Callable[[], None] | None = None) -> list[str]:
+          fill: Callable[[], None] | None = None, in_place: frozenset[int] = frozenset()) -> list[str]:
     """Restore loaded trees into the user's state in place; return the keys that were missing.
 
     All or nothing: stateful objects that may refuse their input (optimizers, schedulers,
@@ -516,7 +516,9 @@ def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mappi
     tensors, dicts and lists come after; their keys, shapes and dtypes were checked beforehand,
     and ``tensors`` are fresh buffers, so no byte reached the state before this point.
     ``fill`` runs between the two groups: a load that writes the checked bytes into the state's
-    own tensors does it there, once no object can refuse any more.
+    own tensors does it there, once no object can refuse any more. ``in_place``: ids of the
+    tensors ``fill`` wrote into (the module's own storage); a module whose every entry is one of
+    them is not given to ``load_state_dict`` at all (:func:`_loaded_in_place`).
     """
     missing: list[str] = []
     pending: list[tuple[str, Any, Any]] = []
@@ -551,7 +553,8 @@ def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mappi
         if is_stateful(inner) and not isinstance(inner, torch.nn.Module):
             continue
         if is_stateful(inner):
-            inner.load_state_dict(tree)
+            if not _loaded_in_place(inner, tree, in_place):
+                inner.load_state_dict(tree)
         elif isinstance(inner, dict):
             _load_into_dict(inner, tree)
         elif isinstance(inner, list):
@@ -569,6 +572,44 @@ def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mappi
         else:
             missing.append("__rng__")
     return missing
+
+
+def _known_hook(hook: Any) -> bool:
+    """A load-state-dict hook of FSDP2's own: the pre-hook reshards unsharded parameters (they
+    are sharded: their shards were just written) and the post-hook re-pads a parameter only
+    if it was replaced (it was not)."""
+    fn = getattr(hook, "hook", hook)  # pre-hooks come wrapped (_WrappedHook)
+    return str(getattr(fn, "__module__", "")).startswith("torch.distributed.fsdp._fully_shard")
+
+
+def _loaded_in_place(module: torch.nn.Module, tree: Any, in_place: frozenset[int]) -> bool:
+    """True when ``tree`` holds only tensors already written into ``module``'s own storage, so
+    ``load_state_dict`` would copy each onto itself (for FSDP2 a DTensor dispatch and a memcpy
+    per parameter: a tenth of a same-mesh load in the issue-23 profile). Any hook of the user's
+    (or extra state) keeps the ordinary path."""
+    if not in_place or not isinstance(tree, Mapping) or not tree:
+        return False
+    if not all(isinstance(v, torch.Tensor) and id(v) in in_place for v in tree.values()):
+        return False
+    for m in module.modules():
+        hooks = list(m._load_state_dict_pre_hooks.values()) + list(m._load_state_dict_post_hooks.values())
+        if any(not _known_hook(h) for h in hooks) or \
+                type(m).get_extra_state is not torch.nn.Module.get_extra_state:
+            return False
+    live = module.state_dict(keep_vars=True)
+    return len(live) == len(tree) and all(_same_memory(tree[k], live.get(k)) for k in tree)
+
+
+def _same_memory(a: torch.Tensor, b: Any) -> bool:
+    """``a`` is a view of exactly ``b``'s bytes (a module whose state_dict() hands out copies
+    must get its loaded values through load_state_dict)."""
+    if not isinstance(b, torch.Tensor):
+        return False
+    if is_dtensor(a) != is_dtensor(b):
+        return False
+    a, b = (local_of(a), local_of(b)) if is_dtensor(a) else (a, b)
+    return (a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.device == b.device and a.data_ptr() == b.data_ptr())
 
 
 def _load_into_dict(target: dict, tree: Any) -> None:
