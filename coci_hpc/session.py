@@ -34,54 +34,44 @@ no I/O (losses are flushed with checkpoints, stops, and every ``LOSS_FLUSH_S`` s
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
-import threading
 import time
-import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any, NoReturn
-
-import numpy as np
+from typing import Any
 
 from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.checkpoint.state import Leaf, collect
 from coci_hpc.comm import Comm
-from coci_hpc.errors import (
-    CheckpointError,
-    CheckpointOtherRun,
-    CociError,
-    GaveUpError,
-    PeerLost,
-    SlurmError,
-    UsageError,
-)
+from coci_hpc.errors import CheckpointError, CheckpointOtherRun, GaveUpError, PeerLost, UsageError
 from coci_hpc.planner.failures import FailureModel, from_mtbf
 from coci_hpc.runtime import attempts as att
 from coci_hpc.runtime import errorexit, runrecord, signals
+from coci_hpc.runtime.attemptbook import AttemptBook
 from coci_hpc.runtime.config import SessionConfig, resolve
 from coci_hpc.runtime.data import session_state
 from coci_hpc.runtime.distributed import default_comm
-from coci_hpc.runtime.events import FILENAME, EventLog, last_attempt, read_events
+from coci_hpc.runtime.errorexit import record_uncaught  # noqa: F401 - coci-submit's runner calls it here
+from coci_hpc.runtime.events import FILENAME, EventLog, read_events
+from coci_hpc.runtime.losses import LossBuffer
 from coci_hpc.runtime.optimeout import OpTimeout
+from coci_hpc.runtime.peerloss import PeerLoss
 from coci_hpc.runtime.peernotice import PeerNotice
-from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, requeue_with_retries
+from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, StopController
 from coci_hpc.runtime.procinfo import process_start_wall
 from coci_hpc.runtime.schedule import Schedule, make_schedule
 from coci_hpc.runtime.stepsync import MIN_DEADLINE_S, StepSync
-from coci_hpc.runtime.survivors import Survival, held_in_parts, sweep_torn, torn_steps
-from coci_hpc.slurm import commands, sacct, scontrol
+from coci_hpc.runtime.survivors import Survival, held_in_parts, sweep_torn
+from coci_hpc.slurm import commands
 from coci_hpc.slurm.env import JobEnvironment
 from coci_hpc.slurm.failure_cache import Pending, failure_model_for_job
 from coci_hpc.slurm.failure_cache import describe as describe_history
-from coci_hpc.slurm.hostlist import expand_hostlist
 
 STATE_KEY = "coci_session"
 ENV_INPLACE = "COCI_INPLACE_RESTARTS"   # set by submit/relaunch.py for the rank steps it starts
 STOP = 1                    # stop level exchanged at the step boundary (MAX over ranks)
-LOSS_BUFFER = 4096          # losses kept between flushes (rank 0), preallocated
-LOSS_FLUSH_S = 5.0          # at most one losses record per this many seconds between checkpoints
 DEFAULT_MTBF_H = 70.0       # per-node MTBF when the partition's history cannot be read
 HISTORY_DAYS = 90
 
@@ -100,23 +90,13 @@ class _SessionState:
         if d.get("schedule") is not None and d["schedule"].get("policy") == self.schedule.policy:
             self.schedule.load_state_dict(dict(d["schedule"]))
 
-
-# Open MPI prints its own alarming warning in the survivors' logs once a peer is gone, around coci's
-# peer-lost line: say beside it that it is expected, so nobody chases it (issue 26).
-PEER_LOST_MPI_NOTE = ("Open MPI may now warn that it \"failed to TCP connect to a peer MPI process\" and that the job "
-                      "\"may now hang or fail\": expected after a lost peer; the survivors save and leave")
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's own view, no collective (a survivors' save, where rank 0 may be gone)."""
+        return {"version": 1, "schedule": self.schedule.local_state_dict()}
 
 
 def _say(msg: str) -> None:
     print(f"coci: {msg}", file=sys.stderr, flush=True)
-
-
-def _leave_after_peer_loss(in_place: bool) -> NoReturn:
-    """End this process now: no MPI finalize or collective that would wait for the lost rank.
-    Under the relaunch loop a non-zero status is what makes it restart the ranks in place."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(1 if in_place else 0)
 
 
 class Session:
@@ -225,7 +205,7 @@ class Session:
         self.comm.run_step(lambda: self.config.ckpt_dir.mkdir(parents=True, exist_ok=True)
                            if self.rank == 0 else None, f"creating {self.config.ckpt_dir}")
         self.events_path = self.config.ckpt_dir / FILENAME
-        _watch_uncaught(self)
+        errorexit.watch_uncaught(self)
         # Handlers first: a signal during the restore below must not kill the process.
         self.recorder = SignalRecorder(DEFAULT_SIGNALS, chain=False).install()
         try:
@@ -258,17 +238,22 @@ class Session:
         self.survival = Survival(self._state, self.comm, ranks_per_node=per_node, enabled=self._survivors,
                                  skip=frozenset({STATE_KEY}))
         self.log = EventLog(self.events_path, attempt=1, job_id=self.job.job_id, enabled=self.rank == 0)
+        self.losses = LossBuffer(self.log, enabled=self.rank == 0)
+        self.book = AttemptBook(self.log, self.job, self._runner, self.config.ckpt_dir, in_place=self._in_place,
+                                process_wall=self._process_wall, init_wall=self._init_wall)
+        self.stopper = StopController(self.job, self.recorder, self.config.signal_lead_s, self._runner, say=_say)
+        self.peer_loss = PeerLoss(comm=self.comm, mgr=self.mgr, survival=self.survival, state=self._state,
+                                  session_key=STATE_KEY, local_session_state=self._state[STATE_KEY].local_state_dict,
+                                  parts=self._parts, root=self.config.ckpt_dir, log=self.log, book=self.book,
+                                  losses=self.losses, job=self.job, runner=self._runner, notice=self.sync.notice,
+                                  in_place=self._in_place)
+        self._watch = contextlib.ExitStack()   # the comm's watch on its peers while the loop runs
         self.step = 0                      # steps completed
         self._loss = math.nan
-        self._loss_steps = np.zeros(LOSS_BUFFER, dtype=np.int64)
-        self._loss_values = np.zeros(LOSS_BUFFER, dtype=np.float64)
-        self._loss_n = 0
-        self._last_flush = time.monotonic()
         self._pending_ckpt: tuple[int, float] | None = None   # async save in flight: (step, blocking_s)
         self._started = False
         self._blocking = False             # agree on a stop at the boundary itself (lead short for 2 steps)
         self._recheck_at = -1              # a boundary where every rank re-decides _blocking
-        self._lost_lock = threading.Lock() # one survivors' save per process (main thread or guard timer)
 
     def _check_same_run(self) -> None:
         """One run, one directory (:mod:`.runtime.runrecord`): refused before anything is loaded."""
@@ -339,9 +324,10 @@ class Session:
             # generator cannot see that exception, so ask the peers: a lost one does not answer.
             t_fail = time.time()       # when the failure surfaced here, before the probe's deadline
             if step < total and self.comm.size > 1 and not self.sync.probe(self.sync.deadline_s):
-                self._peer_lost(self.step, f"an exception inside the step, then: {self.sync.lost_why}", t_fail)
+                self.peer_loss.handle(self.step, f"an exception inside the step, then: {self.sync.lost_why}", t_fail)
             raise
         finally:
+            self._watch.close()
             self._op_timeout.restore()
             self.recorder.uninstall()
             self.survival.remove_hooks()
@@ -363,7 +349,7 @@ class Session:
 
     # -- start of an attempt -------------------------------------------------------------------------
     def _begin(self) -> int:
-        info = self._read_history() if self.rank == 0 else None
+        info = self.book.read_history() if self.rank == 0 else None
         t0 = time.perf_counter()
         resumed: int | None = None
         if self.mgr.latest_step() is not None:
@@ -380,7 +366,9 @@ class Session:
         verdict, blocking = None, False
         if self.rank == 0:
             assert info is not None
-            verdict = self._record_start(info, resumed, restore_s)
+            verdict = self.book.record_start(info, resumed, restore_s, schedule=self.schedule, ranks=self.comm.size,
+                                             run_record=self.run_record, config=self.config,
+                                             survivors_enabled=self.survival.enabled, parts=self._parts)
             sweep_torn(self.config.ckpt_dir)      # only now that attempt_start is written: see sweep_torn
             blocking = verdict is None and self._lead_check(warn=True)
         verdict, self._blocking, self.log.attempt = self.comm.bcast((verdict, blocking, self.log.attempt))
@@ -393,13 +381,12 @@ class Session:
         self._recheck_at = self.step + 3           # once the first steps of this attempt are timed
         # From now on no collective of ours (the store's included) waits for ever on a dead peer:
         # each is polled against the peer deadline (coci_hpc.comm), and an MPI-IO call that
-        # cannot be polled is guarded by a timer that starts the survivors' save (_stuck).
-        self.comm.peer_deadline_s = self.sync.deadline_s
-        self.comm.on_stuck = self._stuck
-        if self.sync.notice is not None:
-            self.comm.peer_notice = self.sync.notice.posted
-        if self.rank == 0 and self.sync.notice is not None:
-            self.sync.notice.mark_training()       # the relaunch loop's grace for a survivors' save applies
+        # cannot be polled is guarded by a timer that starts the survivors' save (PeerLoss.stuck).
+        notice = self.sync.notice
+        self._watch.enter_context(self.comm.watch(self.sync.deadline_s, lambda what: self.peer_loss.stuck(self.step, what),
+                                                  notice.posted if notice is not None else None))
+        if self.rank == 0 and notice is not None:
+            notice.mark_training()       # the relaunch loop's grace for a survivors' save applies
         if not self._blocking:
             # The first boundary's agreement is sent now (the pipeline is one step deep).
             self.sync.send(STOP if self.recorder.received else 0, self.schedule.decide(self.step + 1), False)
@@ -417,98 +404,18 @@ class Session:
         if self.rank == 0:
             _say(f"init_from: loaded {len(report.loaded)} tensors from {report.source} ({report.kind})")
 
-    def _read_history(self) -> dict[str, Any]:
-        events = read_events(self.events_path)
-        self.log.attempt = last_attempt(events) + 1
-        rows: list[sacct.SlurmAttempt] = []
-        sacct_error = None
-        jid = self.job.requeue_id
-        # An in-place restart is the same Slurm attempt: sacct says nothing about the previous
-        # one (the relaunch record does), and the query would sit on the restart's critical path.
-        if jid is not None and not self._in_place:
-            try:
-                rows = sacct.job_attempts(jid, self._runner)
-            except (SlurmError, OSError) as exc:
-                sacct_error = str(exc)
-        # A survivors' save killed before its manifest (SIGKILL at KillWait, a second failure):
-        # its staging goes once this attempt is recorded, its data file at the next save (an
-        # uncommitted leftover).
-        recorded = {e.get("step") for e in att.previous_records(events) if e.get("event") == "peer_lost"}
-        torn = [s for s in torn_steps(self.config.ckpt_dir) if s not in recorded]   # recorded: a fallback
-        if torn:
-            _say(f"the survivors' save of step(s) {torn} never committed (killed before its manifest); "
-                 f"resuming from the latest committed checkpoint instead")
-        return {"events": events, "rows": rows, "sacct_error": sacct_error, "torn": torn}
-
-    def _survivor_coverage(self, events: list[dict[str, Any]]) -> float:
-        """Rank 0: the share of failures the planner may count as ~one step lost (survivors' saves)."""
-        from coci_hpc.runtime import survivors as sv
-
-        return sv.coverage_estimate(events, self.survival.enabled and not self._parts)
-
-    def _record_start(self, info: dict[str, Any], resumed: int | None, restore_s: float) -> str | None:
-        events, rows = info["events"], info["rows"]
-        prev = att.previous_records(events)
-        rc = self.job.restart_count
-        prev_slurm = rows[-2] if rc > 0 and len(rows) >= 2 else None
-        if rc > 0 and len(rows) < 2 and info["sacct_error"] is None:
-            info["sacct_error"] = f"sacct lists {len(rows)} attempt(s) of job {self.job.requeue_id}"
-        prev_end = att.classify_previous(prev, prev_slurm, restart_count=rc, sacct_error=info["sacct_error"])
-        lost = att.steps_lost(prev, resumed) if prev_end.reason != "none" else None
-        if info.get("torn"):        # the torn save's step was finished by every rank (no record says so)
-            lost = max(lost or 0, max(info["torn"]) - (resumed or 0))
-        if prev_end.reason in ("node_failure", "crash", "rank_failure") and prev_end.end_wall:
-            self.schedule.after_failure(time.time() - prev_end.end_wall)
-        coverage = self._survivor_coverage(events)
-        self.schedule.use_survivor_coverage(coverage)
-        from coci_hpc.runtime import survivors as sv
-        verdict = att.give_up_reason(events, resumed, prev_end.reason, job_id=self.job.job_id, restart_count=rc,
-                                     max_requeues=self.config.max_requeues,
-                                     no_progress_limit=self.config.no_progress_limit,
-                                     in_place_restart=self._in_place or 0)
-        nodes = expand_hostlist(self.job.step_nodelist or self.job.nodelist or "") \
-            if (self.job.step_nodelist or self.job.nodelist) else []
-        self.log.write("attempt_start", nodes=nodes, ranks=self.comm.size, run=self.run_record,
-                       policy=self.config.policy,
-                       restart_count=rc, prev_end=prev_end.to_dict(), resumed_step=resumed, steps_lost=lost,
-                       torn_survivors_saves=info.get("torn") or [],
-                       config_sources=dict(self.config.sources), slurm_id=self.job.requeue_id,
-                       survivor_coverage=coverage,
-                       survivors_off=sv.parts_reason(self._parts) if self._parts else None,
-                       in_place_restart=self._in_place, process_wall=self._process_wall,
-                       session_wall=self._init_wall)
-        _say(att.describe_start(self.log.attempt, self.job.job_id, rc, nodes, self.comm.size, prev_end.reason,
-                                prev_end.detail, resumed, lost))
-        if self._parts and self.survival.enabled:
-            _say(f"on a lost rank: no survivors' save, back to the last checkpoint: {sv.parts_reason(self._parts)}")
-        if verdict is not None:
-            self.log.write("end", step=resumed, status="gave_up", message=verdict)
-            _say(f"giving up: {verdict}")
-            return verdict
-        if resumed is not None:
-            cur = rows[-1] if rows and rows[-1].state == "RUNNING" else None
-            # In place, the "requeue" part is the relaunch loop's (failure -> these processes
-            # exist): Slurm's row started with the allocation, long before.
-            began = self._process_wall if self._in_place else (cur.start if cur else None)
-            lat = att.latency_split(prev_end.end_wall, began, self._init_wall, time.time(), restore_s)
-            if self._in_place and prev_end.reason != "none" and lat["total"] is not None:
-                self.schedule.restarted_in_place(float(lat["total"]))
-            self.log.write("resumed", step=resumed, restart_latency_s=lat)
-            _say(f"resumed from step {resumed}: {att.describe_latency(lat)}")
-        return None
-
     # -- the step boundary ---------------------------------------------------------------------------
     def _after_step(self, step: int, dt: float, total: int) -> None:
         self.step = step
         if self._history_pending is not None and self._history_pending.done():
             self._use_fresh_history()
         if self.rank == 0:
-            self._record_loss(step)
+            self.losses.record(step, self._loss)
         self.schedule.observe(step, self._loss if self.rank == 0 else math.nan, dt)
         self.survival.boundary(step)
         self._dt_ema = dt if self._dt_ema == 0.0 else 0.9 * self._dt_ema + 0.1 * dt
         self.sync.deadline_s = max(self._min_deadline, 10.0 * self._dt_ema)
-        self.comm.peer_deadline_s = self.sync.deadline_s
+        self.comm.peer_deadline_s = self.sync.deadline_s    # inside the loop's watch: follows the step time
         self._op_timeout.observe(self.sync.deadline_s)
         t_wait = time.time()
         try:
@@ -518,7 +425,7 @@ class Session:
             # What every rank agreed on (at the previous boundary when pipelined: the one collective).
             level, save, busy = self.sync.receive()
         except PeerLost as exc:
-            self._peer_lost(step, f"the step agreement after step {step}: {exc.message}", t_wait)
+            self.peer_loss.handle(step, f"the step agreement after step {step}: {exc.message}", t_wait)
         try:
             if self.mgr.persist_in_flight and not busy:
                 self._settle()
@@ -532,39 +439,25 @@ class Session:
         except PeerLost as exc:
             # A peer vanished while a checkpoint's collectives were in flight: the survivors save
             # this boundary's state (the step that save was writing); the torn save never commits.
-            self._save_collective_lost(step, exc)
+            self.peer_loss.collective_lost(step, exc)
         if not self._blocking:
             self.sync.send(STOP if self.recorder.received else 0,
                            self.schedule.decide(step + 1) if step + 1 < total else False, self._busy())
-
-    def _save_collective_lost(self, step: int, exc: PeerLost) -> None:
-        waited = self.comm.peer_deadline_s or 0.0
-        self._peer_lost(step, f"a checkpoint collective after step {step} did not complete: {exc.message}",
-                        time.time() - waited)
-
-    def _stuck(self, what: str) -> None:
-        """The guard timer (coci_hpc.comm.Comm.guard): the main thread is inside an MPI-IO call
-        that a lost peer never joins. Save from the survivors from here; never returns."""
-        waited = self.comm.peer_deadline_s or 0.0
-        self._peer_lost(self.step, f"a checkpoint write after step {self.step} is stuck: {what}",
-                        time.time() - waited)
 
     def _busy(self) -> bool:
         return self.mgr.persist_in_flight and not self.mgr.persist_done
 
     def _lead_check(self, *, warn: bool) -> bool:
-        """Rank 0: whether to agree on a stop at the boundary itself (True when the signal lead cannot
-        cover two steps, a save and the requeue: the pipelined agreement stops one step later).
-        With ``warn``, says so when even one step does not fit. Other ranks return False."""
-        if self.rank != 0 or (not self.job.in_slurm_job and self.config.signal_lead_s is None):
-            return False                   # a run by hand has no warning signal to fit in
-        lead = self.config.signal_lead_s if self.config.signal_lead_s is not None else att.DEFAULT_SIGNAL_LEAD_S
-        c = self.schedule.costs()
-        save_s = c.ckpt_s + c.persist_s if self.schedule.measured else None
-        verdict = att.lead_check(lead, c.step_time_s, save_s, att.REQUEUE_ALLOWANCE_S)
+        """Rank 0: whether to agree on a stop at the boundary itself (:meth:`StopController.lead_check`);
+        with ``warn``, says so when even one step does not fit. Other ranks return False."""
+        if self.rank != 0:
+            return False
+        step_s, save_s = self.schedule.costs().step_time_s, self.schedule.save_s()
+        verdict = self.stopper.lead_check(step_s, save_s)
         if warn and verdict.warning:
             _say(verdict.warning)
-            self.log.write("lead_warning", message=verdict.warning, lead_s=lead, step_s=c.step_time_s, save_s=save_s)
+            self.log.write("lead_warning", message=verdict.warning, lead_s=self.stopper.lead_s, step_s=step_s,
+                           save_s=save_s)
         return verdict.stop_at_boundary
 
     def _save(self, step: int, kind: str = "planned") -> None:
@@ -577,7 +470,7 @@ class Session:
         else:
             self.mgr.save(step, self._state)
             blocking = time.perf_counter() - t0
-            self._flush_losses()
+            self.losses.flush()
             self.log.write("checkpoint", step=step, kind=kind, blocking_s=blocking, persist_s=None)
         self.schedule.saved(step, blocking)
 
@@ -589,55 +482,24 @@ class Session:
         # slowest rank's write: that is not a lost peer, so the deadline grows by twice the
         # writes measured so far (0 before the first).
         base = self.comm.peer_deadline_s
-        if base is not None and self.mgr.persist_in_flight:
-            self.comm.peer_deadline_s = base + 2.0 * self.schedule.costs().persist_s
-        try:
+        grown = base + 2.0 * self.schedule.costs().persist_s if base is not None and self.mgr.persist_in_flight \
+            else base
+        with self.comm.deadline(grown):
             self.mgr.wait()
-        finally:
-            self.comm.peer_deadline_s = base
         if self._pending_ckpt is None:
             return
         step, blocking = self._pending_ckpt
         self._pending_ckpt = None
         persist = self.mgr.async_stats.get("persist_s")
         self.schedule.persisted(persist)
-        self._flush_losses()
+        self.losses.flush()
         self.log.write("checkpoint", step=step, kind="planned", blocking_s=blocking, persist_s=persist)
-
-    def _stop_plan(self) -> att.StopPlan:
-        """Rank 0: why we stop, from Slurm's record of the job (one ``scontrol show job``, plus the
-        partition's GraceTime for a preemption or KillWait for an end from outside)."""
-        first = self.recorder.first
-        signame = first.name if first is not None else "?"
-        now = time.time()
-        signal_wall = now - (time.monotonic() - first.monotonic) if first is not None else now
-        record, grace, kill_wait = None, None, None
-        if self.job.in_slurm_job:
-            try:
-                record = scontrol.show_job(self.job.requeue_id or "", self._runner)
-            except (SlurmError, ValueError, OSError) as exc:
-                _say(f"`scontrol show job` failed ({exc}); deciding without Slurm's record")
-            try:
-                if record is not None and record.preempted and (record.partition or self.job.partition):
-                    grace = scontrol.grace_time_s(record.partition or self.job.partition or "", self._runner)
-                if signame == "SIGTERM" and (record is None or not record.preempted or grace == 0):
-                    kill_wait = scontrol.kill_wait_s(self._runner)
-            except (SlurmError, ValueError, OSError):
-                kill_wait = kill_wait if kill_wait is not None else scontrol.DEFAULT_KILL_WAIT_S
-        return att.stop_reason(signame, record, now_wall=time.time(), signal_wall=signal_wall,
-                               restart_count=self.job.restart_count, in_slurm_job=self.job.in_slurm_job,
-                               signal_lead_s=self.config.signal_lead_s, grace_time_s=grace, kill_wait_s=kill_wait)
 
     def _stop(self, step: int) -> None:
         first = self.recorder.first
         signame = first.name if first is not None else "?"
-        decision = None
-        if self.rank == 0:
-            plan = self._stop_plan()
-            c = self.schedule.costs()
-            save_s = c.ckpt_s + c.persist_s if self.schedule.measured else None
-            fits = plan.save_fits(time.time(), save_s)
-            decision = (plan.reason, plan.detail, plan.requeue, fits)
+        # Rank 0 decides (StopController: Slurm's record, GraceTime or KillWait), every rank follows.
+        decision = self.stopper.decide(self.schedule.save_s()) if self.rank == 0 else None
         reason, detail, requeue, fits = self.comm.bcast(decision)
         requeue = requeue and self.job.in_slurm_job
         self._settle()
@@ -648,24 +510,14 @@ class Session:
             saved = True
         elif not saved:
             detail += "; no save: it would not end before Slurm's kill"
-        self._flush_losses()
+        self.losses.flush()
         rc = self.job.restart_count
         self.log.write("stop", step=step, reason=reason, signal=signame, requeued=requeue, detail=detail,
                        restart_count=rc, saved=saved)
         if requeue:
-            def ask() -> None:
-                if self.rank == 0:
-                    requeue_with_retries(self.job.requeue_id or "", self._runner)
             # The others wait for rank 0's `scontrol requeue` (with its retries): not a lost peer.
-            deadline, self.comm.peer_deadline_s = self.comm.peer_deadline_s, max(60.0, self.sync.deadline_s)
-            try:
-                self.comm.run_step(ask, "requeue")
-            except PeerLost:
-                raise
-            except CociError as exc:
-                self.log.write("end", step=step, status="error", message=str(exc))
-                raise
-            self.comm.peer_deadline_s = deadline
+            self.stopper.requeue(self.comm, max(60.0, self.sync.deadline_s),
+                                 lambda exc: self.log.write("end", step=step, status="error", message=str(exc)))
         self.mgr.close()
         if self.rank == 0:
             _say(f"stopped at step {step} ({reason}: {detail}): "
@@ -674,142 +526,21 @@ class Session:
                     else "; not requeued (run again with the same arguments to resume)"))
         raise SystemExit(0)
 
-    def _record_loss(self, step: int) -> None:
-        n = self._loss_n
-        self._loss_steps[n], self._loss_values[n] = step, self._loss
-        self._loss_n = n + 1
-        if self._loss_n == LOSS_BUFFER or time.monotonic() - self._last_flush > LOSS_FLUSH_S:
-            self._flush_losses()
-
-    def _flush_losses(self) -> None:
-        n = self._loss_n
-        if self.rank == 0 and n:
-            self.log.write("losses", steps=self._loss_steps[:n].tolist(), values=self._loss_values[:n].tolist())
-        self._loss_n = 0
-        self._last_flush = time.monotonic()
-
-    def _peer_lost(self, step: int, how: str, t_fail: float) -> None:
-        """A peer rank is gone: save from the survivors (:mod:`.runtime.survivors`), record it,
-        requeue the job (Slurm requeues a NODE_FAIL by itself; a crashed rank on a healthy node
-        needs us) and leave the process at once, with no MPI collective or finalize that would
-        wait for the dead rank. Never returns."""
-        in_place = self._in_place is not None
-        from coci_hpc.runtime import survivors as sv
-
-        # The main thread (a deadline missed) and the guard timer (an MPI-IO call stuck) may both
-        # get here: the first one saves and ends the process, the second waits for that end.
-        self._lost_lock.acquire()
-        self.comm.lost = True
-        newer = self._newer_attempt()
-        if newer is not None:
-            # A process left over from an attempt Slurm has already replaced: its host stopped
-            # (a hung kernel, a paused VM) past SlurmdTimeout, the job was requeued and started
-            # elsewhere, and the host ran again before slurmd killed what it had left. Saving,
-            # recording or `scontrol requeue` now would act on the live run: requeue it, log a
-            # failure it did not have. Leave as quietly as a killed process.
-            _say(f"rank {self.rank}: peer lost at step {step} ({how}), but attempt {newer} of this run has "
-                 f"started since this attempt ({self.log.attempt}) began: this process was left behind and "
-                 f"leaves without saving, recording or requeueing")
-            _leave_after_peer_loss(in_place)
-        try:
-            t_detect = time.time()
-            # A background persist of a regular save may still be writing (its step directory is
-            # replaced below when it is the same step): let it finish first, locally, bounded.
-            self.mgr.quiesce(timeout_s=5.0)
-            _say(f"rank {self.rank}: peer lost at step {step}: {how}. {PEER_LOST_MPI_NOTE}")
-            sv_ = self.survival
-            boundary = sv_.snapshot.step
-            root = self.config.ckpt_dir
-            out: sv.Outcome | None = None
-            reason = ""
-            if not sv_.enabled:
-                reason = sv_.why_not
-            elif sv_.opt_steps != sv_.snapshot.opt_steps:
-                reason = f"this rank's optimizer had already stepped past step {boundary} when the failure surfaced"
-            elif sv_.own_for(boundary) is None:
-                reason = f"this rank holds no copy of its own per-rank state for step {boundary}"
-            if not reason:
-                own_copy = sv_.own_for(boundary)
-                assert sv_.partner is not None and own_copy is not None
-                copy = sv_.partner.copy_for(boundary)       # decoded only now, off the per-step path
-                own = own_copy.state()
-                sv_.snapshot.rollback(self._state)
-                sv.restore_own_rng(own)
-                tuning = self.mgr._tuning
-                if tuning is None:
-                    from coci_hpc.checkpoint.lustre import tuning_for
-                    tuning = tuning_for(root, self.mgr.lustre, self.comm.size, self.mgr.access)
-                # Within Slurm's kill window: KillWait (5 s here, 30 s by default) after the node is DOWN.
-                # The planner's state_dict() broadcasts rank 0's view: take this survivor's own instead.
-                local = {**self._state, STATE_KEY: {"version": 1, "schedule": self.schedule._own_state()}}
-                out = sv.save(root, boundary, local, self.rank, self.comm.size, own,
-                              [copy] if copy is not None else [], tuning, self.mgr.keep, window_s=3.0,
-                              parts=self._parts)
-            else:
-                staging = sv.staging_dir(root, boundary)
-                staging.mkdir(mode=0o700, exist_ok=True)
-                out = sv.Outcome(boundary, writer=sv.claim(root, boundary), reason=reason)
-            if out.writer:
-                latest = mf_latest(root)       # not mgr.latest_step(): that is a collective
-                log = self.log if self.rank == 0 else EventLog(self.events_path, attempt=self.log.attempt,
-                                                               job_id=self.job.job_id, enabled=True)
-                if self.rank == 0:
-                    self._flush_losses()
-                log.write("peer_lost", step=boundary, how=how, survivor=self.rank, committed=out.committed,
-                          lost_ranks=out.ranks_from_partner, reason=out.reason, failure_wall=t_fail,
-                          detect_wall=t_detect, commit_wall=time.time() if out.committed else None,
-                          save_s=out.write_s, fallback_step=None if out.committed else latest)
-                if in_place and self.sync.notice is not None:
-                    self.sync.notice.mark_left()    # the loop may end a silent peer's task now
-                if out.committed:
-                    _say(f"survivors' checkpoint of step {boundary} committed {time.time() - t_fail:.1f}s after "
-                         f"the failure (ranks {out.ranks_from_partner} from their partners' copies)")
-                else:
-                    _say(f"no survivors' checkpoint ({out.reason}); falling back to the last regular checkpoint "
-                         f"(step {latest})")
-                if in_place:
-                    _say("coci-submit's relaunch loop restarts the ranks in place (--spare-nodes): no requeue")
-                elif self.job.in_slurm_job:
-                    try:
-                        requeue_with_retries(self.job.requeue_id or "", self._runner)
-                        _say("job requeued")
-                    except SlurmError as exc:
-                        _say(f"requeue failed ({exc}); Slurm requeues a NODE_FAIL job by itself")
-        except BaseException as exc:  # noqa: BLE001 - nothing may keep this rank from leaving
-            import traceback
-            traceback.print_exc()
-            _say(f"rank {self.rank}: the survivors' save failed ({exc}); the previous checkpoint stays latest")
-            if self.job.in_slurm_job:
-                try:
-                    requeue_with_retries(self.job.requeue_id or "", self._runner)
-                except SlurmError:
-                    pass
-        _leave_after_peer_loss(in_place)
-
-    def _newer_attempt(self) -> int | None:
-        """The attempt of this run that started after this one, if any (from the event log: every
-        attempt, requeued or restarted in place, writes ``attempt_start`` before its first step)."""
-        try:
-            newest = last_attempt(read_events(self.events_path))
-        except OSError:
-            return None
-        return newest if newest > self.log.attempt else None
-
     def _finish(self, total: int) -> None:
         t_wait = time.time()
         try:
             self.sync.receive()            # complete the last boundary's allreduce on every rank
         except PeerLost:
-            self._peer_lost(total, f"the last step agreement timed out ({self.sync.deadline_s:.1f}s)", t_wait)
+            self.peer_loss.handle(total, f"the last step agreement timed out ({self.sync.deadline_s:.1f}s)", t_wait)
         try:
             self._settle()
             if self.mgr.latest_step() != total:
                 self._save(total, kind="final")
-            self._flush_losses()
+            self.losses.flush()
             self.mgr.close()
         except PeerLost as exc:
-            self._save_collective_lost(total, exc)
-        self.comm.peer_deadline_s, self.comm.on_stuck, self.comm.peer_notice = None, None, None
+            self.peer_loss.collective_lost(total, exc)
+        self._watch.close()                # the comm's deadline, stuck handler and notice as before
         self.log.write("end", step=total, status="completed", message="")
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -838,42 +569,6 @@ class Session:
         _say(describe_history(self.job.partition or "", summary) + "; the plan now uses it")
 
 
-_active: list[weakref.ref[Session]] = []
-_hooked = False
-
-
-def _watch_uncaught(session: Session) -> None:
-    """An exception the user's code lets out of the loop ends the attempt: it is written to the
-    event log as the attempt's end (status "error"), so coci-status does not show it running.
-    sys.excepthook sees it under python/srun; coci-submit's runner calls :func:`record_uncaught`."""
-    global _hooked
-    _active[:] = [weakref.ref(session)]
-    if _hooked:
-        return
-    _hooked = True
-    previous = sys.excepthook
-
-    def hook(tp: type[BaseException], exc: BaseException, tb: Any) -> None:
-        record_uncaught(exc)
-        previous(tp, exc, tb)
-    sys.excepthook = hook
-
-
-def record_uncaught(exc: BaseException) -> None:
-    """Write ``end`` status "error" for the session of this process whose loop did not end."""
-    session = _active[0]() if _active else None
-    if session is None or isinstance(exc, SystemExit) or session.rank != 0 or not hasattr(session, "log"):
-        return
-    try:
-        mine = [e for e in read_events(session.events_path) if e.get("attempt") == session.log.attempt]
-        if mine and mine[-1].get("event") in ("end", "stop"):
-            return                          # the session recorded how it ended (gave up, stopped, ...)
-        session.log.write("end", step=session.step, status="error",
-                          message=f"{type(exc).__name__}: {exc}"[:2000])
-    except OSError:                         # the log's directory is gone: nothing to record into
-        pass
-
-
 def _check_saveable(state: Mapping[str, Any]) -> list[Leaf]:
     """Refuse at Session() what the store could not save (a lock, a file, an arbitrary object: it
     would fail at the first checkpoint, maybe an hour later). Flattening takes views, no copies.
@@ -884,8 +579,3 @@ def _check_saveable(state: Mapping[str, Any]) -> list[Leaf]:
         raise UsageError(f"this state cannot be checkpointed: {exc.message}",
                          hint=exc.hint or "keep tensors, numpy arrays, JSON values and objects with "
                                           "state_dict()/load_state_dict() in the state") from exc
-
-
-def mf_latest(root: Any) -> int | None:
-    from coci_hpc.checkpoint import manifest
-    return manifest.latest_step(root)

@@ -169,6 +169,13 @@ class _Measured:
         """Whether a save has been timed (before that, :meth:`costs` holds placeholders)."""
         return bool(self.ckpt_costs)
 
+    def save_s(self) -> float | None:
+        """A save's measured length (snapshot + background write); None before one was timed."""
+        if not self.measured:
+            return None
+        c = self.costs()
+        return c.ckpt_s + c.persist_s
+
     def next_step(self) -> int | None:
         return None
 
@@ -184,6 +191,10 @@ class _Measured:
 
     def state_dict(self) -> dict[str, Any]:
         return self.comm.bcast(self._own_state())
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's own view, with no collective (a survivors' save, where rank 0 may be gone)."""
+        return self._own_state()
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         if d.get("version") != 1:
