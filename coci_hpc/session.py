@@ -1,36 +1,8 @@
-"""The training session: what a user's loop touches to become preemption-safe.
-
-    session = coci_hpc.Session({"model": model, "optimizer": opt, "scheduler": sched, "loader": sampler},
-                               total_steps=10_000)
-    for step in session.steps():          # resumes from the latest checkpoint first
-        loss = train_step()
-        session.observe(loss)
-    # only reached when training completed (a stop exits the process cleanly, see below)
-
-What it does, on every rank, with nothing else written by the user:
-
-- restores the newest committed checkpoint (state in place, RNG, loader position, scheduler);
-- takes the checkpoint directory and policy from arguments, else coci-submit's ``COCI_*``
-  environment (:mod:`coci_hpc.runtime.config`);
-- chooses checkpoint steps with the planner (``fixed:N`` = every N steps), saves two-phase;
-- owns USR1, USR2 and SIGTERM while it runs (record-only handlers, previous ones restored after);
-  on a signal every rank stops at the next step boundary; rank 0 reads why from Slurm's record of
-  the job (:func:`.runtime.attempts.stop_reason`: preemption, time limit, ``scancel``, a requeue by
-  hand), every rank saves when the save fits before Slurm's kill (GraceTime of a preemption,
-  KillWait otherwise), rank 0 requeues a preempted or timed-out job (never a cancelled one) and the
-  process exits with status 0 (``SystemExit(0)`` raised out of the loop);
-- writes ``<ckpt_dir>/events.jsonl`` (rank 0): attempts, how the previous one ended (from Slurm's
-  record and this log), checkpoints, losses, stops, restart latency;
-- gives up (``GaveUpError``, non-zero exit, no requeue) when this job was requeued more than
-  ``max_requeues`` times after unannounced ends (node failures, crashes, requeues by hand; its own
-  time-limit and preemption stops do not count) or when its restarts keep resuming from the same
-  checkpoint;
-- warns at the start when the signal lead cannot fit a step, a save and the requeue, and agrees on a
-  stop at the very boundary after the signal (not one step later) when the lead is short.
-
-Cost per step: one MAX-allreduce of 3 doubles into preallocated buffers (:mod:`.runtime.stepsync`),
-a ``perf_counter`` and, on rank 0, one float stored into a preallocated loss buffer. No Slurm call,
-no I/O (losses are flushed with checkpoints, stops, and every ``LOSS_FLUSH_S`` seconds).
+"""The training session (:class:`Session`): it runs the loop (restore, steps, observe, save and
+settle, finish); what happens around the loop belongs to the runtime objects it holds: the
+attempt's records (:mod:`.runtime.attemptbook`), the stop (:class:`.runtime.preemption.StopController`,
+shared with ``PreemptionGuard``), a lost peer (:mod:`.runtime.peerloss`), the per-step agreement
+(:mod:`.runtime.stepsync`), the plan (:mod:`.runtime.schedule`), the losses (:mod:`.runtime.losses`).
 """
 from __future__ import annotations
 
@@ -43,56 +15,31 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from coci_hpc.checkpoint import CheckpointManager
-from coci_hpc.checkpoint.state import Leaf, collect
 from coci_hpc.comm import Comm
-from coci_hpc.errors import CheckpointError, CheckpointOtherRun, GaveUpError, PeerLost, UsageError
-from coci_hpc.planner.failures import FailureModel, from_mtbf
-from coci_hpc.runtime import attempts as att
+from coci_hpc.errors import PeerLost, UsageError
+from coci_hpc.planner.failures import FailureModel
 from coci_hpc.runtime import errorexit, runrecord, signals
 from coci_hpc.runtime.attemptbook import AttemptBook
-from coci_hpc.runtime.config import SessionConfig, resolve
-from coci_hpc.runtime.data import session_state
+from coci_hpc.runtime.config import resolve
+from coci_hpc.runtime.data import check_saveable, session_state
 from coci_hpc.runtime.distributed import default_comm
 from coci_hpc.runtime.errorexit import record_uncaught  # noqa: F401 - coci-submit's runner calls it here
-from coci_hpc.runtime.events import FILENAME, EventLog, read_events
+from coci_hpc.runtime.events import FILENAME, EventLog
+from coci_hpc.runtime.failurehistory import PartitionHistory
 from coci_hpc.runtime.losses import LossBuffer
 from coci_hpc.runtime.optimeout import OpTimeout
-from coci_hpc.runtime.peerloss import PeerLoss
+from coci_hpc.runtime.peerloss import PeerLoss, peer_settings
 from coci_hpc.runtime.peernotice import PeerNotice
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, StopController
 from coci_hpc.runtime.procinfo import process_start_wall
-from coci_hpc.runtime.schedule import Schedule, make_schedule
-from coci_hpc.runtime.stepsync import MIN_DEADLINE_S, StepSync
-from coci_hpc.runtime.survivors import Survival, held_in_parts, sweep_torn
+from coci_hpc.runtime.schedule import Schedule, ScheduleState, make_schedule
+from coci_hpc.runtime.stepsync import StepSync
+from coci_hpc.runtime.survivors import Survival, held_in_parts
 from coci_hpc.slurm import commands
 from coci_hpc.slurm.env import JobEnvironment
-from coci_hpc.slurm.failure_cache import Pending, failure_model_for_job
-from coci_hpc.slurm.failure_cache import describe as describe_history
 
 STATE_KEY = "coci_session"
-ENV_INPLACE = "COCI_INPLACE_RESTARTS"   # set by submit/relaunch.py for the rank steps it starts
 STOP = 1                    # stop level exchanged at the step boundary (MAX over ranks)
-DEFAULT_MTBF_H = 70.0       # per-node MTBF when the partition's history cannot be read
-HISTORY_DAYS = 90
-
-
-class _SessionState:
-    """The session's own part of the checkpoint: the planner's measured costs and plan."""
-
-    def __init__(self, schedule: Schedule) -> None:
-        self.schedule = schedule
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "schedule": self.schedule.state_dict()}
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        # A checkpoint written before fixed:N had a schedule holds None: nothing measured to restore.
-        if d.get("schedule") is not None and d["schedule"].get("policy") == self.schedule.policy:
-            self.schedule.load_state_dict(dict(d["schedule"]))
-
-    def local_state_dict(self) -> dict[str, Any]:
-        """This rank's own view, no collective (a survivors' save, where rank 0 may be gone)."""
-        return {"version": 1, "schedule": self.schedule.local_state_dict()}
 
 
 def _say(msg: str) -> None:
@@ -103,10 +50,23 @@ class Session:
     """A preemption-safe training loop: restore, plan checkpoints, stop, save and requeue.
 
     Create one per process (every rank, same arguments), then iterate :meth:`steps` and call
-    :meth:`observe` with each step's loss. See the module docstring for what happens on a signal,
-    a lost rank, a time limit or a preemption. Arguments left ``None`` come from the environment
-    (the ``COCI_*`` variables coci-submit sets), else from the defaults; an explicit argument wins
-    over the environment and rank 0 logs the conflict.
+    :meth:`observe` with each step's loss. Arguments left ``None`` come from the environment (the
+    ``COCI_*`` variables coci-submit sets), else from the defaults; an explicit argument wins over
+    the environment and rank 0 logs the conflict. On every rank, with nothing else written by the user:
+
+    - restores the newest committed checkpoint (state in place, RNG, loader position, scheduler);
+      chooses checkpoint steps with the planner (``fixed:N`` = every N steps), saves two-phase;
+    - owns USR1, USR2 and SIGTERM while it runs (record-only handlers, previous ones restored
+      after); on a signal every rank stops at the next step boundary, rank 0 reads why from
+      Slurm's record of the job (preemption, time limit, ``scancel``, a requeue by hand), every
+      rank saves when the save fits before Slurm's kill (GraceTime of a preemption, KillWait
+      otherwise), rank 0 requeues a preempted or timed-out job (never a cancelled one) and the
+      process exits with status 0 (``SystemExit(0)`` raised out of the loop);
+    - on a lost rank the survivors save the last finished step, record it and leave; rank 0 writes
+      ``<ckpt_dir>/events.jsonl`` (attempts and how they ended, checkpoints, losses, stops, latency);
+    - gives up (``GaveUpError``) after ``max_requeues`` requeues after unannounced ends or
+      restarts that keep resuming from the same checkpoint; warns when the signal lead cannot fit
+      a step, a save and the requeue. Per step: one MAX-allreduce of 3 doubles, no Slurm call, no I/O.
 
     Args:
         state: What to checkpoint, by name: modules, optimizers, LR schedulers, a ``GradScaler``,
@@ -172,36 +132,22 @@ class Session:
                  init_from: str | os.PathLike | None = None, init_strict: bool = True) -> None:
         self._init_wall = time.time()
         errorexit.install()        # a refusal below ends `python train.py` with one line and its exit code
-        # Pretrained weights for state["model"] when the run has no checkpoint of its own yet
-        # (coci_hpc.interop.pretrained: safetensors, torch.save, DCP or a coci checkpoint).
         self._init_from, self._init_strict = init_from, init_strict
-        env = os.environ if environ is None else environ
-        # coci-submit's relaunch loop (--spare-nodes) numbers its in-place restarts of the ranks
-        # (0: its first launch); absent: not under that loop.
-        self._in_place: int | None = int(env[ENV_INPLACE]) if env.get(ENV_INPLACE, "").isdigit() else None
+        self._in_place, self._min_deadline, self._survivors = peer_settings(environ, peer_timeout_s, survivors)
         self._process_wall = process_start_wall()
-        # How long a peer may keep the step agreement waiting before it counts as lost (at least
-        # this, and 10 typical steps); survivors' saves on a peer loss (COCI_SURVIVORS=0: off).
-        self._min_deadline = float(peer_timeout_s if peer_timeout_s is not None
-                                   else env.get("COCI_PEER_TIMEOUT_S", MIN_DEADLINE_S))
-        self._survivors = survivors if survivors is not None else env.get("COCI_SURVIVORS", "1") != "0"
         if STATE_KEY in state:
             raise UsageError(f"the state key {STATE_KEY!r} is the session's own", hint="rename that entry")
-        self.job = JobEnvironment.from_env(environ)
-        self._environ = environ
+        self.job, self._environ = JobEnvironment.from_env(environ), environ
         explicit = {"ckpt_dir": None if ckpt_dir is None else os.fspath(ckpt_dir), "policy": policy,
                     "max_requeues": max_requeues, "no_progress_limit": no_progress_limit,
                     "signal_lead_s": signal_lead_s, "resume_from_other_run": resume_from_other_run}
-        self.config: SessionConfig
         self.config, conflicts = resolve({k: v for k, v in explicit.items() if v is not None}, environ, self.job)
         self.comm = default_comm(environ) if comm is None else Comm.wrap(comm)
         self.rank = self.comm.rank
-        self.total_steps = total_steps
-        self.async_save = async_save
+        self.total_steps, self.async_save = total_steps, async_save
         self._runner = runner or commands.run_command
-        if self.rank == 0:
-            for c in conflicts:
-                _say(f"config conflict: {c}")
+        for c in conflicts if self.rank == 0 else []:
+            _say(f"config conflict: {c}")
         self.comm.run_step(lambda: self.config.ckpt_dir.mkdir(parents=True, exist_ok=True)
                            if self.rank == 0 else None, f"creating {self.config.ckpt_dir}")
         self.events_path = self.config.ckpt_dir / FILENAME
@@ -219,23 +165,21 @@ class Session:
         user_state = session_state(state)
         # On every rank, from the one collective flattening: what a survivors' save could not
         # rebuild (never a state_dict() on one rank: some are collective).
-        self._parts = held_in_parts(_check_saveable(user_state))
-        self._history_pending: Pending | None = None
+        self._parts = held_in_parts(check_saveable(user_state))
+        self.history = PartitionHistory(self.job, self._runner, self._environ, self.rank)
         self.schedule: Schedule = make_schedule(
-            self.config.policy, lambda: failure_model if failure_model is not None else self._failure_model(),
+            self.config.policy, lambda: failure_model if failure_model is not None else self.history.model(),
             nodes=self.job.step_num_nodes or self.job.num_nodes or self.comm.size, horizon_s=horizon_s,
             comm=self.comm, in_place=self._in_place is not None)
-        self._state = {**user_state, STATE_KEY: _SessionState(self.schedule)}
+        self._state = {**user_state, STATE_KEY: ScheduleState(self.schedule)}
         self.run_record = runrecord.current_run(sys.argv, self.comm.size)
-        self._check_same_run()
+        runrecord.check_same_run(self.comm, self.events_path, self.run_record, self.config.ckpt_dir,
+                                 resume_from_other_run=bool(self.config.resume_from_other_run), say=_say)
         self.mgr = CheckpointManager(self.config.ckpt_dir, self.comm, keep=keep)
         # Under the relaunch loop, its notice that srun saw a rank of this step end (runtime/peernotice.py).
         self.sync = StepSync(self.comm, self._min_deadline, PeerNotice.from_env(self._environ))
-        self._dt_ema = 0.0
         self._op_timeout = OpTimeout()     # gloo's per-op timeout follows the peer deadline (a silent host)
-        used_nodes = self.job.step_num_nodes or self.job.num_nodes   # the step's: spare nodes run no rank
-        per_node = (self.job.ntasks // used_nodes) if self.job.ntasks and used_nodes else 1
-        self.survival = Survival(self._state, self.comm, ranks_per_node=per_node, enabled=self._survivors,
+        self.survival = Survival(self._state, self.comm, ranks_per_node=self.job.ranks_per_node, enabled=self._survivors,
                                  skip=frozenset({STATE_KEY}))
         self.log = EventLog(self.events_path, attempt=1, job_id=self.job.job_id, enabled=self.rank == 0)
         self.losses = LossBuffer(self.log, enabled=self.rank == 0)
@@ -249,26 +193,10 @@ class Session:
                                   in_place=self._in_place)
         self._watch = contextlib.ExitStack()   # the comm's watch on its peers while the loop runs
         self.step = 0                      # steps completed
-        self._loss = math.nan
+        self._loss, self._started = math.nan, False
         self._pending_ckpt: tuple[int, float] | None = None   # async save in flight: (step, blocking_s)
-        self._started = False
         self._blocking = False             # agree on a stop at the boundary itself (lead short for 2 steps)
         self._recheck_at = -1              # a boundary where every rank re-decides _blocking
-
-    def _check_same_run(self) -> None:
-        """One run, one directory (:mod:`.runtime.runrecord`): refused before anything is loaded."""
-        recorded = runrecord.recorded_run(read_events(self.events_path)) if self.rank == 0 else None
-        diff = self.comm.bcast(runrecord.difference(recorded, self.run_record) if self.rank == 0 else None)
-        if diff is None:
-            longer = runrecord.continuation(recorded, self.run_record) if self.rank == 0 else None
-            if longer:
-                _say(f"the same run with another step count ({longer}): resuming it")
-            return
-        if not self.config.resume_from_other_run:
-            raise CheckpointOtherRun(f"checkpoint directory {self.config.ckpt_dir} belongs to another run: {diff}",
-                                     hint=runrecord.HINT)
-        if self.rank == 0:
-            _say(f"resuming from another run's directory, as asked (resume_from_other_run): {diff}")
 
     # -- the user's calls ----------------------------------------------------------------------------
     def steps(self, total_steps: int | None = None) -> Iterator[int]:
@@ -301,14 +229,7 @@ class Session:
             step = self._begin()
             if step > total:
                 self.mgr.close()
-                # A refusal, not the run's end: coci-status keeps showing how the run ended.
-                self.log.write("end", step=step, status="refused", message="total_steps lower than the "
-                               f"latest checkpoint's step ({total} < {step}); nothing was changed")
-                raise UsageError(f"total_steps={total} is lower than the step of the latest checkpoint in "
-                                 f"{self.config.ckpt_dir} ({step}): this run already went further, there "
-                                 f"is nothing to train and nothing was changed",
-                                 hint=f"pass total_steps >= {step} to continue that run, or a new "
-                                      f"checkpoint directory to start a new one")
+                self.book.refuse_total(step, total)
             t = time.perf_counter()
             while step < total:
                 self._loss = math.nan
@@ -318,13 +239,9 @@ class Session:
                 self._after_step(step, now - t, total)
                 t = now
             self._finish(total)
-        except GeneratorExit:
-            # The loop body left early: a `break`, or an exception (a peer failure surfaces inside
-            # the user's step, e.g. gloo's "Connection reset by peer" in loss.backward()). A
-            # generator cannot see that exception, so ask the peers: a lost one does not answer.
-            t_fail = time.time()       # when the failure surfaced here, before the probe's deadline
-            if step < total and self.comm.size > 1 and not self.sync.probe(self.sync.deadline_s):
-                self.peer_loss.handle(self.step, f"an exception inside the step, then: {self.sync.lost_why}", t_fail)
+        except GeneratorExit:          # the loop body left early: a `break`, or an exception
+            if step < total:
+                self.peer_loss.after_exception(self.step, self.sync)
             raise
         finally:
             self._watch.close()
@@ -351,14 +268,11 @@ class Session:
     def _begin(self) -> int:
         info = self.book.read_history() if self.rank == 0 else None
         t0 = time.perf_counter()
-        resumed: int | None = None
-        if self.mgr.latest_step() is not None:
-            resumed = self.mgr.load_latest(self._state).step
-            if self._init_from is not None and self.rank == 0:
-                _say(f"init_from={os.fspath(self._init_from)} ignored: resumed from this run's own "
-                     f"checkpoint step {resumed}")
-        elif self._init_from is not None:
-            self._load_pretrained()
+        resumed = self.mgr.load_latest(self._state).step if self.mgr.latest_step() is not None else None
+        if self._init_from is not None:            # pretrained weights while the run has no checkpoint
+            from coci_hpc.interop.pretrained import init_state_from
+            init_state_from(self._state, self._init_from, strict=self._init_strict, resumed=resumed,
+                            log=_say if self.rank == 0 else None)
         restore_s = time.perf_counter() - t0
         if resumed is not None:
             self.schedule.resumed(resumed)
@@ -369,22 +283,18 @@ class Session:
             verdict = self.book.record_start(info, resumed, restore_s, schedule=self.schedule, ranks=self.comm.size,
                                              run_record=self.run_record, config=self.config,
                                              survivors_enabled=self.survival.enabled, parts=self._parts)
-            sweep_torn(self.config.ckpt_dir)      # only now that attempt_start is written: see sweep_torn
-            blocking = verdict is None and self._lead_check(warn=True)
+            blocking = verdict is None and self.stopper.agree_at_boundary(self.schedule, self.log, warn=True)
         verdict, self._blocking, self.log.attempt = self.comm.bcast((verdict, blocking, self.log.attempt))
         self.survival.boundary(self.step)
         if verdict is not None:
             self.mgr.close()
-            raise GaveUpError(verdict, hint="fix the cause shown in the previous attempts' logs, then "
-                                            "resubmit (raise --max-requeues / COCI_NO_PROGRESS_LIMIT if "
-                                            "the restarts were expected)")
+            raise self.book.give_up(verdict)
         self._recheck_at = self.step + 3           # once the first steps of this attempt are timed
-        # From now on no collective of ours (the store's included) waits for ever on a dead peer:
-        # each is polled against the peer deadline (coci_hpc.comm), and an MPI-IO call that
-        # cannot be polled is guarded by a timer that starts the survivors' save (PeerLoss.stuck).
+        # From now on no collective of ours (the store's included) waits for ever on a dead peer
+        # (coci_hpc.comm); an MPI-IO call that cannot be polled is guarded by PeerLoss.stuck.
         notice = self.sync.notice
-        self._watch.enter_context(self.comm.watch(self.sync.deadline_s, lambda what: self.peer_loss.stuck(self.step, what),
-                                                  notice.posted if notice is not None else None))
+        self._watch.enter_context(self.comm.watch(self.sync.deadline_s, lambda what: self.peer_loss.stuck(
+            self.step, what), notice.posted if notice is not None else None))
         if self.rank == 0 and notice is not None:
             notice.mark_training()       # the relaunch loop's grace for a survivors' save applies
         if not self._blocking:
@@ -392,30 +302,15 @@ class Session:
             self.sync.send(STOP if self.recorder.received else 0, self.schedule.decide(self.step + 1), False)
         return self.step
 
-    def _load_pretrained(self) -> None:
-        from coci_hpc.interop.pretrained import load_pretrained
-
-        if "model" not in self._state:
-            raise UsageError("init_from needs the model under the state key 'model'",
-                             hint="pass Session({'model': model, ...}, init_from=PATH)")
-        assert self._init_from is not None
-        report = load_pretrained(self._init_from, self._state["model"], strict=self._init_strict,
-                                 log=_say if self.rank == 0 else None)
-        if self.rank == 0:
-            _say(f"init_from: loaded {len(report.loaded)} tensors from {report.source} ({report.kind})")
-
     # -- the step boundary ---------------------------------------------------------------------------
     def _after_step(self, step: int, dt: float, total: int) -> None:
         self.step = step
-        if self._history_pending is not None and self._history_pending.done():
-            self._use_fresh_history()
+        self.history.poll(self.schedule)
         if self.rank == 0:
             self.losses.record(step, self._loss)
         self.schedule.observe(step, self._loss if self.rank == 0 else math.nan, dt)
         self.survival.boundary(step)
-        self._dt_ema = dt if self._dt_ema == 0.0 else 0.9 * self._dt_ema + 0.1 * dt
-        self.sync.deadline_s = max(self._min_deadline, 10.0 * self._dt_ema)
-        self.comm.peer_deadline_s = self.sync.deadline_s    # inside the loop's watch: follows the step time
+        self.comm.peer_deadline_s = self.sync.follow(dt)    # inside the loop's watch: follows the step time
         self._op_timeout.observe(self.sync.deadline_s)
         t_wait = time.time()
         try:
@@ -429,13 +324,16 @@ class Session:
         try:
             if self.mgr.persist_in_flight and not busy:
                 self._settle()
-            if level >= STOP and step < total:      # a stop at the very end is just the end
-                self._stop(step)
+            if level >= STOP and step < total:      # a stop at the very end is just the end (never returns)
+                self.stopper.stop(step, comm=self.comm, mgr=self.mgr, schedule=self.schedule, log=self.log,
+                                  losses=self.losses, settle=self._settle, wait_s=max(60.0, self.sync.deadline_s),
+                                  save=lambda st: self._save(st, kind="stop"))
             if save and step < total:               # the last step gets the final save instead
                 self._save(step)
                 self._recheck_at = step
             if step == self._recheck_at and step < total:
-                self._blocking = bool(self.comm.bcast(self._lead_check(warn=False) if self.rank == 0 else None))
+                self._blocking = bool(self.comm.bcast(  # the lead is short: agree at the boundary itself
+                    self.stopper.agree_at_boundary(self.schedule, self.log, warn=False) if self.rank == 0 else None))
         except PeerLost as exc:
             # A peer vanished while a checkpoint's collectives were in flight: the survivors save
             # this boundary's state (the step that save was writing); the torn save never commits.
@@ -446,19 +344,6 @@ class Session:
 
     def _busy(self) -> bool:
         return self.mgr.persist_in_flight and not self.mgr.persist_done
-
-    def _lead_check(self, *, warn: bool) -> bool:
-        """Rank 0: whether to agree on a stop at the boundary itself (:meth:`StopController.lead_check`);
-        with ``warn``, says so when even one step does not fit. Other ranks return False."""
-        if self.rank != 0:
-            return False
-        step_s, save_s = self.schedule.costs().step_time_s, self.schedule.save_s()
-        verdict = self.stopper.lead_check(step_s, save_s)
-        if warn and verdict.warning:
-            _say(verdict.warning)
-            self.log.write("lead_warning", message=verdict.warning, lead_s=self.stopper.lead_s, step_s=step_s,
-                           save_s=save_s)
-        return verdict.stop_at_boundary
 
     def _save(self, step: int, kind: str = "planned") -> None:
         self._settle()
@@ -488,43 +373,11 @@ class Session:
             self.mgr.wait()
         if self._pending_ckpt is None:
             return
-        step, blocking = self._pending_ckpt
-        self._pending_ckpt = None
+        (step, blocking), self._pending_ckpt = self._pending_ckpt, None
         persist = self.mgr.async_stats.get("persist_s")
         self.schedule.persisted(persist)
         self.losses.flush()
         self.log.write("checkpoint", step=step, kind="planned", blocking_s=blocking, persist_s=persist)
-
-    def _stop(self, step: int) -> None:
-        first = self.recorder.first
-        signame = first.name if first is not None else "?"
-        # Rank 0 decides (StopController: Slurm's record, GraceTime or KillWait), every rank follows.
-        decision = self.stopper.decide(self.schedule.save_s()) if self.rank == 0 else None
-        reason, detail, requeue, fits = self.comm.bcast(decision)
-        requeue = requeue and self.job.in_slurm_job
-        self._settle()
-        saved = self.mgr.latest_step() == step
-        if not saved and fits:
-            self.schedule.stopping()
-            self._save(step, kind="stop")
-            saved = True
-        elif not saved:
-            detail += "; no save: it would not end before Slurm's kill"
-        self.losses.flush()
-        rc = self.job.restart_count
-        self.log.write("stop", step=step, reason=reason, signal=signame, requeued=requeue, detail=detail,
-                       restart_count=rc, saved=saved)
-        if requeue:
-            # The others wait for rank 0's `scontrol requeue` (with its retries): not a lost peer.
-            self.stopper.requeue(self.comm, max(60.0, self.sync.deadline_s),
-                                 lambda exc: self.log.write("end", step=step, status="error", message=str(exc)))
-        self.mgr.close()
-        if self.rank == 0:
-            _say(f"stopped at step {step} ({reason}: {detail}): "
-                 + ("checkpoint saved" if saved else f"resumes from step {self.mgr.latest_step() or 0}")
-                 + (", job requeued" if requeue else "; Slurm requeues the job" if reason in att.SLURM_REQUEUES
-                    else "; not requeued (run again with the same arguments to resume)"))
-        raise SystemExit(0)
 
     def _finish(self, total: int) -> None:
         t_wait = time.time()
@@ -542,40 +395,3 @@ class Session:
             self.peer_loss.collective_lost(total, exc)
         self._watch.close()                # the comm's deadline, stuck handler and notice as before
         self.log.write("end", step=total, status="completed", message="")
-
-    # -- helpers -------------------------------------------------------------------------------------
-    def _failure_model(self) -> FailureModel:
-        """Rank 0: the partition's failure model, cached per partition and window and refreshed in
-        the background (:mod:`coci_hpc.slurm.failure_cache`); nothing is asked outside a job."""
-        default = from_mtbf(DEFAULT_MTBF_H * 3600)
-        if self.rank != 0:
-            return default                    # only rank 0 plans
-        model, line, self._history_pending = failure_model_for_job(self.job, default, window_days=HISTORY_DAYS,
-                                                                   runner=self._runner, environ=self._environ)
-        _say(line + ("" if model is not default else f" (per-node MTBF {DEFAULT_MTBF_H:g} h)"))
-        return model
-
-    def _use_fresh_history(self) -> None:
-        """Rank 0, at a step boundary: the background read of the history finished."""
-        pending, self._history_pending = self._history_pending, None
-        got = pending.result() if pending is not None else None
-        if got is None:
-            _say(f"failure history of partition {self.job.partition} unavailable "
-                 f"({pending.error if pending else '?'}); keeping the model the attempt started with")
-            return
-        model, summary = got
-        if hasattr(self.schedule, "use_failure_model"):
-            self.schedule.use_failure_model(model)
-        _say(describe_history(self.job.partition or "", summary) + "; the plan now uses it")
-
-
-def _check_saveable(state: Mapping[str, Any]) -> list[Leaf]:
-    """Refuse at Session() what the store could not save (a lock, a file, an arbitrary object: it
-    would fail at the first checkpoint, maybe an hour later). Flattening takes views, no copies.
-    Collective where a ``state_dict()`` is: every rank calls it here. Returns the leaves."""
-    try:
-        return collect(state, rng=False, defer_device=True)[1]
-    except CheckpointError as exc:
-        raise UsageError(f"this state cannot be checkpointed: {exc.message}",
-                         hint=exc.hint or "keep tensors, numpy arrays, JSON values and objects with "
-                                          "state_dict()/load_state_dict() in the state") from exc

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from coci_hpc.errors import SlurmError
+from coci_hpc.errors import GaveUpError, SlurmError, UsageError
 from coci_hpc.runtime import attempts as att
 from coci_hpc.runtime import survivors as sv
 from coci_hpc.runtime.config import SessionConfig
@@ -94,6 +94,7 @@ class AttemptBook:
                        survivors_off=sv.parts_reason(parts) if parts else None,
                        in_place_restart=self._in_place, process_wall=self._process_wall,
                        session_wall=self._init_wall)
+        sv.sweep_torn(self.ckpt_dir)      # only now that attempt_start is written: see sweep_torn
         _say(att.describe_start(self.log.attempt, self.job.job_id, rc, nodes, ranks, prev_end.reason,
                                 prev_end.detail, resumed, lost))
         if parts and survivors_enabled:
@@ -113,6 +114,23 @@ class AttemptBook:
             self.log.write("resumed", step=resumed, restart_latency_s=lat)
             _say(f"resumed from step {resumed}: {att.describe_latency(lat)}")
         return None
+
+    @staticmethod
+    def give_up(verdict: str) -> GaveUpError:
+        return GaveUpError(verdict, hint="fix the cause shown in the previous attempts' logs, then resubmit "
+                                         "(raise --max-requeues / COCI_NO_PROGRESS_LIMIT if the restarts "
+                                         "were expected)")
+
+    def refuse_total(self, step: int, total: int) -> None:
+        """``total_steps`` below the latest checkpoint's step: record the refusal, raise ``UsageError``."""
+        # A refusal, not the run's end: coci-status keeps showing how the run ended.
+        self.log.write("end", step=step, status="refused", message="total_steps lower than the "
+                       f"latest checkpoint's step ({total} < {step}); nothing was changed")
+        raise UsageError(f"total_steps={total} is lower than the step of the latest checkpoint in "
+                         f"{self.ckpt_dir} ({step}): this run already went further, there "
+                         f"is nothing to train and nothing was changed",
+                         hint=f"pass total_steps >= {step} to continue that run, or a new "
+                              f"checkpoint directory to start a new one")
 
     def newer_attempt(self) -> int | None:
         """The attempt of this run that started after this one, if any (from the event log: every

@@ -22,6 +22,7 @@ from coci_hpc.runtime.events import EventLog
 from coci_hpc.runtime.losses import LossBuffer
 from coci_hpc.runtime.peernotice import PeerNotice
 from coci_hpc.runtime.preemption import requeue_with_retries
+from coci_hpc.runtime.stepsync import MIN_DEADLINE_S, StepSync
 from coci_hpc.slurm import commands
 from coci_hpc.slurm.env import JobEnvironment
 
@@ -33,6 +34,21 @@ PEER_LOST_MPI_NOTE = ("Open MPI may now warn that it \"failed to TCP connect to 
 
 def _say(msg: str) -> None:
     print(f"coci: {msg}", file=sys.stderr, flush=True)
+
+
+ENV_INPLACE = "COCI_INPLACE_RESTARTS"   # set by submit/relaunch.py for the rank steps it starts
+
+
+def peer_settings(environ: Mapping[str, str] | None, peer_timeout_s: float | None,
+                  survivors: bool | None) -> tuple[int | None, float, bool]:
+    """(the relaunch loop's in-place restart number, None outside it; the least time a peer may
+    keep the step agreement waiting before it counts as lost, at least this and 10 typical steps;
+    whether the survivors save on a peer loss, ``COCI_SURVIVORS=0``: off). Arguments win."""
+    env = os.environ if environ is None else environ
+    # coci-submit's relaunch loop (--spare-nodes) numbers its in-place restarts of the ranks (0: its first launch).
+    in_place = int(env[ENV_INPLACE]) if env.get(ENV_INPLACE, "").isdigit() else None
+    least = float(peer_timeout_s if peer_timeout_s is not None else env.get("COCI_PEER_TIMEOUT_S", MIN_DEADLINE_S))
+    return in_place, least, survivors if survivors is not None else env.get("COCI_SURVIVORS", "1") != "0"
 
 
 def leave_after_peer_loss(in_place: bool) -> NoReturn:
@@ -64,6 +80,14 @@ class PeerLoss:
         self.notice, self._in_place = notice, in_place
         self.rank = comm.rank
         self._lost_lock = threading.Lock()  # one survivors' save per process (main thread or guard timer)
+
+    def after_exception(self, step: int, sync: StepSync) -> None:
+        """The loop body left early: a peer failure surfaces inside the user's step (e.g. gloo's
+        "Connection reset by peer" in loss.backward()), and a generator cannot see that exception,
+        so ask the peers: a lost one does not answer (then this never returns)."""
+        t_fail = time.time()       # when the failure surfaced here, before the probe's deadline
+        if self.comm.size > 1 and not sync.probe(sync.deadline_s):
+            self.handle(step, f"an exception inside the step, then: {sync.lost_why}", t_fail)
 
     def stuck(self, step: int, what: str) -> NoReturn:
         """The guard timer (coci_hpc.comm.Comm.guard): the main thread is inside an MPI-IO call

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CociError, PeerLost, SlurmError
@@ -38,6 +38,12 @@ from coci_hpc.runtime import attempts as att
 from coci_hpc.runtime.attempts import StopPlan, stop_reason
 from coci_hpc.slurm import commands, scontrol
 from coci_hpc.slurm.env import JobEnvironment
+
+if TYPE_CHECKING:
+    from coci_hpc.checkpoint import CheckpointManager
+    from coci_hpc.runtime.events import EventLog
+    from coci_hpc.runtime.losses import LossBuffer
+    from coci_hpc.runtime.schedule import Schedule
 
 # What the runtime owns while a loop runs: submitit and coci-submit ask Slurm for USR2, scripts and
 # templates for USR1 or USR2, and SIGTERM comes at the end of the grace time / on scancel.
@@ -199,6 +205,52 @@ class StopController:
         if not self.job.in_slurm_job and self.signal_lead_s is None:
             return att.LeadVerdict(False, None)
         return att.lead_check(self.lead_s, step_s, save_s, att.REQUEUE_ALLOWANCE_S)
+
+    def agree_at_boundary(self, schedule: Schedule, log: EventLog, *, warn: bool) -> bool:
+        """Rank 0 (the Session): :meth:`lead_check` with the planner's measured step and save;
+        with ``warn``, says so (and logs ``lead_warning``) when even one step does not fit."""
+        step_s, save_s = schedule.costs().step_time_s, schedule.save_s()
+        verdict = self.lead_check(step_s, save_s)
+        if warn and verdict.warning:
+            if self._say is not None:
+                self._say(verdict.warning)
+            log.write("lead_warning", message=verdict.warning, lead_s=self.lead_s, step_s=step_s, save_s=save_s)
+        return verdict.stop_at_boundary
+
+    def stop(self, step: int, *, comm: Comm, mgr: CheckpointManager, schedule: Schedule, log: EventLog,
+             losses: LossBuffer, settle: Callable[[], None], save: Callable[[int], None],
+             wait_s: float) -> NoReturn:
+        """Collective, the Session's stop at a step boundary: rank 0 decides (:meth:`decide`), every
+        rank settles the save in flight, saves ``step`` (``save``) when that fits before Slurm's
+        kill, records the stop, requeues when the job must requeue itself (the others wait up to
+        ``wait_s``), closes the store and raises ``SystemExit(0)``."""
+        first = self.recorder.first
+        signame = first.name if first is not None else "?"
+        decision = self.decide(schedule.save_s()) if comm.rank == 0 else None
+        reason, detail, requeue, fits = comm.bcast(decision)
+        requeue = requeue and self.job.in_slurm_job
+        settle()
+        saved = mgr.latest_step() == step
+        if not saved and fits:
+            schedule.stopping()
+            save(step)
+            saved = True
+        elif not saved:
+            detail += "; no save: it would not end before Slurm's kill"
+        losses.flush()
+        rc = self.job.restart_count
+        log.write("stop", step=step, reason=reason, signal=signame, requeued=requeue, detail=detail,
+                  restart_count=rc, saved=saved)
+        if requeue:
+            # The others wait for rank 0's `scontrol requeue` (with its retries): not a lost peer.
+            self.requeue(comm, wait_s, lambda exc: log.write("end", step=step, status="error", message=str(exc)))
+        mgr.close()
+        if comm.rank == 0 and self._say is not None:
+            self._say(f"stopped at step {step} ({reason}: {detail}): "
+                      + ("checkpoint saved" if saved else f"resumes from step {mgr.latest_step() or 0}")
+                      + (", job requeued" if requeue else "; Slurm requeues the job" if reason in att.SLURM_REQUEUES
+                         else "; not requeued (run again with the same arguments to resume)"))
+        raise SystemExit(0)
 
     def requeue(self, comm: Comm, wait_s: float | None, on_error: Callable[[CociError], object]) -> None:
         """Collective: rank 0 asks Slurm (with retries) while the others wait up to ``wait_s``

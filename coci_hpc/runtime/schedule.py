@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from coci_hpc.comm import Comm
@@ -368,3 +369,22 @@ def make_schedule(policy: str, failure_model: Any, *, nodes: int, horizon_s: flo
 
 
 Schedule = _Measured
+
+
+class ScheduleState:
+    """The Session's own part of the checkpoint: the planner's measured costs and plan."""
+
+    def __init__(self, schedule: _Measured) -> None:
+        self.schedule = schedule
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "schedule": self.schedule.state_dict()}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        # A checkpoint written before fixed:N had a schedule holds None: nothing measured to restore.
+        if d.get("schedule") is not None and d["schedule"].get("policy") == self.schedule.policy:
+            self.schedule.load_state_dict(dict(d["schedule"]))
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's own view, no collective (a survivors' save, where rank 0 may be gone)."""
+        return {"version": 1, "schedule": self.schedule.local_state_dict()}
