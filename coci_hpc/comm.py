@@ -16,7 +16,8 @@ the other non-blocking ones fall back to the blocking methods when ``mpi_comm`` 
 ``is_mpi`` stays False unless ``mpi_comm`` is an mpi4py communicator. Everything else
 (``check``, ``run_step``) is built on those methods.
 
-A deadline on a dead peer (``peer_deadline_s``, set by the Session): a peer rank that vanished
+A deadline on a dead peer (``peer_deadline_s``, set by the Session for a scope: :meth:`Comm.watch`
+for its loop, :meth:`Comm.deadline` for one longer wait; both restore what was there): a peer rank that vanished
 (SIGKILL, its node gone) never joins a collective, and under ``srun --mpi=pmix`` nothing tells the
 others (Open MPI does not abort them; ../shared/slurm-on-one-machine.md). A blocking MPI call then
 waits forever, and a checkpoint save is a dozen collectives. With ``peer_deadline_s`` set, every
@@ -137,6 +138,32 @@ class Comm:
     @property
     def is_mpi(self) -> bool:
         return self.mpi_comm is not None
+
+    # the deadline on a dead peer, for a scope ---------------------------------------------
+    @contextmanager
+    def deadline(self, seconds: float | None) -> Iterator[None]:
+        """Bound every wait on a peer by ``seconds`` (None: block) inside the ``with``; the previous
+        deadline comes back on the way out, also when the body raises."""
+        previous, self.peer_deadline_s = self.peer_deadline_s, seconds
+        try:
+            yield
+        finally:
+            self.peer_deadline_s = previous
+
+    @contextmanager
+    def watch(self, deadline_s: float, on_stuck: Callable[[str], None] | None = None,
+              peer_notice: Callable[[float], str | None] | None = None) -> Iterator[None]:
+        """A loop's watch on its peers: the deadline, the handler of a stuck guarded call and the
+        relaunch loop's notice, set inside the ``with`` and restored on the way out (also on an
+        exception). Inside it the deadline may follow the step time (``peer_deadline_s = ...``)."""
+        saved = (self.peer_deadline_s, self.on_stuck, self.peer_notice)
+        self.peer_deadline_s, self.on_stuck = deadline_s, on_stuck
+        if peer_notice is not None:
+            self.peer_notice = peer_notice
+        try:
+            yield
+        finally:
+            self.peer_deadline_s, self.on_stuck, self.peer_notice = saved
 
     # collectives (no-ops on one process) ------------------------------------------------
     @property

@@ -191,6 +191,13 @@ class CheckpointManager:
             self._tuning = self.comm.bcast(local)
         return self._tuning
 
+    def local_tuning(self) -> IOTuning:
+        """The shared filesystem decisions when made, else this rank's own, with no collective
+        (a survivors' save, where a peer is gone)."""
+        if self._tuning is not None:
+            return self._tuning
+        return tuning_for(self.root, self.lustre, self.comm.size, self.access)
+
     # -------------------------------------------------------------------------- saving
     def save(self, step: int, state: Mapping[str, Any]) -> Path:
         """Collective, synchronous: write, fsync and commit ``step``; returns its directory.

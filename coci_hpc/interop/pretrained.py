@@ -329,6 +329,23 @@ def load_pretrained(path: str | os.PathLike, target: Any, *, strict: bool = True
         src.close()
 
 
+def init_state_from(state: Mapping[str, Any], path: str | os.PathLike, *, strict: bool, resumed: int | None,
+                    log: Callable[[str], None] | None) -> LoadReport | None:
+    """The Session's ``init_from``: pretrained weights into ``state["model"]`` (every rank; ``log``
+    given on rank 0 only), unless the run ``resumed`` from a checkpoint of its own (then ignored)."""
+    if resumed is not None:
+        if log is not None:
+            log(f"init_from={os.fspath(path)} ignored: resumed from this run's own checkpoint step {resumed}")
+        return None
+    if "model" not in state:
+        raise UsageError("init_from needs the model under the state key 'model'",
+                         hint="pass Session({'model': model, ...}, init_from=PATH)")
+    report = load_pretrained(path, state["model"], strict=strict, log=log)
+    if log is not None:
+        log(f"init_from: loaded {len(report.loaded)} tensors from {report.source} ({report.kind})")
+    return report
+
+
 def import_to_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, step: int = 0,
                          model_key: str = MODEL_KEY) -> dict[str, Any]:
     """Write the weights at ``src`` as step ``step`` of a new coci checkpoint under ``out``,

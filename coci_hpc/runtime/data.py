@@ -130,3 +130,17 @@ class ResumableSampler:
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+
+
+def check_saveable(state: Mapping[str, Any]) -> list[Any]:
+    """Refuse at Session() what the store could not save (a lock, a file, an arbitrary object: it
+    would fail at the first checkpoint, maybe an hour later). Flattening takes views, no copies.
+    Collective where a ``state_dict()`` is: every rank calls it here. Returns the leaves."""
+    from coci_hpc.checkpoint.state import collect
+
+    try:
+        return collect(state, rng=False, defer_device=True)[1]
+    except CheckpointError as exc:
+        raise UsageError(f"this state cannot be checkpointed: {exc.message}",
+                         hint=exc.hint or "keep tensors, numpy arrays, JSON values and objects with "
+                                          "state_dict()/load_state_dict() in the state") from exc

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import weakref
 from types import TracebackType
 from typing import Any
 
@@ -82,3 +83,43 @@ def _exit_with_code() -> None:
         except (OSError, ValueError):
             pass
     os._exit(_code)
+
+
+# -- the attempt's end in the event log when the user's code lets an exception out of the loop ------
+_active: list[weakref.ref[Any]] = []
+_hooked = False
+
+
+def watch_uncaught(session: Any) -> None:
+    """An exception the user's code lets out of the loop ends the attempt: it is written to the
+    event log as the attempt's end (status "error"), so coci-status does not show it running.
+    sys.excepthook sees it under python/srun; coci-submit's runner calls :func:`record_uncaught`.
+    ``session`` is the process's :class:`coci_hpc.Session` (held weakly; the newest one counts)."""
+    global _hooked
+    _active[:] = [weakref.ref(session)]
+    if _hooked:
+        return
+    _hooked = True
+    previous = sys.excepthook
+
+    def hook(tp: type[BaseException], exc: BaseException, tb: Any) -> None:
+        record_uncaught(exc)
+        previous(tp, exc, tb)
+    sys.excepthook = hook
+
+
+def record_uncaught(exc: BaseException) -> None:
+    """Write ``end`` status "error" for the session of this process whose loop did not end."""
+    from coci_hpc.runtime.events import read_events
+
+    session = _active[0]() if _active else None
+    if session is None or isinstance(exc, SystemExit) or session.rank != 0 or not hasattr(session, "log"):
+        return
+    try:
+        mine = [e for e in read_events(session.events_path) if e.get("attempt") == session.log.attempt]
+        if mine and mine[-1].get("event") in ("end", "stop"):
+            return                          # the session recorded how it ended (gave up, stopped, ...)
+        session.log.write("end", step=session.step, status="error",
+                          message=f"{type(exc).__name__}: {exc}"[:2000])
+    except OSError:                         # the log's directory is gone: nothing to record into
+        pass

@@ -27,16 +27,23 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from coci_hpc.comm import Comm
-from coci_hpc.errors import SlurmError
+from coci_hpc.errors import CociError, PeerLost, SlurmError
+from coci_hpc.runtime import attempts as att
 from coci_hpc.runtime.attempts import StopPlan, stop_reason
 from coci_hpc.slurm import commands, scontrol
 from coci_hpc.slurm.env import JobEnvironment
+
+if TYPE_CHECKING:
+    from coci_hpc.checkpoint import CheckpointManager
+    from coci_hpc.runtime.events import EventLog
+    from coci_hpc.runtime.losses import LossBuffer
+    from coci_hpc.runtime.schedule import Schedule
 
 # What the runtime owns while a loop runs: submitit and coci-submit ask Slurm for USR2, scripts and
 # templates for USR1 or USR2, and SIGTERM comes at the end of the grace time / on scancel.
@@ -121,21 +128,12 @@ class PreemptionGuard:
         return self._stopping
 
     def plan(self) -> StopPlan | None:
-        """Why this stop, from Slurm's record (:func:`coci_hpc.runtime.attempts.stop_reason`, the
-        Session's one rule), and whether the job should requeue itself; None before any signal."""
-        first = self.recorder.first
-        if first is None:
+        """Why this stop, from Slurm's record and the partition's GraceTime or KillWait
+        (:class:`StopController`, the Session's one rule), and whether the job should requeue
+        itself; None before any signal."""
+        if self.recorder.first is None:
             return None
-        record = None
-        if self.job.in_slurm_job:
-            try:
-                record = scontrol.show_job(self.job.requeue_id or "", self._runner)
-            except (SlurmError, ValueError):
-                record = None
-        now = time.time()
-        return stop_reason(first.name, record, now_wall=now, signal_wall=now - (time.monotonic() - first.monotonic),
-                           restart_count=self.job.restart_count, in_slurm_job=self.job.in_slurm_job,
-                           signal_lead_s=self.signal_lead_s)
+        return StopController(self.job, self.recorder, self.signal_lead_s, self._runner).plan()
 
     def reason(self) -> str:
         """'time_limit', 'preemption', 'cancelled', 'requeue_by_hand', 'terminated', or 'none'."""
@@ -152,6 +150,122 @@ class PreemptionGuard:
                                  hint="run the training script with sbatch, or handle stopping yourself")
             requeue_with_retries(self.job.requeue_id, self._runner)
         self.comm.run_step(ask, "requeue")
+
+
+class StopController:
+    """The one stop rule, shared by :class:`PreemptionGuard` and the Session (same inputs, same
+    answer): why this stop (Slurm's record of the job, one ``scontrol show job``, plus the
+    partition's GraceTime for a preemption or KillWait for an end from outside), whether a save of
+    a given length fits before Slurm's kill, whether the lead lets the loop agree one step late,
+    and the collective requeue."""
+
+    def __init__(self, job: JobEnvironment, recorder: SignalRecorder, signal_lead_s: float | None,
+                 runner: commands.Runner = commands.run_command,
+                 say: Callable[[str], None] | None = None) -> None:
+        self.job, self.recorder, self.signal_lead_s = job, recorder, signal_lead_s
+        self._runner, self._say = runner, say
+
+    def plan(self) -> StopPlan:
+        """Why we stop (call after a signal; without one the signal is "?")."""
+        first = self.recorder.first
+        signame = first.name if first is not None else "?"
+        now = time.time()
+        signal_wall = now - (time.monotonic() - first.monotonic) if first is not None else now
+        record, grace, kill_wait = None, None, None
+        if self.job.in_slurm_job:
+            try:
+                record = scontrol.show_job(self.job.requeue_id or "", self._runner)
+            except (SlurmError, ValueError, OSError) as exc:
+                if self._say is not None:
+                    self._say(f"`scontrol show job` failed ({exc}); deciding without Slurm's record")
+            try:
+                if record is not None and record.preempted and (record.partition or self.job.partition):
+                    grace = scontrol.grace_time_s(record.partition or self.job.partition or "", self._runner)
+                if signame == "SIGTERM" and (record is None or not record.preempted or grace == 0):
+                    kill_wait = scontrol.kill_wait_s(self._runner)
+            except (SlurmError, ValueError, OSError):
+                kill_wait = kill_wait if kill_wait is not None else scontrol.DEFAULT_KILL_WAIT_S
+        return stop_reason(signame, record, now_wall=time.time(), signal_wall=signal_wall,
+                           restart_count=self.job.restart_count, in_slurm_job=self.job.in_slurm_job,
+                           signal_lead_s=self.signal_lead_s, grace_time_s=grace, kill_wait_s=kill_wait)
+
+    def decide(self, save_s: float | None) -> tuple[str, str, bool, bool]:
+        """Rank 0 at the stop: (reason, detail, requeue, whether a save of ``save_s`` fits)."""
+        plan = self.plan()
+        return plan.reason, plan.detail, plan.requeue, plan.save_fits(time.time(), save_s)
+
+    @property
+    def lead_s(self) -> float:
+        return self.signal_lead_s if self.signal_lead_s is not None else att.DEFAULT_SIGNAL_LEAD_S
+
+    def lead_check(self, step_s: float | None, save_s: float | None) -> att.LeadVerdict:
+        """Whether to agree on a stop at the boundary itself (the signal lead cannot cover two
+        steps, a save and the requeue) and the warning when even one step does not fit. A run by
+        hand has no warning signal to fit in."""
+        if not self.job.in_slurm_job and self.signal_lead_s is None:
+            return att.LeadVerdict(False, None)
+        return att.lead_check(self.lead_s, step_s, save_s, att.REQUEUE_ALLOWANCE_S)
+
+    def agree_at_boundary(self, schedule: Schedule, log: EventLog, *, warn: bool) -> bool:
+        """Rank 0 (the Session): :meth:`lead_check` with the planner's measured step and save;
+        with ``warn``, says so (and logs ``lead_warning``) when even one step does not fit."""
+        step_s, save_s = schedule.costs().step_time_s, schedule.save_s()
+        verdict = self.lead_check(step_s, save_s)
+        if warn and verdict.warning:
+            if self._say is not None:
+                self._say(verdict.warning)
+            log.write("lead_warning", message=verdict.warning, lead_s=self.lead_s, step_s=step_s, save_s=save_s)
+        return verdict.stop_at_boundary
+
+    def stop(self, step: int, *, comm: Comm, mgr: CheckpointManager, schedule: Schedule, log: EventLog,
+             losses: LossBuffer, settle: Callable[[], None], save: Callable[[int], None],
+             wait_s: float) -> NoReturn:
+        """Collective, the Session's stop at a step boundary: rank 0 decides (:meth:`decide`), every
+        rank settles the save in flight, saves ``step`` (``save``) when that fits before Slurm's
+        kill, records the stop, requeues when the job must requeue itself (the others wait up to
+        ``wait_s``), closes the store and raises ``SystemExit(0)``."""
+        first = self.recorder.first
+        signame = first.name if first is not None else "?"
+        decision = self.decide(schedule.save_s()) if comm.rank == 0 else None
+        reason, detail, requeue, fits = comm.bcast(decision)
+        requeue = requeue and self.job.in_slurm_job
+        settle()
+        saved = mgr.latest_step() == step
+        if not saved and fits:
+            schedule.stopping()
+            save(step)
+            saved = True
+        elif not saved:
+            detail += "; no save: it would not end before Slurm's kill"
+        losses.flush()
+        rc = self.job.restart_count
+        log.write("stop", step=step, reason=reason, signal=signame, requeued=requeue, detail=detail,
+                  restart_count=rc, saved=saved)
+        if requeue:
+            # The others wait for rank 0's `scontrol requeue` (with its retries): not a lost peer.
+            self.requeue(comm, wait_s, lambda exc: log.write("end", step=step, status="error", message=str(exc)))
+        mgr.close()
+        if comm.rank == 0 and self._say is not None:
+            self._say(f"stopped at step {step} ({reason}: {detail}): "
+                      + ("checkpoint saved" if saved else f"resumes from step {mgr.latest_step() or 0}")
+                      + (", job requeued" if requeue else "; Slurm requeues the job" if reason in att.SLURM_REQUEUES
+                         else "; not requeued (run again with the same arguments to resume)"))
+        raise SystemExit(0)
+
+    def requeue(self, comm: Comm, wait_s: float | None, on_error: Callable[[CociError], object]) -> None:
+        """Collective: rank 0 asks Slurm (with retries) while the others wait up to ``wait_s``
+        (not a lost peer); a failure other than a lost peer goes to ``on_error``, then raised."""
+        def ask() -> None:
+            if comm.rank == 0:
+                requeue_with_retries(self.job.requeue_id or "", self._runner)
+        with comm.deadline(wait_s):
+            try:
+                comm.run_step(ask, "requeue")
+            except PeerLost:
+                raise
+            except CociError as exc:
+                on_error(exc)
+                raise
 
 
 def requeue_with_retries(job_id: str, runner: commands.Runner = commands.run_command, *,

@@ -20,7 +20,7 @@ would be refused on the node is refused before it queues.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,3 +129,26 @@ def continuation(recorded: Mapping[str, Any] | None, current: Mapping[str, Any])
 
 def _command(run: Mapping[str, Any]) -> str:
     return " ".join([str(run.get("script"))] + [str(a) for a in run.get("args") or []])
+
+
+def check_same_run(comm: Any, events_path: Path, run: Mapping[str, Any], ckpt_dir: Path, *,
+                   resume_from_other_run: bool, say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Collective, at ``Session()``: one run, one directory, refused before anything is loaded
+    (``CheckpointOtherRun``) unless told to resume from the other run. Rank 0 reads the log and
+    returns its records (the start parses ``events.jsonl`` once: the attempt book reuses them)."""
+    from coci_hpc.errors import CheckpointOtherRun
+    from coci_hpc.runtime.events import read_events
+
+    events = read_events(events_path) if comm.rank == 0 else []
+    recorded = recorded_run(events) if comm.rank == 0 else None
+    diff = comm.bcast(difference(recorded, run) if comm.rank == 0 else None)
+    if diff is None:
+        longer = continuation(recorded, run) if comm.rank == 0 else None
+        if longer:
+            say(f"the same run with another step count ({longer}): resuming it")
+        return events
+    if not resume_from_other_run:
+        raise CheckpointOtherRun(f"checkpoint directory {ckpt_dir} belongs to another run: {diff}", hint=HINT)
+    if comm.rank == 0:
+        say(f"resuming from another run's directory, as asked (resume_from_other_run): {diff}")
+    return events

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from coci_hpc.comm import Comm
@@ -169,6 +170,13 @@ class _Measured:
         """Whether a save has been timed (before that, :meth:`costs` holds placeholders)."""
         return bool(self.ckpt_costs)
 
+    def save_s(self) -> float | None:
+        """A save's measured length (snapshot + background write); None before one was timed."""
+        if not self.measured:
+            return None
+        c = self.costs()
+        return c.ckpt_s + c.persist_s
+
     def next_step(self) -> int | None:
         return None
 
@@ -184,6 +192,10 @@ class _Measured:
 
     def state_dict(self) -> dict[str, Any]:
         return self.comm.bcast(self._own_state())
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's own view, with no collective (a survivors' save, where rank 0 may be gone)."""
+        return self._own_state()
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         if d.get("version") != 1:
@@ -357,3 +369,22 @@ def make_schedule(policy: str, failure_model: Any, *, nodes: int, horizon_s: flo
 
 
 Schedule = _Measured
+
+
+class ScheduleState:
+    """The Session's own part of the checkpoint: the planner's measured costs and plan."""
+
+    def __init__(self, schedule: _Measured) -> None:
+        self.schedule = schedule
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "schedule": self.schedule.state_dict()}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        # A checkpoint written before fixed:N had a schedule holds None: nothing measured to restore.
+        if d.get("schedule") is not None and d["schedule"].get("policy") == self.schedule.policy:
+            self.schedule.load_state_dict(dict(d["schedule"]))
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's own view, no collective (a survivors' save, where rank 0 may be gone)."""
+        return {"version": 1, "schedule": self.schedule.local_state_dict()}

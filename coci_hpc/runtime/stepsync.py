@@ -42,6 +42,8 @@ class StepSync:
     def __init__(self, comm: Comm, deadline_s: float = MIN_DEADLINE_S, notice: PeerNotice | None = None) -> None:
         self.comm = comm
         self.deadline_s = float(deadline_s)
+        self.min_deadline_s = float(deadline_s)
+        self._dt_ema = 0.0
         self.notice = notice
         # Two send/receive pairs: one is in flight while the other is being filled.
         self._send = np.zeros((2, 3), dtype=np.float64)
@@ -56,6 +58,12 @@ class StepSync:
             from mpi4py import MPI
 
             self._mpi_max = MPI.MAX
+
+    def follow(self, dt: float) -> float:
+        """After a step of ``dt`` seconds: the deadline becomes max(10 typical steps, the least one)."""
+        self._dt_ema = dt if self._dt_ema == 0.0 else 0.9 * self._dt_ema + 0.1 * dt
+        self.deadline_s = max(self.min_deadline_s, 10.0 * self._dt_ema)
+        return self.deadline_s
 
     def _start(self, send: np.ndarray, recv: np.ndarray) -> Any:
         start = getattr(self.comm, "iallreduce_max_array", None)

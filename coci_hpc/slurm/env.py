@@ -71,6 +71,12 @@ class JobEnvironment:
         return self.job_id is not None
 
     @property
+    def ranks_per_node(self) -> int:
+        """Ranks per node of this step (the step's nodes: spare nodes run no rank); 1 when not known."""
+        used_nodes = self.step_num_nodes or self.num_nodes
+        return (self.ntasks // used_nodes) if self.ntasks and used_nodes else 1
+
+    @property
     def requeue_id(self) -> str | None:
         """The id `scontrol requeue` takes: for an array task, ``<array job>_<task>``."""
         if self.array_job_id and self.array_task_id:

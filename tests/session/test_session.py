@@ -439,20 +439,20 @@ def test_a_torn_survivors_save_is_named_then_its_staging_swept_only_after_attemp
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The claim of an earlier survivors' save stays until this attempt's ``attempt_start`` is
     written: a process of the replaced attempt that runs again late meets the claim, then the newer
-    record, never neither (``Session._peer_lost``)."""
-    import coci_hpc.session as session_mod
+    record, never neither (``runtime.peerloss.PeerLoss.handle``)."""
     from coci_hpc.runtime import survivors as sv
 
     staging = sv.staging_dir(tmp_path, 7)
     staging.mkdir()
     (staging / "claim").touch()                      # a writer killed before its manifest
     seen: list[list[str]] = []
+    sweep_torn = sv.sweep_torn
 
     def sweep(where: Any) -> list[int]:        # the manager's catalog (the restart's one listing)
         seen.append([e["event"] for e in read_events(tmp_path)])
-        return sv.sweep_torn(where)
+        return sweep_torn(where)
 
-    monkeypatch.setattr(session_mod, "sweep_torn", sweep)
+    monkeypatch.setattr(sv, "sweep_torn", sweep)      # runtime.attemptbook calls it through the module
     state, train_step = _training()
     s = Session(state, 3, ckpt_dir=tmp_path, policy="fixed:10", environ=NO_SLURM)
     for _ in s.steps():

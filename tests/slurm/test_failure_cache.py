@@ -125,7 +125,7 @@ def test_the_session_starts_at_once_and_switches_to_the_history_when_it_arrives(
         models.append(s.schedule.failure_model)
         if step == 3:
             slurm.release.set()
-        if step > 3 and s._history_pending is None:
+        if step > 3 and s.history.pending is None:
             break
         time.sleep(0.005)
     assert models[0] is not None and abs(models[0].per_node_rate - DEFAULT.per_node_rate) < 1e-15

@@ -1,0 +1,192 @@
+"""What a rank does when a peer rank is gone (the step agreement's deadline missed, a checkpoint
+collective that never completes, an MPI-IO call stuck): save from the survivors
+(:mod:`coci_hpc.runtime.survivors`), record it, requeue the job (Slurm requeues a NODE_FAIL by
+itself; a crashed rank on a healthy node needs us) and leave the process at once, with no MPI
+collective or finalize that would wait for the dead rank."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, NoReturn
+
+from coci_hpc import settings
+from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.comm import Comm
+from coci_hpc.errors import PeerLost, SlurmError
+from coci_hpc.runtime import survivors as sv
+from coci_hpc.runtime.attemptbook import AttemptBook
+from coci_hpc.runtime.events import EventLog
+from coci_hpc.runtime.losses import LossBuffer
+from coci_hpc.runtime.peernotice import PeerNotice
+from coci_hpc.runtime.preemption import requeue_with_retries
+from coci_hpc.runtime.stepsync import MIN_DEADLINE_S, StepSync
+from coci_hpc.slurm import commands
+from coci_hpc.slurm.env import JobEnvironment
+
+# Open MPI prints its own alarming warning in the survivors' logs once a peer is gone, around coci's
+# peer-lost line: say beside it that it is expected, so nobody chases it (issue 26).
+PEER_LOST_MPI_NOTE = ("Open MPI may now warn that it \"failed to TCP connect to a peer MPI process\" and that the job "
+                      "\"may now hang or fail\": expected after a lost peer; the survivors save and leave")
+
+
+def _say(msg: str) -> None:
+    print(f"coci: {msg}", file=sys.stderr, flush=True)
+
+
+ENV_INPLACE = settings.INPLACE_RESTARTS.name   # set by runtime/relaunch.py for the rank steps it starts
+
+
+def peer_settings(environ: Mapping[str, str] | None, peer_timeout_s: float | None,
+                  survivors: bool | None) -> tuple[int | None, float, bool]:
+    """(the relaunch loop's in-place restart number, None outside it; the least time a peer may
+    keep the step agreement waiting before it counts as lost, at least this and 10 typical steps;
+    whether the survivors save on a peer loss, ``COCI_SURVIVORS=0``: off). Arguments win."""
+    env = os.environ if environ is None else environ
+    # coci-submit's relaunch loop (--spare-nodes) numbers its in-place restarts of the ranks (0: its first launch).
+    in_place = int(env[ENV_INPLACE]) if env.get(ENV_INPLACE, "").isdigit() else None
+    least = float(peer_timeout_s if peer_timeout_s is not None else settings.PEER_TIMEOUT.raw(env) or MIN_DEADLINE_S)
+    return in_place, least, survivors if survivors is not None else settings.SURVIVORS.raw(env) != "0"
+
+
+def leave_after_peer_loss(in_place: bool) -> NoReturn:
+    """End this process now: no MPI finalize or collective that would wait for the lost rank.
+    Under the relaunch loop a non-zero status is what makes it restart the ranks in place."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(1 if in_place else 0)
+
+
+def mf_latest(root: Any) -> int | None:
+    """The newest committed step, read by this rank alone (``mgr.latest_step()`` is a collective)."""
+    from coci_hpc.checkpoint import catalog
+    return catalog.latest_step(root)
+
+
+class PeerLoss:
+    """The Session's peer-loss path. ``state`` is the checkpointed state (the session's own entry
+    under ``session_key`` included); ``local_session_state`` gives that entry from this rank's own
+    view (no collective: rank 0 may be the lost one)."""
+
+    def __init__(self, *, comm: Comm, mgr: CheckpointManager, survival: sv.Survival, state: Mapping[str, Any],
+                 session_key: str, local_session_state: Callable[[], Any], parts: list[str], root: Path,
+                 log: EventLog, book: AttemptBook, losses: LossBuffer, job: JobEnvironment,
+                 runner: commands.Runner, notice: PeerNotice | None, in_place: int | None) -> None:
+        self.comm, self.mgr, self.survival, self._state = comm, mgr, survival, state
+        self._key, self._local_session_state, self._parts, self.root = session_key, local_session_state, parts, root
+        self.log, self.book, self.losses, self.job, self._runner = log, book, losses, job, runner
+        self.notice, self._in_place = notice, in_place
+        self.rank = comm.rank
+        self._lost_lock = threading.Lock()  # one survivors' save per process (main thread or guard timer)
+
+    def after_exception(self, step: int, sync: StepSync) -> None:
+        """The loop body left early: a peer failure surfaces inside the user's step (e.g. gloo's
+        "Connection reset by peer" in loss.backward()), and a generator cannot see that exception,
+        so ask the peers: a lost one does not answer (then this never returns)."""
+        t_fail = time.time()       # when the failure surfaced here, before the probe's deadline
+        if self.comm.size > 1 and not sync.probe(sync.deadline_s):
+            self.handle(step, f"an exception inside the step, then: {sync.lost_why}", t_fail)
+
+    def stuck(self, step: int, what: str) -> NoReturn:
+        """The guard timer (coci_hpc.comm.Comm.guard): the main thread is inside an MPI-IO call
+        that a lost peer never joins. Save from the survivors from here; never returns."""
+        waited = self.comm.peer_deadline_s or 0.0
+        self.handle(step, f"a checkpoint write after step {step} is stuck: {what}", time.time() - waited)
+
+    def collective_lost(self, step: int, exc: PeerLost) -> NoReturn:
+        waited = self.comm.peer_deadline_s or 0.0
+        self.handle(step, f"a checkpoint collective after step {step} did not complete: {exc.message}",
+                    time.time() - waited)
+
+    def handle(self, step: int, how: str, t_fail: float) -> NoReturn:
+        """A peer rank is gone: save from the survivors, record it, requeue, leave. Never returns."""
+        in_place = self._in_place is not None
+        # The main thread (a deadline missed) and the guard timer (an MPI-IO call stuck) may both
+        # get here: the first one saves and ends the process, the second waits for that end.
+        self._lost_lock.acquire()
+        self.comm.lost = True
+        newer = self.book.newer_attempt()
+        if newer is not None:
+            # A process left over from an attempt Slurm has already replaced: its host stopped
+            # (a hung kernel, a paused VM) past SlurmdTimeout, the job was requeued and started
+            # elsewhere, and the host ran again before slurmd killed what it had left. Saving,
+            # recording or `scontrol requeue` now would act on the live run: requeue it, log a
+            # failure it did not have. Leave as quietly as a killed process.
+            _say(f"rank {self.rank}: peer lost at step {step} ({how}), but attempt {newer} of this run has "
+                 f"started since this attempt ({self.log.attempt}) began: this process was left behind and "
+                 f"leaves without saving, recording or requeueing")
+            leave_after_peer_loss(in_place)
+        try:
+            t_detect = time.time()
+            # A background persist of a regular save may still be writing (its step directory is
+            # replaced below when it is the same step): let it finish first, locally, bounded.
+            self.mgr.quiesce(timeout_s=5.0)
+            _say(f"rank {self.rank}: peer lost at step {step}: {how}. {PEER_LOST_MPI_NOTE}")
+            sv_ = self.survival
+            boundary = sv_.snapshot.step
+            root = self.root
+            out: sv.Outcome | None = None
+            reason = ""
+            if not sv_.enabled:
+                reason = sv_.why_not
+            elif sv_.opt_steps != sv_.snapshot.opt_steps:
+                reason = f"this rank's optimizer had already stepped past step {boundary} when the failure surfaced"
+            elif sv_.own_for(boundary) is None:
+                reason = f"this rank holds no copy of its own per-rank state for step {boundary}"
+            if not reason:
+                own_copy = sv_.own_for(boundary)
+                assert sv_.partner is not None and own_copy is not None
+                copy = sv_.partner.copy_for(boundary)       # decoded only now, off the per-step path
+                own = own_copy.state()
+                sv_.snapshot.rollback(self._state)
+                sv.restore_own_rng(own)
+                tuning = self.mgr.local_tuning()
+                # Within Slurm's kill window: KillWait (5 s here, 30 s by default) after the node is DOWN.
+                # The planner's state_dict() broadcasts rank 0's view: take this survivor's own instead.
+                local = {**self._state, self._key: self._local_session_state()}
+                out = sv.save(root, boundary, local, self.rank, self.comm.size, own,
+                              [copy] if copy is not None else [], tuning, self.mgr.keep, window_s=3.0,
+                              parts=self._parts)
+            else:
+                staging = sv.staging_dir(root, boundary)
+                staging.mkdir(mode=0o700, exist_ok=True)
+                out = sv.Outcome(boundary, writer=sv.claim(root, boundary), reason=reason)
+            if out.writer:
+                latest = mf_latest(root)       # not mgr.latest_step(): that is a collective
+                log = self.log if self.rank == 0 else EventLog(self.log.path, attempt=self.log.attempt,
+                                                               job_id=self.job.job_id, enabled=True)
+                if self.rank == 0:
+                    self.losses.flush()
+                log.write("peer_lost", step=boundary, how=how, survivor=self.rank, committed=out.committed,
+                          lost_ranks=out.ranks_from_partner, reason=out.reason, failure_wall=t_fail,
+                          detect_wall=t_detect, commit_wall=time.time() if out.committed else None,
+                          save_s=out.write_s, fallback_step=None if out.committed else latest)
+                if in_place and self.notice is not None:
+                    self.notice.mark_left()    # the loop may end a silent peer's task now
+                if out.committed:
+                    _say(f"survivors' checkpoint of step {boundary} committed {time.time() - t_fail:.1f}s after "
+                         f"the failure (ranks {out.ranks_from_partner} from their partners' copies)")
+                else:
+                    _say(f"no survivors' checkpoint ({out.reason}); falling back to the last regular checkpoint "
+                         f"(step {latest})")
+                if in_place:
+                    _say("coci-submit's relaunch loop restarts the ranks in place (--spare-nodes): no requeue")
+                elif self.job.in_slurm_job:
+                    try:
+                        requeue_with_retries(self.job.requeue_id or "", self._runner)
+                        _say("job requeued")
+                    except SlurmError as exc:
+                        _say(f"requeue failed ({exc}); Slurm requeues a NODE_FAIL job by itself")
+        except BaseException as exc:  # noqa: BLE001 - nothing may keep this rank from leaving
+            import traceback
+            traceback.print_exc()
+            _say(f"rank {self.rank}: the survivors' save failed ({exc}); the previous checkpoint stays latest")
+            if self.job.in_slurm_job:
+                try:
+                    requeue_with_retries(self.job.requeue_id or "", self._runner)
+                except SlurmError:
+                    pass
+        leave_after_peer_loss(in_place)
