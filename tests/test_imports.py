@@ -170,3 +170,22 @@ def test_catalog_and_manifest_do_not_import_each_other(a, b):
 def test_durable_imports_nothing_of_the_package():
     """So every layer can use it without a cycle."""
     assert _imports("coci_hpc.durable", module_level_only=False) == set()
+
+
+# Calls that write or remove files: the survivors hand their pieces to the save transaction and
+# their staging to the step catalog (checkpoint/catalog.Staging), and write nothing themselves.
+FILE_WRITES = {"open", "mkdir", "unlink", "rmtree", "write_atomic", "write_bytes", "write_text", "touch",
+               "replace", "rename", "pwrite", "File", "makedirs"}
+
+
+def test_the_survivors_import_no_private_checkpoint_name_and_write_no_file():
+    tree = ast.parse(MODULES["coci_hpc.runtime.survivors"].read_text())
+    private = [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+               and (n.module or "").startswith("coci_hpc.checkpoint") for a in n.names if a.name.startswith("_")]
+    assert private == []
+    writes = sorted({(f.attr if isinstance(f, ast.Attribute) else f.id) for n in ast.walk(tree)
+                     if isinstance(n, ast.Call) for f in [n.func]
+                     if isinstance(f, (ast.Attribute, ast.Name))
+                     and (f.attr if isinstance(f, ast.Attribute) else f.id) in FILE_WRITES})
+    assert writes == []
+    assert FILE_WRITES & {"write_atomic", "mkdir"}   # the check itself looks for what the old code called

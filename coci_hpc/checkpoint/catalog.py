@@ -109,6 +109,54 @@ def staging_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"{STAGING_PREFIX}{step:09d}"
 
 
+class Staging:
+    """The files of one survivors' save's staging, ``ROOT/.survivors-<step>``: the survivors post
+    the per-rank states they hold (one file per state, durable), the first to :meth:`claim` writes
+    the step, and the claim outlives the save until the next attempt sweeps the staging
+    (:meth:`StepCatalog.sweep_staging`). The catalog owns these names; the survivors only ask."""
+
+    CLAIM = "claim"
+
+    def __init__(self, root: str | os.PathLike, step: int) -> None:
+        self.step, self.path = step, staging_dir(root, step)
+
+    def open(self) -> Path:
+        self.path.mkdir(mode=0o700, exist_ok=True)
+        return self.path
+
+    def post(self, rank: int, holder: int, blob: bytes) -> None:
+        """``holder``'s copy of ``rank``'s state (``holder == rank``: the rank's own)."""
+        durable.write_atomic(self.open() / f"rank{rank:05d}.from{holder:05d}", blob)
+
+    def claim(self) -> bool:
+        """Whether this process is the first to claim the step (O_EXCL create of ``claim``)."""
+        try:
+            os.close(os.open(self.open() / self.CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            return True
+        except FileExistsError:
+            return False
+
+    def posted(self) -> list[tuple[int, int, bytes]]:
+        """(rank, holder, blob) of every posted state, in name order."""
+        out = []
+        for p in sorted(self.path.glob("rank*.from*")):
+            try:
+                out.append((int(p.name[4:9]), int(p.name[14:19]), p.read_bytes()))
+            except (ValueError, FileNotFoundError):
+                continue
+        return out
+
+    def has_own(self, rank: int) -> bool:
+        """Whether ``rank`` posted its own state (it survived)."""
+        return (self.path / f"rank{rank:05d}.from{rank:05d}").exists()
+
+    def drop_posted(self) -> None:
+        """After the commit: remove the posted states, keep the claim."""
+        for p in self.path.iterdir():
+            if p.name != self.CLAIM:
+                p.unlink(missing_ok=True)
+
+
 def has_manifest(root: str | os.PathLike, step: int) -> bool:
     """One lookup, no listing: is ``step`` committed on disk right now?"""
     OPS.stats += 1

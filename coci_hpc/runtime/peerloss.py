@@ -151,8 +151,6 @@ class PeerLoss:
                               [copy] if copy is not None else [], tuning, self.mgr.keep, window_s=3.0,
                               parts=self._parts)
             else:
-                staging = sv.staging_dir(root, boundary)
-                staging.mkdir(mode=0o700, exist_ok=True)
                 out = sv.Outcome(boundary, writer=sv.claim(root, boundary), reason=reason)
             if out.writer:
                 latest = mf_latest(root)       # not mgr.latest_step(): that is a collective

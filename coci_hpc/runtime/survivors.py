@@ -25,7 +25,6 @@ checkpoint; replicated (DDP) and ``PerRank`` state gain.
 from __future__ import annotations
 
 import copy
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +42,6 @@ from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.state import PerRank, collect, empty_like_leaf, is_stateful, restore_rng, unflatten
 from coci_hpc.comm import Comm
-from coci_hpc.durable import write_atomic
 from coci_hpc.runtime.partner import PackedCopy, RankState
 
 BACKEND = "hdf5-survivors"
@@ -131,22 +129,17 @@ def staging_dir(root: Path, step: int) -> Path:
 
 def post(root: Path, step: int, me: int, states: list[RankState]) -> Path:
     """Put the per-rank states this survivor holds for ``step`` where the writer finds them."""
-    d = staging_dir(root, step)
-    d.mkdir(mode=0o700, exist_ok=True)
+    staging = cat.Staging(root, step)
     for rs in states:
-        write_atomic(d / f"rank{rs.rank:05d}.from{me:05d}", rs.pack())
-    return d
+        staging.post(rs.rank, me, rs.pack())
+    return staging.path
 
 
 def claim(root: Path, step: int) -> bool:
     """Whether this survivor is the one to write ``step``'s save: the first to create ``claim``.
     The claim outlives the save (:func:`_drop_posted`) until the next attempt's
     :func:`sweep_torn`, so a rank that runs again late cannot claim the step a second time."""
-    try:
-        os.close(os.open(staging_dir(root, step) / "claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-        return True
-    except FileExistsError:
-        return False
+    return cat.Staging(root, step).claim()
 
 
 def _drop_posted(root: Path, step: int) -> None:
@@ -154,21 +147,18 @@ def _drop_posted(root: Path, step: int) -> None:
     stopped (a host that froze) can run again before the attempt ends: Slurm sends SIGCONT with
     the SIGTERM of a requeue, and a paused VM resumes. It misses its own deadline at once, tries
     the same survivors' save, and must find the step claimed, not write or record it twice."""
-    for p in staging_dir(root, step).iterdir():
-        if p.name != "claim":
-            p.unlink(missing_ok=True)
+    cat.Staging(root, step).drop_posted()
 
 
 def gather_posted(root: Path, step: int, size: int, window_s: float) -> dict[int, RankState]:
     """The posted states, waiting up to ``window_s`` for every rank of ``size`` to be covered."""
-    d = staging_dir(root, step)
+    staging = cat.Staging(root, step)
     end = time.monotonic() + window_s
     found: dict[int, RankState] = {}
     while True:
-        for p in sorted(d.glob("rank*.from*")):
-            r = int(p.name[4:9])
+        for r, _holder, blob in staging.posted():
             if r not in found and 0 <= r < size:
-                rs = RankState.unpack(p.read_bytes())
+                rs = RankState.unpack(blob)
                 if rs.step == step and rs.rank == r:
                     found[r] = rs
         if len(found) == size or time.monotonic() > end:
@@ -247,8 +237,7 @@ def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, ow
                       f"(their partner copy had not arrived)")
         return out
     # The lost ranks: their state came only from a partner's copy.
-    out.ranks_from_partner = sorted(r for r in found
-                                    if not (staging_dir(root, step) / f"rank{r:05d}.from{r:05d}").exists())
+    out.ranks_from_partner = sorted(r for r in found if not cat.Staging(root, step).has_own(r))
     try:
         out.path = write_checkpoint(root, step, state, found, size, tuning, keep)
     except (OSError, ValueError, KeyError) as exc:  # the transaction discarded the step directory
