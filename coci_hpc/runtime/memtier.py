@@ -1,0 +1,404 @@
+"""The memory tier: every ``k`` steps, each rank's state is copied to a partner rank on another
+node, so that a lost rank's *shards* (FSDP2 / tensor-parallel DTensor parameters and optimizer
+moments, which exist nowhere else) survive a node failure, and the survivors' save can write the
+newest step every rank's state is held for (:func:`survivors_save`).
+
+Per memory-tier step (at the step boundary, where the state is that of the step's end):
+
+1. the rank's state is flattened (:func:`~coci_hpc.checkpoint.state.collect`, all ranks at the same
+   boundary, so a ``state_dict()`` that is a collective is fine) and its bytes are copied into one
+   of two REUSED host buffers (:class:`Slot`: a JSON header of the skeletons and leaf
+   descriptions, then the raw leaf bytes; never pickle);
+2. a non-blocking ``Isend`` of that buffer to the partner starts (on a communicator of our own);
+   the copy coming the other way is taken in by ``Iprobe`` / ``Irecv`` into one of two reused
+   receive buffers, and both are only *tested* at later boundaries (never waited on: a dead peer
+   would block a wait forever). The transfer overlaps the next steps; a new memory-tier step
+   whose previous exchange has not finished is skipped (counted in :attr:`MemoryTier.skipped`).
+
+Host memory: two slots of the rank's own state and two of its source's (the newest complete
+copy is kept while the next one arrives), i.e. about 4x the rank's share of the state (its shards
+plus the small replicated and per-rank values). A slot grows only when the state does (the first
+step that creates optimizer moments); in steady state nothing is allocated per step.
+
+Partner of rank r: :func:`~coci_hpc.runtime.partner.partner_of` (the same local rank on the next
+node when Slurm says how many ranks run per node), as for the per-step per-rank copy; with HSDP
+that partner is the rank's replica in the next node's group when the replicate dimension spans
+nodes (its shards are the same, the copy costs one more buffer but keeps one code path).
+
+A data-parallel run (no DTensor / ``Sharded`` state) has nothing here: its survivors hold the
+replicated state at the last step and the per-step per-rank copy (:mod:`.partner`) covers the rest.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from coci_hpc.checkpoint import integrity
+from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint.catalog import StepCatalog
+from coci_hpc.checkpoint.engine import make_step_dir
+from coci_hpc.checkpoint.h5file import create_datasets, file_kwargs
+from coci_hpc.checkpoint.layout import REPLICATED_KINDS, LeafDesc, make_layout
+from coci_hpc.checkpoint.lustre import IOTuning
+from coci_hpc.checkpoint.perms import set_file
+from coci_hpc.checkpoint.rawio import WriteItem, pread_into, write_posix
+from coci_hpc.checkpoint.state import Leaf, collect, storage_dtype
+from coci_hpc.comm import Comm
+from coci_hpc.runtime.partner import partner_of
+
+TAG = 0xC0C2
+HEAD = struct.Struct("<4sIqQ")      # magic, rank, step, header JSON bytes
+MAGIC = b"MEM1"
+ALIGN = 64                          # each leaf's bytes start on a 64-byte boundary in a slot
+SLOTS_PER_SIDE = 2
+BACKEND = "hdf5-memtier"
+
+
+def _pad(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class Snapshot:
+    """One rank's state at ``step``, decoded from a slot (leaf arrays are views of its bytes)."""
+
+    rank: int
+    step: int
+    skeletons: dict[str, Any]
+    leaves: list[Leaf]
+
+
+def pack_into(slot: Slot, rank: int, step: int, skeletons: Mapping[str, Any], leaves: list[Leaf]) -> None:
+    """Copy the state (``collect``'s skeletons and leaves) into ``slot``, growing it only if needed."""
+    descs = [[l.name, l.dtype, list(l.shape), l.kind, l.nbytes,
+              [list(l.box[0]), list(l.box[1])] if l.box else None] for l in leaves]
+    head = json.dumps({"skeletons": skeletons, "leaves": descs}, separators=(",", ":")).encode()
+    pos = _pad(HEAD.size + len(head))
+    offsets = []
+    for l in leaves:
+        offsets.append(pos)
+        pos = _pad(pos + l.nbytes)
+    slot.ensure(pos)
+    buf = slot.buf
+    HEAD.pack_into(buf, 0, MAGIC, rank, step, len(head))
+    buf[HEAD.size:HEAD.size + len(head)] = np.frombuffer(head, dtype=np.uint8)
+    for l, o in zip(leaves, offsets):
+        if l.nbytes:
+            if l.array is None:
+                raise ValueError(f"{l.name} is not in host memory (a device tensor left for a later copy)")
+            buf[o:o + l.nbytes] = l.array.view(np.uint8)
+    slot.nbytes, slot.step, slot.rank = pos, step, rank
+
+
+def decode(data: np.ndarray) -> Snapshot:
+    """A slot's bytes as a :class:`Snapshot`; ValueError when they are not a whole copy."""
+    if data.size < HEAD.size:
+        raise ValueError("truncated memory-tier copy (no header)")
+    magic, rank, step, hlen = HEAD.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise ValueError(f"not a memory-tier copy (magic {magic!r})")
+    head = json.loads(bytes(data[HEAD.size:HEAD.size + hlen]))
+    pos = _pad(HEAD.size + hlen)
+    leaves = []
+    for name, dtype, shape, kind, nbytes, box in head["leaves"]:
+        if pos + nbytes > data.size:
+            raise ValueError(f"truncated memory-tier copy of rank {rank} (leaf {name})")
+        raw = data[pos:pos + nbytes]
+        arr = raw.view(storage_dtype(dtype)) if nbytes else raw
+        b = (tuple(box[0]), tuple(box[1])) if box else ()
+        leaves.append(Leaf(name, dtype, tuple(shape), arr, kind, int(nbytes), box=b))
+        pos = _pad(pos + nbytes)
+    return Snapshot(int(rank), int(step), head["skeletons"], leaves)
+
+
+class Slot:
+    """A reused host buffer holding one packed copy: its bytes are ``buf[:nbytes]``."""
+
+    def __init__(self) -> None:
+        self.buf: Any = np.zeros(0, dtype=np.uint8)
+        self.nbytes = 0
+        self.step = -1
+        self.rank = -1
+        self.allocations = 0        # how often the buffer was (re)allocated: steady state adds none
+
+    def ensure(self, n: int) -> None:
+        if self.buf.size < n:
+            self.buf = np.zeros(n + n // 16, dtype=np.uint8)   # a little headroom: skeletons vary
+            self.allocations += 1
+
+    def snapshot(self) -> Snapshot:
+        return decode(self.buf[:self.nbytes])
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def estimate_bytes(leaves: list[Leaf], optimizer_state_empty: bool) -> int:
+    """Host memory the tier needs on this rank: 2 own slots + 2 of the partner's (~equal share).
+    Before the first optimizer step Adam's moments do not exist yet: counted as 2x the rest."""
+    state = sum(l.nbytes for l in leaves)
+    if optimizer_state_empty:
+        state *= 3
+    return 2 * SLOTS_PER_SIDE * state
+
+
+class MemoryTier:
+    """One rank's side of the memory tier; MPI only (``mpi_comm`` a duplicate of the world)."""
+
+    def __init__(self, state_fn: Callable[[], Mapping[str, Any]], mpi_comm: Any, ranks_per_node: int,
+                 every: int) -> None:
+        from mpi4py import MPI
+
+        self.state_fn = state_fn
+        self.comm = mpi_comm
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.every = max(1, int(every))
+        self.partner = partner_of(self.rank, self.size, ranks_per_node)
+        self.source = next(r for r in range(self.size) if partner_of(r, self.size, ranks_per_node) == self.rank)
+        self.own = [Slot() for _ in range(SLOTS_PER_SIDE)]
+        self.recv = [Slot() for _ in range(SLOTS_PER_SIDE)]
+        self._send_req: Any = None
+        self._recv_req: Any = None
+        self._recv_slot: Slot | None = None
+        self.complete: Slot | None = None      # the newest complete copy from ``source``
+        self.skipped = 0
+        self.copies = 0
+        self._status = MPI.Status()
+        self._byte = MPI.BYTE
+
+    # -- per step ------------------------------------------------------------------------------
+    def boundary(self, step: int) -> None:
+        """At each step boundary: progress the exchange in flight; every ``every`` steps start one."""
+        self.poll()
+        if step % self.every:
+            return
+        if self._send_req is not None:
+            self.skipped += 1          # the partner has not taken the last copy yet: keep it
+            return
+        slot = min(self.own, key=lambda s: s.step)   # the older own copy; its send has finished
+        skeletons, leaves = collect(self.state_fn(), rng=True)
+        pack_into(slot, self.rank, step, skeletons, leaves)
+        self._send_req = self.comm.Isend([slot.buf[:slot.nbytes], self._byte], self.partner, TAG)
+        self.copies += 1
+        self.poll()
+
+    def poll(self) -> None:
+        """Non-blocking: finish what has finished, take in a copy that has started to arrive."""
+        if self._send_req is not None and self._send_req.Test():
+            self._send_req = None
+        if self._recv_req is None and self.comm.Iprobe(source=self.source, tag=TAG, status=self._status):
+            n = self._status.Get_count(self._byte)
+            slot = next(s for s in self.recv if s is not self.complete)
+            slot.ensure(n)
+            slot.nbytes, slot.step = n, -1
+            self._recv_slot = slot
+            self._recv_req = self.comm.Irecv([slot.buf[:n], self._byte], source=self.source, tag=TAG)
+        if self._recv_req is not None and self._recv_req.Test():
+            slot = self._recv_slot
+            assert slot is not None
+            self._recv_req, self._recv_slot = None, None
+            _, rank, step, _ = HEAD.unpack_from(slot.buf, 0)
+            slot.rank, slot.step = int(rank), int(step)
+            self.complete = slot
+
+    # -- after a failure -----------------------------------------------------------------------
+    def held(self) -> list[tuple[int, Slot]]:
+        """(rank, slot) of every copy this rank holds whole: its own and its source's newest."""
+        self.poll()
+        out = [(self.rank, s) for s in self.own if s.step >= 0]
+        if self.complete is not None:
+            out.append((self.complete.rank, self.complete))
+        return out
+
+    def allocations(self) -> int:
+        return sum(s.allocations for s in (*self.own, *self.recv))
+
+
+# -- the survivors' save from the memory tier ------------------------------------------------------
+def staging(root: Path, boundary: int) -> Path:
+    return root / f".memtier-{boundary:09d}"
+
+
+def post(root: Path, boundary: int, me: int, held: list[tuple[int, Slot]]) -> None:
+    """Put the copies this survivor holds where the writer finds them (raw, temporary name + rename)."""
+    d = staging(root, boundary)
+    d.mkdir(mode=0o700, exist_ok=True)
+    for rank, slot in sorted(held, key=lambda x: -x[1].step):     # newest first
+        p = d / f"step{slot.step:09d}.rank{rank:05d}.from{me:05d}"
+        tmp = p.with_name(f".{p.name}.tmp.{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.write(memoryview(slot.buf)[:slot.nbytes])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+
+
+def claim(root: Path, boundary: int) -> bool:
+    try:
+        os.close(os.open(staging(root, boundary) / "claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        return True
+    except FileExistsError:
+        return False
+
+
+def posted(root: Path, boundary: int) -> dict[int, dict[int, Path]]:
+    """step -> rank -> a posted copy of that rank's state at that step."""
+    out: dict[int, dict[int, Path]] = {}
+    for p in staging(root, boundary).glob("step*.rank*.from*"):
+        step, rank = int(p.name[4:13]), int(p.name[18:23])
+        out.setdefault(step, {}).setdefault(rank, p)
+    return out
+
+
+def newest_whole(found: Mapping[int, Mapping[int, Path]], size: int) -> int | None:
+    whole = [s for s, ranks in found.items() if all(r in ranks for r in range(size))]
+    return max(whole) if whole else None
+
+
+@dataclass
+class TierOutcome:
+    """What the memory tier's survivors' save did. ``tier``: "memory" when it committed, else
+    "disk" (the run falls back to the last disk checkpoint)."""
+
+    boundary: int
+    step: int | None = None
+    committed: bool = False
+    writer: bool = False
+    tier: str = "disk"
+    reason: str = ""
+    ranks_from_partner: list[int] = field(default_factory=list)
+    write_s: float = 0.0
+    path: Path | None = None
+
+
+def survivors_save(root: Path, boundary: int, tier: MemoryTier, tuning: IOTuning, keep: int,
+                   window_s: float) -> TierOutcome:
+    """This survivor's part of a save from the memory tier: post what it holds; the first to claim
+    waits up to ``window_s`` for a step that every rank's state is posted for, writes it, reads it
+    back, commits. No step whole (a rank and its partner both lost): nothing is written, the run
+    falls back to the disk tier, and the outcome says so."""
+    t0 = time.monotonic()
+    out = TierOutcome(boundary)
+    post(root, boundary, tier.rank, tier.held())
+    if not claim(root, boundary):
+        out.reason = "another survivor writes"
+        return out
+    out.writer = True
+    end = time.monotonic() + window_s
+    while True:
+        found = posted(root, boundary)
+        step = newest_whole(found, tier.size)
+        # Wait for the newest step any survivor holds to become whole (or the window to end).
+        newest = max(found) if found else None
+        if (step is not None and step == newest) or time.monotonic() > end:
+            break
+        time.sleep(0.05)
+    if step is None:
+        missing = sorted(set(range(tier.size)) - {r for ranks in found.values() for r in ranks})
+        out.reason = (f"no memory-tier copy of rank(s) {missing} survived (a rank and its partner were both "
+                      f"lost, or the first copy had not arrived): the disk tier serves")
+        return out
+    out.step = step
+    if (mf.step_dir(root, step) / mf.MANIFEST).is_file():
+        out.committed, out.tier, out.path = True, "memory", mf.step_dir(root, step)
+        out.reason = f"the disk checkpoint of step {step} had committed"
+        return out
+    snaps = {r: decode(np.fromfile(p, dtype=np.uint8)) for r, p in found[step].items()}
+    out.ranks_from_partner = sorted(r for r, p in found[step].items() if not p.name.endswith(f".from{r:05d}"))
+    try:
+        out.path = write_snapshots(root, step, snaps, tier.size, tuning, keep)
+    except (OSError, ValueError, KeyError) as exc:
+        import shutil
+        shutil.rmtree(mf.step_dir(root, step), ignore_errors=True)
+        out.reason = str(exc)
+        return out
+    out.committed, out.tier = True, "memory"
+    out.write_s = time.monotonic() - t0
+    return out
+
+
+def write_snapshots(root: Path, step: int, snaps: Mapping[int, Snapshot], size: int, tuning: IOTuning,
+                    keep: int) -> Path:
+    """One process writes the N-rank checkpoint of ``step`` from every rank's memory-tier copy
+    (replicated leaves from rank 0's copy, each rank's per-rank leaves and DTensor boxes from its
+    own), the same file and manifest as the collective writer; reads every shard back before the
+    manifest commits."""
+    base = snaps[0]
+    repl = [l for l in base.leaves if l.kind in REPLICATED_KINDS]
+    rank_leaves: list[list[Leaf]] = []
+    for r in range(size):
+        rank_leaves.append(repl + [l for l in snaps[r].leaves if l.kind not in REPLICATED_KINDS])
+    all_descs = [[LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes, l.box) for l in leaves]
+                 for leaves in rank_leaves]
+    plan = make_layout(all_descs, align=tuning.align)
+    catalog = StepCatalog(root)
+    directory = make_step_dir(Comm.serial(), catalog, step, tuning)
+    data = directory / mf.DATA_FILE
+    with h5py.File(data, "w", **file_kwargs(tuning.align, tuning.align_threshold)) as f:
+        offsets = create_datasets(f, plan.datasets)
+    set_file(data, tuning.dir_mode)
+    shards: list[dict[str, Any]] = []
+    offsets_of: list[int] = []
+    for r in range(size):
+        mine = {l.name: l.array for l in rank_leaves[r]}
+        pieces = plan.pieces_of(r)
+        items = []
+        for p in pieces:
+            arr = mine[p.leaf]
+            assert arr is not None
+            items.append(WriteItem(offsets[p.dataset] + p.start,
+                                   arr.view(np.uint8)[p.src_start:p.src_start + (p.stop - p.start)]))
+        crcs = write_posix(data, items)
+        for p, it, crc in zip(pieces, items, crcs):
+            shards.append({"file": mf.DATA_FILE, "dataset": plan.datasets[p.dataset].path, "rank": r,
+                           "start": p.start, "stop": p.stop, "crc32c": crc})
+            offsets_of.append(it.offset)
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        for s, off in zip(shards, offsets_of):
+            n = int(s["stop"]) - int(s["start"])
+            buf = np.empty(n, dtype=np.uint8)
+            if n:
+                pread_into(fd, buf, off)
+            if integrity.checksum(buf) != s["crc32c"]:
+                raise OSError(f"shard {s['dataset']}[{s['start']}:{s['stop']}] reads back with a wrong checksum")
+    finally:
+        os.close(fd)
+    tensors = []
+    for i, d in enumerate(plan.datasets):
+        entry: dict[str, Any] = {"name": d.name, "dataset": d.path, "file": mf.DATA_FILE, "dtype": d.dtype,
+                                 "shape": list(d.shape), "kind": d.kind, "rank": None, "nbytes": d.nbytes,
+                                 "offset": offsets.get(i)}
+        if d.kind == "per_rank":
+            entry["parts"] = [[p.rank, p.start, list(p.shape), p.nbytes] for p in plan.parts[i]]
+        elif d.kind == "dtensor":
+            entry["boxes"] = [[w, list(o), list(sh)] for w, o, sh in plan.boxes[i]]
+        tensors.append(entry)
+    skeletons = {"replicated": base.skeletons["replicated"],
+                 "per_rank": {str(r): snaps[r].skeletons["per_rank"] for r in range(size)}}
+    m = mf.build(step=step, world_size=size, tensors=tensors, shards=shards, skeletons=skeletons,
+                 files=[mf.DATA_FILE], backend=BACKEND,
+                 extra={"lustre": tuning.lustre, "align": tuning.align, "survivors_save": True,
+                        "memory_tier": True,
+                        "layout": {"align": tuning.align, "signatures": list(plan.signatures)}})
+    catalog.commit(step, m)
+    catalog.retain(keep, background=False)
+    return directory
