@@ -59,7 +59,7 @@ from coci_hpc.errors import (
 )
 from coci_hpc.planner.failures import FailureModel, from_mtbf
 from coci_hpc.runtime import attempts as att
-from coci_hpc.runtime import errorexit, runrecord, signals
+from coci_hpc.runtime import errorexit, memtier, runrecord, signals
 from coci_hpc.runtime.config import SessionConfig, resolve
 from coci_hpc.runtime.data import session_state
 from coci_hpc.runtime.distributed import default_comm
@@ -257,6 +257,10 @@ class Session:
         per_node = (self.job.ntasks // used_nodes) if self.job.ntasks and used_nodes else 1
         self.survival = Survival(self._state, self.comm, ranks_per_node=per_node, enabled=self._survivors,
                                  skip=frozenset({STATE_KEY}))
+        # Sharded state: the memory tier keeps every rank's shards on a partner (runtime/memtier.py).
+        self.memtier = memtier.for_session(lambda: {**self._state, STATE_KEY: {"version": 1, "schedule": self.schedule._own_state()}},
+                                           self.comm, per_node, self._parts, self._survivors and self.survival.enabled,
+                                           self._environ, _say)
         self.log = EventLog(self.events_path, attempt=1, job_id=self.job.job_id, enabled=self.rank == 0)
         self.step = 0                      # steps completed
         self._loss = math.nan
@@ -444,7 +448,7 @@ class Session:
         """Rank 0: the share of failures the planner may count as ~one step lost (survivors' saves)."""
         from coci_hpc.runtime import survivors as sv
 
-        return sv.coverage_estimate(events, self.survival.enabled and not self._parts)
+        return sv.coverage_estimate(events, self.survival.enabled and (not self._parts or self.memtier is not None))
 
     def _record_start(self, info: dict[str, Any], resumed: int | None, restore_s: float) -> str | None:
         events, rows = info["events"], info["rows"]
@@ -474,12 +478,13 @@ class Session:
                        torn_survivors_saves=info.get("torn") or [],
                        config_sources=dict(self.config.sources), slurm_id=self.job.requeue_id,
                        survivor_coverage=coverage,
-                       survivors_off=sv.parts_reason(self._parts) if self._parts else None,
+                       survivors_off=sv.parts_reason(self._parts) if self._parts and self.memtier is None else None,
+                       memory_tier_every=None if self.memtier is None else self.memtier.every,
                        in_place_restart=self._in_place, process_wall=self._process_wall,
                        session_wall=self._init_wall)
         _say(att.describe_start(self.log.attempt, self.job.job_id, rc, nodes, self.comm.size, prev_end.reason,
                                 prev_end.detail, resumed, lost))
-        if self._parts and self.survival.enabled:
+        if self._parts and self.survival.enabled and self.memtier is None:
             _say(f"on a lost rank: no survivors' save, back to the last checkpoint: {sv.parts_reason(self._parts)}")
         if verdict is not None:
             self.log.write("end", step=resumed, status="gave_up", message=verdict)
@@ -506,6 +511,8 @@ class Session:
             self._record_loss(step)
         self.schedule.observe(step, self._loss if self.rank == 0 else math.nan, dt)
         self.survival.boundary(step)
+        if self.memtier is not None:
+            self.memtier.boundary(step)
         self._dt_ema = dt if self._dt_ema == 0.0 else 0.9 * self._dt_ema + 0.1 * dt
         self.sync.deadline_s = max(self._min_deadline, 10.0 * self._dt_ema)
         self.comm.peer_deadline_s = self.sync.deadline_s
@@ -720,7 +727,7 @@ class Session:
             sv_ = self.survival
             boundary = sv_.snapshot.step
             root = self.config.ckpt_dir
-            out: sv.Outcome | None = None
+            out: Any = None
             reason = ""
             if not sv_.enabled:
                 reason = sv_.why_not
@@ -728,17 +735,16 @@ class Session:
                 reason = f"this rank's optimizer had already stepped past step {boundary} when the failure surfaced"
             elif sv_.own_for(boundary) is None:
                 reason = f"this rank holds no copy of its own per-rank state for step {boundary}"
-            if not reason:
+            if self.memtier is not None:      # sharded state: its newest whole memory-tier step, else disk
+                out = memtier.survivors_save(root, boundary, self.memtier, self._tuning(), self.mgr.keep, window_s=3.0)
+            elif not reason:
                 own_copy = sv_.own_for(boundary)
                 assert sv_.partner is not None and own_copy is not None
                 copy = sv_.partner.copy_for(boundary)       # decoded only now, off the per-step path
                 own = own_copy.state()
                 sv_.snapshot.rollback(self._state)
                 sv.restore_own_rng(own)
-                tuning = self.mgr._tuning
-                if tuning is None:
-                    from coci_hpc.checkpoint.lustre import tuning_for
-                    tuning = tuning_for(root, self.mgr.lustre, self.comm.size, self.mgr.access)
+                tuning = self._tuning()
                 # Within Slurm's kill window: KillWait (5 s here, 30 s by default) after the node is DOWN.
                 # The planner's state_dict() broadcasts rank 0's view: take this survivor's own instead.
                 local = {**self._state, STATE_KEY: {"version": 1, "schedule": self.schedule._own_state()}}
@@ -755,14 +761,16 @@ class Session:
                                                                job_id=self.job.job_id, enabled=True)
                 if self.rank == 0:
                     self._flush_losses()
-                log.write("peer_lost", step=boundary, how=how, survivor=self.rank, committed=out.committed,
+                # Which tier served: "survivors" (the last step), "memory" (the memory tier's), "disk".
+                tier = getattr(out, "tier", "survivors" if out.committed else "disk")
+                log.write("peer_lost", step=out.step if out.step is not None else boundary, tier=tier, how=how, survivor=self.rank, committed=out.committed,
                           lost_ranks=out.ranks_from_partner, reason=out.reason, failure_wall=t_fail,
                           detect_wall=t_detect, commit_wall=time.time() if out.committed else None,
                           save_s=out.write_s, fallback_step=None if out.committed else latest)
                 if in_place and self.sync.notice is not None:
                     self.sync.notice.mark_left()    # the loop may end a silent peer's task now
                 if out.committed:
-                    _say(f"survivors' checkpoint of step {boundary} committed {time.time() - t_fail:.1f}s after "
+                    _say(f"survivors' checkpoint of step {out.step} ({tier} tier) committed {time.time() - t_fail:.1f}s after "
                          f"the failure (ranks {out.ranks_from_partner} from their partners' copies)")
                 else:
                     _say(f"no survivors' checkpoint ({out.reason}); falling back to the last regular checkpoint "
@@ -785,6 +793,12 @@ class Session:
                 except SlurmError:
                     pass
         _leave_after_peer_loss(in_place)
+
+    def _tuning(self) -> Any:
+        if self.mgr._tuning is not None:
+            return self.mgr._tuning
+        from coci_hpc.checkpoint.lustre import tuning_for
+        return tuning_for(self.config.ckpt_dir, self.mgr.lustre, self.comm.size, self.mgr.access)
 
     def _newer_attempt(self) -> int | None:
         """The attempt of this run that started after this one, if any (from the event log: every

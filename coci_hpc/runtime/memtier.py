@@ -99,7 +99,7 @@ def pack_into(slot: Slot, rank: int, step: int, skeletons: Mapping[str, Any], le
     slot.nbytes, slot.step, slot.rank = pos, step, rank
 
 
-def decode(data: np.ndarray) -> Snapshot:
+def decode(data: Any) -> Snapshot:
     """A slot's bytes as a :class:`Snapshot`; ValueError when they are not a whole copy."""
     if data.size < HEAD.size:
         raise ValueError("truncated memory-tier copy (no header)")
@@ -212,12 +212,12 @@ class MemoryTier:
             self._recv_slot = slot
             self._recv_req = self.comm.Irecv([slot.buf[:n], self._byte], source=self.source, tag=TAG)
         if self._recv_req is not None and self._recv_req.Test():
-            slot = self._recv_slot
-            assert slot is not None
+            got = self._recv_slot
+            assert got is not None
             self._recv_req, self._recv_slot = None, None
-            _, rank, step, _ = HEAD.unpack_from(slot.buf, 0)
-            slot.rank, slot.step = int(rank), int(step)
-            self.complete = slot
+            _, rank, step, _ = HEAD.unpack_from(got.buf, 0)
+            got.rank, got.step = int(rank), int(step)
+            self.complete = got
 
     # -- after a failure -----------------------------------------------------------------------
     def held(self) -> list[tuple[int, Slot]]:
@@ -402,3 +402,44 @@ def write_snapshots(root: Path, step: int, snaps: Mapping[int, Snapshot], size: 
     catalog.commit(step, m)
     catalog.retain(keep, background=False)
     return directory
+
+
+# -- the session's choice ------------------------------------------------------------------------
+ENV_EVERY = "COCI_MEMTIER_K"        # memory-tier interval in steps; 0 turns the tier off
+DEFAULT_EVERY = 10                  # until the planner has measured costs (see :meth:`MemoryTier.replan`)
+
+
+def for_session(state_fn: Callable[[], Mapping[str, Any]], comm: Comm, ranks_per_node: int, parts: list[str],
+                enabled: bool, environ: Mapping[str, str] | None, say: Callable[[str], None],
+                available: Callable[[], int | None] = host_available_bytes) -> MemoryTier | None:
+    """The memory tier of a Session, or None: only for state held in parts (DTensor / ``Sharded``
+    leaves; data-parallel state is covered by the survivors and the per-step per-rank copy), with
+    survivors' saves on (MPI, 2+ ranks). Collective (every rank at ``Session()``): when the host
+    memory of ANY rank would not hold the tier's buffers (:func:`estimate_bytes` against
+    MemAvailable), the tier is turned off on every rank and rank 0 says so; the run goes on with
+    the disk tier alone."""
+    env = os.environ if environ is None else environ
+    every = int(env.get(ENV_EVERY) or DEFAULT_EVERY)
+    if not parts or not enabled or every <= 0:
+        return None
+    from coci_hpc.checkpoint.state import find_optimizers
+
+    leaves = collect(state_fn(), rng=True)[1]
+    empty = any(not opt.state for opt in find_optimizers(dict(state_fn())))
+    need = estimate_bytes(leaves, empty)
+    have = available()
+    short = have is not None and need > have
+    all_short = comm.allgather((short, need, have))
+    if any(s for s, _, _ in all_short):
+        if comm.rank == 0:
+            r = next(i for i, (s, _, _) in enumerate(all_short) if s)
+            _, n, h = all_short[r]
+            say(f"memory tier off: rank {r} would need ~{n / 2**30:.3g} GiB of host memory for it (2 copies of "
+                f"its state and 2 of its partner's) and {(h or 0) / 2**30:.3g} GiB are available; a lost rank falls back "
+                f"to the last disk checkpoint")
+        return None
+    tier = MemoryTier(state_fn, comm.mpi_comm.Dup(), ranks_per_node, every)
+    if comm.rank == 0:
+        say(f"memory tier on: every {tier.every} step(s) each rank's state goes to its partner "
+            f"(rank r -> {tier.partner - tier.rank:+d} mod {tier.size}); ~{need / 2**30:.3g} GiB host memory per rank")
+    return tier
