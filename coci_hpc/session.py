@@ -260,7 +260,8 @@ class Session:
         # Sharded state: the memory tier keeps every rank's shards on a partner (runtime/memtier.py).
         self.memtier = memtier.for_session(lambda: {**self._state, STATE_KEY: {"version": 1, "schedule": self.schedule._own_state()}},
                                            self.comm, per_node, self._parts, self._survivors and self.survival.enabled,
-                                           self._environ, _say)
+                                           self._environ, _say, plan_fn=memtier.plan_with(
+                                               self.schedule, used_nodes or 1, horizon_s, _say))
         self.log = EventLog(self.events_path, attempt=1, job_id=self.job.job_id, enabled=self.rank == 0)
         self.step = 0                      # steps completed
         self._loss = math.nan

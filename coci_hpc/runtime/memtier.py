@@ -60,6 +60,9 @@ HEAD = struct.Struct("<4sIqQ")      # magic, rank, step, header JSON bytes
 MAGIC = b"MEM1"
 ALIGN = 64                          # each leaf's bytes start on a 64-byte boundary in a slot
 SLOTS_PER_SIDE = 2
+REPLAN_EVERY = 200      # steps between two-tier plans on rank 0
+PLAN_MARGIN = 10        # steps between a plan's message and the step every rank applies it at
+OFF_EVERY = 1 << 62     # "every" when the plan drops the memory tier
 BACKEND = "hdf5-memtier"
 
 
@@ -181,6 +184,15 @@ class MemoryTier:
         self.complete: Slot | None = None      # the newest complete copy from ``source``
         self.skipped = 0
         self.copies = 0
+        self.copy_s: list[float] = []          # what each copy blocked the step for (flatten + pack + Isend)
+        # The two-tier plan (rank 0 computes it off the loop, every rank applies it at one step):
+        self.plan_fn: Callable[[list[float]], tuple[int | None, int] | None] | None = None
+        self._plan_thread: Any = None
+        self._plan_result: list[Any] = []
+        self._plan_buf = np.zeros(2, dtype=np.int64)    # (k, from step) as received
+        self._plan_sends: list[Any] = []
+        self._next_k: tuple[int, int] | None = None      # (k, from step)
+        self.planned: tuple[int | None, int] | None = None
         self._status = MPI.Status()
         self._byte = MPI.BYTE
 
@@ -188,17 +200,54 @@ class MemoryTier:
     def boundary(self, step: int) -> None:
         """At each step boundary: progress the exchange in flight; every ``every`` steps start one."""
         self.poll()
+        self._plan_progress(step)
         if step % self.every:
             return
         if self._send_req is not None:
             self.skipped += 1          # the partner has not taken the last copy yet: keep it
             return
+        t0 = time.perf_counter()
         slot = min(self.own, key=lambda s: s.step)   # the older own copy; its send has finished
         skeletons, leaves = collect(self.state_fn(), rng=True)
         pack_into(slot, self.rank, step, skeletons, leaves)
         self._send_req = self.comm.Isend([slot.buf[:slot.nbytes], self._byte], self.partner, TAG)
         self.copies += 1
         self.poll()
+        self.copy_s.append(time.perf_counter() - t0)
+        del self.copy_s[:-20]
+
+    # -- k from the two-tier planner -------------------------------------------------------------
+    def _plan_progress(self, step: int) -> None:
+        """Rank 0 plans (``plan_fn``, in a thread: the simulation takes a second or two) every
+        ``REPLAN_EVERY`` steps once a copy was timed, and sends every rank (k, the step it applies
+        from: ``PLAN_MARGIN`` steps on, so every rank has the small eager message by then); every
+        rank switches at that same step, so the memory-tier steps stay the same on all ranks."""
+        if self.rank == 0 and self.plan_fn is not None:
+            if self._plan_thread is None and self.copy_s and step % REPLAN_EVERY == 0:
+                import threading
+
+                fn, costs = self.plan_fn, list(self.copy_s)
+                self._plan_thread = threading.Thread(target=lambda: self._plan_result.append(fn(costs)),
+                                                     name="coci-memtier-plan", daemon=True)
+                self._plan_thread.start()
+            elif self._plan_thread is not None and not self._plan_thread.is_alive():
+                self._plan_thread = None
+                got = self._plan_result.pop() if self._plan_result else None
+                if got is not None:
+                    self.planned = got
+                    k = got[0] or 0          # None: the plan drops the memory tier
+                    msg = np.array([k, step + max(PLAN_MARGIN, 2 * self.every)], dtype=np.int64)
+                    self._plan_sends = [self.comm.Isend([msg, self._byte], r, TAG + 1) for r in range(self.size)]
+                    self._plan_msg = msg
+        if self.comm.Iprobe(source=0, tag=TAG + 1):
+            self.comm.Recv([self._plan_buf, self._byte], source=0, tag=TAG + 1)
+            self._next_k = (int(self._plan_buf[0]), int(self._plan_buf[1]))
+        if self._next_k is not None and step >= self._next_k[1]:
+            k = self._next_k[0]
+            self._next_k = None
+            # k = 0: the plan says the tier does not pay; copies stop (the buffers stay for a
+            # later plan that brings it back)
+            self.every = k if k > 0 else OFF_EVERY
 
     def poll(self) -> None:
         """Non-blocking: finish what has finished, take in a copy that has started to arrive."""
@@ -411,13 +460,15 @@ DEFAULT_EVERY = 10                  # until the planner has measured costs (see 
 
 def for_session(state_fn: Callable[[], Mapping[str, Any]], comm: Comm, ranks_per_node: int, parts: list[str],
                 enabled: bool, environ: Mapping[str, str] | None, say: Callable[[str], None],
-                available: Callable[[], int | None] = host_available_bytes) -> MemoryTier | None:
+                available: Callable[[], int | None] = host_available_bytes,
+                plan_fn: Callable[[list[float]], tuple[int | None, int] | None] | None = None) -> MemoryTier | None:
     """The memory tier of a Session, or None: only for state held in parts (DTensor / ``Sharded``
     leaves; data-parallel state is covered by the survivors and the per-step per-rank copy), with
     survivors' saves on (MPI, 2+ ranks). Collective (every rank at ``Session()``): when the host
     memory of ANY rank would not hold the tier's buffers (:func:`estimate_bytes` against
     MemAvailable), the tier is turned off on every rank and rank 0 says so; the run goes on with
-    the disk tier alone."""
+    the disk tier alone. ``plan_fn`` (:func:`plan_with`) sets ``k`` from the two-tier planner
+    unless ``COCI_MEMTIER_K`` fixes it."""
     env = os.environ if environ is None else environ
     every = int(env.get(ENV_EVERY) or DEFAULT_EVERY)
     if not parts or not enabled or every <= 0:
@@ -439,7 +490,36 @@ def for_session(state_fn: Callable[[], Mapping[str, Any]], comm: Comm, ranks_per
                 f"to the last disk checkpoint")
         return None
     tier = MemoryTier(state_fn, comm.mpi_comm.Dup(), ranks_per_node, every)
+    tier.plan_fn = None if env.get(ENV_EVERY) else plan_fn
     if comm.rank == 0:
         say(f"memory tier on: every {tier.every} step(s) each rank's state goes to its partner "
             f"(rank r -> {tier.partner - tier.rank:+d} mod {tier.size}); ~{need / 2**30:.3g} GiB host memory per rank")
     return tier
+
+
+def plan_with(schedule: Any, nodes: int, horizon_s: float, say: Callable[[str], None]
+              ) -> Callable[[list[float]], tuple[int | None, int] | None]:
+    """The session's ``plan_fn``: the two-tier plan (:mod:`coci_hpc.planner.two_tier`) from the
+    schedule's failure model and measured costs (disk save stall, restart, step time) and the
+    copies' measured stall; None until a disk save has been timed. Says the plan when it changes."""
+    last: list[Any] = [None]
+
+    def plan(copy_s: list[float]) -> tuple[int | None, int] | None:
+        from coci_hpc.planner import two_tier
+
+        model = getattr(schedule, "failure_model", None)
+        if model is None or not schedule.measured:
+            return None
+        c = schedule.costs()
+        if not c.step_time_s:
+            return None
+        mem = float(np.median(copy_s))
+        tc = two_tier.TierCosts(mem, c.ckpt_s, c.restart_s, c.restart_s, c.step_time_s)
+        p = two_tier.plan_two_tier(tc, two_tier.profile_from_model(model, nodes), horizon_s)
+        out = (p.mem_every_steps, p.disk_every_steps)
+        if out != last[0]:
+            last[0] = out
+            say(f"two-tier plan: {p.reason}; memory copy every {p.mem_every_steps or '-'} step(s), "
+                f"disk save every {p.disk_every_steps} step(s)")
+        return out
+    return plan

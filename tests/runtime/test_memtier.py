@@ -69,3 +69,50 @@ def test_rank_and_partner_lost_falls_back_to_disk(tmp_path: Path) -> None:
     assert "[1, 3]" in w["reason"]
     for r in res:
         assert r["loaded_step"] == 1 and r["loaded"] == r["expected"]   # the disk checkpoint of step 1
+
+
+def test_k_from_the_plan_reaches_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    res = job(2, "plan", tmp_path, 2, 30)
+    a, b = res[0]["every"], res[1]["every"]
+    assert a == b                                    # every rank switched at the same step
+    assert a[0] == 2 and a[-1] == 3                  # from the starting k to the planned one
+    first = a.index(3)
+    assert first >= 4 + 10                           # planned at step 4+ (a copy timed), applied >= 10 steps on
+
+
+def test_plan_with_uses_the_two_tier_planner_on_measured_costs() -> None:
+    from coci_hpc.planner.costs import Costs
+    from coci_hpc.planner.failures import from_mtbf
+    from coci_hpc.runtime import memtier
+
+    class Sched:
+        failure_model = from_mtbf(30 * 24 * 3600.0)
+        measured = True
+
+        def costs(self) -> Costs:
+            return Costs(5.0, 120.0, 0.5)
+
+    said: list[str] = []
+    k, disk = memtier.plan_with(Sched(), 16, 24 * 3600.0, said.append)([0.05, 0.05])
+    from coci_hpc.planner import two_tier
+    p = two_tier.plan_two_tier(two_tier.TierCosts(0.05, 5.0, 120.0, 120.0, 0.5),
+                               two_tier.profile_from_model(Sched.failure_model, 16), 24 * 3600.0)
+    assert (k, disk) == (p.mem_every_steps, p.disk_every_steps) and k is not None and disk > k
+    assert said and f"memory copy every {k} step(s)" in said[0]
+    Sched.measured = False                           # no disk save timed yet: no plan
+    assert memtier.plan_with(Sched(), 16, 24 * 3600.0, said.append)([0.05]) is None
+
+
+def test_tier_off_on_every_rank_when_host_memory_is_short() -> None:
+    from coci_hpc.comm import Comm
+    from coci_hpc.runtime import memtier
+
+    said: list[str] = []
+    state = {"w": __import__("torch").ones(1000)}
+    tier = memtier.for_session(lambda: state, Comm.serial(), 1, ["replicated/w"], True, {}, said.append,
+                               available=lambda: 1000)
+    assert tier is None and said and "memory tier off" in said[0] and "host memory" in said[0]
+    # nothing held in parts (data-parallel) or the tier switched off: no tier, nothing said
+    assert memtier.for_session(lambda: state, Comm.serial(), 1, [], True, {}, said.append) is None
+    assert memtier.for_session(lambda: state, Comm.serial(), 1, ["x"], True, {"COCI_MEMTIER_K": "0"},
+                               said.append) is None and len(said) == 1

@@ -106,6 +106,19 @@ def main() -> int:
     state = {"model": model, "optimizer": opt}
     tier = memtier.MemoryTier(lambda: state, comm.mpi_comm.Dup(), rpn, k)
     result: dict[str, Any] = {"rank": rank, "partner": tier.partner, "source": tier.source}
+    if mode == "plan":          # rank 0's plan (here: k = 3) reaches every rank, applied at one step
+        memtier.REPLAN_EVERY = 4
+        tier.plan_fn = lambda copy_s: (3, 50) if copy_s else None
+        switched = []
+        for s in range(1, steps + 1):
+            step_once(model, opt, s)
+            tier.boundary(s)
+            switched.append(tier.every)
+        result["every"] = switched
+        gathered = comm.gather(result)
+        if rank == 0:
+            print("RESULT " + json.dumps(gathered), flush=True)
+        return 0
     at_step: dict[int, dict[str, str]] = {}        # own local shards at each memory-tier step
     full_at: dict[int, dict[str, str]] = {}        # full tensors (gathered) at each memory-tier step
     allocs: list[int] = []
