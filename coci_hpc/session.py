@@ -387,6 +387,7 @@ class Session:
             assert info is not None
             verdict = self._record_start(info, resumed, restore_s)
             sweep_torn(self.config.ckpt_dir)      # only now that attempt_start is written: see sweep_torn
+            memtier.sweep(self.config.ckpt_dir)   # the memory tier's staging of earlier failures, likewise
             blocking = verdict is None and self._lead_check(warn=True)
         verdict, self._blocking, self.log.attempt = self.comm.bcast((verdict, blocking, self.log.attempt))
         self.survival.boundary(self.step)

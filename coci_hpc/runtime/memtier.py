@@ -381,7 +381,18 @@ def survivors_save(root: Path, boundary: int, tier: MemoryTier, tuning: IOTuning
         return out
     out.committed, out.tier = True, "memory"
     out.write_s = time.monotonic() - t0
+    for p in staging(root, boundary).glob("step*"):    # the copies; the claim stays until :func:`sweep`
+        p.unlink(missing_ok=True)
     return out
+
+
+def sweep(root: Path) -> None:
+    """Once a new attempt has recorded its start (as :func:`.survivors.sweep_torn`): remove the
+    staging of earlier memory-tier saves, claims included."""
+    import shutil
+
+    for d in root.glob(".memtier-*"):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def write_snapshots(root: Path, step: int, snaps: Mapping[int, Snapshot], size: int, tuning: IOTuning,
