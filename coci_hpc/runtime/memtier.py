@@ -233,10 +233,11 @@ class MemoryTier:
             elif self._plan_thread is not None and not self._plan_thread.is_alive():
                 self._plan_thread = None
                 got = self._plan_result.pop() if self._plan_result else None
-                if got is not None:
+                k = 0 if got is None else (got[0] or 0)      # None: the plan drops the memory tier
+                current = self._next_k[0] if self._next_k is not None else self.every
+                if got is not None and (k or OFF_EVERY) != (current or OFF_EVERY):   # only a change travels
                     self.planned = got
-                    k = got[0] or 0          # None: the plan drops the memory tier
-                    msg = np.array([k, step + max(PLAN_MARGIN, 2 * self.every)], dtype=np.int64)
+                    msg = np.array([k, step + max(PLAN_MARGIN, 2 * min(self.every, 10**6))], dtype=np.int64)
                     self._plan_sends = [self.comm.Isend([msg, self._byte], r, TAG + 1) for r in range(self.size)]
                     self._plan_msg = msg
         if self.comm.Iprobe(source=0, tag=TAG + 1):
