@@ -136,6 +136,83 @@ def worker(a: argparse.Namespace) -> None:
               flush=True)
 
 
+def memtier_worker(a: argparse.Namespace) -> None:
+    """The memory tier's per-step cost on an FSDP2 state of about --memtier-mb MB (parameters and
+    Adam's two moments, over all ranks): alternating rounds of the bare FSDP2 loop and the same loop
+    with ``MemoryTier.boundary`` every step (a copy every --k steps); per round the median step time
+    of each, and the time the boundary itself blocked (the copy into the reused host buffer, the
+    Isend, the tests of the exchange in flight)."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
+
+    import coci_hpc
+    from coci_hpc.runtime import memtier
+
+    torch.set_num_threads(1)
+    comm = coci_hpc.init_distributed()
+    world = comm.world_size
+    torch.manual_seed(0)
+    # params * 4 bytes * 3 (param + exp_avg + exp_avg_sq) ~ memtier-mb; square layers of width h
+    h = 1024
+    layers = max(1, round(a.memtier_mb * 2**20 / (12 * h * h)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(h, h) for _ in range(layers)])
+    mesh = init_device_mesh("cpu", (world,))
+    for m in model:
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x = torch.randn(a.batch, h)
+    state = {"model": model, "optimizer": opt}
+    from coci_hpc.comm import Comm
+    c = Comm.world()
+    tier = memtier.MemoryTier(lambda: state, c.mpi_comm.Dup(), 1, a.k)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    for _ in range(a.warmup):
+        step()
+    rounds = []
+    s = 0
+    for _ in range(a.rounds):
+        bare, tiered, blocked = [], [], 0.0
+        for _ in range(a.steps):
+            c.barrier()
+            t0 = time.perf_counter()
+            step()
+            bare.append(time.perf_counter() - t0)
+        for _ in range(a.steps):
+            s += 1
+            c.barrier()
+            t0 = time.perf_counter()
+            step()
+            t1 = time.perf_counter()
+            tier.boundary(s)
+            t2 = time.perf_counter()
+            tiered.append(t2 - t0)
+            blocked += t2 - t1
+        rounds.append({"bare_step_s": statistics.median(bare), "tier_step_s": statistics.median(tiered),
+                       "blocked_per_step_s": blocked / a.steps,
+                       "mean_bare_s": statistics.fmean(bare), "mean_tier_s": statistics.fmean(tiered)})
+    state_bytes = sum(l.nbytes for l in memtier.collect(state, rng=False)[1])
+    out = c.gather({"rounds": rounds, "state_bytes": state_bytes, "copies": tier.copies, "skipped": tier.skipped,
+                    "allocations": tier.allocations()})
+    if c.rank == 0:
+        assert out is not None
+        r0 = out[0]["rounds"]
+        bare_med = statistics.median(r["mean_bare_s"] for r in r0)
+        print(json.dumps({"ranks": world, "k": a.k, "state_mb_total": sum(o["state_bytes"] for o in out) / 2**20,
+                          "step_s": bare_med,
+                          "memtier_overhead": statistics.median((r["mean_tier_s"] - r["mean_bare_s"]) / r["mean_bare_s"]
+                                                                for r in r0),
+                          "memtier_blocked_ratio": statistics.median(r["blocked_per_step_s"] / r["mean_bare_s"]
+                                                                     for r in r0),
+                          "per_rank": out}))
+
+
 def latency(ckpt_dir: str) -> int:
     """Every restart in a run's event log: how the previous attempt ended and the latency split."""
     from coci_hpc.runtime.events import read_events
@@ -168,11 +245,15 @@ def main() -> int:
     ap.add_argument("--cost-rounds", type=int, default=3,
                     help="alternating rounds of the boundary cost with and without the partner copy")
     ap.add_argument("--latency", metavar="CKPT_DIR", help="print the restart latency split from CKPT_DIR/events.jsonl")
+    ap.add_argument("--memtier", action="store_true",
+                    help="the memory tier's per-step cost on an FSDP2 state (--memtier-mb, --k) instead")
+    ap.add_argument("--memtier-mb", type=float, default=1024, help="FSDP2 state size over all ranks (MB)")
+    ap.add_argument("--k", type=int, default=10, help="memory-tier interval in steps (the planner's k)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        worker(a)
+        (memtier_worker if a.memtier else worker)(a)
         return 0
     if a.latency:
         return latency(a.latency)
@@ -183,6 +264,8 @@ def main() -> int:
             args = [sys.executable, "-m", "mpi4py", __file__, "--worker", "--tmp", tmp, "--hidden", str(a.hidden),
                     "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
                     "--rounds", str(a.rounds), "--cost-rounds", str(a.cost_rounds)]
+            if a.memtier:
+                args += ["--memtier", "--memtier-mb", str(a.memtier_mb), "--k", str(a.k)]
             cmd = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", str(n), *args]
             env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
             p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -192,6 +275,13 @@ def main() -> int:
             results.append(json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1]))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    if a.memtier:
+        print(json.dumps({"benchmark": "memtier_overhead", "results": results}, indent=1))
+        print(f"\n{'ranks':>5} {'k':>4} {'state MB':>9} {'step s':>8} {'overhead':>9} {'blocked':>8}  (goal <= 0.02)")
+        for r in results:
+            print(f"{r['ranks']:>5} {r['k']:>4} {r['state_mb_total']:>9.1f} {r['step_s']:>8.4f} "
+                  f"{r['memtier_overhead']:>9.4f} {r['memtier_blocked_ratio']:>8.4f}")
+        return 0
     print(json.dumps({"benchmark": "session_overhead", "results": results}, indent=1))
     print(f"\n{'ranks':>5} {'step ms':>8} {'bare steps/s':>13} {'session steps/s':>16} {'ratio':>7} "
           f"{'median-step ratio':>18} {'session us/step':>16} {'ratio from cost':>16} {'no-partner us/step':>19} "

@@ -146,7 +146,8 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
                                 "failure_wall": fail,
                                 "after_failure_s": (commit - fail) if commit and fail else None,
                                 "lost_ranks": e.get("lost_ranks"), "reason": e.get("reason") or "",
-                                "fallback_step": e.get("fallback_step"), "steps_lost": None})
+                                "fallback_step": e.get("fallback_step"), "steps_lost": None,
+                                "tier": e.get("tier")})
             if e.get("committed"):
                 checkpoints.append({"step": e.get("step"), "kind": "survivors", "attempt": n,
                                     "blocking_s": None, "persist_s": e.get("save_s")})
@@ -319,12 +320,13 @@ def render_text(h: RunHistory) -> str:
               + (f"; save stall mean {sum(blocking) / len(blocking):.3f}s" if blocking else "")]
     for pl in h.peer_losses:
         if pl["committed"]:
-            lines.append(f"attempt {pl['attempt']}: rank(s) {pl['lost_ranks']} lost; survivors' checkpoint of step "
+            tier = f" from the {pl['tier']} tier" if pl.get("tier") else ""
+            lines.append(f"attempt {pl['attempt']}: rank(s) {pl['lost_ranks']} lost; survivors' checkpoint{tier} of step "
                          f"{pl['step']} committed {_s(pl['after_failure_s'])}s after the failure; "
                          f"steps lost {_i(pl['steps_lost'])}")
         else:
             lines.append(f"attempt {pl['attempt']}: a rank was lost after step {pl['step']}; no survivors' "
-                         f"checkpoint ({pl['reason']}); fell back to step {_i(pl['fallback_step'])}; "
+                         f"checkpoint ({pl['reason']}); fell back to step {_i(pl['fallback_step'])} (the disk tier served); "
                          f"steps lost {_i(pl['steps_lost'])}")
     lines.append(f"steps lost in total: {h.steps_lost_total}")
     if h.attempts and h.attempts[-1].survivors_off:

@@ -18,7 +18,7 @@ from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.comm import Comm
 from coci_hpc.errors import PeerLost, UsageError
 from coci_hpc.planner.failures import FailureModel
-from coci_hpc.runtime import errorexit, runrecord, signals
+from coci_hpc.runtime import errorexit, memtier, runrecord, signals
 from coci_hpc.runtime.attemptbook import AttemptBook
 from coci_hpc.runtime.config import resolve
 from coci_hpc.runtime.data import check_saveable, session_state
@@ -192,6 +192,9 @@ class Session:
                                   parts=self._parts, root=self.config.ckpt_dir, log=self.log, book=self.book,
                                   losses=self.losses, job=self.job, runner=self._runner, notice=self.sync.notice,
                                   in_place=self._in_place)
+        self.survival.memtier = memtier.for_session(   # state held in parts: to a partner every k steps
+            self.peer_loss.local_state, self.comm, self.job.ranks_per_node, self._parts, self.survival.enabled,
+            self._environ, _say, memtier.plan_with(self.schedule, horizon_s, _say))
         self._watch = contextlib.ExitStack()   # the comm's watch on its peers while the loop runs
         self.step = 0                      # steps completed
         self._loss, self._started = math.nan, False
@@ -283,7 +286,7 @@ class Session:
             assert info is not None
             verdict = self.book.record_start(info, resumed, restore_s, schedule=self.schedule, ranks=self.comm.size,
                                              run_record=self.run_record, config=self.config,
-                                             survivors_enabled=self.survival.enabled, parts=self._parts)
+                                             survival=self.survival, parts=self._parts)
             blocking = verdict is None and self.stopper.agree_at_boundary(self.schedule, self.log, warn=True)
         verdict, self._blocking, self.log.attempt = self.comm.bcast((verdict, blocking, self.log.attempt))
         self.survival.boundary(self.step)
@@ -349,13 +352,12 @@ class Session:
     def _save(self, step: int, kind: str = "planned") -> None:
         self._settle()
         t0 = time.perf_counter()
-        if self.async_save and kind == "planned":
-            self.mgr.save_async(step, self._state)
-            blocking = time.perf_counter() - t0
+        two_phase = self.async_save and kind == "planned"
+        (self.mgr.save_async if two_phase else self.mgr.save)(step, self._state)
+        blocking = time.perf_counter() - t0
+        if two_phase:
             self._pending_ckpt = (step, blocking)
         else:
-            self.mgr.save(step, self._state)
-            blocking = time.perf_counter() - t0
             self.losses.flush()
             self.log.write("checkpoint", step=step, kind=kind, blocking_s=blocking, persist_s=None)
         self.schedule.saved(step, blocking)

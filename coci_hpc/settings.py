@@ -88,6 +88,9 @@ PEER_TIMEOUT = Var("COCI_PEER_TIMEOUT_S", non_negative, None, "least time a peer
                    "waiting before it counts as lost", "Session (`peer_timeout_s`)", "5 s (and at least 10 typical steps)")
 SURVIVORS = Var("COCI_SURVIVORS", str, "1", "`0` turns the survivors' save and the partner copy off (detection "
                 "and requeue stay)", "Session (`survivors`)", "`1`")
+MEMTIER_K = Var("COCI_MEMTIER_K", pos_int, None, "memory tier (state held in parts, e.g. FSDP2): copy each rank's "
+                "state to its partner every k steps; `0` turns it off; unset: 10 until the two-tier planner "
+                "sets k", "Session", "10, then planned")
 DIST_TIMEOUT = Var("COCI_DIST_TIMEOUT_S", float, 120.0, "bound on every gloo/NCCL collective",
                    "`init_distributed`", "120 s")
 SHIELD_SIGNALS = Var("COCI_SHIELD_SIGNALS", str, None, "`0`: do not shield DataLoader workers from "
@@ -103,7 +106,7 @@ DEBUG = Var("COCI_DEBUG", str, None, "any value: print the traceback of a failed
             "`coci_hpc.comm`", "unset")
 
 VARS: tuple[Var, ...] = (CKPT_DIR, POLICY, MAX_REQUEUES, NO_PROGRESS, SIGNAL_LEAD, RESUME_OTHER_RUN, PEER_TIMEOUT,
-                         SURVIVORS, DIST_TIMEOUT, SHIELD_SIGNALS, CACHE_DIR, PEER_NOTICE, INPLACE_RESTARTS, DEBUG)
+                         SURVIVORS, MEMTIER_K, DIST_TIMEOUT, SHIELD_SIGNALS, CACHE_DIR, PEER_NOTICE, INPLACE_RESTARTS, DEBUG)
 BY_NAME = {v.name: v for v in VARS}
 
 

@@ -178,8 +178,10 @@ FILE_WRITES = {"open", "mkdir", "unlink", "rmtree", "write_atomic", "write_bytes
                "replace", "rename", "pwrite", "File", "makedirs"}
 
 
-def test_the_survivors_import_no_private_checkpoint_name_and_write_no_file():
-    tree = ast.parse(MODULES["coci_hpc.runtime.survivors"].read_text())
+@pytest.mark.parametrize("module", ["coci_hpc.runtime.survivors", "coci_hpc.runtime.memtier"])
+def test_the_survivors_import_no_private_checkpoint_name_and_write_no_file(module):
+    """The survivors' save and the memory tier's: pieces to the save transaction, staging to the catalog."""
+    tree = ast.parse(MODULES[module].read_text())
     private = [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                and (n.module or "").startswith("coci_hpc.checkpoint") for a in n.names if a.name.startswith("_")]
     assert private == []

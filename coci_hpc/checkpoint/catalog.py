@@ -41,6 +41,8 @@ TRASH_PREFIX = ".trash-"
 STAGING_PREFIX = ".survivors-"   # a survivors' save's staging (runtime/survivors.py posts into it)
 STEP_RE = re.compile(r"^step_(\d{9,})$")  # a step directory
 _STAGING_RE = re.compile(r"^\.survivors-(\d+)$")
+TIER_STAGING_PREFIX = ".memtier-"   # a survivors' save from the memory tier (runtime/memtier.py posts into it)
+_TIER_STAGING_RE = re.compile(r"^\.memtier-(\d+)$")
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded", "errno = 28", "errno 28",
                   "disk full")  # rawio reports short writes as "(disk full?)"
@@ -157,6 +159,31 @@ class Staging:
                 p.unlink(missing_ok=True)
 
 
+class TierStaging(Staging):
+    """The staging of a survivors' save from the memory tier after a loss at step ``boundary``,
+    ``ROOT/.memtier-<boundary>``: each survivor posts every memory-tier copy it holds, named by
+    the step it is of as well (the copies of one rank may be of several steps); claim, cleanup
+    and sweep as for :class:`Staging`."""
+
+    def __init__(self, root: str | os.PathLike, boundary: int) -> None:
+        self.step, self.path = boundary, Path(root) / f"{TIER_STAGING_PREFIX}{boundary:09d}"
+
+    def post_at(self, step: int, rank: int, holder: int, blob: bytes | memoryview) -> None:
+        """``holder``'s copy of ``rank``'s state at ``step``."""
+        durable.write_atomic(self.open() / f"step{step:09d}.rank{rank:05d}.from{holder:05d}", bytes(blob))
+
+    def posted_at(self) -> dict[int, dict[int, tuple[int, Path]]]:
+        """step -> rank -> (holder, file) of the posted copies (the first found of each)."""
+        out: dict[int, dict[int, tuple[int, Path]]] = {}
+        for p in sorted(self.path.glob("step*.rank*.from*")):
+            try:
+                step, rank, holder = int(p.name[4:13]), int(p.name[18:23]), int(p.name[28:33])
+            except ValueError:
+                continue
+            out.setdefault(step, {}).setdefault(rank, (holder, p))
+        return out
+
+
 def has_manifest(root: str | os.PathLike, step: int) -> bool:
     """One lookup, no listing: is ``step`` committed on disk right now?"""
     OPS.stats += 1
@@ -224,6 +251,7 @@ class StepCatalog:
         self.root = Path(root)
         self._steps: dict[int, bool] | None = None
         self._staging: dict[int, Path] = {}   # survivors' staging directories seen in the listing
+        self._tier_staging: list[Path] = []   # the memory tier's, likewise
         self._trash: list[Path] = []      # retired steps whose data is still being removed
         self._root_ready = False
         # This catalog's own deletion thread: one manager's close() never waits for another's.
@@ -248,6 +276,7 @@ class StepCatalog:
         OPS.listings += 1
         steps: dict[int, bool] = {}
         staging: dict[int, Path] = {}
+        tier_staging: list[Path] = []
         try:
             entries = list(os.scandir(self.root))
         except (FileNotFoundError, NotADirectoryError):
@@ -263,8 +292,11 @@ class StepCatalog:
                 self._trash.append(Path(e.path))  # a deletion a crash interrupted
             elif (st := _STAGING_RE.match(e.name)) is not None:
                 staging[int(st.group(1))] = Path(e.path)
+            elif _TIER_STAGING_RE.match(e.name):
+                tier_staging.append(Path(e.path))
         self._steps = dict(sorted(steps.items()))
         self._staging = dict(sorted(staging.items()))
+        self._tier_staging = tier_staging
         self._root_ready = bool(entries) or self.root.is_dir()
 
     def committed(self) -> list[int]:
@@ -288,12 +320,12 @@ class StepCatalog:
         return [s for s in self._staging if not steps.get(s)]
 
     def sweep_staging(self) -> list[int]:
-        """Remove every survivors' staging directory seen in the listing; returns
-        :meth:`torn_staging` as it was before."""
+        """Remove every survivors' staging directory seen in the listing (the memory tier's
+        included: :class:`TierStaging`); returns :meth:`torn_staging` as it was before."""
         torn = self.torn_staging()
-        for path in self._staging.values():
+        for path in [*self._staging.values(), *self._tier_staging]:
             _remove_tree(path)
-        self._staging = {}
+        self._staging, self._tier_staging = {}, []
         return torn
 
     # ----------------------------------------------------------------------------- writing

@@ -162,8 +162,8 @@ def plan_whole(catalog: StepCatalog, step: int, replicated: tuple[Any, Sequence[
     world of ``len(per_rank)`` ranks, each with the ``replicated`` (skeleton, leaves) and its
     own (per-rank skeleton, leaves)."""
     skel, repl = replicated
-    descs = [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in repl]
-    full = make_layout([descs + [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes) for l in leaves]
+    descs = [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes, l.box) for l in repl]
+    full = make_layout([descs + [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes, l.box) for l in leaves]
                         for _, leaves in per_rank], align=tuning.align)
     return Prepared(check_step(step), cat.step_dir(catalog.root, step), full.for_rank(0), full, {},
                     {l.name: l for l in repl},
@@ -344,7 +344,9 @@ def save_whole(writer: StorageWriter, root: Path, step: int, replicated: tuple[A
     ranks whose pieces this process holds (the survivors' save): plan, create, write every
     rank's pieces, read them back and check their CRCs, seal; discard on failure.
     ``replicated``: (skeleton, leaves) of the replicated state; ``per_rank``: each rank's
-    (per-rank skeleton, leaves). ``backend``, ``extra``: what the manifest records."""
+    (per-rank skeleton, leaves): its per-rank leaves and its parts of state held in parts
+    (``Sharded`` rows, DTensor leaves with their boxes: the memory tier's save). ``backend``,
+    ``extra``: what the manifest records."""
     serial = Comm.serial()
     catalog = StepCatalog(root)  # this process alone writes: its catalog owns the step directory
     prepared = create(serial, writer, plan_whole(catalog, step, replicated, per_rank, tuning))

@@ -63,10 +63,12 @@ class AttemptBook:
         return {"events": events, "rows": rows, "sacct_error": sacct_error, "torn": torn}
 
     def record_start(self, info: dict[str, Any], resumed: int | None, restore_s: float, *, schedule: Schedule,
-                     ranks: int, run_record: Any, config: SessionConfig, survivors_enabled: bool,
+                     ranks: int, run_record: Any, config: SessionConfig, survival: sv.Survival,
                      parts: Any) -> str | None:
         """Write ``attempt_start`` (and ``resumed``), feed the planner what the previous attempt
-        measured; returns why to give up (``end`` written), or None."""
+        measured; returns why to give up (``end`` written), or None. ``survival``: whether the
+        survivors save, and the memory tier's interval (state held in parts is covered by it)."""
+        survivors_enabled, memory_every = survival.enabled, survival.memory_every
         events, rows = info["events"], info["rows"]
         prev = att.previous_records(events)
         rc = self.job.restart_count
@@ -80,7 +82,8 @@ class AttemptBook:
         if prev_end.reason in ("node_failure", "crash", "rank_failure") and prev_end.end_wall:
             schedule.after_failure(time.time() - prev_end.end_wall)
         # The share of failures the planner may count as ~one step lost (survivors' saves).
-        coverage = sv.coverage_estimate(events, survivors_enabled and not parts)
+        covered = not parts or memory_every is not None     # state held in parts: by the memory tier
+        coverage = sv.coverage_estimate(events, survivors_enabled and covered)
         schedule.use_survivor_coverage(coverage)
         verdict = att.give_up_reason(events, resumed, prev_end.reason, job_id=self.job.job_id, restart_count=rc,
                                      max_requeues=config.max_requeues,
@@ -94,13 +97,15 @@ class AttemptBook:
                        torn_survivors_saves=info.get("torn") or [],
                        config_sources=dict(config.sources), slurm_id=self.job.requeue_id,
                        survivor_coverage=coverage,
-                       survivors_off=sv.parts_reason(parts) if parts else None,
+                       survivors_off=None if covered else sv.parts_reason(parts),
+                       memory_tier_every=memory_every,
                        in_place_restart=self._in_place, process_wall=self._process_wall,
                        session_wall=self._init_wall)
-        sv.sweep_torn(self.catalog)      # only now that attempt_start is written: see sweep_torn
+        sv.sweep_torn(self.catalog)      # only now that attempt_start is written: see sweep_torn (the
+                                         # memory tier's staging too: catalog.TierStaging)
         _say(att.describe_start(self.log.attempt, self.job.job_id, rc, nodes, ranks, prev_end.reason,
                                 prev_end.detail, resumed, lost))
-        if parts and survivors_enabled:
+        if not covered and survivors_enabled:
             _say(f"on a lost rank: no survivors' save, back to the last checkpoint: {sv.parts_reason(parts)}")
         if verdict is not None:
             self.log.write("end", step=resumed, status="gave_up", message=verdict)

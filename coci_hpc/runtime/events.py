@@ -82,6 +82,8 @@ class AttemptStart(Record):
     slurm_id: str | None = _f("what sacct knows the job as (an array task's `A_T`)")
     survivor_coverage: float | None = _f("share of failures a survivors' save covers")
     survivors_off: str | None = _f("why a lost rank cannot be covered by a survivors' save (null: it can)")
+    memory_tier_every: int | None = _f("the memory tier's interval in steps (state held in parts: each rank's "
+                                       "copy goes to its partner every k steps); null: no memory tier")
     in_place_restart: int | None = _f("the relaunch loop's restart number; null outside it")
     process_wall: float | None = _f("when this process was exec'd, from /proc")
     session_wall: float | None = _f("when `Session()` was created")
@@ -138,7 +140,10 @@ class LeadWarning(Record):
 class PeerLost(Record):
     EVENT: ClassVar[str] = "peer_lost"
     WRITER: ClassVar[str] = "the survivor that wrote (or tried to write) the survivors' checkpoint"
-    step: int | None = _f("the last step every rank finished")
+    step: int | None = _f("the step the survivors' checkpoint is of: the last step every rank finished, or the "
+                          "memory tier's newest whole step")
+    tier: str | None = _f("which tier served: `survivors` (the last step), `memory` (the memory tier's newest "
+                          "whole step), `disk` (nothing committed: the last disk checkpoint)")
     how: str | None = _f("agreement timeout, the relaunch loop's peer notice, an exception inside the step, a "
                          "checkpoint collective that did not complete, or a checkpoint write stuck in MPI-IO")
     survivor: int | None = _f("the writing survivor's rank")

@@ -17,6 +17,7 @@ from coci_hpc import settings
 from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.comm import Comm
 from coci_hpc.errors import PeerLost, SlurmError
+from coci_hpc.runtime import memtier
 from coci_hpc.runtime import survivors as sv
 from coci_hpc.runtime.attemptbook import AttemptBook
 from coci_hpc.runtime.events import EventLog
@@ -82,6 +83,10 @@ class PeerLoss:
         self.rank = comm.rank
         self._lost_lock = threading.Lock()  # one survivors' save per process (main thread or guard timer)
 
+    def local_state(self) -> dict[str, Any]:
+        """The checkpointed state with the session's entry from this rank's own view (no collective)."""
+        return {**self._state, self._key: self._local_session_state()}
+
     def after_exception(self, step: int, sync: StepSync) -> None:
         """The loop body left early: a peer failure surfaces inside the user's step (e.g. gloo's
         "Connection reset by peer" in loss.backward()), and a generator cannot see that exception,
@@ -128,7 +133,7 @@ class PeerLoss:
             sv_ = self.survival
             boundary = sv_.snapshot.step
             root = self.root
-            out: sv.Outcome | None = None
+            out: sv.Outcome | memtier.TierOutcome | None = None
             reason = ""
             if not sv_.enabled:
                 reason = sv_.why_not
@@ -136,7 +141,11 @@ class PeerLoss:
                 reason = f"this rank's optimizer had already stepped past step {boundary} when the failure surfaced"
             elif sv_.own_for(boundary) is None:
                 reason = f"this rank holds no copy of its own per-rank state for step {boundary}"
-            if not reason:
+            if sv_.memtier is not None and sv_.enabled:
+                # State held in parts: the memory tier's newest whole step, else the disk tier.
+                out = memtier.survivors_save(root, boundary, sv_.memtier, self.mgr.local_tuning(), self.mgr.keep,
+                                             window_s=3.0)
+            elif not reason:
                 own_copy = sv_.own_for(boundary)
                 assert sv_.partner is not None and own_copy is not None
                 copy = sv_.partner.copy_for(boundary)       # decoded only now, off the per-step path
@@ -146,8 +155,7 @@ class PeerLoss:
                 tuning = self.mgr.local_tuning()
                 # Within Slurm's kill window: KillWait (5 s here, 30 s by default) after the node is DOWN.
                 # The planner's state_dict() broadcasts rank 0's view: take this survivor's own instead.
-                local = {**self._state, self._key: self._local_session_state()}
-                out = sv.save(root, boundary, local, self.rank, self.comm.size, own,
+                out = sv.save(root, boundary, self.local_state(), self.rank, self.comm.size, own,
                               [copy] if copy is not None else [], tuning, self.mgr.keep, window_s=3.0,
                               parts=self._parts)
             else:
@@ -158,14 +166,17 @@ class PeerLoss:
                                                                job_id=self.job.job_id, enabled=True)
                 if self.rank == 0:
                     self.losses.flush()
-                log.write("peer_lost", step=boundary, how=how, survivor=self.rank, committed=out.committed,
-                          lost_ranks=out.ranks_from_partner, reason=out.reason, failure_wall=t_fail,
+                # Which tier served: "survivors" (the last step), "memory" (the memory tier's), "disk".
+                tier = getattr(out, "tier", "survivors" if out.committed else "disk")
+                step_of = out.step if isinstance(out, memtier.TierOutcome) and out.step is not None else boundary
+                log.write("peer_lost", step=step_of, tier=tier, how=how, survivor=self.rank,
+                          committed=out.committed, lost_ranks=out.ranks_from_partner, reason=out.reason, failure_wall=t_fail,
                           detect_wall=t_detect, commit_wall=time.time() if out.committed else None,
                           save_s=out.write_s, fallback_step=None if out.committed else latest)
                 if in_place and self.notice is not None:
                     self.notice.mark_left()    # the loop may end a silent peer's task now
                 if out.committed:
-                    _say(f"survivors' checkpoint of step {boundary} committed {time.time() - t_fail:.1f}s after "
+                    _say(f"survivors' checkpoint of step {step_of} ({tier} tier) committed {time.time() - t_fail:.1f}s after "
                          f"the failure (ranks {out.ranks_from_partner} from their partners' copies)")
                 else:
                     _say(f"no survivors' checkpoint ({out.reason}); falling back to the last regular checkpoint "

@@ -332,6 +332,7 @@ class Survival:
         # failure surfacing in that step's backward still saves the boundary (:meth:`own_for`).
         self.own_boundary: PackedCopy | None = None
         self.opt_steps = 0
+        self.memtier: Any = None         # state held in parts: the memory tier (runtime/memtier.py), set by the Session
         self._hook_mode = True          # copy at the optimizer step (see partner.py), else at the boundary
         self._forward_copies = copy_at_forward
         self._boundary = 0
@@ -386,6 +387,13 @@ class Survival:
         if self._drains >= DRAIN_EVERY:
             self._drains = 0
             self.partner.drain()
+        if self.memtier is not None:     # every k steps the whole state of each rank to its partner
+            self.memtier.boundary(step)
+
+    @property
+    def memory_every(self) -> int | None:
+        """The memory tier's interval in steps, None without it."""
+        return None if self.memtier is None else self.memtier.every
 
     def own_for(self, step: int) -> PackedCopy | None:
         """This rank's own copy of ``step`` (the last one taken, or the boundary's), or None."""

@@ -116,3 +116,25 @@ def test_one_managers_close_never_waits_for_another_managers_deletions(tmp_path,
     gate.set()
     a.close()                                               # A waits for its own
     assert [p.name for p in (tmp_path / "a").iterdir() if p.name.startswith(catalog.TRASH_PREFIX)] == []
+
+
+def test_the_memory_tiers_staging_holds_copies_by_step_and_is_swept_with_the_survivors(tmp_path):
+    """catalog.TierStaging (runtime/memtier.py's survivors' save): copies named by step, rank and
+    holder, one claim, the posted copies dropped after a commit; the next attempt's sweep removes
+    the directory, which is never reported as a torn survivors' save."""
+    st = cat.TierStaging(tmp_path, 12)
+    st.post_at(12, 0, 0, b"own12")
+    st.post_at(9, 0, 0, memoryview(b"own9"))
+    st.post_at(12, 1, 0, b"partner12")
+    st.post_at(12, 1, 1, b"its-own12")         # a second copy of rank 1 at 12: the first name wins
+    got = st.posted_at()
+    assert sorted(got) == [9, 12] and sorted(got[12]) == [0, 1] and list(got[9]) == [0]
+    holder, path = got[12][1]
+    assert holder == 0 and path.read_bytes() == b"partner12"
+    assert got[12][0][0] == 0 and got[9][0][1].read_bytes() == b"own9"
+    assert st.claim() and not cat.TierStaging(tmp_path, 12).claim()
+    st.drop_posted()
+    assert cat.TierStaging(tmp_path, 12).posted_at() == {} and (st.path / "claim").exists()
+    catalog_ = cat.StepCatalog(tmp_path)
+    assert catalog_.torn_staging() == []       # not a survivors' save: nothing reported torn
+    assert catalog_.sweep_staging() == [] and not st.path.exists()

@@ -96,3 +96,97 @@ def test_a_process_left_behind_by_a_newer_attempt_neither_saves_nor_records(tmp_
     assert [e["event"] for e in events if e["event"] != "losses"] == ["attempt_start", "attempt_start"], (events, out)
     assert "attempt 2 of this run has started since this attempt (1) began" in out, out
     assert "finished 0" not in out and cat.latest_step(ckpt) is None, out    # nothing saved
+
+
+FSDP_SCRIPT = r'''
+import hashlib, json, sys, torch
+import coci_hpc
+from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.comm import Comm
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+comm = Comm.world()
+coci_hpc.init_distributed(comm=comm)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(10, 7), torch.nn.ReLU(), torch.nn.Linear(7, 6))
+mesh = init_device_mesh("cpu", (comm.size,))
+for layer in (model[0], model[2], model):
+    fully_shard(layer, mesh=mesh)      # 7 rows over 2 ranks: uneven DTensor boxes
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+state = {"model": model, "optimizer": opt}
+
+def train_step(step):
+    opt.zero_grad()
+    model(torch.randn(4, 10, generator=torch.Generator().manual_seed(100 + step))).pow(2).mean().backward()
+    opt.step()
+
+def digests():
+    out = {}
+    for name, t in [*model.state_dict().items(), *[(f"{i}/{k}", v) for i, st in opt.state_dict()["state"].items()
+                                                    for k, v in st.items()]]:
+        t = (t.full_tensor() if isinstance(t, DTensor) else t).detach().contiguous().reshape(-1)
+        out[name] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    return out
+
+mode, ckpt = sys.argv[1], sys.argv[2]
+if mode == "train":
+    s = coci_hpc.Session(state, total_steps=12, ckpt_dir=ckpt, policy="fixed:1000", environ={"COCI_MEMTIER_K": "3"},
+                         comm=comm, peer_timeout_s=3.0)
+    for step in s.steps():
+        train_step(step)
+        s.observe(torch.tensor(0.0))
+    print("finished", comm.rank, flush=True)
+elif mode == "load":
+    step = CheckpointManager(ckpt, comm=comm).load_latest(state).step
+    d = digests()
+    if comm.rank == 0:
+        print("DIGESTS", json.dumps({"step": step, "digests": d}), flush=True)
+else:                                  # "ref N": N uninterrupted steps (the Session yields 0, 1, ...)
+    for step in range(int(sys.argv[3])):
+        train_step(step)
+    d = digests()
+    if comm.rank == 0:
+        print("DIGESTS", json.dumps({"step": int(sys.argv[3]), "digests": d}), flush=True)
+'''
+
+
+def _digests(script: Path, *args: str) -> dict:
+    import json
+
+    p = subprocess.run(["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, str(script),
+                        *args], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=ROOT)
+    line = next((l for l in p.stdout.splitlines() if l.startswith("DIGESTS ")), None)
+    assert line is not None, p.stdout + p.stderr
+    return json.loads(line[len("DIGESTS "):])
+
+
+def test_fsdp2_state_the_survivor_saves_the_memory_tiers_newest_whole_step(tmp_path: Path) -> None:
+    """The Session's peer-loss path with the memory tier (runtime/memtier.py, k = 3) on FSDP2
+    state: rank 1 stalls inside the final save's MPI-IO; rank 0 alone writes the newest step it
+    holds every rank's copy of (rank 1's from its partner copy) through the save transaction, the
+    record says the memory tier served, and the checkpoint loads bit-identical to an
+    uninterrupted run of that many steps."""
+    script = tmp_path / "job.py"
+    script.write_text(FSDP_SCRIPT)
+    ckpt = tmp_path / "ckpt"
+    env = clean_env(COCI_FAULT_SAVE_PAUSE_S="10", COCI_FAULT_SAVE_PAUSE_AT="mpiio")
+    p = subprocess.run(["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, *FAULTY,
+                        str(script), "train", str(ckpt)], capture_output=True, text=True, timeout=180, env=env,
+                       cwd=ROOT)
+    out = p.stdout + p.stderr
+    starts = [e for e in read_events(ckpt) if e["event"] == "attempt_start"]
+    assert starts and starts[0]["memory_tier_every"] == 3 and starts[0]["survivors_off"] is None, (starts, out)
+    lost = [e for e in read_events(ckpt) if e["event"] == "peer_lost"]
+    assert lost, out
+    rec = lost[0]
+    assert rec["committed"] and rec["tier"] == "memory" and rec["lost_ranks"] == [1], (rec, out)
+    assert rec["step"] in (9, 12), rec                  # a memory-tier step: at most k steps lost
+    assert cat.latest_step(ckpt) == rec["step"]
+    m = cat.read_step(ckpt, rec["step"])
+    assert m["memory_tier"] and m["survivors_save"] and m["backend"] == "hdf5-memtier"
+    assert any(t["kind"] == "dtensor" and len(t["boxes"]) == 2 for t in m["tensors"])
+    assert f"survivors' checkpoint of step {rec['step']} (memory tier) committed" in out, out
+    assert not list(ckpt.glob(".memtier-*/step*")), "the posted copies go after the commit"
+    got = _digests(script, "load", str(ckpt))
+    assert got == _digests(script, "ref", str(tmp_path / "unused"), str(rec["step"]))

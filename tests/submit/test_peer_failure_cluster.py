@@ -115,7 +115,9 @@ def test_sharded_state_on_the_lost_rank_falls_back_and_says_so(slurm_cluster: Sl
     the last regular checkpoint and ends bit-exact."""
     wd = slurm_cluster.workdir / "peer-sharded"
     wd.mkdir()
-    job, ckpt, log0 = submit_peer_run(slurm_cluster, wd, every=40, extra=("--sharded-state",))
+    # The memory tier (runtime/memtier.py) would cover the rows: off here, to test the fallback.
+    job, ckpt, log0 = submit_peer_run(slurm_cluster, wd, every=40, extra=("--sharded-state",),
+                                      env={"COCI_MEMTIER_K": "0"})
     wait_step(log0, random.randint(90, 110))
     slurm_cluster.run(str(slurm_cluster.devcluster), "kill-tasks", "n2")
     rows = slurm_cluster.wait_gone(job, timeout=150)

@@ -1,0 +1,172 @@
+"""Subprocess driver for the memory-tier tests (``mpiexec -n N``, FSDP2 on a CPU mesh, gloo).
+
+    memtier_job.py copy DIR K STEPS             train STEPS steps with the tier every K steps
+    memtier_job.py recover DIR K STEPS LOST     ... then ranks LOST (comma list) "die": the others
+                                                run the survivors' save from the memory tier; every
+                                                rank loads the result into a fresh model
+
+RESULT (rank 0, one JSON line): per rank what it checked (see the tests in test_memtier.py).
+Ranks per node for the partner choice: MEMTIER_JOB_RPN (default 1: every rank its own node).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, init_device_mesh
+
+from coci_hpc import init_distributed
+from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.checkpoint.lustre import LustrePolicy, tuning_for
+from coci_hpc.checkpoint.state import collect
+from coci_hpc.comm import Comm
+from coci_hpc.runtime import memtier
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(10, 7)   # 7 rows: uneven FSDP2 chunks over 2 or 4 ranks
+        self.fc2 = torch.nn.Linear(7, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def build(world: int) -> tuple[Any, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = MLP()
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model.fc1, mesh=mesh)
+    fully_shard(model.fc2, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def step_once(model: Any, opt: torch.optim.Optimizer, step: int) -> None:
+    gen = torch.Generator().manual_seed(100 + step)
+    opt.zero_grad()
+    model(torch.randn(4, 10, generator=gen)).pow(2).mean().backward()
+    opt.step()
+
+
+def digest(t: Any) -> str:
+    t = (t.full_tensor() if isinstance(t, DTensor) else t).detach().contiguous().reshape(-1)
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()[:16]
+
+
+def hashes(model: Any, opt: torch.optim.Optimizer) -> dict[str, str]:
+    out = {f"model/{k}": digest(v) for k, v in model.state_dict().items()}
+    for idx, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"opt/{idx}/{k}"] = digest(v)
+    return out
+
+
+def local_bytes(state: dict[str, Any]) -> dict[str, str]:
+    """This rank's DTensor local shards now, by leaf name (sha256 of the raw bytes)."""
+    return {l.name: hashlib.sha256(l.array.view(np.uint8).tobytes()).hexdigest()[:16]
+            for l in collect(state, rng=False)[1] if l.kind == "dtensor" and l.array is not None}
+
+
+def slot_bytes(slot: memtier.Slot) -> dict[str, str]:
+    return {l.name: hashlib.sha256(l.array.view(np.uint8).tobytes()).hexdigest()[:16]
+            for l in slot.snapshot().leaves if l.kind == "dtensor" and l.array is not None}
+
+
+def settle(tier: memtier.MemoryTier, comm: Comm, want: int) -> None:
+    """Let the exchange of step ``want`` finish on every rank (a test's quiet moment)."""
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        tier.poll()
+        done = tier._send_req is None and tier.complete is not None and tier.complete.step == want
+        if all(comm.allgather(done)):
+            return
+        time.sleep(0.01)
+    raise SystemExit(f"rank {comm.rank}: the exchange of step {want} did not finish")
+
+
+def main() -> int:
+    mode, root, k, steps = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    comm = Comm.world()
+    init_distributed(comm=comm)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rpn = int(os.environ.get("MEMTIER_JOB_RPN", "1"))
+    model, opt = build(world)
+    state = {"model": model, "optimizer": opt}
+    tier = memtier.MemoryTier(lambda: state, comm.mpi_comm.Dup(), rpn, k)
+    result: dict[str, Any] = {"rank": rank, "partner": tier.partner, "source": tier.source}
+    if mode == "plan":          # rank 0's plan (here: k = 3) reaches every rank, applied at one step
+        memtier.REPLAN_EVERY = 4
+        tier.plan_fn = lambda copy_s: (3, 50) if copy_s else None
+        switched = []
+        for s in range(1, steps + 1):
+            step_once(model, opt, s)
+            tier.boundary(s)
+            switched.append(tier.every)
+        result["every"] = switched
+        gathered = comm.gather(result)
+        if rank == 0:
+            print("RESULT " + json.dumps(gathered), flush=True)
+        return 0
+    at_step: dict[int, dict[str, str]] = {}        # own local shards at each memory-tier step
+    full_at: dict[int, dict[str, str]] = {}        # full tensors (gathered) at each memory-tier step
+    allocs: list[int] = []
+    addrs: list[list[int]] = []
+    for s in range(1, steps + 1):
+        step_once(model, opt, s)
+        tier.boundary(s)
+        if s % k == 0:
+            at_step[s] = local_bytes(state)
+        full_at[s] = hashes(model, opt)
+        if mode == "recover" and s == 1:       # the disk tier's checkpoint
+            CheckpointManager(root, comm=comm, keep=3).save(1, state)
+        allocs.append(tier.allocations())
+        addrs.append([sl.buf.ctypes.data for sl in (*tier.own, *tier.recv)])
+    last = steps - steps % k
+    settle(tier, comm, last)
+    assert tier.complete is not None
+    result["complete_step"] = tier.complete.step
+    result["complete_rank"] = tier.complete.rank
+    result["received"] = slot_bytes(tier.complete)
+    result["own_at_last"] = at_step[last]
+    result["allocs"] = allocs
+    # after the first two copies (the second allocates the other slot), nothing new is allocated
+    # after the first two copies each way (both slots of each side exist), nothing is allocated
+    result["addrs_stable"] = all(a == addrs[2 * k + 1] for a in addrs[2 * k + 1:]) if steps > 2 * k + 1 else None
+    result["skipped"] = tier.skipped
+    if mode == "recover":
+        lost = [int(x) for x in sys.argv[5].split(",")]
+        # The "lost" ranks stop taking part (their memory is gone); the survivors train one more
+        # step (a partial step: the failure surfaces in its agreement), then save from the tier.
+        tuning = tuning_for(root, LustrePolicy(), world)
+        if rank not in lost:
+            out = memtier.survivors_save(root, steps, tier, tuning, keep=3, window_s=3.0)
+            result["outcome"] = {"writer": out.writer, "committed": out.committed, "tier": out.tier,
+                                 "step": out.step, "from_partner": out.ranks_from_partner, "reason": out.reason}
+        comm.barrier()          # the test's stand-in for the relaunch: everyone back
+        model2, opt2 = build(world)
+        state2 = {"model": model2, "optimizer": opt2}
+        mgr = CheckpointManager(root, comm=comm, keep=3)
+        res = mgr.load_latest(state2)
+        result["loaded_step"] = None if res is None else res.step
+        result["loaded"] = hashes(model2, opt2)
+        result["expected"] = full_at.get(res.step) if res is not None else None
+    gathered = comm.gather(result)
+    if rank == 0:
+        print("RESULT " + json.dumps(gathered), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The memory tier (coci_hpc.runtime.memtier) on real FSDP2 state under mpiexec: the partner's
+copy is bit-exact, the host buffers are reused, a lost rank's shards come back from its partner
+bit-exactly, and a rank lost with its partner falls back to the disk tier and says so."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import clean_env, run_ranks
+
+SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "memtier_job.py")
+
+
+def job(n: int, *args: Any, rpn: int = 1) -> list[dict[str, Any]]:
+    env = clean_env()
+    env["MEMTIER_JOB_RPN"] = str(rpn)
+    out = run_ranks(n, SCRIPT, *map(str, args), timeout=240, env=env).stdout
+    line = next(l for l in out.splitlines() if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("n,rpn", [(2, 1), (4, 2)])
+def test_partner_copy_is_bit_exact_and_buffers_are_reused(tmp_path: Path, n: int, rpn: int) -> None:
+    k = 2
+    res = job(n, "copy", tmp_path, k, 5 * k, rpn=rpn)
+    by_rank = {r["rank"]: r for r in res}
+    for r in res:
+        # partner on the next "node" (rpn ranks per node), as the per-rank copy chooses it
+        assert r["partner"] == (r["rank"] + (rpn if rpn < n else 1)) % n
+        src = by_rank[r["source"]]
+        assert r["complete_step"] == 5 * k and r["complete_rank"] == src["rank"]
+        # the copy this rank holds is its source's local FSDP2 shards at that step, byte for byte
+        assert r["received"] == src["own_at_last"] and r["received"]
+        assert r["skipped"] == 0
+        # two own + two received slots, allocated in the first copies, never again
+        assert r["allocs"][-1] == 4 and r["allocs"][2 * k + 1:] == [4] * (len(r["allocs"]) - 2 * k - 1)
+        assert r["addrs_stable"] is True
+
+
+def test_lost_rank_recovers_from_partner_bit_exactly(tmp_path: Path) -> None:
+    res = job(2, "recover", tmp_path, 3, 7, "1")
+    out = res[0]["outcome"]
+    assert out["committed"] and out["tier"] == "memory" and out["step"] == 6 and out["from_partner"] == [1]
+    for r in res:
+        assert r["loaded_step"] == 6                     # lost 7 - 6 = 1 <= k steps
+        assert r["loaded"] == r["expected"]              # gathered full tensors, bit for bit
+
+
+def test_node_loss_with_two_ranks_per_node(tmp_path: Path) -> None:
+    # ranks 2, 3 (one "node") lost; their partners 0, 1 hold their copies
+    res = job(4, "recover", tmp_path, 2, 5, "2,3", rpn=2)
+    writers = [r["outcome"] for r in res if "outcome" in r and r["outcome"]["writer"]]
+    assert len(writers) == 1
+    assert writers[0]["tier"] == "memory" and writers[0]["step"] == 4 and writers[0]["from_partner"] == [2, 3]
+    for r in res:
+        assert r["loaded_step"] == 4 and r["loaded"] == r["expected"]
+
+
+def test_rank_and_partner_lost_falls_back_to_disk(tmp_path: Path) -> None:
+    # 4 ranks, 2 per node: ranks 1 and 3 are each other's partners; losing both loses both copies
+    res = job(4, "recover", tmp_path, 2, 5, "1,3", rpn=2)
+    writers = [r["outcome"] for r in res if "outcome" in r and r["outcome"]["writer"]]
+    assert len(writers) == 1
+    w = writers[0]
+    assert not w["committed"] and w["tier"] == "disk" and "disk tier" in w["reason"]
+    assert "[1, 3]" in w["reason"]
+    for r in res:
+        assert r["loaded_step"] == 1 and r["loaded"] == r["expected"]   # the disk checkpoint of step 1
+
+
+def test_k_from_the_plan_reaches_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    res = job(2, "plan", tmp_path, 2, 30)
+    a, b = res[0]["every"], res[1]["every"]
+    assert a == b                                    # every rank switched at the same step
+    assert a[0] == 2 and a[-1] == 3                  # from the starting k to the planned one
+    first = a.index(3)
+    assert first >= 4 + 10                           # planned at step 4+ (a copy timed), applied >= 10 steps on
+
+
+def test_plan_with_uses_the_two_tier_planner_on_measured_costs() -> None:
+    from coci_hpc.planner.costs import Costs
+    from coci_hpc.planner.failures import from_mtbf
+    from coci_hpc.runtime import memtier
+
+    class Sched:
+        failure_model = from_mtbf(30 * 24 * 3600.0)
+        measured = True
+        nodes = 16
+
+        def costs(self) -> Costs:
+            return Costs(5.0, 120.0, 0.5)
+
+    said: list[str] = []
+    k, disk = memtier.plan_with(Sched(), 24 * 3600.0, said.append)([0.05, 0.05])
+    from coci_hpc.planner import two_tier
+    p = two_tier.plan_two_tier(two_tier.TierCosts(0.05, 5.0, 120.0, 120.0, 0.5),
+                               two_tier.profile_from_model(Sched.failure_model, 16), 24 * 3600.0)
+    assert (k, disk) == (p.mem_every_steps, p.disk_every_steps) and k is not None and disk > k
+    assert said and f"memory copy every {k} step(s)" in said[0]
+    Sched.measured = False                           # no disk save timed yet: no plan
+    assert memtier.plan_with(Sched(), 24 * 3600.0, said.append)([0.05]) is None
+
+
+def test_tier_off_on_every_rank_when_host_memory_is_short() -> None:
+    from coci_hpc.comm import Comm
+    from coci_hpc.runtime import memtier
+
+    said: list[str] = []
+    state = {"w": __import__("torch").ones(1000)}
+    tier = memtier.for_session(lambda: state, Comm.serial(), 1, ["replicated/w"], True, {}, said.append,
+                               available=lambda: 1000)
+    assert tier is None and said and "memory tier off" in said[0] and "host memory" in said[0]
+    # nothing held in parts (data-parallel) or the tier switched off: no tier, nothing said
+    assert memtier.for_session(lambda: state, Comm.serial(), 1, [], True, {}, said.append) is None
+    assert memtier.for_session(lambda: state, Comm.serial(), 1, ["x"], True, {"COCI_MEMTIER_K": "0"},
+                               said.append) is None and len(said) == 1
