@@ -179,6 +179,28 @@ def test_bad_input(tmp_path: Path, case: str, error: str, words: list[str]) -> N
         assert got["latest"] == 1
 
 
+def test_replicas_of_a_dtensor_shard_that_differ_are_refused(tmp_path: Path) -> None:
+    """HSDP on a 2 x 2 mesh: one replica of a shard changed on rank 2 only. One replica writes a
+    replicated box, so the save would drop a rank's values silently: refused, naming the tensor
+    and the ranks, before anything is written."""
+    got = job(4, "bad", tmp_path, "replica")
+    assert got["error"] is not None and got["error"][0] == "UsageError", got
+    msg = got["error"][1]
+    for w in ("'replicated/model/fc1.weight'", "ranks [0, 2]", "[[0], [2]]", "nothing was written"):
+        assert w in msg, (w, msg)
+    assert got["latest"] is None
+
+
+def test_differing_boxes_groups_replicas_by_box() -> None:
+    from coci_hpc.checkpoint.replicas import differing_boxes
+
+    a, b = ((0, 0), (4, 10)), ((4, 0), (3, 10))
+    same = [[(a, 7)], [(b, 8)], [(a, 7)], [(b, 8)]]   # 2 x 2: equal replicas, different shards
+    assert differing_boxes(["w"], same) is None
+    bad = [[(a, 7)], [(b, 8)], [(a, 9)], [(b, 8)]]
+    assert differing_boxes(["w"], bad) == ("w", a, {7: [0], 9: [2]})
+
+
 def test_runs_of_boxes() -> None:
     from coci_hpc.checkpoint.dtensor import runs
 

@@ -186,6 +186,13 @@ def main() -> int:
                 from torch.distributed.device_mesh import DeviceMesh
                 small = DeviceMesh("cpu", [0])  # a mesh of rank 0 alone, in a job of `world`
                 mgr.save(1, {"extras": {"w": distribute_tensor(torch.ones(4, 2), small, [Shard(0)])}})
+            elif case == "replica":  # HSDP 2 x 2: rank 2 holds a replica of rank 0's shard
+                model, opt = build("hsdp", world)
+                train(model, opt, 1)
+                if rank == 2:
+                    with torch.no_grad():
+                        model.fc1.weight.to_local().view(-1)[3] += 1.0
+                mgr.save(1, {"model": model, "optimizer": opt})
             elif case == "shape":
                 model, opt = build("fsdp", world)
                 train(model, opt, 1)
