@@ -83,6 +83,8 @@ def check_boxes_equal(comm: Comm, leaves: Sequence[Any]) -> None:
     """Collective: refuse (UsageError, every rank) a DTensor box whose replicas differ. Only one
     replica writes a replicated box (:func:`.dtensor.plan`), so different values would silently
     lose all but one."""
+    if not any(leaf.kind == "dtensor" for leaf in leaves):
+        return   # every rank alike: the layout agreed which leaves are DTensors on every rank
     mine = comm.run_step(lambda: box_checksums(leaves), "checksumming the DTensor boxes")
     per_rank = comm.allgather(mine)   # a box and 4 bytes a DTensor leaf, only when the layout is planned
     names = [leaf.name for leaf in leaves if leaf.kind == "dtensor"]
