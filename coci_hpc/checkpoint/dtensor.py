@@ -168,7 +168,8 @@ def optimizer_targets(state: Mapping[str, Any], tensors: Sequence[Mapping[str, A
     optimizer is touched until every check passed (all or nothing), and only the bytes of this
     rank's box are read.
     """
-    from coci_hpc.checkpoint.state import PerRank
+    from coci_hpc.checkpoint.optim_names import param_names
+    from coci_hpc.checkpoint.state import PerRank, _escape
 
     for key, value in state.items():
         inner = value.value if isinstance(value, PerRank) else value
@@ -176,15 +177,23 @@ def optimizer_targets(state: Mapping[str, Any], tensors: Sequence[Mapping[str, A
             continue
         section = "per_rank" if isinstance(value, PerRank) else "replicated"
         params = [p for g in inner.param_groups for p in g["params"]]
+        # saved keyed by parameter name (.optim_names) or, older, by position
+        names = param_names(state, inner)
+        by_name = {_escape(n): params[i] for i, n in enumerate(names)} if names is not None else {}
         prefix = f"{section}/{key}/state/"
         for meta in tensors:
             name = meta["name"]
             if name in targets or not name.startswith(prefix):
                 continue
-            idx, _, rest = name[len(prefix):].partition("/")
-            if not idx.isdigit() or "/" in rest or int(idx) >= len(params):
+            idx, _, rest = name[len(prefix):].rpartition("/")
+            if not idx or "/" in idx:
                 continue
-            p = params[int(idx)]
+            if idx in by_name:
+                p = by_name[idx]
+            elif idx.isdigit() and int(idx) < len(params):
+                p = params[int(idx)]
+            else:
+                continue
             if is_dtensor(p) and list(p.shape) == list(meta["shape"]) and p not in inner.state:
                 dtype = getattr(torch, str(meta["dtype"]).split(".", 1)[1], None) \
                     if str(meta["dtype"]).startswith("torch.") else None

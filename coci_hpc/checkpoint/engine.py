@@ -54,6 +54,8 @@ from coci_hpc.checkpoint.state import (
     is_stateful,
     iter_targets,
     leaf_view,
+    live_trees,
+    match_saved_keys,
     storage_dtype,
 )
 from coci_hpc.comm import Comm, Pending
@@ -650,7 +652,7 @@ def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, An
 
 
 def _open_checked(comm: Comm, root: Path, step: int, state: Mapping[str, Any],
-                  targets: dict[str, Any], all_rows: list[dict[str, int]], trees: Mapping[str, Any],
+                  targets: dict[str, Any], all_rows: list[dict[str, int]], trees: dict[str, Any],
                   boxes: dict[str, Any] | None = None) -> tuple[dict[str, Any], DatasetReader]:
     """Collective: read the manifest, open the data file, check everything; nothing written yet.
 
@@ -665,6 +667,9 @@ def _open_checked(comm: Comm, root: Path, step: int, state: Mapping[str, Any],
         mine = _my_tensors(m, comm.rank)
         for meta in mine:
             opened[0].offset(meta)  # present, same shape/dtype/size as the manifest, inside the file
+        match_saved_keys(state, {"replicated": m["skeletons"]["replicated"],
+                                 "per_rank": m["skeletons"]["per_rank"].get(str(comm.rank), {})},
+                         trees, targets)
         optimizer_targets(state, mine, targets)
         _check_against_state(m, comm.rank, state, targets, all_rows, trees)
         if boxes is not None:
@@ -847,7 +852,8 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
             if id(owner) not in now:
                 key = meta["name"].split("/", 2)
                 now[id(owner)] = {}
-                _collect_tensors(owner.state_dict(), f"{key[0]}/{key[1]}", now[id(owner)])
+                for tree in live_trees(state, owner):  # by position and, for an optimizer, by name
+                    _collect_tensors(tree, f"{key[0]}/{key[1]}", now[id(owner)])
             live = now[id(owner)].get(meta["name"])
             live_view = leaf_view(live, meta["dtype"], shape)
             if live_view is not None:

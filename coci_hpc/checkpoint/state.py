@@ -25,6 +25,7 @@ import torch
 
 from coci_hpc.checkpoint.dtensor import check_plain, is_dtensor, local_box, local_of
 from coci_hpc.checkpoint.layout import FROM_RANK0
+from coci_hpc.checkpoint.optim_names import is_fqn_keyed, param_names, to_fqn, to_index
 from coci_hpc.checkpoint.unsupported import check_value
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError
 
@@ -354,7 +355,7 @@ def collect(state: Mapping[str, Any], *, rng: bool = True, defer_device: bool = 
         target, kind, value = (per_rank, "per_rank", value.value) if isinstance(value, PerRank) \
             else (repl, "replicated", value)
         check_value(key, value)
-        tree = value.state_dict() if is_stateful(value) else value
+        tree = _tree_of(state, value)
         first = len(leaves)
         target[key] = flatten(tree, f"{kind}/{key}", kind, leaves, defer_device, guarded)
         if kind == "replicated" and isinstance(value, torch.nn.Module):
@@ -390,8 +391,57 @@ def current_trees(state: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in state.items():
         inner = value.value if isinstance(value, PerRank) else value
         check_value(key, inner)
-        out[key] = inner.state_dict() if is_stateful(inner) else inner
+        out[key] = _tree_of(state, inner)
     return out
+
+
+def _tree_of(state: Mapping[str, Any], value: Any) -> Any:
+    """The tree a state value is saved as: ``state_dict()`` of a stateful object, keyed by
+    parameter names for an optimizer whose model is in the state (:mod:`.optim_names`)."""
+    return _named(state, value, value.state_dict()) if is_stateful(value) else value
+
+
+def _named(state: Mapping[str, Any], value: Any, tree: Any) -> Any:
+    if isinstance(value, torch.optim.Optimizer) and isinstance(tree, Mapping) and "param_groups" in tree:
+        names = param_names(state, value)
+        if names is not None:
+            return to_fqn(tree, names)
+    return tree
+
+
+def live_trees(state: Mapping[str, Any], obj: Any) -> list[Any]:
+    """``obj.state_dict()`` and, for an optimizer whose model is in the state, the same keyed by
+    parameter name: where a loaded tensor now lives, under either naming."""
+    tree = obj.state_dict()
+    named = _named(state, obj, tree)
+    return [tree] if named is tree else [tree, named]
+
+
+def match_saved_keys(state: Mapping[str, Any], skeletons: Mapping[str, Any], trees: dict[str, Any],
+                     targets: dict[str, Any]) -> None:
+    """An optimizer saved index-keyed (before optimizer state was keyed by name, or without its
+    model) is loaded index-keyed: its current tree and in-place targets go back to positions.
+    ``skeletons``: this rank's {"replicated": ..., "per_rank": ...} saved skeletons."""
+    for key, value in state.items():
+        section = "per_rank" if isinstance(value, PerRank) else "replicated"
+        inner = value.value if isinstance(value, PerRank) else value
+        saved = skeletons.get(section, {}).get(key)
+        if not isinstance(inner, torch.optim.Optimizer) or saved is None or not is_fqn_keyed(trees[key]):
+            continue
+        if is_fqn_keyed(unflatten(saved, _AnyTensor())):
+            continue
+        trees[key] = to_index(trees[key], inner, param_names(state, inner), key)
+        prefix = f"{section}/{key}/"
+        for name in [n for n in targets if n.startswith(prefix)]:
+            del targets[name]
+        _collect_tensors(trees[key], f"{section}/{key}", targets)
+
+
+def load_tree(state: Mapping[str, Any], key: str, inner: Any, tree: Any) -> None:
+    """``inner.load_state_dict(tree)``, an optimizer's name-keyed tree mapped to its positions."""
+    if isinstance(inner, torch.optim.Optimizer) and is_fqn_keyed(tree):
+        tree = to_index(tree, inner, param_names(state, inner), key)
+    inner.load_state_dict(tree)
 
 
 def iter_targets(state: Mapping[str, Any], trees: Mapping[str, Any] | None = None
@@ -540,12 +590,12 @@ def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mappi
     try:
         for key, inner, tree in pending:
             if is_stateful(inner) and not isinstance(inner, torch.nn.Module):
-                inner.load_state_dict(tree)
+                load_tree(state, key, inner, tree)
                 loaded.append((key, inner))
     except BaseException:
         for key, inner in reversed(loaded):
             if before is not None and key in before:
-                inner.load_state_dict(before[key])
+                load_tree(state, key, inner, before[key])
         raise
     if fill is not None:
         fill()

@@ -12,7 +12,7 @@ its global shape under its cleaned state-dict name (``fc.weight``; wrapper prefi
 :mod:`.names`). DCP's planner then asks for the slice each rank needs (a DTensor target: only
 its local box); the reader reads the rows that box spans from the HDF5 dataset, checked against
 their shards' CRCs, and narrows the other dims. ``with_others=True`` also publishes every other
-replicated state value under ``<key>.<path>`` (``optimizer.state.0.exp_avg``).
+replicated state value under ``<key>.<path>`` (``optimizer.state.fc1.weight.exp_avg``).
 """
 from __future__ import annotations
 

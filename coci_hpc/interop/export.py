@@ -6,7 +6,7 @@
 *The model* is the state value saved under the key ``model`` (``model_key=`` / ``--model-key``
 names another): its tensors, named as its ``state_dict()`` names them, cleaned of wrapper
 prefixes (:mod:`.names`). ``with_optimizer=True`` adds every other replicated state value
-(optimizer, scheduler, extras) under its own key as prefix (``optimizer.state.0.exp_avg``).
+(optimizer, scheduler, extras) under its own key as prefix (``optimizer.state.fc1.weight.exp_avg``).
 
 Every tensor is read on its own from the HDF5 file and checked against the CRC of each shard
 holding its bytes before a byte of it is written (a damaged checkpoint fails naming the

@@ -59,7 +59,7 @@ def test_ddp_with_batchnorm_resumes_bit_exactly_like_an_uninterrupted_run(tmp_pa
 def test_replicated_values_that_differ_between_ranks_are_refused_naming_the_leaf(tmp_path: Path) -> None:
     out = _result(run_ranks(2, "-m", "mpi4py", SCRIPT, "moments", str(tmp_path / "ck"), timeout=240).stdout)
     assert out["saved"] is False
-    assert "'replicated/optimizer/state/0/exp_avg'" in out["message"]
+    assert "'replicated/optimizer/state/weight/exp_avg'" in out["message"]   # keyed by parameter name
     assert "rank(s) [1]" in out["message"]
     assert "PerRank" in out["hint"] and "Sharded" in out["hint"]
     assert out["steps_after_refusal"] == []            # nothing was written

@@ -34,14 +34,14 @@ def test_verify_ok_then_corruption_is_named_with_nonzero_exit(ckdir, capsys):
     assert main(["verify", str(ckdir)]) == 0
     assert "step 9: OK" in capsys.readouterr().out
     m = cat.read_manifest(cat.step_dir(ckdir, 9))
-    t = next(t for t in m["tensors"] if t["dataset"] == "replicated/optimizer/state/0/exp_avg")
+    t = next(t for t in m["tensors"] if t["dataset"] == "replicated/optimizer/state/fc1.weight/exp_avg")
     with open(cat.step_dir(ckdir, 9) / mf.DATA_FILE, "r+b") as f:
         f.seek(t["offset"] + 4)
         f.write(b"\xde\xad\xbe\xef")
     rc = main(["verify", str(ckdir), "9"])
     cap = capsys.readouterr()
     assert rc == 7
-    assert "replicated/optimizer/state/0/exp_avg" in cap.out and "written by rank 0" in cap.out
+    assert "replicated/optimizer/state/fc1.weight/exp_avg" in cap.out and "written by rank 0" in cap.out
     assert "coci-ckpt: error: 1 bad shard" in cap.err
     assert main(["verify", str(ckdir), "5"]) == 0
 

@@ -32,10 +32,10 @@ def test_dcp_load_reads_the_newest_or_a_named_step(ck: Path) -> None:
 
 
 def test_with_others_serves_the_optimizer_too(ck: Path) -> None:
-    ref = loaded_reference(ck, 5)["optimizer"].state_dict()["state"][1]["exp_avg"]
-    target = {"optimizer.state.1.exp_avg": torch.zeros_like(ref)}
+    ref = loaded_reference(ck, 5)["optimizer"].state_dict()["state"][1]["exp_avg"]   # param 1: fc1.bias (the leaves are keyed by name)
+    target = {"optimizer.state.fc1.bias.exp_avg": torch.zeros_like(ref)}
     dcp.load(target, storage_reader=CociStorageReader(ck, with_others=True), no_dist=True)
-    assert same_bits(target["optimizer.state.1.exp_avg"], ref)
+    assert same_bits(target["optimizer.state.fc1.bias.exp_avg"], ref)
 
 
 def test_a_box_reads_its_rows_checked(ck: Path) -> None:

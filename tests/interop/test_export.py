@@ -93,17 +93,21 @@ def test_torch_with_optimizer_has_the_optimizer_state(ck: Path, tmp_path: Path) 
     assert set(got["model"]) == set(ref["model"].state_dict())
     opt_ref = ref["optimizer"].state_dict()
     assert got["optimizer"]["param_groups"][0]["lr"] == opt_ref["param_groups"][0]["lr"]
+    names = [n for n, _ in ref["model"].named_parameters()]   # the optimizer's state is keyed by name
+    assert got["optimizer"]["param_groups"][0]["params"] == names
     for pid, st in opt_ref["state"].items():
-        assert same_bits(got["optimizer"]["state"][pid]["exp_avg"], st["exp_avg"])
+        assert same_bits(got["optimizer"]["state"][names[pid]]["exp_avg"], st["exp_avg"])
 
 
 def test_hf_with_optimizer_under_its_prefix(ck: Path, tmp_path: Path) -> None:
     out = tmp_path / "hf"
     export(ck, out, to="hf", with_optimizer=True)
     got = load_file(out / "model.safetensors")
-    assert "fc1.weight" in got and "optimizer.state.0.exp_avg" in got
-    ref = loaded_reference(ck, 3)["optimizer"].state_dict()
-    assert same_bits(got["optimizer.state.0.exp_avg"], ref["state"][0]["exp_avg"])
+    assert "fc1.weight" in got and "optimizer.state.fc1.weight.exp_avg" in got
+    ref = loaded_reference(ck, 3)
+    first = next(n for n, _ in ref["model"].named_parameters())
+    assert first == "fc1.weight"
+    assert same_bits(got["optimizer.state.fc1.weight.exp_avg"], ref["optimizer"].state_dict()["state"][0]["exp_avg"])
 
 
 def test_dcp_directory_loads_with_dcp(ck: Path, tmp_path: Path) -> None:

@@ -76,10 +76,11 @@ def test_torch_and_dcp_exports_are_the_fsdp2_full_tensors(saved: dict[str, Path]
     full = torch.load(saved["torch_opt"], weights_only=True)   # Adam's moments, gathered
     assert all(same_bits(v, ref[k]) for k, v in full["model"].items())
     state = full["optimizer"]["state"]
-    assert full["optimizer"]["param_groups"][0]["params"] == [0, 1, 2, 3]
-    for i, name in enumerate(PARAMS):
+    # keyed by parameter name, as torch.distributed.checkpoint.state_dict.get_state_dict gives it
+    assert full["optimizer"]["param_groups"][0]["params"] == PARAMS
+    for name in PARAMS:
         for k in ("exp_avg", "exp_avg_sq"):
-            assert same_bits(state[i][k], ref[f"optimizer.{name}.{k}"]), (name, k)
+            assert same_bits(state[name][k], ref[f"optimizer.{name}.{k}"]), (name, k)
 
     target = {k: torch.zeros_like(v) for k, v in ref.items() if k in MODEL_KEYS}
     dcp.load(target, storage_reader=dcp.FileSystemReader(str(saved["dcp"])), no_dist=True)

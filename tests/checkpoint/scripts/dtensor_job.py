@@ -8,6 +8,8 @@ over 2, 3 or 4 ranks):
     hsdp      fully_shard on a 2-D mesh (replicate x shard), 2 x (N / 2)
     tp        parallelize_module: fc1 ColwiseParallel (Shard(0)), fc2 RowwiseParallel (Shard(1))
     plain     no wrapping (every rank holds everything, replicated)
+    plain-rev no wrapping, Adam built over the parameters in reverse order (another wrapping's
+              order: the optimizer state is keyed by parameter name, not position)
     sharded   a plain dict of the model's tensors, fc1.weight as Sharded(rows of this rank)
 
     dtensor_job.py save DIR LAYOUT STEP     train STEP Adam steps, save at STEP; print RESULT
@@ -65,9 +67,10 @@ def build(layout: str, world: int, rows: int = 7) -> tuple[Any, torch.optim.Opti
     elif layout == "tp":
         mesh = init_device_mesh("cpu", (world,))
         parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    elif layout not in ("plain", "sharded"):
+    elif layout not in ("plain", "plain-rev", "sharded"):
         raise SystemExit(f"unknown layout {layout}")
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+    params = list(model.parameters())
+    return model, torch.optim.Adam(params[::-1] if layout == "plain-rev" else params, lr=1e-2)
 
 
 def train(model: Any, opt: torch.optim.Optimizer, steps: int) -> None:
@@ -85,23 +88,25 @@ def full(t: Any) -> torch.Tensor:
 
 def digest(t: Any) -> str:
     t = full(t).detach().contiguous()
-    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()[:16] + \
+    flat = t.reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()[:16] + \
         f"{list(t.shape)}{t.dtype}"
 
 
 def hashes(model: Any, opt: torch.optim.Optimizer) -> dict[str, str]:
+    """Every full tensor of the model and of the optimizer's state, the latter keyed by the
+    parameter's name (so layouts whose optimizers order the parameters differently compare)."""
     out = {f"model/{k}": digest(v) for k, v in model.state_dict().items()}
-    for idx, st in opt.state_dict()["state"].items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor) and k != "step":
-                out[f"opt/{idx}/{k}"] = digest(v)
+    for name, p in model.named_parameters():
+        for k, v in opt.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):
+                out[f"opt/{name}/{k}"] = digest(v)
     return out
 
 
 def placements(model: Any, opt: torch.optim.Optimizer) -> dict[str, str]:
     out = {}
-    params = list(model.parameters())
-    for i, p in enumerate(params):
+    for i, p in model.named_parameters():
         st = opt.state.get(p, {})
         for k, v in st.items():
             if k != "step":
@@ -136,6 +141,8 @@ def main() -> int:
         else:
             mgr.save(step, {"model": model, "optimizer": opt})
             result["hashes"] = hashes(model, opt)
+            train(model, opt, 1)  # the continuation a loaded state must reproduce
+            result["next"] = hashes(model, opt)
         result["step"] = step
     elif mode == "asave":  # the two-phase save: snapshot, training goes on, persist in the background
         model, opt = build("fsdp", world)
@@ -159,8 +166,11 @@ def main() -> int:
         rng = sum(p[3] for t in res.manifest["tensors"] if t["name"].startswith("per_rank/__rng__")
                   for p in t.get("parts", ()) if p[0] == rank)
         result["read"] = comm.gather((res.read_bytes - rng, held))
-        if layout in ("fsdp", "hsdp"):  # the loaded state trains on (a step works with these moments)
+        # The loaded state trains on: one step, compared with the saver's. Not under tensor
+        # parallel: torch's own forward fails on its uneven (7-row) shards before any load matters.
+        if len(sys.argv) < 5 and layout != "tp":
             train(model, opt, 1)
+            result["next"] = hashes(model, opt)
     elif mode == "bad":
         case = sys.argv[3]
         mesh = init_device_mesh("cpu", (world,))
@@ -176,6 +186,13 @@ def main() -> int:
                 from torch.distributed.device_mesh import DeviceMesh
                 small = DeviceMesh("cpu", [0])  # a mesh of rank 0 alone, in a job of `world`
                 mgr.save(1, {"extras": {"w": distribute_tensor(torch.ones(4, 2), small, [Shard(0)])}})
+            elif case == "replica":  # HSDP 2 x 2: rank 2 holds a replica of rank 0's shard
+                model, opt = build("hsdp", world)
+                train(model, opt, 1)
+                if rank == 2:
+                    with torch.no_grad():
+                        model.fc1.weight.to_local().view(-1)[3] += 1.0
+                mgr.save(1, {"model": model, "optimizer": opt})
             elif case == "shape":
                 model, opt = build("fsdp", world)
                 train(model, opt, 1)
