@@ -172,6 +172,10 @@ class TierStaging(Staging):
         """``holder``'s copy of ``rank``'s state at ``step``."""
         durable.write_atomic(self.open() / f"step{step:09d}.rank{rank:05d}.from{holder:05d}", bytes(blob))
 
+    def writing(self) -> bool:
+        """Whether a copy is being posted right now (a durable write's temp file is there)."""
+        return any(".tmp." in p.name for p in self.path.glob(".*"))
+
     def posted_at(self) -> dict[int, dict[int, tuple[int, Path]]]:
         """step -> rank -> (holder, file) of the posted copies (the first found of each)."""
         out: dict[int, dict[int, tuple[int, Path]]] = {}

@@ -61,6 +61,8 @@ OFF_EVERY = 1 << 62     # "every" when the plan drops the memory tier
 BACKEND = "hdf5-memtier"
 
 
+QUIET_S = 1.0   # survivors' save from the tier: no new copy for this long -> decide (see survivors_save)
+
 def _pad(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -317,11 +319,23 @@ def survivors_save(root: Path, boundary: int, tier: MemoryTier, tuning: IOTuning
         return out
     out.writer = True
     end = time.monotonic() + window_s
+    seen: set[tuple[int, int]] = set()
+    quiet_since = time.monotonic()
     while True:
         found = staging.posted_at()
         step = newest_whole(found, tier.size)
         # Wait for the newest step any survivor holds to become whole (or the window to end).
-        if (step is not None and step == max(found)) or time.monotonic() > end:
+        now = time.monotonic()
+        if (step is not None and step == max(found)) or now > end:
+            break
+        # The survivors post as soon as they see the loss, and Slurm kills them KillWait after a
+        # node failure (30 s by default, 5 s on the local cluster): once no copy has arrived for
+        # QUIET_S and none is being written, the missing one is not coming (a rank and its
+        # partner both lost), so decide now and leave time to record it.
+        posted = {(s, r) for s, ranks in found.items() for r in ranks}
+        if posted != seen:
+            seen, quiet_since = posted, now
+        elif now - quiet_since > QUIET_S and not staging.writing():
             break
         time.sleep(0.05)
     if step is None:
