@@ -86,7 +86,11 @@ def test_retention_keeps_last_k_and_deletes_only_after_a_newer_commit(tmp_path, 
     mgr.close()
     cat.step_dir(tmp_path, 25).mkdir()  # a stale uncommitted leftover (of a crash: the job restarts)
     mgr = CheckpointManager(tmp_path, comm=None, keep=2)
-    patch_writes(lambda *a, **k: (_ for _ in ()).throw(OSError("boom")), monkeypatch.setattr)  # the writer fails
+    boom = lambda *a, **k: (_ for _ in ()).throw(OSError("boom"))  # noqa: E731
+    patch_writes(boom, monkeypatch.setattr)  # the writer fails
+    # ... whichever backend "auto" picked: the MPI-IO one once an earlier test initialised MPI
+    from coci_hpc.checkpoint.h5_parallel import ParallelH5Writer
+    monkeypatch.setattr(ParallelH5Writer, "write", boom)
     with pytest.raises(Exception, match="boom"):
         mgr.save(40, s)
     assert [c.step for c in mgr.list()] == [20, 30]  # failed save deleted nothing
