@@ -8,7 +8,7 @@ rank's shards exist nowhere else) loses a node the hard way at a random step.
   no copy of rank 1 survives, rank 0 writes nothing, says the disk tier serves, the job is requeued
   and resumes from the last disk checkpoint, bit-identical at the end.
 
-Written for the lead to run (``slurm`` marked: the shared cluster); not run by its author."""
+``slurm`` marked (the shared cluster); the 3-node fixture is tests/submit/conftest.py's."""
 from __future__ import annotations
 
 import random
@@ -16,33 +16,18 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, SlurmCluster, run_ranks
+from tests.conftest import FINAL_HASH_RE, ROOT, SlurmCluster, run_ranks
+from tests.submit.conftest import wait_step
 
 pytestmark = pytest.mark.slurm
 
 TRAIN = ROOT / "examples" / "train_fsdp.py"
 STEPS, DISK_EVERY, K, SEED, STEP_TIME = 300, 100, 5, 5, "0.05"
-HASH_RE = re.compile(r"final_params_sha256=([0-9a-f]{64})")
-STEP_RE = re.compile(r"^step=(\d+) ", re.M)
-
-
-@pytest.fixture(scope="module")
-def three_nodes(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
-    """The shared cluster with 3 nodes for this module; back to the default 2 nodes whatever happens."""
-    dc = str(slurm_cluster.devcluster)
-    try:
-        slurm_cluster.run(dc, "down", timeout=120)
-        slurm_cluster.run(dc, "up", "--nodes", "3", timeout=300)
-        yield slurm_cluster
-    finally:
-        slurm_cluster.run(dc, "down", check=False, timeout=120)
-        slurm_cluster.run(dc, "up", "--nodes", "2", timeout=300)
 
 
 def _env(cluster: SlurmCluster) -> dict[str, str]:
@@ -61,17 +46,7 @@ def _submit(cluster: SlurmCluster, wd: Path, *args: str) -> str:
 def _reference(wd: Path, ranks: int) -> str:
     ref = run_ranks(ranks, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--seed", str(SEED),
                     "--policy", f"fixed:{DISK_EVERY}", "--ckpt-dir", str(wd / "ref"), timeout=600)
-    return HASH_RE.findall(ref.stdout)[-1]
-
-
-def _wait_step(log0: Path, at_least: int, timeout: float = 240) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        steps = STEP_RE.findall(log0.read_text()) if log0.exists() else []
-        if steps and int(steps[-1]) >= at_least:
-            return int(steps[-1])
-        assert time.monotonic() < deadline, f"rank 0 did not reach step {at_least}"
-        time.sleep(0.1)
+    return FINAL_HASH_RE.findall(ref.stdout)[-1]
 
 
 def _status(cluster: SlurmCluster, ckpt: Path) -> str:
@@ -95,7 +70,7 @@ def test_fsdp2_node_lost_resumes_from_the_memory_tier_bit_exact(three_nodes: Slu
     # A random step past the first disk checkpoint and well before the second: the memory tier's
     # step is newer than the disk's, so the test tells which one served.
     target = random.randint(DISK_EVERY + 2 * K, 2 * DISK_EVERY - 3 * K)
-    _wait_step(log0, target)
+    wait_step(log0, target, timeout=240)
     try:
         cluster.run(str(cluster.devcluster), "fail", "n2", "--hard", "--delay", "1")   # rank 1's node
         rows = cluster.wait_gone(job, timeout=400)
@@ -106,7 +81,7 @@ def test_fsdp2_node_lost_resumes_from_the_memory_tier_bit_exact(three_nodes: Slu
     print(out[-2000:], err[-4000:], rows, sep="\n")
     states = [r["State"] for r in rows]
     assert states[-1] == "COMPLETED" and set(states) <= {"RESIZING", "COMPLETED"}, rows   # in place
-    assert HASH_RE.findall(out)[-1] == ref_hash
+    assert FINAL_HASH_RE.findall(out)[-1] == ref_hash
     events = read_events(ckpt)
     lost = [e for e in events if e["event"] == "peer_lost"]
     assert len(lost) == 1 and lost[0]["committed"] and lost[0]["tier"] == "memory", lost
@@ -135,7 +110,7 @@ def test_fsdp2_rank_and_partner_lost_falls_back_to_the_disk_tier(three_nodes: Sl
                   "--policy", f"fixed:{DISK_EVERY}", str(TRAIN), "--steps", str(STEPS), "--seed", str(SEED),
                   "--step-time", STEP_TIME)
     log0 = wd / "run" / "logs" / f"{job}_0_log.out"
-    _wait_step(log0, random.randint(DISK_EVERY + 2 * K, 2 * DISK_EVERY - 3 * K))
+    wait_step(log0, random.randint(DISK_EVERY + 2 * K, 2 * DISK_EVERY - 3 * K), timeout=240)
     try:
         cluster.run(str(cluster.devcluster), "fail", "n2", "--hard", "--delay", "1")
         cluster.run(str(cluster.devcluster), "fail", "n3", "--hard", "--delay", "1")
@@ -148,7 +123,7 @@ def test_fsdp2_rank_and_partner_lost_falls_back_to_the_disk_tier(three_nodes: Sl
     out = log0.read_text()
     print(out[-2000:], rows, sep="\n")
     assert rows[-1]["State"] == "COMPLETED" and rows[0]["State"] in ("REQUEUED", "NODE_FAIL"), rows
-    assert HASH_RE.findall(out)[-1] == ref_hash
+    assert FINAL_HASH_RE.findall(out)[-1] == ref_hash
     events = read_events(ckpt)
     lost = [e for e in events if e["event"] == "peer_lost"]
     assert len(lost) == 1 and not lost[0]["committed"] and lost[0]["tier"] == "disk", lost
