@@ -119,9 +119,14 @@ def check_peer_run(cluster: SlurmCluster, wd: Path, job: str, ckpt: Path, log0: 
     states = [r["State"] for r in rows]
     assert states[0] in first_state and states[-1] == "COMPLETED", rows
     assert reference_hash(text) == ref_hash           # bit-exact with the uninterrupted run
-    # Issue 26, 16: the devcluster's TaskProlog keeps Open MPI's TCP on loopback, so the survivor's log
-    # has no "failed to TCP connect" warning (coci's own peer-lost line quotes it, hence the prefix).
-    assert "WARNING: Open MPI failed to TCP connect" not in err, err[-4000:]
+    # Issue 26, 16: the devcluster's TaskProlog keeps Open MPI's TCP on loopback. A survivor's btl may
+    # still retry the dead peer's loopback port and print Open MPI's "failed to TCP connect" warning
+    # (seen in CI, 2026-11-26: connect() to 127.0.0.1:1025). Where it does, the address must be
+    # loopback (no other interface was tried) and coci's peer-lost line must say the warning is expected.
+    if "WARNING: Open MPI failed to TCP connect" in err:
+        addrs = re.findall(r"connect\(\) to ([0-9.]+):\d+ failed", err)
+        assert addrs and all(a.startswith("127.") for a in addrs), err[-4000:]
+        assert "expected after a lost peer" in err, err[-4000:]
     events = read_events(ckpt)
     lost = [e for e in events if e["event"] == "peer_lost"]
     assert len(lost) == 1 and lost[0]["survivor"] == 0, lost
