@@ -14,6 +14,16 @@ follows; after the last one the job is cancelled. The modes alternate job by job
 so that load from other users of the machine hits both alike; "off" is the same run with
 ``COCI_SURVIVORS=0`` (it falls back to the last regular checkpoint, every EVERY steps).
 
+The memory tier (issue 25) has its own pair of modes, run on ``examples/train_fsdp.py`` (FSDP2: a
+lost rank's shards exist nowhere else, so only the memory tier can save them):
+
+    python benchmarks/node_failure_bench.py --modes memtier,nomemtier --failures 6 --per-job 3
+
+"memtier" copies each rank's state to its partner every ``--memtier-k`` steps (``COCI_MEMTIER_K``;
+the goal is at most k steps lost per failure), "nomemtier" is the same run with ``COCI_MEMTIER_K=0``
+(the survivors cannot save a lost rank's shards: the disk tier serves). ``tier`` in each row is
+which tier served (the ``peer_lost`` record).
+
 Per failure, from the run's event log (``events.jsonl``) and sacct:
 - steps lost: the requeued attempt's ``steps_lost`` (steps done before the failure and done again);
 - failure -> commit: from the kill to the survivors' manifest (``peer_lost.commit_wall``);
@@ -50,6 +60,15 @@ from coci_hpc.slurm.hostlist import expand_hostlist  # noqa: E402
 
 DEVCLUSTER = ROOT / "slurm" / "devcluster"
 TRAIN = ROOT / "examples" / "train.py"
+TRAIN_FSDP = ROOT / "examples" / "train_fsdp.py"
+MODES = ("on", "off", "memtier", "nomemtier")
+
+
+def mode_env(mode: str, memtier_k: int) -> dict[str, str]:
+    """The environment of a mode (see the module docstring)."""
+    return {"on": {"COCI_SURVIVORS": "1"}, "off": {"COCI_SURVIVORS": "0"},
+            "memtier": {"COCI_SURVIVORS": "1", "COCI_MEMTIER_K": str(memtier_k)},
+            "nomemtier": {"COCI_SURVIVORS": "1", "COCI_MEMTIER_K": "0"}}[mode]
 STEP_RE = re.compile(r"^step=(\d+) ", re.M)
 
 
@@ -111,15 +130,17 @@ def sacct_starts(env: dict[str, str], job: str) -> list[tuple[str, float | None]
     return rows
 
 
-def one_job(env: dict[str, str], wd: Path, a: argparse.Namespace, survivors: bool,
+def one_job(env: dict[str, str], wd: Path, a: argparse.Namespace, mode: str,
             offsets: list[int]) -> list[dict[str, Any]]:
     """One job, failed hard once per entry of ``offsets``: each time its current attempt has done
     that many steps past the step it resumed from (the attempts append to one log)."""
     ckpt, run = wd / "ckpt", wd / "run"
-    jenv = {**env, "COCI_SURVIVORS": "1" if survivors else "0"}
+    jenv = {**env, **mode_env(mode, a.memtier_k)}
+    survivors = mode != "off"
+    train = TRAIN_FSDP if mode in ("memtier", "nomemtier") else TRAIN
     out = sh(jenv, sys.executable, "-m", "coci_hpc.cli.submit", "--partition", "gpu", "--nodes", "2",
              "--time", "60", "--job-name", "nfbench", "--output-dir", str(run), "--ckpt-dir", str(ckpt),
-             "--policy", f"fixed:{a.every}", "--max-requeues", str(len(offsets) + 5), str(TRAIN),
+             "--policy", f"fixed:{a.every}", "--max-requeues", str(len(offsets) + 5), str(train),
              "--steps", str(a.steps), "--seed", "3", "--step-time", str(a.step_time))
     m = re.search(r"submitted job (\d+)", out)
     if m is None:
@@ -167,7 +188,7 @@ def one_job(env: dict[str, str], wd: Path, a: argparse.Namespace, survivors: boo
         lat = res.get("restart_latency_s") or {}
         nxt = rows[k + 1][1] if len(rows) > k + 1 else None
         out_rows.append({
-            "survivors": survivors, "job": job, "failure": k + 1, "fail_at_step": target,
+            "mode": mode, "survivors": survivors, "job": job, "tier": pl.get("tier"), "failure": k + 1, "fail_at_step": target,
             "last_step_printed": printed, "resumed_step": start.get("resumed_step"),
             "steps_lost": start.get("steps_lost"), "prev_end": (start.get("prev_end") or {}).get("reason"),
             "survivors_committed": bool(pl.get("committed")), "survivors_reason": pl.get("reason"),
@@ -191,14 +212,17 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def stats(key: str) -> dict[str, float | None]:
         xs = [float(r[key]) for r in rows if r.get(key) is not None]
         return {"mean": statistics.fmean(xs) if xs else None, "max": max(xs) if xs else None, "n": len(xs)}
-    return {"failures": len(rows), "committed": sum(r["survivors_committed"] for r in rows),
+    tiers: dict[str, int] = {}
+    for r in rows:
+        tiers[str(r.get("tier"))] = tiers.get(str(r.get("tier")), 0) + 1
+    return {"failures": len(rows), "committed": sum(r["survivors_committed"] for r in rows), "tiers": tiers,
             **{k: stats(k) for k in ("steps_lost", "steps_lost_max_bound", "failure_to_commit_s", "failure_to_requeued_start_s",
                                      "process_start_s", "restore_s", "failure_to_resumed_s")}}
 
 
 def table(summary: dict[str, dict[str, Any]]) -> str:
     f = lambda x, d=1: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
-    lines = [f"{'survivors':<10} {'fails':>5} {'saved':>5} {'lost mean':>9} {'lost max':>8} "
+    lines = [f"{'mode':<10} {'fails':>5} {'saved':>5} {'lost mean':>9} {'lost max':>8} "
              f"{'lost* mean':>10} {'lost* max':>9} {'->commit s':>10} {'->start s':>9} {'proc s':>6} {'restore s':>9} {'->resumed s':>11}"]
     for mode, s in summary.items():
         lines.append(f"{mode:<10} {s['failures']:>5} {s['committed']:>5} {f(s['steps_lost']['mean']):>9} "
@@ -212,7 +236,9 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--failures", type=int, default=10, help="hard failures per mode")
-    ap.add_argument("--modes", default="on,off", help="survivors' save on, off (COCI_SURVIVORS=0), or both")
+    ap.add_argument("--modes", default="on,off", help="comma-separated, of: survivors' save on, off "
+                    "(COCI_SURVIVORS=0), memtier, nomemtier (FSDP2 with / without the memory tier)")
+    ap.add_argument("--memtier-k", type=int, default=5, help="memtier mode: copy to the partner every k steps")
     ap.add_argument("--per-job", type=int, default=5, help="failures per job (the lock is held per job)")
     ap.add_argument("--steps", type=int, default=3000, help="the job's total steps (it is cancelled after "
                                                             "its last failure's resume)")
@@ -234,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table(summary))
         return 0
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"--modes: each of {', '.join(MODES)}; got {a.modes!r}")
     rnd = random.Random(a.seed)
     base = Path(tempfile.mkdtemp(prefix="nfbench-", dir=os.environ.get("TMPDIR")))
     env = cluster_env()
@@ -245,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             offsets = [rnd.randint(a.min_step, a.max_step) for _ in range(min(a.per_job, a.failures - i * a.per_job))]
             try:
                 with cluster_lock(a.lock):
-                    got = one_job(env, base / f"{mode}-{i}", a, mode == "on", offsets)
+                    got = one_job(env, base / f"{mode}-{i}", a, mode, offsets)
             except BenchError as exc:       # e.g. the cluster busy with someone else's job: skip, say so
                 errors.append({"mode": mode, "job": i, "error": str(exc)})
                 print(f"job {mode}-{i} skipped: {exc}", file=sys.stderr, flush=True)

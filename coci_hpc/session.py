@@ -178,7 +178,7 @@ class Session:
             resume_from_other_run=bool(self.config.resume_from_other_run), say=_say)
         self.mgr = CheckpointManager(self.config.ckpt_dir, self.comm, keep=keep)
         # Under the relaunch loop, its notice that srun saw a rank of this step end (runtime/peernotice.py).
-        self.sync = StepSync(self.comm, self._min_deadline, PeerNotice.from_env(self._environ))
+        self.sync = StepSync(self.comm, self._min_deadline, PeerNotice.from_env(self._environ), self.recorder.sigterm_at)
         self._op_timeout = OpTimeout()     # gloo's per-op timeout follows the peer deadline (a silent host)
         self.survival = Survival(self._state, self.comm, ranks_per_node=self.job.ranks_per_node, enabled=self._survivors,
                                  skip=frozenset({STATE_KEY}))

@@ -96,6 +96,10 @@ class SignalRecorder:
     def first(self) -> Received | None:
         return self.received[0] if self.received else None
 
+    def sigterm_at(self) -> float | None:
+        """``time.monotonic()`` of the first SIGTERM (Slurm ending the step; SIGKILL follows), else None."""
+        return next((r.monotonic for r in self.received if r.signum == signal.SIGTERM), None)
+
 class PreemptionGuard:
     """Step-boundary agreement on stopping, and the self-requeue that follows a checkpoint.
 

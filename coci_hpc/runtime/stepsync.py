@@ -24,9 +24,19 @@ miss raises :class:`~coci_hpc.errors.PeerLost` instead of blocking forever. Unde
 relaunch loop the wait also looks for the loop's notice (:mod:`.peernotice`: srun saw a task of
 this step end), which raises the same at once: a crash is detected in well under a second instead
 of the deadline's 5 s, and a slow but live peer (no notice) still gets the whole deadline.
+
+Slurm ending the step shortens the wait too (``ending``: when this rank got SIGTERM). A job that
+lost nodes without spare nodes is cancelled by Slurm (NODE_FAIL): SIGTERM now, SIGKILL KillWait
+later (5 s on the local cluster, 30 s by default), no sooner than the deadline would expire. A lone
+survivor that waited out the whole deadline was killed before it could record that the disk tier
+serves (issue 25). So once SIGTERM has come and a peer has been silent for ``ENDING_GRACE_STEPS``
+typical steps (at least ``ENDING_GRACE_MIN_S``) since, the peer counts as lost. Live peers of a
+SIGTERM-only preemption get the same signal and reach the boundary within a step, so they answer.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,11 +46,15 @@ from coci_hpc.errors import PeerLost
 from coci_hpc.runtime.peernotice import PeerNotice
 
 MIN_DEADLINE_S = 5.0     # what a peer gets to reach the boundary before it counts as lost
+ENDING_GRACE_MIN_S = 1.0  # after SIGTERM: what a silent peer still gets, at least ...
+ENDING_GRACE_STEPS = 3.0  # ... and this many typical steps
 
 
 class StepSync:
-    def __init__(self, comm: Comm, deadline_s: float = MIN_DEADLINE_S, notice: PeerNotice | None = None) -> None:
+    def __init__(self, comm: Comm, deadline_s: float = MIN_DEADLINE_S, notice: PeerNotice | None = None,
+                 ending: Callable[[], float | None] | None = None) -> None:
         self.comm = comm
+        self.ending = ending       # time.monotonic() of this rank's SIGTERM, None before it
         self.deadline_s = float(deadline_s)
         self.min_deadline_s = float(deadline_s)
         self._dt_ema = 0.0
@@ -108,6 +122,29 @@ class StepSync:
             self.lost_why = exc.message
             return False
 
+    def ending_grace_s(self) -> float:
+        """How long a silent peer may keep this rank waiting once Slurm is ending the step."""
+        return min(self.deadline_s, max(ENDING_GRACE_MIN_S, ENDING_GRACE_STEPS * self._dt_ema))
+
+    def _notice_or_ending(self, t0: float) -> Callable[[float], str | None] | None:
+        """The early exits of one wait begun at ``t0``: the relaunch loop's notice, and SIGTERM."""
+        posted = self.notice.posted if self.notice is not None else None
+        ending = self.ending
+        if ending is None and posted is None:
+            return None
+        grace = self.ending_grace_s()
+
+        def check(now: float) -> str | None:
+            why = posted(now) if posted is not None else None
+            if why is not None:
+                return f"the relaunch loop saw it end: {why}"
+            t_term = ending() if ending is not None else None
+            if t_term is not None and now - max(t_term, t0) > grace:
+                return (f"Slurm is ending this step (SIGTERM {now - t_term:.1f}s ago) and a peer has not "
+                        f"answered for {now - max(t_term, t0):.1f}s")
+            return None
+        return check
+
     def _wait(self, deadline_s: float | None = None) -> None:
         req = self._pending
         if req is None:
@@ -119,14 +156,14 @@ class StepSync:
             req.wait()
             self._pending = None
             return
-        notice = self.notice.posted if self.notice is not None else None
+        notice = self._notice_or_ending(time.monotonic())
         try:
             poll_until_done(
                 test, self.deadline_s if deadline_s is None else deadline_s, notice,
                 lambda limit: (f"the step agreement did not complete within {limit:.1f}s: a peer rank "
                                f"is gone (crashed, killed, or its node failed)"),
                 lambda waited, why: (f"a peer rank is gone after {waited:.2f}s of waiting for the step "
-                                     f"agreement (the relaunch loop saw it end: {why})"))
+                                     f"agreement ({why})"))
         except PeerLost:
             self.lost = True      # the allreduce in flight can never complete
             raise

@@ -94,6 +94,39 @@ def test_the_relaunch_loops_notice_ends_the_wait_at_once_and_a_slow_peer_keeps_i
     assert done.receive() == (1, True, False)
 
 
+def test_sigterm_shortens_the_wait_for_a_silent_peer_but_not_for_an_answering_one() -> None:
+    """Slurm cancelling a job that lost nodes sends SIGTERM, then SIGKILL KillWait later (5 s on the
+    local cluster): a survivor waiting out its 5 s deadline was killed before recording the disk-tier
+    fallback (issue 25). After SIGTERM a silent peer gets ENDING_GRACE_MIN_S (1 s here), not the deadline."""
+    from coci_hpc.runtime import stepsync
+
+    term: list[float] = []
+    sync = StepSync(_StuckComm(), deadline_s=5.0, ending=lambda: term[0] if term else None)
+    sync.send(0, False, False)
+    term.append(time.monotonic())
+    t0 = time.monotonic()
+    with pytest.raises(PeerLost, match="Slurm is ending this step"):
+        sync.receive()
+    waited = time.monotonic() - t0
+    assert stepsync.ENDING_GRACE_MIN_S <= waited < 3.0 and sync.lost, waited
+    # The probe after an exception inside the step: the same, and `how` names it.
+    probe = StepSync(_StuckComm(), deadline_s=5.0, ending=lambda: term[0])
+    t0 = time.monotonic()
+    assert probe.probe(5.0) is False and time.monotonic() - t0 < 3.0
+    assert "Slurm is ending this step" in probe.lost_why
+    # The grace follows the step time (3 typical steps), never beyond the deadline.
+    slow = StepSync(_StuckComm(), deadline_s=5.0, ending=lambda: term[0])
+    slow.follow(1.0)                      # deadline 10 typical steps, grace 3
+    assert (slow.deadline_s, slow.ending_grace_s()) == (pytest.approx(10.0), pytest.approx(3.0))
+    slow.deadline_s = 2.0
+    assert slow.ending_grace_s() == pytest.approx(2.0)
+    # No SIGTERM: the whole deadline.
+    quiet = StepSync(_StuckComm(), deadline_s=0.4, ending=lambda: None)
+    quiet.send(0, False, False)
+    with pytest.raises(PeerLost, match="did not complete within 0.4s"):
+        quiet.receive()
+
+
 def _state(seed: int = 0) -> dict:
     torch.manual_seed(seed)
     model = torch.nn.Linear(4, 3)

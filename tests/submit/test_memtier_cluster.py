@@ -95,10 +95,6 @@ def test_fsdp2_node_lost_resumes_from_the_memory_tier_bit_exact(three_nodes: Slu
     assert f"survivors' checkpoint from the memory tier of step {lost[0]['step']} committed" in text
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known (issue 25): without spare nodes the lone survivor sees the loss only at the step "
-    "agreement's deadline (5 s) and Slurm's KillWait (5 s on the local cluster) kills it before it "
-    "records the disk-tier fallback (two runs, 26 Nov: no peer_lost record)"))
 def test_fsdp2_rank_and_partner_lost_falls_back_to_the_disk_tier(three_nodes: SlurmCluster) -> None:
     cluster = three_nodes
     wd = cluster.workdir / "memtier-both"

@@ -34,23 +34,29 @@ def test_crash_then_node_failure_restart_in_place_bit_exact(three_nodes: SlurmCl
     try:
         # 1. A crash (rank 1's processes SIGKILLed, no node down): restarted in place at once, on the
         # spare n3 rather than on n2, whose task was lost (Slurm may mark a dying node down later).
+        # The waits below are generous (the new ranks' process start took 33 s at load 10, 26 Nov);
+        # the latency itself is judged at the end, against the measured process start.
         wait_for(lambda: any(e["event"] == "checkpoint" for e in read_events(ckpt)), "the first checkpoint", 180)
         time.sleep(random.uniform(0, 1.5))
         failures.append(("crash", time.time()))
         cluster.run(str(cluster.devcluster), "kill-tasks", "n2")
         wait_for(lambda: _n_attempts(ckpt) >= 2 and any(e["event"] == "resumed" and e["attempt"] == 2
-                                                         for e in read_events(ckpt)), "the restart", 60)
+                                                         for e in read_events(ckpt)), "the restart", 180)
         # 2. A hard node failure at a random step: n2 dies, Slurm marks it DOWN 1 s later. The step is
         # drawn between two checkpoints (after step 100's commit, before step 150 at ~18 steps/s), so
         # that the loss surfaces inside a step, the path this test times. A loss during a save's
         # collectives (polled against the peer deadline since issue 13) is
         # test_peer_failure_cluster.py's test_peer_killed_mid_save_survivor_saves_that_step_within_seconds.
         wait_for(lambda: any(e["event"] == "checkpoint" and e["attempt"] == 2 for e in read_events(ckpt)),
-                  "the restarted run's first checkpoint", 60)
+                  "the restarted run's first checkpoint", 120)
         time.sleep(random.uniform(0.2, 1.5))
         failures.append(("node", time.time()))
         cluster.run(str(cluster.devcluster), "fail", "n3", "--hard", "--delay", "1")   # rank 1's node now
         rows = cluster.wait_gone(job, timeout=300)
+    except AssertionError:          # a wait timed out: show what the run did (CI keeps no files)
+        out, err = rank0_logs(wd, job)
+        print(out[-3000:], err[-6000:], *read_events(ckpt), sep="\n")
+        raise
     finally:
         cluster.run(str(cluster.devcluster), "recover", "n3", check=False)
     out, err = rank0_logs(wd, job)
