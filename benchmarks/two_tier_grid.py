@@ -137,8 +137,8 @@ def grid_two_tier(files: list[tuple[str, int | None]], runs: int, seed: int, nod
             traces = job_traces(inc, node_ids, n_cluster, mid, t1, n, n_runs, rng)
             # diagnostic: the same planner fed the replay half's own incidents (no drift between
             # the halves): what is left of the gap to the oracle is the model's, not the data's
-            prof_r = tt.IncidentProfile.from_incident_times([t for t, _ in replay], [m for _, m in replay],
-                                                            mid, t1, n_cluster, n)
+            # (the whole half, no regime cut: the jobs start anywhere in it, not after its end)
+            prof_r = tt.IncidentProfile.from_incidents([m for _, m in replay], t1 - mid, n_cluster, n)
             seen_q = float(traces[1][np.isfinite(traces[0])].mean()) if np.isfinite(traces[0]).any() else math.nan
             for s in states:
                 for bd in disks:

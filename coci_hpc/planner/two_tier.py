@@ -375,7 +375,7 @@ def plan_two_tier(costs: TierCosts, profile: IncidentProfile, work_s: float, *, 
     alts = {n: {"mem_every_steps": cands[n][0], "disk_every_steps": cands[n][1],
                 "first_order_waste": fo[n], "simulated_waste": sim_by_name[n]} for n in cands}
     params = {"mem_rate_per_s": lm, "disk_rate_per_s": ld, "chosen": best_name,
-              "check_runs": runs, "seed": seed, "work_s": work_s}
+              "check_runs": runs, "seed": seed, "work_s": work_s, "profile_note": profile.note}
     if m is None:
         if not mem_ok:
             reason = f"memory tier dropped: {why_no_mem}"
@@ -420,6 +420,8 @@ def describe(plan: TwoTierPlan) -> list[str]:
         out.append(f"  disk save every {plan.disk_every_steps} step(s) ({plan.disk_interval_s / 3600:.4g} h)")
     out.append(f"  incidents hitting the job {plan.job_rate * 3600:.4g}/h, taking a rank and its "
                f"partner {100 * plan.partner_loss:.3g} %")
+    if plan.params.get("profile_note"):
+        out.append(f"  ({plan.params['profile_note']})")
     out.append(f"  {'alternative':22s} {'memory':>7s} {'disk':>8s} {'first order':>12s} {'simulated':>10s}")
     for n, a in plan.alternatives.items():
         m = "-" if a["mem_every_steps"] is None else str(a["mem_every_steps"])

@@ -208,8 +208,10 @@ def test_a_change_in_multi_node_incidents_starts_a_new_regime():
     # the plan for the recent regime saves to disk far less often
     costs = tt.TierCosts(mem_ckpt_s=3.2, disk_ckpt_s=80.0, mem_restart_s=190.0,
                          disk_restart_s=230.0, step_time_s=5.0)
-    assert (tt.plan_two_tier(costs, recent, 3 * DAY).disk_every_steps
-            > 4 * tt.plan_two_tier(costs, whole, 3 * DAY).disk_every_steps)
+    plan = tt.plan_two_tier(costs, recent, 3 * DAY)
+    assert plan.disk_every_steps > 4 * tt.plan_two_tier(costs, whole, 3 * DAY).disk_every_steps
+    # coci-plan's summary says which part of the history the plan learned from
+    assert any("current regime" in line for line in tt.describe(plan))
 
 
 def test_a_drop_in_the_incident_rate_starts_a_new_regime():
@@ -224,3 +226,19 @@ def test_a_drop_in_the_incident_rate_starts_a_new_regime():
 def test_incident_times_and_sizes_must_pair_up():
     with pytest.raises(PlannerError):
         tt.IncidentProfile.from_incident_times([1.0, 2.0], [1], 0.0, 10.0, 4, 4)
+
+
+def test_profile_from_model_learns_from_the_current_regime():
+    """A model of node events (incidents with their nodes) gives the profile of the part after
+    the change: 8-node incidents only in the first half of the window."""
+    from coci_hpc.planner import failures
+    rng = np.random.default_rng(9)
+    times = np.sort(rng.uniform(0.0, 4 * YEAR, 1500))
+    nodes = [f"n{i}" for i in range(49)]
+    evs = [failures.FailureEvent(tuple(rng.choice(nodes, 8 if (t < 2 * YEAR and rng.random() < 0.2) else 1,
+                                                  replace=False)), float(t), source="event")
+           for t in times]
+    model = failures.estimate(evs, 49 * 4 * YEAR, cluster_nodes=49)
+    p = tt.profile_from_model(model, 16, window=(0.0, 4 * YEAR))
+    assert p.partner_loss == 0.0 and "current regime" in p.note
+    assert tt.profile_from_model(model, 16).partner_loss == 0.0     # window taken from the incidents
