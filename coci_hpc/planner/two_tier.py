@@ -18,6 +18,9 @@ The candidates are then run in the two-tier simulator (failures during checkpoin
 restarts, a second failure during a memory recovery, :mod:`coci_hpc.planner.two_tier_sim`)
 together with Daly's disk-only plan, and the plan is the one that wasted least there: never
 worse than Daly on the planner's own simulation.
+
+The incident profile comes from the history's current regime (:func:`regime_start`: Poisson
+change points in the rate of incidents and of multi-node incidents), not the whole history.
 """
 from __future__ import annotations
 
