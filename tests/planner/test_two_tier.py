@@ -226,6 +226,9 @@ def test_a_drop_in_the_incident_rate_starts_a_new_regime():
 def test_incident_times_and_sizes_must_pair_up():
     with pytest.raises(PlannerError):
         tt.IncidentProfile.from_incident_times([1.0, 2.0], [1], 0.0, 10.0, 4, 4)
+    # no incident at all: the whole window, the Jeffreys prior's half incident
+    p = tt.IncidentProfile.from_incident_times([], [], 0.0, YEAR, 16, 16)
+    assert p.job_rate == pytest.approx(0.5 / YEAR) and p.partner_loss == 0.0
 
 
 def test_profile_from_model_learns_from_the_current_regime():
