@@ -14,7 +14,8 @@ Costs per setting (state S GB per node, disk B_d and memory-copy B_m GB/s per no
   recovery from memory Rm = 30 s in-place relaunch on a spare + survivors' save S / B_d +
   restore S / B_d, from disk Rd = 150 s through the queue + restore S / B_d; step 5 s, job 72 h
   of work. Policies, all on the same traces:
-  coci      plan_two_tier on the learned incident profile
+  coci      plan_two_tier on the learned incident profile (the first half's current regime:
+            IncidentProfile.from_incident_times)
   daly      disk only at Daly's interval for the learned job incident rate
   orbax     memory every 10 steps, disk every 1000 (Orbax emergency checkpointing's default)
   mem1      memory every step + disk at Daly's interval
@@ -124,18 +125,20 @@ def grid_two_tier(files: list[tuple[str, int | None]], runs: int, seed: int, nod
         inc, node_ids, t0, t1 = incidents_of(path)
         n_cluster = n_cl or len(node_ids)
         mid = 0.5 * (t0 + t1)
-        sizes = [len(set(ns)) for t, ns in inc if t < mid]
-        sizes_replay = [len(set(ns)) for t, ns in inc if t >= mid]
+        first = [(t, len(set(ns))) for t, ns in inc if t < mid]
+        replay = [(t, len(set(ns))) for t, ns in inc if t >= mid]
         for n in nodes:
             rng = np.random.default_rng(seed + n)
-            prof = tt.IncidentProfile.from_incidents(sizes, mid - t0, n_cluster, n)
+            prof = tt.IncidentProfile.from_incident_times([t for t, _ in first], [m for _, m in first],
+                                                          t0, mid, n_cluster, n)
             # at least ~MIN_INCIDENTS incidents per (history, nodes) where jobs see few: else
             # the oracle, which picks its pair on these very traces, mostly fits their noise
             n_runs = int(min(MAX_RUNS, max(runs, math.ceil(MIN_INCIDENTS / (prof.job_rate * WORK_S)))))
             traces = job_traces(inc, node_ids, n_cluster, mid, t1, n, n_runs, rng)
             # diagnostic: the same planner fed the replay half's own incidents (no drift between
             # the halves): what is left of the gap to the oracle is the model's, not the data's
-            prof_r = tt.IncidentProfile.from_incidents(sizes_replay, t1 - mid, n_cluster, n)
+            # (the whole half, no regime cut: the jobs start anywhere in it, not after its end)
+            prof_r = tt.IncidentProfile.from_incidents([m for _, m in replay], t1 - mid, n_cluster, n)
             seen_q = float(traces[1][np.isfinite(traces[0])].mean()) if np.isfinite(traces[0]).any() else math.nan
             for s in states:
                 for bd in disks:

@@ -18,6 +18,9 @@ The candidates are then run in the two-tier simulator (failures during checkpoin
 restarts, a second failure during a memory recovery, :mod:`coci_hpc.planner.two_tier_sim`)
 together with Daly's disk-only plan, and the plan is the one that wasted least there: never
 worse than Daly on the planner's own simulation.
+
+The incident profile comes from the history's current regime (:func:`regime_start`: Poisson
+change points in the rate of incidents and of multi-node incidents), not the whole history.
 """
 from __future__ import annotations
 
@@ -150,6 +153,79 @@ class IncidentProfile:
                 f"{cluster_nodes} nodes; a job on {nodes} nodes"
                 + (f" (on {reps} copies of the cluster)" if reps > 1 else ""))
         return cls(rate, min(1.0, losses / hits), nodes, note)
+
+    @classmethod
+    def from_incident_times(cls, times: Sequence[float], sizes: Sequence[int], t0: float,
+                            t1: float, cluster_nodes: int, nodes: int) -> IncidentProfile:
+        """:meth:`from_incidents` on the history's current regime (:func:`regime_start`):
+        incidents at ``times`` (seconds) with ``sizes`` nodes, seen over [t0, t1]."""
+        if len(times) != len(sizes):
+            raise PlannerError("incident times and sizes differ in length")
+        start = regime_start(times, sizes, t0, t1)
+        keep = [s for t, s in zip(times, sizes) if t >= start]
+        p = cls.from_incidents(keep, t1 - start, cluster_nodes, nodes)
+        if start > t0:
+            p = cls(p.job_rate, p.partner_loss, p.nodes,
+                    p.note + f"; the last {(t1 - start) / 3600:.4g} h of a {(t1 - t0) / 3600:.4g} h "
+                    "history (its current regime: the rates changed before)")
+        return p
+
+
+# -- the current regime of the history -----------------------------------------------------------
+
+REGIME_MIN_FRACTION = 0.1    # a regime spans at least this share of the history's window
+REGIME_LEVEL = 0.05          # family-wise: Bonferroni over the candidate splits of one test
+
+
+def _max_split_lrt(t: np.ndarray, a: float, b: float, min_len: float) -> tuple[float, float, int]:
+    """The most likely single change of a Poisson rate on [a, b): (LRT, split time, splits
+    tried). Splits at the incidents' times (the incident before or after), each side at least
+    ``min_len`` long."""
+    t = np.sort(t[(t >= a) & (t < b)])
+    n = t.size
+    if n < 2:
+        return 0.0, a, 0
+    s = np.concatenate([t, np.nextafter(t, np.inf)])
+    n1 = np.concatenate([np.arange(n), np.arange(1, n + 1)]).astype(float)
+    ok = (s - a >= min_len) & (b - s >= min_len)
+    s, n1 = s[ok], n1[ok]
+    if s.size == 0:
+        return 0.0, a, 0
+    n2 = n - n1
+
+    def xlog(k: np.ndarray, length: np.ndarray) -> np.ndarray:
+        return np.where(k > 0, k * np.log(np.maximum(k, 1.0) / length), 0.0)
+
+    lrt = 2.0 * (xlog(n1, s - a) + xlog(n2, b - s) - n * math.log(n / (b - a)))
+    i = int(np.argmax(lrt))
+    return float(lrt[i]), float(s[i]), int(s.size)
+
+
+def regime_start(times: Sequence[float], sizes: Sequence[int], t0: float, t1: float,
+                 min_fraction: float = REGIME_MIN_FRACTION, level: float = REGIME_LEVEL) -> float:
+    """Where the history's current regime starts: the latest significant change in the rate of
+    incidents or in the rate of multi-node incidents (the ones that can take a rank and its
+    partner). A failure process is not stationary over years (burn-in, upgrades, a bad batch
+    of parts), and a plan is for the next job: it should learn from the regime that job runs
+    in. Each test is the likelihood ratio of one Poisson rate against two (the best split),
+    significant at ``level`` after Bonferroni over the splits tried; the search repeats on the
+    part after each change found. ``t0``, ``t1``: the history's window."""
+    from scipy.stats import chi2  # not at import: see failures.LRT_CRITICAL
+    if not t1 > t0:
+        return t0
+    ts = np.asarray(times, dtype=float)
+    multi = ts[np.asarray(sizes, dtype=int) >= 2] if ts.size else ts
+    min_len = min_fraction * (t1 - t0)
+    start = t0
+    while True:
+        found = []
+        for stream in (ts, multi):
+            lrt, split, tried = _max_split_lrt(stream, start, t1, min_len)
+            if tried and lrt > float(chi2.isf(level / tried, 1)):
+                found.append(split)
+        if not found:
+            return start
+        start = max(found)
 
 
 # -- the first-order model ----------------------------------------------------------------------
@@ -302,7 +378,7 @@ def plan_two_tier(costs: TierCosts, profile: IncidentProfile, work_s: float, *, 
     alts = {n: {"mem_every_steps": cands[n][0], "disk_every_steps": cands[n][1],
                 "first_order_waste": fo[n], "simulated_waste": sim_by_name[n]} for n in cands}
     params = {"mem_rate_per_s": lm, "disk_rate_per_s": ld, "chosen": best_name,
-              "check_runs": runs, "seed": seed, "work_s": work_s}
+              "check_runs": runs, "seed": seed, "work_s": work_s, "profile_note": profile.note}
     if m is None:
         if not mem_ok:
             reason = f"memory tier dropped: {why_no_mem}"
@@ -317,14 +393,21 @@ def plan_two_tier(costs: TierCosts, profile: IncidentProfile, work_s: float, *, 
     return TwoTierPlan("two-tier", m, d, reason, costs, lam, profile.partner_loss, alts, params)
 
 
-def profile_from_model(model, nodes: int) -> IncidentProfile:
+def profile_from_model(model, nodes: int,
+                       window: tuple[float, float] | None = None) -> IncidentProfile:
     """The incident profile of a :class:`~coci_hpc.planner.failures.FailureModel`: its
-    declustered incidents and their sizes when it has them (a history with node events),
-    else its rate as one-node incidents (a given MTBF says nothing about sizes)."""
+    declustered incidents and their sizes in the history's current regime (``window``: the
+    history's (start, end) epoch seconds, when known) when it has them (node events), else its rate as one-node incidents (a given MTBF says nothing about sizes)."""
     n_cl = model.cluster_nodes
     if model.events and n_cl and model.exposure_node_s > 0:
         sizes = [len(set(e.nodes)) for e in model.events]
-        return IncidentProfile.from_incidents(sizes, model.exposure_node_s / n_cl, n_cl, nodes)
+        times = [e.time_s for e in model.events]
+        span = model.exposure_node_s / n_cl
+        if window is None:
+            # the model keeps the window's length, not its ends: taken as ending at the newest
+            # incident (a quiet spell at the end then counts as part of the regime before it)
+            window = (min(min(times), max(times) - span), max(times))
+        return IncidentProfile.from_incident_times(times, sizes, window[0], window[1], n_cl, nodes)
     return IncidentProfile(nodes * model.per_node_rate, 0.0, nodes,
                            "no incident sizes known: every incident taken as one node")
 
@@ -340,6 +423,8 @@ def describe(plan: TwoTierPlan) -> list[str]:
         out.append(f"  disk save every {plan.disk_every_steps} step(s) ({plan.disk_interval_s / 3600:.4g} h)")
     out.append(f"  incidents hitting the job {plan.job_rate * 3600:.4g}/h, taking a rank and its "
                f"partner {100 * plan.partner_loss:.3g} %")
+    if plan.params.get("profile_note"):
+        out.append(f"  ({plan.params['profile_note']})")
     out.append(f"  {'alternative':22s} {'memory':>7s} {'disk':>8s} {'first order':>12s} {'simulated':>10s}")
     for n, a in plan.alternatives.items():
         m = "-" if a["mem_every_steps"] is None else str(a["mem_every_steps"])

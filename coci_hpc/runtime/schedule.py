@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from coci_hpc.comm import Comm
@@ -49,6 +49,9 @@ from coci_hpc.planner.policies import Fixed, make_policy
 # Before any restart was seen, Tr is the planner's one default; replaced by the measured value
 # after the first requeue.
 ASSUMED_RESTART_S = DEFAULT_RESTART_S
+
+# the memory tier's planner: the copies' measured stalls -> (memory every k, disk every D) steps
+TwoTierPlanFn = Callable[[list[float]], "tuple[int | None, int] | None"]
 
 
 class _Measured:
@@ -71,6 +74,9 @@ class _Measured:
         self.observe_every_s = float(observe_every_s)
         self._stop_wall: float | None = None   # set in the state of a stop-save only
         self.survivor_coverage = 0.0           # share of failures a survivors' save covers (rank 0)
+        # rank 0: the two-tier plan's disk interval in steps while a memory tier holds the
+        # recent steps (None: the schedule's own plan); set from the planner's thread, read here
+        self.two_tier_disk_every: int | None = None
 
     # -- the loop's calls --------------------------------------------------------------------------
     def observe(self, step: int, loss: float, step_seconds: float) -> None:
@@ -122,6 +128,32 @@ class _Measured:
         del self.inplace_restart_costs[:-20]
         if self.ckpt_costs:
             self._replan()
+
+    def use_two_tier(self, plan: tuple[int | None, int] | None) -> None:
+        """Rank 0: the two-tier plan ``(memory every k steps, disk every D steps)``
+        (:mod:`coci_hpc.planner.two_tier`). While it keeps a memory tier, a planner schedule saves
+        to disk every D steps instead of at its own single-tier plan (which counts every failure
+        as a rollback to disk; with the memory tier on, only one that takes a rank and its partner
+        is). ``None``, or a plan that dropped the memory tier: back to the schedule's own plan. A
+        ``fixed:N`` schedule keeps N (the user's choice wins)."""
+        if self.comm.rank != 0:
+            return
+        if plan is None or plan[0] is None:
+            self.two_tier_disk_every = None
+            return
+        if int(plan[1]) < 1:
+            raise UsageError(f"a disk interval must be >= 1 step, got {plan[1]!r}")
+        self.two_tier_disk_every = int(plan[1])
+
+    def following(self, plan_fn: TwoTierPlanFn) -> TwoTierPlanFn:
+        """``plan_fn`` (the memory tier's two-tier planner, ``runtime.memtier.plan_with``) with its
+        every result also handed to :meth:`use_two_tier`: the disk interval the plan prints is the
+        one this schedule keeps."""
+        def fn(copy_s: list[float]) -> tuple[int | None, int] | None:
+            out = plan_fn(copy_s)
+            self.use_two_tier(out)
+            return out
+        return fn
 
     def restart_cost_s(self) -> float:
         """Tr for the plan: the measured in-place restart when failures restart in place and one was
@@ -296,6 +328,10 @@ class CheckpointSchedule(_Measured):
         if self.planner is None:
             return step >= self.last_saved_step + self.warmup_steps and not self.ckpt_costs
         self.planner.next_checkpoint(self.train_time_s)  # extends a plan past its horizon
+        every = self.two_tier_disk_every
+        if every is not None:
+            # the memory tier holds the recent steps: disk saves at the two-tier plan's interval
+            return step >= self.last_saved_step + every
         return self.planner.should_checkpoint(step, self.last_saved_step)
 
     def after_failure(self, seconds_since_failure: float) -> None:

@@ -173,3 +173,75 @@ def test_no_partner_loss_means_no_disk_save_within_the_horizon():
     plan = tt.plan_two_tier(COSTS, tt.IncidentProfile(1 / 3600.0, 0.0, 64), DAY)
     assert plan.tier == "two-tier"
     assert plan.disk_interval_s >= DAY and plan.disk_interval_s < DAY + plan.mem_interval_s
+
+
+YEAR = 365 * DAY
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_stationary_history_is_one_regime(seed):
+    """Poisson incidents at one rate, sizes drawn from one law: no change is found, and the
+    profile is the whole history's."""
+    rng = np.random.default_rng(seed)
+    times = np.sort(rng.uniform(0.0, 4 * YEAR, 2000))
+    sizes = rng.choice([1, 1, 1, 1, 2, 4], times.size)
+    assert tt.regime_start(times, sizes, 0.0, 4 * YEAR) == 0.0
+    p = tt.IncidentProfile.from_incident_times(times, sizes, 0.0, 4 * YEAR, 49, 16)
+    q = tt.IncidentProfile.from_incidents(sizes, 4 * YEAR, 49, 16)
+    assert (p.job_rate, p.partner_loss) == (q.job_rate, q.partner_loss)
+
+
+def test_a_change_in_multi_node_incidents_starts_a_new_regime():
+    """Two years with many 8-node incidents, then two years with one-node incidents only (the
+    total rate the same): the regime starts near the change and the profile's partner-loss
+    share is the recent one (0), not the whole history's."""
+    rng = np.random.default_rng(7)
+    times = np.sort(rng.uniform(0.0, 4 * YEAR, 2000))
+    sizes = np.where((times < 2 * YEAR) & (rng.random(times.size) < 0.2), 8, 1)
+    start = tt.regime_start(times, sizes, 0.0, 4 * YEAR)
+    assert 1.8 * YEAR < start < 2.2 * YEAR
+    whole = tt.IncidentProfile.from_incidents(sizes, 4 * YEAR, 49, 16)
+    recent = tt.IncidentProfile.from_incident_times(times, sizes, 0.0, 4 * YEAR, 49, 16)
+    assert whole.partner_loss > 0.02
+    assert recent.partner_loss == 0.0
+    assert "current regime" in recent.note
+    # the plan for the recent regime saves to disk far less often
+    costs = tt.TierCosts(mem_ckpt_s=3.2, disk_ckpt_s=80.0, mem_restart_s=190.0,
+                         disk_restart_s=230.0, step_time_s=5.0)
+    plan = tt.plan_two_tier(costs, recent, 3 * DAY)
+    assert plan.disk_every_steps > 4 * tt.plan_two_tier(costs, whole, 3 * DAY).disk_every_steps
+    # coci-plan's summary says which part of the history the plan learned from
+    assert any("current regime" in line for line in tt.describe(plan))
+
+
+def test_a_drop_in_the_incident_rate_starts_a_new_regime():
+    rng = np.random.default_rng(8)
+    times = np.sort(np.concatenate([rng.uniform(0.0, YEAR, 1500), rng.uniform(YEAR, 4 * YEAR, 500)]))
+    start = tt.regime_start(times, np.ones(times.size, dtype=int), 0.0, 4 * YEAR)
+    assert 0.9 * YEAR < start < 1.1 * YEAR
+    p = tt.IncidentProfile.from_incident_times(times, [1] * times.size, 0.0, 4 * YEAR, 16, 16)
+    assert p.job_rate == pytest.approx(500 / (4 * YEAR - start), rel=0.02)
+
+
+def test_incident_times_and_sizes_must_pair_up():
+    with pytest.raises(PlannerError):
+        tt.IncidentProfile.from_incident_times([1.0, 2.0], [1], 0.0, 10.0, 4, 4)
+    # no incident at all: the whole window, the Jeffreys prior's half incident
+    p = tt.IncidentProfile.from_incident_times([], [], 0.0, YEAR, 16, 16)
+    assert p.job_rate == pytest.approx(0.5 / YEAR) and p.partner_loss == 0.0
+
+
+def test_profile_from_model_learns_from_the_current_regime():
+    """A model of node events (incidents with their nodes) gives the profile of the part after
+    the change: 8-node incidents only in the first half of the window."""
+    from coci_hpc.planner import failures
+    rng = np.random.default_rng(9)
+    times = np.sort(rng.uniform(0.0, 4 * YEAR, 1500))
+    nodes = [f"n{i}" for i in range(49)]
+    evs = [failures.FailureEvent(tuple(rng.choice(nodes, 8 if (t < 2 * YEAR and rng.random() < 0.2) else 1,
+                                                  replace=False)), float(t), source="event")
+           for t in times]
+    model = failures.estimate(evs, 49 * 4 * YEAR, cluster_nodes=49)
+    p = tt.profile_from_model(model, 16, window=(0.0, 4 * YEAR))
+    assert p.partner_loss == 0.0 and "current regime" in p.note
+    assert tt.profile_from_model(model, 16).partner_loss == 0.0     # window taken from the incidents

@@ -139,3 +139,42 @@ def test_under_spare_nodes_the_plan_uses_the_measured_in_place_restart_cost() ->
     assert queue.costs().restart_s == 40.0
     spare.restart_costs.append(40.0)
     assert spare.costs().restart_s == 8.0
+
+
+def test_with_a_memory_tier_disk_saves_follow_the_two_tier_plan() -> None:
+    """The two-tier plan's disk interval replaces the single-tier plan while it keeps a memory
+    tier (set through the memory tier's plan function, as the Session wires it); a plan that
+    drops the tier hands the disk back to the schedule's own plan."""
+    mtbf_s, ts = 60.0, 0.2
+    sched = CheckpointSchedule("young", from_mtbf(mtbf_s), nodes=1, horizon_s=3600, comm=Comm.serial())
+    own = young_interval(ts, mtbf_s) / STEP_S            # ~490 steps
+    saved = _run(sched, 0, 600, ts)
+    plans: list[tuple[int | None, int] | None] = [(5, 150)]
+    plan_fn = sched.following(lambda copy_s: plans[-1])
+    assert plan_fn([0.01]) == (5, 150) and sched.two_tier_disk_every == 150
+    saved = _run(sched, 600, 1800, ts)
+    gaps = [b - a for a, b in zip(saved, saved[1:])]
+    assert gaps and all(g == 150 for g in gaps), gaps
+    plans.append((None, 885))                           # the plan dropped the memory tier
+    plan_fn([0.01])
+    assert sched.two_tier_disk_every is None
+    saved = _run(sched, 1800, 4000, ts)
+    gaps = [b - a for a, b in zip(saved, saved[1:])]
+    assert gaps and all(abs(g - own) <= 2 for g in gaps), (gaps, own)
+    plans.append(None)                                  # no plan yet (no save timed): no change
+    plan_fn([0.01])
+    assert sched.two_tier_disk_every is None
+
+
+def test_a_fixed_schedule_keeps_its_interval_under_a_two_tier_plan() -> None:
+    from coci_hpc.runtime.schedule import FixedSchedule
+    sched = FixedSchedule(100, comm=Comm.serial())
+    sched.use_two_tier((5, 30))
+    saved = [s for s in range(1, 501) if sched.due(s)]
+    assert saved == [100, 200, 300, 400, 500]
+
+
+def test_a_two_tier_disk_interval_below_one_step_is_refused() -> None:
+    sched = CheckpointSchedule("young", from_mtbf(60.0), nodes=1, horizon_s=3600, comm=Comm.serial())
+    with pytest.raises(UsageError, match="disk interval"):
+        sched.use_two_tier((5, 0))
