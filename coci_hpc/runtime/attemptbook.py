@@ -70,7 +70,7 @@ class AttemptBook:
         measured; returns why to give up (``end`` written), or None. ``survival``: whether the
         survivors save, and the memory tier's interval (state held in parts is covered by it)."""
         survivors_enabled, memory_every = survival.enabled, survival.memory_every
-        events, recs, rows = info["events"], info["records"], info["rows"]
+        recs, rows = info["records"], info["rows"]
         prev = att.previous_records(recs)
         rc = self.job.restart_count
         prev_slurm = rows[-2] if rc > 0 and len(rows) >= 2 else None
@@ -84,7 +84,7 @@ class AttemptBook:
             schedule.after_failure(time.time() - prev_end.end_wall)
         # The share of failures the planner may count as ~one step lost (survivors' saves).
         covered = not parts or memory_every is not None     # state held in parts: by the memory tier
-        coverage = sv.coverage_estimate(events, survivors_enabled and covered)
+        coverage = sv.coverage_estimate(recs, survivors_enabled and covered)
         schedule.use_survivor_coverage(coverage)
         verdict = att.give_up_reason(recs, resumed, prev_end.reason, job_id=self.job.job_id, restart_count=rc,
                                      max_requeues=config.max_requeues,
