@@ -1,20 +1,35 @@
 """A run's history: attempts, how each ended, checkpoints, steps lost, restart latency, the loss curve.
 
-Built from the Session's event log (``<ckpt_dir>/events.jsonl``, see docs/reference/event-log.md) and, where
-Slurm is reachable, ``sacct``'s row for each attempt. :func:`build` is pure (records in, a
+Built from the Session's event log (``<ckpt_dir>/events.jsonl``, see docs/reference/event-log.md), read as
+the typed records of :mod:`coci_hpc.runtime.events`, and, where Slurm is reachable, ``sacct``'s row for
+each attempt. :func:`build` is pure (records in, a
 :class:`RunHistory` out); :func:`load` does the reading; :func:`render_text`, :meth:`RunHistory.to_dict`
 and :func:`plot` present it. ``coci-status`` is the command.
 """
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from coci_hpc.errors import SlurmError, UsageError
-from coci_hpc.runtime.events import FILENAME, read_events_counted, relaunch_cause
+from coci_hpc.runtime.events import (
+    FILENAME,
+    AttemptStart,
+    Checkpoint,
+    End,
+    Losses,
+    PeerLost,
+    Record,
+    Relaunch,
+    Resumed,
+    Stop,
+    parse,
+    read_records_counted,
+    relaunch_cause,
+)
 from coci_hpc.slurm import commands, states
 from coci_hpc.slurm.sacct import SlurmAttempt, job_attempts
 
@@ -73,17 +88,18 @@ class RunHistory:
         return d
 
 
-def _refused(e: dict[str, Any]) -> bool:
+def _refused(e: End) -> bool:
     """An attempt that refused to start (nothing was trained or changed): not how the run ended.
     Older logs wrote these as status "error" with the refusal's message."""
-    return e.get("status") == "refused" or (e.get("status") == "error"
-                                            and "nothing was changed" in str(e.get("message") or ""))
+    return e.status == "refused" or (e.status == "error" and "nothing was changed" in str(e.message or ""))
 
 
-def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
+def build(events: Iterable[Record | Mapping[str, Any]], ckpt_dir: str,
           sacct: dict[str, list[SlurmAttempt]] | None = None, sacct_note: str | None = None,
           skipped_lines: int = 0) -> RunHistory:
-    """The history from the event records (oldest first) and sacct's attempts per job id.
+    """The history from the event records (oldest first: the typed records of
+    :func:`coci_hpc.runtime.events.read_records`; lines as read, dicts, are parsed first) and
+    sacct's attempts per job id.
 
     An attempt's end is what the NEXT attempt recorded about it (classified from Slurm's record),
     else its own ``stop``/``end`` record, else it is still running (or died without a trace yet).
@@ -95,70 +111,73 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
     """
     attempts: dict[int, Attempt] = {}
     checkpoints: list[dict[str, Any]] = []
-    loss_pts: list[tuple[int, float, int]] = []
+    loss_pts: list[tuple[int, Any, int]] = []
     status, final_step, message = "running", None, ""
-    stops: dict[int, dict[str, Any]] = {}
+    stops: dict[int, Stop] = {}
     peer_losses: list[dict[str, Any]] = []
-    relaunches: dict[int, dict[str, Any]] = {}   # failed attempt -> the relaunch loop's record
+    relaunches: dict[int, Relaunch] = {}        # failed attempt -> the relaunch loop's record
     resumed_wall: dict[int, float] = {}
-    starts: dict[int, dict[str, Any]] = {}       # attempt -> its attempt_start record
+    starts: dict[int, AttemptStart] = {}        # attempt -> its attempt_start record
     before: dict[int, tuple[str, Any, str]] = {}  # attempt -> the run's status when it started
-    for e in events:
-        n, ev = e.get("attempt"), e.get("event")
+    for line in events:
+        e = line if isinstance(line, Record) else parse(dict(line))
+        n = e.attempt if e is not None else line.get("attempt")   # type: ignore[union-attr]
         if not isinstance(n, int) or n < 1:    # a damaged record: no attempt of its own to belong to
             skipped_lines += 1
             continue
-        if ev == "attempt_start":
+        if e is None:                          # an event this version does not know
+            continue
+        if isinstance(e, AttemptStart):
             starts[n] = e
             # A new attempt runs again (a completed run trained further); its refusal puts back the before.
             before[n] = (status, final_step, message)
             status, final_step, message = "running", None, ""
             attempts[n] = Attempt(
-                attempt=n, job_id=e.get("job_id"), nodes=list(e.get("nodes") or []), ranks=e.get("ranks"),
-                start_wall=e.get("wall"), resumed_step=e.get("resumed_step"), steps_lost=e.get("steps_lost"),
-                prev_end=dict(e.get("prev_end") or {}), restart_latency_s=None,
-                sacct_id=e.get("slurm_id") or e.get("job_id"), survivors_off=e.get("survivors_off"))
-            for step in e.get("torn_survivors_saves") or []:
+                attempt=n, job_id=e.job_id, nodes=list(e.nodes), ranks=e.ranks,
+                start_wall=e.wall, resumed_step=e.resumed_step, steps_lost=e.steps_lost,
+                prev_end=dict(e.prev_end), restart_latency_s=None,
+                sacct_id=e.slurm_id or e.job_id, survivors_off=e.survivors_off)
+            for step in e.torn_survivors_saves:
                 # The previous attempt's survivors were killed mid-save: no peer_lost record of theirs.
                 peer_losses.append({"attempt": n - 1, "step": step, "committed": False, "after_failure_s": None,
                                     "lost_ranks": None, "reason": "the survivors' save was killed before "
-                                    "its manifest", "fallback_step": e.get("resumed_step"), "steps_lost": None})
+                                    "its manifest", "fallback_step": e.resumed_step, "steps_lost": None})
             continue
         a = attempts.get(n)
-        if ev == "relaunch":
+        if isinstance(e, Relaunch):
             relaunches[n] = e
-        elif ev == "resumed" and a is not None:
-            a.restart_latency_s = e.get("restart_latency_s")
-            resumed_wall[n] = float(e.get("wall") or 0.0)
-        elif ev == "checkpoint":
-            checkpoints.append({"step": e.get("step"), "kind": e.get("kind"), "attempt": n,
-                                "blocking_s": e.get("blocking_s"), "persist_s": e.get("persist_s")})
-            if a is not None and e.get("step") is not None:
-                a.checkpoints.append(int(e["step"]))
-        elif ev == "losses":
-            for s, v in zip(e.get("steps") or [], e.get("values") or []):
-                loss_pts.append((int(s), v, n))
-        elif ev == "stop":
+        elif isinstance(e, Resumed) and a is not None:
+            a.restart_latency_s = e.restart_latency_s
+            resumed_wall[n] = float(e.wall or 0.0)
+        elif isinstance(e, Checkpoint):
+            checkpoints.append({"step": e.step, "kind": e.kind, "attempt": n,
+                                "blocking_s": e.blocking_s, "persist_s": e.persist_s})
+            if a is not None and e.step is not None:
+                a.checkpoints.append(int(e.step))
+        elif isinstance(e, Losses):
+            for s, v in zip(e.steps, e.values):
+                loss_pts.append((int(s), v, n))   # a null loss (NaN when written) is a gap in the plot
+        elif isinstance(e, Stop):
             stops[n] = e
-        elif ev == "peer_lost":
-            fail, commit = e.get("failure_wall"), e.get("commit_wall")
-            peer_losses.append({"attempt": n, "step": e.get("step"), "committed": bool(e.get("committed")),
+        elif isinstance(e, PeerLost):
+            fail, commit = e.failure_wall, e.commit_wall
+            peer_losses.append({"attempt": n, "step": e.step, "committed": bool(e.committed),
                                 "failure_wall": fail,
                                 "after_failure_s": (commit - fail) if commit and fail else None,
-                                "lost_ranks": e.get("lost_ranks"), "reason": e.get("reason") or "",
-                                "fallback_step": e.get("fallback_step"), "steps_lost": None,
-                                "tier": e.get("tier")})
-            if e.get("committed"):
-                checkpoints.append({"step": e.get("step"), "kind": "survivors", "attempt": n,
-                                    "blocking_s": None, "persist_s": e.get("save_s")})
-                if a is not None and e.get("step") is not None:
-                    a.checkpoints.append(int(e["step"]))
-        elif ev == "end" and _refused(e):
+                                "lost_ranks": e.lost_ranks, "reason": e.reason or "",
+                                "fallback_step": e.fallback_step, "steps_lost": None,
+                                "tier": e.tier})
+            if e.committed:
+                checkpoints.append({"step": e.step, "kind": "survivors", "attempt": n,
+                                    "blocking_s": None, "persist_s": e.save_s})
+                if a is not None and e.step is not None:
+                    a.checkpoints.append(int(e.step))
+        elif isinstance(e, End) and _refused(e):
             if a is not None:
                 a.ended, a.ended_source = "refused", "session"
             status, final_step, message = before.get(n, (status, final_step, message))
-        elif ev == "end":
-            status, final_step, message = str(e.get("status")), e.get("step"), str(e.get("message") or "")
+        elif isinstance(e, End):
+            status, final_step, message = str(e.status), e.step, str(e.message or "")
             if a is not None:
                 a.ended, a.ended_source = status, "session"
     ordered = [attempts[k] for k in sorted(attempts)]
@@ -169,18 +188,18 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
             prev.ended, prev.ended_source = str(reason), str(nxt.prev_end.get("source") or "")
     for prev, nxt in zip(ordered, ordered[1:]):
         r = relaunches.get(prev.attempt)
-        if r is None or r.get("action") != "relaunch":
+        if r is None or r.action != "relaunch":
             continue
         # The relaunch record's typed cause, the same rule the next attempt's prev_end used
         # (runtime/attempts.py); its reason is prose ("not n2: lost a task" after a crash).
         lost = relaunch_cause(r)
         prev.ended, prev.ended_source = f"{lost} (restarted in place)", "relaunch"
         nxt.in_place = in_place_split(r, [p for p in peer_losses if p["attempt"] == prev.attempt],
-                                      starts.get(nxt.attempt) or {}, resumed_wall.get(nxt.attempt))
+                                      starts.get(nxt.attempt), resumed_wall.get(nxt.attempt))
     for a in ordered:
         if a.ended == "running" and a.attempt in stops:
-            s = stops[a.attempt]
-            a.ended = f"{s.get('reason')} (stopped{', requeued' if s.get('requeued') else ''})"
+            st = stops[a.attempt]
+            a.ended = f"{st.reason} (stopped{', requeued' if st.requeued else ''})"
             a.ended_source = "session"
     for a in ordered:
         pts = [s for s, _, n in loss_pts if n == a.attempt]
@@ -194,7 +213,7 @@ def build(events: Sequence[dict[str, Any]], ckpt_dir: str,
                 a.sacct_state = row.state
         last = ordered[-1] if ordered else None
         if status in ("running", "stopped") and last is not None and last.sacct_state in SLURM_ENDED:
-            requeued_stop = last.attempt in stops and stops[last.attempt].get("requeued")
+            requeued_stop = last.attempt in stops and stops[last.attempt].requeued
             if not requeued_stop and last.ended == "running":
                 status = last.sacct_state.lower()
                 last.ended, last.ended_source = status, "sacct"
@@ -213,8 +232,8 @@ def _gap(a: Any, b: Any) -> float | None:
     return float(b) - float(a) if a is not None and b is not None else None
 
 
-def in_place_split(relaunch: dict[str, Any], peer_losses: Sequence[dict[str, Any]],
-                   start: dict[str, Any], resumed_wall: float | None) -> dict[str, Any]:
+def in_place_split(relaunch: Relaunch, peer_losses: Sequence[dict[str, Any]],
+                   start: AttemptStart | None, resumed_wall: float | None) -> dict[str, Any]:
     """An in-place restart's latency, failure -> first resumed step, in the order it is paid:
 
     - ``detect_s``: the failure (a survivor's view of it, ``peer_lost``; else the step's end) ->
@@ -225,16 +244,18 @@ def in_place_split(relaunch: dict[str, Any], peer_losses: Sequence[dict[str, Any
     - ``restore_s``: -> the first resumed step (event log and checkpoint read).
     Parts the records do not hold (an older log) are None; ``total_s`` is then from the step's end.
     """
-    ended, decided = relaunch.get("step_ended_wall"), relaunch.get("decided_wall")
+    ended, decided = relaunch.step_ended_wall, relaunch.decided_wall
     fails = [float(p["failure_wall"]) for p in peer_losses if p.get("failure_wall")]
     failure = min(fails) if fails else ended
-    proc, session = start.get("process_wall"), start.get("session_wall")
+    proc = start.process_wall if start is not None else None
+    session = start.session_wall if start is not None else None
     res = resumed_wall
     return {
-        "restart": relaunch.get("restart"), "reason": relaunch.get("reason"), "nodes": relaunch.get("nodes"),
+        # A log without the relaunch's nodes said null here; a relaunch always names where it starts.
+        "restart": relaunch.restart, "reason": relaunch.reason, "nodes": relaunch.nodes or None,
         "detect_s": _gap(failure, ended), "decide_s": _gap(ended, decided),
         "relaunch_s": _gap(decided, proc), "process_start_s": _gap(proc, session) if proc else _gap(decided, session),
-        "restore_s": _gap(session, res) if session else _gap(start.get("wall"), res),
+        "restore_s": _gap(session, res) if session else _gap(start.wall if start is not None else None, res),
         "total_s": _gap(failure, res),
     }
 
@@ -265,11 +286,11 @@ def load(ckpt_dir: str | Path, *, use_sacct: bool = True, runner: commands.Runne
                 "pass the --ckpt-dir the run used (coci-submit prints it); the log appears when the "
                 "Session starts")
         raise UsageError(f"no event log {root / FILENAME}", hint=hint)
-    events, skipped = read_events_counted(root / FILENAME)
+    events, skipped = read_records_counted(root / FILENAME)
     sacct: dict[str, list[SlurmAttempt]] = {}
     note = None if use_sacct else "not asked (--no-sacct)"
     if use_sacct:
-        ids = (e.get("slurm_id") or e.get("job_id") for e in events if e.get("event") == "attempt_start")
+        ids = (e.slurm_id or e.job_id for e in events if isinstance(e, AttemptStart))
         for job in dict.fromkeys(str(j) for j in ids if j):
             try:
                 sacct[job] = job_attempts(job, run)

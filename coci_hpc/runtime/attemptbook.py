@@ -14,7 +14,7 @@ from coci_hpc.errors import GaveUpError, SlurmError, UsageError
 from coci_hpc.runtime import attempts as att
 from coci_hpc.runtime import survivors as sv
 from coci_hpc.runtime.config import SessionConfig
-from coci_hpc.runtime.events import EventLog, last_attempt, read_events
+from coci_hpc.runtime.events import EventLog, PeerLost, last_attempt, read_records, records
 from coci_hpc.runtime.schedule import Schedule
 from coci_hpc.slurm import commands, sacct
 from coci_hpc.slurm.env import JobEnvironment
@@ -41,7 +41,8 @@ class AttemptBook:
         """Rank 0, at the start: ``events`` as parsed once at ``Session()``; ``catalog``: the
         manager's step catalog (the restart's one listing of the root)."""
         self.catalog = catalog
-        self.log.attempt = last_attempt(events) + 1
+        recs = records(events)          # typed, once: the attempt rules read these
+        self.log.attempt = last_attempt(recs) + 1
         rows: list[sacct.SlurmAttempt] = []
         sacct_error = None
         jid = self.job.requeue_id
@@ -55,12 +56,12 @@ class AttemptBook:
         # A survivors' save killed before its manifest (SIGKILL at KillWait, a second failure):
         # its staging goes once this attempt is recorded, its data file at the next save (an
         # uncommitted leftover).
-        recorded = {e.get("step") for e in att.previous_records(events) if e.get("event") == "peer_lost"}
+        recorded = {e.step for e in att.previous_records(recs) if isinstance(e, PeerLost)}
         torn = [s for s in sv.torn_steps(catalog) if s not in recorded]   # recorded: a fallback
         if torn:
             _say(f"the survivors' save of step(s) {torn} never committed (killed before its manifest); "
                  f"resuming from the latest committed checkpoint instead")
-        return {"events": events, "rows": rows, "sacct_error": sacct_error, "torn": torn}
+        return {"events": events, "records": recs, "rows": rows, "sacct_error": sacct_error, "torn": torn}
 
     def record_start(self, info: dict[str, Any], resumed: int | None, restore_s: float, *, schedule: Schedule,
                      ranks: int, run_record: Any, config: SessionConfig, survival: sv.Survival,
@@ -69,8 +70,8 @@ class AttemptBook:
         measured; returns why to give up (``end`` written), or None. ``survival``: whether the
         survivors save, and the memory tier's interval (state held in parts is covered by it)."""
         survivors_enabled, memory_every = survival.enabled, survival.memory_every
-        events, rows = info["events"], info["rows"]
-        prev = att.previous_records(events)
+        recs, rows = info["records"], info["rows"]
+        prev = att.previous_records(recs)
         rc = self.job.restart_count
         prev_slurm = rows[-2] if rc > 0 and len(rows) >= 2 else None
         if rc > 0 and len(rows) < 2 and info["sacct_error"] is None:
@@ -83,9 +84,9 @@ class AttemptBook:
             schedule.after_failure(time.time() - prev_end.end_wall)
         # The share of failures the planner may count as ~one step lost (survivors' saves).
         covered = not parts or memory_every is not None     # state held in parts: by the memory tier
-        coverage = sv.coverage_estimate(events, survivors_enabled and covered)
+        coverage = sv.coverage_estimate(recs, survivors_enabled and covered)
         schedule.use_survivor_coverage(coverage)
-        verdict = att.give_up_reason(events, resumed, prev_end.reason, job_id=self.job.job_id, restart_count=rc,
+        verdict = att.give_up_reason(recs, resumed, prev_end.reason, job_id=self.job.job_id, restart_count=rc,
                                      max_requeues=config.max_requeues,
                                      no_progress_limit=config.no_progress_limit,
                                      in_place_restart=self._in_place or 0)
@@ -144,7 +145,7 @@ class AttemptBook:
         """The attempt of this run that started after this one, if any (from the event log: every
         attempt, requeued or restarted in place, writes ``attempt_start`` before its first step)."""
         try:
-            newest = last_attempt(read_events(self.events_path))
+            newest = last_attempt(read_records(self.events_path))
         except OSError:
             return None
         return newest if newest > self.log.attempt else None

@@ -1,7 +1,8 @@
 """Pure decisions about attempts: how the previous one ended, why we are stopping, when to give up.
 
 Inputs are Slurm's own record of the job (``sacct -X -D`` rows, one per attempt, read by
-:mod:`coci_hpc.slurm.sacct`) and the session's event log; nothing here guesses from elapsed time. The callers (the Session, on rank 0) run the
+:mod:`coci_hpc.slurm.sacct`) and the session's event log, as the typed records of
+:mod:`coci_hpc.runtime.events` (lines as read, dicts, are parsed first); nothing here guesses from elapsed time. The callers (the Session, on rank 0) run the
 commands once per attempt; these functions only decide, so they are tested without Slurm.
 """
 from __future__ import annotations
@@ -9,13 +10,29 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from coci_hpc import settings
-from coci_hpc.runtime.events import relaunch_cause
+from coci_hpc.runtime.events import (
+    AttemptStart,
+    Checkpoint,
+    End,
+    Lines,
+    Losses,
+    PeerLost,
+    Record,
+    Relaunch,
+    Resumed,
+    Stop,
+    last_attempt,
+    records,
+    relaunch_cause,
+)
 from coci_hpc.slurm import states
 from coci_hpc.slurm.sacct import SlurmAttempt
 from coci_hpc.slurm.scontrol import JobState
+
+R = TypeVar("R", bound=Record)
 
 # Slurm's end state of an attempt -> the contract's reason (when the session wrote no stop record).
 _STATE_REASON = {
@@ -44,13 +61,18 @@ class PrevEnd:
         return {"reason": self.reason, "source": self.source, "detail": self.detail}
 
 
-def previous_records(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def previous_records(events: Lines) -> list[Record]:
     """The records of the newest attempt in the log (the one before the attempt now starting)."""
-    last = max((int(e.get("attempt") or 0) for e in events), default=0)
-    return [e for e in events if int(e.get("attempt") or 0) == last] if last else []
+    recs = records(events)
+    last = last_attempt(recs)
+    return [e for e in recs if int(e.attempt or 0) == last] if last else []
 
 
-def classify_previous(prev_records: Sequence[dict[str, Any]], prev_slurm: SlurmAttempt | None,
+def _newest(recs: Sequence[Record], kind: type[R]) -> R | None:
+    return next((e for e in reversed(recs) if isinstance(e, kind)), None)
+
+
+def classify_previous(prev_records: Lines, prev_slurm: SlurmAttempt | None,
                       *, restart_count: int, sacct_error: str | None = None) -> PrevEnd:
     """How the previous attempt ended.
 
@@ -60,76 +82,81 @@ def classify_previous(prev_records: Sequence[dict[str, Any]], prev_slurm: SlurmA
     stopped on a signal (its reason is the session's); a requeue without one was done by hand; no
     record and a FAILED/CANCELLED/unknown end is a crash.
     """
-    stop = next((e for e in reversed(prev_records) if e.get("event") == "stop"), None)
-    end = next((e for e in reversed(prev_records) if e.get("event") == "end"), None)
+    recs = records(prev_records)
+    stop, end = _newest(recs, Stop), _newest(recs, End)
     in_same_job = restart_count > 0
-    lost = next((e for e in reversed(prev_records) if e.get("event") == "peer_lost"), None)
-    relaunch = next((e for e in reversed(prev_records) if e.get("event") == "relaunch"), None)
-    if relaunch is not None and relaunch.get("action") in ("relaunch", "requeue") and end is None:
+    lost, relaunch = _newest(recs, PeerLost), _newest(recs, Relaunch)
+    if relaunch is not None and relaunch.action in ("relaunch", "requeue") and end is None:
         # coci-submit's relaunch loop (--spare-nodes) saw the step fail and asked Slurm about the
         # nodes, then restarted the ranks inside the allocation (Slurm's attempt row is still this
         # one) or requeued the job (Slurm's row then says REQUEUED, not why).
-        when = (lost.get("failure_wall") or lost.get("wall")) if lost is not None else relaunch.get("step_ended_wall")
+        when = (lost.failure_wall or lost.wall) if lost is not None else relaunch.step_ended_wall
         return PrevEnd(relaunch_cause(relaunch), "relaunch",
-                       f"{relaunch.get('reason')}" + ("" if lost is None else f"; rank(s) {lost.get('lost_ranks') or '?'} "
-                                                      f"lost after step {lost.get('step')}"),
+                       f"{relaunch.reason}" + ("" if lost is None else f"; rank(s) {lost.lost_ranks or '?'} "
+                                               f"lost after step {lost.step}"),
                        None if when is None else float(when))
     if lost is not None and end is None:
         # A rank vanished and a survivor recorded it: a node failure when Slurm says so, else a
         # crashed rank on a healthy node (the survivors requeued the job themselves).
         state = prev_slurm.state if in_same_job and prev_slurm is not None else ""
-        saved = (f"survivors' checkpoint of step {lost.get('step')}" if lost.get("committed")
-                 else f"no survivors' checkpoint ({lost.get('reason')})")
+        saved = (f"survivors' checkpoint of step {lost.step}" if lost.committed
+                 else f"no survivors' checkpoint ({lost.reason})")
         return PrevEnd("node_failure" if state == "NODE_FAIL" else "rank_failure", "session",
-                       f"rank(s) {lost.get('lost_ranks') or '?'} lost after step {lost.get('step')}; {saved}"
-                       + (f"; Slurm: {state}" if state else ""), float(lost.get("failure_wall") or lost["wall"]))
+                       f"rank(s) {lost.lost_ranks or '?'} lost after step {lost.step}; {saved}"
+                       + (f"; Slurm: {state}" if state else ""), _wall(lost.failure_wall or lost.wall))
     if in_same_job and prev_slurm is not None:
         state = prev_slurm.state
         if stop is not None and state in states.AFTER_A_STOP:
-            return PrevEnd(str(stop.get("reason")), "session",
-                           f"stopped at step {stop.get('step')} on {stop.get('signal')}; Slurm: {state}",
-                           float(stop["wall"]))
+            return PrevEnd(str(stop.reason), "session",
+                           f"stopped at step {stop.step} on {stop.signal}; Slurm: {state}", _wall(stop.wall))
         reason = _STATE_REASON.get(state, "crash")
         return PrevEnd(reason, "sacct", f"Slurm recorded the previous attempt as {state or 'unknown'}"
                        + ("" if stop is None else " (after a stop record)"), prev_slurm.end)
     if stop is not None:
-        return PrevEnd(str(stop.get("reason")), "session",
-                       f"stopped at step {stop.get('step')} on {stop.get('signal')}"
+        return PrevEnd(str(stop.reason), "session",
+                       f"stopped at step {stop.step} on {stop.signal}"
                        + (f"; sacct unavailable: {sacct_error}" if in_same_job and sacct_error else ""),
-                       float(stop["wall"]))
-    if end is not None or not prev_records:
-        return PrevEnd("none", "none", "first attempt" if not prev_records else
-                       f"previous run ended {end.get('status')}", None)   # type: ignore[union-attr]
-    last_wall = max(float(e["wall"]) for e in prev_records)
+                       _wall(stop.wall))
+    if end is not None or not recs:
+        return PrevEnd("none", "none", "first attempt" if not recs else
+                       f"previous run ended {end.status}", None)   # type: ignore[union-attr]
+    last_wall = max(_wall(e.wall) for e in recs)
     why = "no stop or end record"
     if in_same_job:
         why += f"; sacct unavailable: {sacct_error}" if sacct_error else "; Slurm has no previous attempt"
     return PrevEnd("crash", "session", why, last_wall)
 
 
-def last_step_seen(prev_records: Sequence[dict[str, Any]]) -> int | None:
+def _wall(w: float | None) -> float:
+    # Every writer stamps ``wall``; a record without one is not whole (read_events skips those).
+    if w is None:
+        raise KeyError("wall")
+    return float(w)
+
+
+def last_step_seen(prev_records: Lines) -> int | None:
     """The newest step the previous attempt is known to have reached (losses, checkpoints, stop)."""
     best = None
-    for e in prev_records:
-        ev = e.get("event")
+    for e in records(prev_records):
         cand = None
-        if ev == "losses" and e.get("steps"):
-            cand = max(int(s) for s in e["steps"])
-        elif ev in ("checkpoint", "stop", "end", "resumed", "peer_lost") and e.get("step") is not None:
-            cand = int(e["step"])
-        elif ev == "attempt_start" and e.get("resumed_step") is not None:
-            cand = int(e["resumed_step"])
+        if isinstance(e, Losses) and e.steps:
+            cand = max(int(s) for s in e.steps)
+        elif isinstance(e, (Checkpoint, Stop, End, Resumed, PeerLost)) and e.step is not None:
+            cand = int(e.step)
+        elif isinstance(e, AttemptStart) and e.resumed_step is not None:
+            cand = int(e.resumed_step)
         if cand is not None and (best is None or cand > best):
             best = cand
     return best
 
 
-def steps_lost(prev_records: Sequence[dict[str, Any]], resumed_step: int | None) -> int | None:
+def steps_lost(prev_records: Lines, resumed_step: int | None) -> int | None:
     """Steps done by the previous attempt past the checkpoint we resume from (a lower bound for a
     crash: losses are flushed every few seconds, not every step)."""
-    if not prev_records:
+    recs = records(prev_records)
+    if not recs:
         return None
-    seen = last_step_seen(prev_records)
+    seen = last_step_seen(recs)
     if seen is None:
         return None
     return max(0, seen - (resumed_step or 0))
@@ -260,19 +287,19 @@ def stop_reason(signal_name: str, job: JobState | None, *, now_wall: float, sign
                     f"ended by Slurm): not requeued", False, end)
 
 
-def _this_jobs_starts(events: Sequence[dict[str, Any]], job_id: str | None) -> list[dict[str, Any]]:
+def _this_jobs_starts(events: Sequence[Record], job_id: str | None) -> list[AttemptStart]:
     """``attempt_start`` records of this job's earlier attempts since the last ``gave_up`` (runs by
     hand and other jobs on the same directory are not this job's restarts)."""
-    out: list[dict[str, Any]] = []
+    out: list[AttemptStart] = []
     for e in events:
-        if e.get("event") == "end" and e.get("status") == "gave_up":
+        if isinstance(e, End) and e.status == "gave_up":
             out = []
-        elif e.get("event") == "attempt_start" and job_id is not None and e.get("job_id") == job_id:
+        elif isinstance(e, AttemptStart) and job_id is not None and e.job_id == job_id:
             out.append(e)
     return out
 
 
-def give_up_reason(events: Sequence[dict[str, Any]], resumed_step: int | None, prev_end_reason: str, *,
+def give_up_reason(events: Lines, resumed_step: int | None, prev_end_reason: str, *,
                    job_id: str | None, restart_count: int, max_requeues: int | None,
                    no_progress_limit: int, in_place_restart: int = 0) -> str | None:
     """Why this attempt must not train (None: go on).
@@ -289,10 +316,10 @@ def give_up_reason(events: Sequence[dict[str, Any]], resumed_step: int | None, p
     """
     if restart_count <= 0 and in_place_restart <= 0:
         return None
-    starts = _this_jobs_starts(events, job_id)
+    starts = _this_jobs_starts(records(events), job_id)
     if max_requeues is not None:
-        n = sum(1 for a in starts if int(a.get("restart_count") or 0) > 0 and not a.get("in_place_restart")
-                and (a.get("prev_end") or {}).get("reason") in UNANNOUNCED)
+        n = sum(1 for a in starts if int(a.restart_count or 0) > 0 and not a.in_place_restart
+                and a.prev_end.get("reason") in UNANNOUNCED)
         n += prev_end_reason in UNANNOUNCED and in_place_restart <= 0
         if n > max_requeues:
             return (f"the job was requeued {n} times after unannounced ends (node failures, crashes, "
@@ -301,7 +328,7 @@ def give_up_reason(events: Sequence[dict[str, Any]], resumed_step: int | None, p
     if no_progress_limit > 0 and len(starts) >= no_progress_limit:
         here = resumed_step or 0
         recent = starts[-no_progress_limit:]
-        if all((a.get("resumed_step") or 0) == here for a in recent):
+        if all((a.resumed_step or 0) == here for a in recent):
             return (f"{no_progress_limit + 1} attempts in a row started from step {here} and none got a "
                     f"newer checkpoint (no-progress limit {no_progress_limit}); the run cannot get past "
                     f"this point: see the previous attempts' errors")

@@ -110,14 +110,14 @@ def watch_uncaught(session: Any) -> None:
 
 def record_uncaught(exc: BaseException) -> None:
     """Write ``end`` status "error" for the session of this process whose loop did not end."""
-    from coci_hpc.runtime.events import read_events
+    from coci_hpc.runtime.events import End, Stop, read_records
 
     session = _active[0]() if _active else None
     if session is None or isinstance(exc, SystemExit) or session.rank != 0 or not hasattr(session, "log"):
         return
     try:
-        mine = [e for e in read_events(session.events_path) if e.get("attempt") == session.log.attempt]
-        if mine and mine[-1].get("event") in ("end", "stop"):
+        mine = [e for e in read_records(session.events_path) if e.attempt == session.log.attempt]
+        if mine and isinstance(mine[-1], (End, Stop)):
             return                          # the session recorded how it ended (gave up, stopped, ...)
         session.log.write("end", step=session.step, status="error",
                           message=f"{type(exc).__name__}: {exc}"[:2000])

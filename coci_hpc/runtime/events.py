@@ -1,8 +1,9 @@
 """The run's append-only event log, ``<ckpt_dir>/events.jsonl``: one JSON object per line, and its schema.
 
 This module is the one place that knows the records: their types (one dataclass per ``event``,
-:data:`RECORD_TYPES`), how they are written (:class:`EventLog`) and read (:func:`read_events`,
-:func:`parse`), and the few facts several readers derive from them (:func:`current_attempt`,
+:data:`RECORD_TYPES`), how they are written (:class:`EventLog`) and read (:func:`read_records`: the
+typed records every reader works on; :func:`read_events`: the same lines as plain dicts), and the
+few facts several readers derive from them (:func:`current_attempt`,
 :func:`relaunch_cause`, :func:`session_gave_up`). docs/reference/event-log.md's table is
 :func:`markdown_table` (a test checks that they match).
 
@@ -24,7 +25,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -267,8 +268,39 @@ def parse(d: dict[str, Any]) -> Record | None:
     return rec
 
 
+def read_records(path: str | os.PathLike) -> list[Record]:
+    """All whole records of the log, typed (:func:`parse`), in order: what the readers of the log
+    (history, the attempt rules, the relaunch loop) work on. A torn or foreign line is skipped, and
+    so is an event this version does not know. A missing file is empty."""
+    return read_records_counted(path)[0]
+
+
+def read_records_counted(path: str | os.PathLike) -> tuple[list[Record], int]:
+    """:func:`read_records` and how many non-empty lines were skipped (as :func:`read_events_counted`
+    counts them: an event this version does not know is left out without being counted)."""
+    lines, skipped = read_events_counted(path)
+    return records(lines), skipped
+
+
+# What the readers accept: typed records, or lines as read (dicts), parsed by :func:`records`.
+Lines = Iterable[Record | Mapping[str, Any]]
+
+
+def records(lines: Lines) -> list[Record]:
+    """The typed records of lines as read (:func:`read_events`' dicts); records pass as they are,
+    an event this version does not know is left out."""
+    out: list[Record] = []
+    for e in lines:
+        rec = e if isinstance(e, Record) else parse(dict(e))
+        if rec is not None:
+            out.append(rec)
+    return out
+
+
 def read_events(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All whole records, in order; a torn or foreign line is skipped. A missing file is empty."""
+    """All whole records as the dicts they were written as, in order; a torn or foreign line is
+    skipped. A missing file is empty. The raw view (tests, the run record, the error exit's own
+    lines); the log's readers use :func:`read_records`."""
     return read_events_counted(path)[0]
 
 
@@ -305,34 +337,33 @@ def _attempt_ok(a: Any) -> bool:
     return isinstance(a, int) and not isinstance(a, bool) and a >= 1
 
 
-def last_attempt(events: Sequence[dict[str, Any]]) -> int:
+def last_attempt(events: Sequence[Record]) -> int:
     """The newest attempt number any record carries (0 for an empty log)."""
-    return max((int(e.get("attempt") or 0) for e in events), default=0)
+    return max((int(e.attempt or 0) for e in events), default=0)
 
 
-def current_attempt(events: Sequence[dict[str, Any]]) -> int:
+def current_attempt(events: Sequence[Record]) -> int:
     """The attempt the newest records belong to, at least 1: the one counter of attempts. The
     Session numbers a new attempt ``last_attempt + 1``; the relaunch loop records its decision as
     this attempt. Counting ``attempt_start`` lines instead would go one short after a torn one."""
     return max(last_attempt(events), 1)
 
 
-def relaunch_cause(rec: dict[str, Any]) -> str:
+def relaunch_cause(rec: Relaunch) -> str:
     """Why the relaunch loop's rank step failed (:data:`RELAUNCH_CAUSES`): the record's typed
     ``cause``; in logs written before it, ``node_failure`` when the record names ``lost`` nodes.
     Never read from the prose ``reason`` (a crash's reason says "lost a task")."""
-    cause = rec.get("cause")
-    if cause in RELAUNCH_CAUSES:
-        return str(cause)
-    return "node_failure" if rec.get("lost") else "crash"
+    if rec.cause in RELAUNCH_CAUSES:
+        return str(rec.cause)
+    return "node_failure" if rec.lost else "crash"
 
 
-def session_gave_up(events: Sequence[dict[str, Any]]) -> str | None:
+def session_gave_up(events: Sequence[Record]) -> str | None:
     """The Session's give-up message when the newest attempt in the log ended ``gave_up``."""
     last = last_attempt(events)
     for e in reversed(events):
-        if int(e.get("attempt") or 0) == last and e.get("event") == "end":
-            return str(e.get("message") or "gave up") if e.get("status") == "gave_up" else None
+        if int(e.attempt or 0) == last and isinstance(e, End):
+            return str(e.message or "gave up") if e.status == "gave_up" else None
     return None
 
 

@@ -4,8 +4,8 @@ Slurm sends the job's ``--signal`` (e.g. ``--signal=USR1@60``) before the time l
 ``preempt_send_user_signal``, on preemption, then SIGTERM when it ends the job; without that
 setting (most sites) a preemption is SIGTERM at the start of the partition's GraceTime. A handler that
 checkpoints runs at an arbitrary point inside a step (torn state, a collective half done on one
-rank), so :class:`SignalRecorder` only records. The loop calls :meth:`PreemptionGuard.stop_requested`
-once per step on every rank; it agrees across ranks (a rank that got no signal still stops at the
+rank), so :class:`~coci_hpc.runtime.signals.SignalRecorder` (the one record-only signal class)
+only records. The loop calls :meth:`PreemptionGuard.stop_requested` once per step on every rank; it agrees across ranks (a rank that got no signal still stops at the
 same step), and then the loop saves and calls :meth:`PreemptionGuard.requeue`.
 
 Why the job requeues itself: a job that exits during its grace time ends COMPLETED and is NOT
@@ -25,17 +25,15 @@ Usage::
 """
 from __future__ import annotations
 
-import signal
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from types import FrameType
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CociError, PeerLost, SlurmError
 from coci_hpc.runtime import attempts as att
 from coci_hpc.runtime.attempts import StopPlan, stop_reason
+from coci_hpc.runtime.signals import DEFAULT_SIGNALS, Received, SignalRecorder
 from coci_hpc.slurm import commands, scontrol
 from coci_hpc.slurm.env import JobEnvironment
 
@@ -45,56 +43,14 @@ if TYPE_CHECKING:
     from coci_hpc.runtime.losses import LossBuffer
     from coci_hpc.runtime.schedule import Schedule
 
-# What the runtime owns while a loop runs: submitit and coci-submit ask Slurm for USR2, scripts and
-# templates for USR1 or USR2, and SIGTERM comes at the end of the grace time / on scancel.
-DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 REQUEUE_TRIES = 4
 REQUEUE_BACKOFF_S = 1.0
 
-@dataclass(frozen=True)
-class Received:
-    signum: int
-    monotonic: float
+# The one record-only signal class lives in runtime/signals.py; its names stay importable from here
+# (PreemptionGuard's recorder argument, scripts written before the move).
+__all__ = ["DEFAULT_SIGNALS", "PreemptionGuard", "Received", "SignalRecorder", "StopController",
+           "requeue_with_retries"]
 
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name
-
-class SignalRecorder:
-    """Installs handlers that only record which signal came, and when.
-
-    It composes with handlers already installed: a previous Python handler is still called after
-    recording (unless ``chain=False``), and :meth:`uninstall` restores exactly what was there.
-    """
-
-    def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS, *, chain: bool = True) -> None:
-        self.signals = tuple(signals)
-        self.chain = chain
-        self.received: list[Received] = []
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received.append(Received(signum, time.monotonic()))
-        prev = self._previous.get(signum)
-        # chain=False (the Session): the previous handlers are replaced while installed. submitit's
-        # USR2 handler checkpoints and requeues inside the handler and exits: it must not run.
-        if self.chain and callable(prev):
-            prev(signum, frame)
-
-    def install(self) -> SignalRecorder:
-        for s in self.signals:
-            if s not in self._previous:
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def uninstall(self) -> None:
-        for s, prev in self._previous.items():
-            signal.signal(s, prev if prev is not None else signal.SIG_DFL)
-        self._previous.clear()
-
-    @property
-    def first(self) -> Received | None:
-        return self.received[0] if self.received else None
 
     def sigterm_at(self) -> float | None:
         """``time.monotonic()`` of the first SIGTERM (Slurm ending the step; SIGKILL follows), else None."""

@@ -35,8 +35,8 @@ from coci_hpc import settings
 from coci_hpc.errors import GaveUpError, SlurmError
 from coci_hpc.runtime import peernotice
 from coci_hpc.runtime.events import FILENAME as EVENTS_FILE
-from coci_hpc.runtime.events import EventLog, Relaunch, current_attempt, read_events, session_gave_up
-from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder
+from coci_hpc.runtime.events import EventLog, Relaunch, current_attempt, read_records, session_gave_up
+from coci_hpc.runtime.signals import DEFAULT_SIGNALS, SignalRecorder
 from coci_hpc.slurm import commands
 from coci_hpc.slurm.env import JobEnvironment
 from coci_hpc.slurm.srun_step import LEFT_SETTLE_S, START_GRACE_S, StepLoss, silent_nodes, watch_step
@@ -245,7 +245,7 @@ class Relauncher:
 
 def _session_gave_up(ckpt: Path) -> str | None:
     """The Session's give-up message when the newest attempt in the log ended ``gave_up``."""
-    return session_gave_up(read_events(ckpt / EVENTS_FILE) if ckpt.is_dir() else [])
+    return session_gave_up(read_records(ckpt / EVENTS_FILE) if ckpt.is_dir() else [])
 
 
 def _record(ckpt: Path, job_id: str, record: Relaunch) -> None:
@@ -253,7 +253,7 @@ def _record(ckpt: Path, job_id: str, record: Relaunch) -> None:
     attempt: the newest in the log, by the Session's own count (:func:`events.current_attempt`)."""
     if not ckpt.is_dir():
         return
-    attempt = current_attempt(read_events(ckpt / EVENTS_FILE))
+    attempt = current_attempt(read_records(ckpt / EVENTS_FILE))
     EventLog(ckpt / EVENTS_FILE, attempt=attempt, job_id=job_id).write(record)
 
 

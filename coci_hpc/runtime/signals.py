@@ -1,4 +1,16 @@
-"""Slurm's stop signals act on the training ranks only, never on the processes they start.
+"""Slurm's stop signals: the one record-only handler class, and the shield of the processes the ranks start.
+
+:class:`SignalRecorder` is the only class that installs handlers for USR1, USR2 and SIGTERM
+(:data:`DEFAULT_SIGNALS`). Its handlers only record which signal came and when: a handler runs
+between two bytecodes of whatever the program does (mid-step, a collective half done on one rank),
+so the owner of the loop acts on the record at its next step boundary. Three owners install one:
+the Session (and :class:`~coci_hpc.runtime.preemption.PreemptionGuard` for a loop of one's own),
+the relaunch loop in the batch shell, and coci-submit's runner, whose recorder is a *placeholder*
+(``hand_over=True``) for the seconds between submitit's set-up and the Session's: a signal recorded
+there is delivered again, once, to the process as soon as another handler (the Session's) owns it.
+
+The rest of this module: Slurm's stop signals act on the training ranks only, never on the
+processes they start.
 
 Slurm sends the job's ``--signal`` (without ``B:``) and, on preemption or ``scancel``, SIGTERM to
 EVERY process of the job step: the ranks and whatever they started. A DataLoader worker keeps the
@@ -35,13 +47,108 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import sys
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
 
 from coci_hpc import settings
 from coci_hpc.slurm.env import JobEnvironment
 
-SHIELDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+# What the runtime owns while a loop runs: submitit and coci-submit ask Slurm for USR2, scripts and
+# templates for USR1 or USR2, and SIGTERM comes at the end of the grace time / on scancel.
+DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+SHIELDED = DEFAULT_SIGNALS
+
+
+@dataclass(frozen=True)
+class Received:
+    signum: int
+    monotonic: float
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+class SignalRecorder:
+    """Installs handlers that only record which signal came, and when (``received``, ``first``).
+
+    It composes with handlers already installed: with ``chain=True`` a previous Python handler is
+    still called after recording; with ``chain=False`` (the Session, the relaunch loop) the previous
+    handlers are replaced while installed: submitit's USR2 handler checkpoints and requeues inside
+    the handler and exits, it must not run. :meth:`uninstall` restores exactly what was there.
+
+    ``hand_over=True`` (coci-submit's runner, before the script's Session exists; never chains): a
+    recorded signal is delivered again, once, to this process as soon as someone else has installed
+    a handler for it, so a preemption a few seconds after start still stops the run at its first
+    step boundary; ``label`` names who holds it in the note printed then. Without a Session the
+    signal stays recorded and nothing else happens (the script ends or Slurm ends it), and
+    :func:`after_session` gives a signal the default action back from such a placeholder.
+    """
+
+    def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS, *, chain: bool = True,
+                 hand_over: bool = False, label: str = "coci", poll_s: float = 0.05) -> None:
+        self.signals = tuple(signals)
+        self.chain = chain and not hand_over
+        self.hand_over, self.label, self.poll_s = hand_over, label, poll_s
+        self.received: list[Received] = []
+        self._previous: dict[int, Any] = {}
+        self._forwarder: threading.Thread | None = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.hand_over and signal.getsignal(signum) != self._handle:
+            # Called by a later handler (a Session's that chains) which replaced us: it has the signal.
+            return
+        self.received.append(Received(signum, time.monotonic()))
+        if self.hand_over:
+            print(f"{self.label}: {signal.Signals(signum).name} received while no training session runs; "
+                  f"held for the session if one starts", file=sys.stderr, flush=True)
+            if self._forwarder is None:
+                self._forwarder = threading.Thread(target=self._forward, daemon=True, name="coci-early-signals")
+                self._forwarder.start()
+            return
+        prev = self._previous.get(signum)
+        if self.chain and callable(prev):
+            prev(signum, frame)
+
+    def install(self) -> SignalRecorder:
+        for s in self.signals:
+            if s not in self._previous:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for s, prev in self._previous.items():
+            signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    @property
+    def first(self) -> Received | None:
+        return self.received[0] if self.received else None
+
+    def _forward(self) -> None:
+        """``hand_over``: deliver each recorded signal again, once, when another handler owns it.
+        Reads ``received`` by index (no lock: a lock taken inside a handler could deadlock against
+        a second signal); the handler appends, this thread only reads."""
+        done = 0
+        pending: list[int] = []
+        while True:
+            while done < len(self.received):
+                pending.append(self.received[done].signum)
+                done += 1
+            for s in list(pending):
+                handler = signal.getsignal(s)
+                if handler != self._handle and callable(handler):
+                    pending.remove(s)
+                    os.kill(os.getpid(), s)
+            if not pending and done == len(self.received) \
+                    and all(signal.getsignal(s) != self._handle for s in self.signals):
+                return  # everything handed on and someone else owns the signals: nothing left to do
+            time.sleep(self.poll_s)
 ENV = settings.SHIELD_SIGNALS.name
 
 _receiver: threading.Thread | None = None
@@ -123,11 +230,13 @@ def _kill_daemonic_children() -> None:
 
 
 def after_session() -> None:
-    """After a Session's loop: a signal whose handler is still a placeholder (coci-submit's runner
-    holds USR1/USR2/SIGTERM for the Session until it starts, see submit/runner.py) gets its
+    """After a Session's loop: a signal whose handler is still a placeholder (a ``hand_over``
+    :class:`SignalRecorder`: coci-submit's runner holds USR1/USR2/SIGTERM for the Session until it
+    starts, see submit/runner.py) gets its
     default action back, as in a script without coci_hpc. A user's own handler is left alone."""
     if threading.current_thread() is not threading.main_thread():
         return
     for s in SHIELDED:
-        if getattr(getattr(signal.getsignal(s), "__self__", None), "coci_placeholder", False):
+        owner = getattr(signal.getsignal(s), "__self__", None)
+        if isinstance(owner, SignalRecorder) and owner.hand_over:
             signal.signal(s, signal.SIG_DFL)

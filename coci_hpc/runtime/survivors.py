@@ -42,6 +42,7 @@ from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.state import PerRank, collect, empty_like_leaf, is_stateful, restore_rng, unflatten
 from coci_hpc.comm import Comm
+from coci_hpc.runtime import events as ev
 from coci_hpc.runtime.partner import PackedCopy, RankState
 
 BACKEND = "hdf5-survivors"
@@ -265,7 +266,7 @@ def parts_reason(names: Sequence[str]) -> str:
             f"the run falls back to the last regular checkpoint")
 
 
-def coverage_estimate(events: list[dict[str, Any]], eligible: bool) -> float:
+def coverage_estimate(events: ev.Lines, eligible: bool) -> float:
     """The share of failures the planner may count on the survivors' save to cover (they lose
     ~one step instead of the work since the last checkpoint): 0 when the run cannot gain (saves
     off, no MPI, one rank, ``Sharded`` state), else Laplace's rule of succession over this run's
@@ -273,9 +274,9 @@ def coverage_estimate(events: list[dict[str, Any]], eligible: bool) -> float:
     8 committed saves of 8, lower with every fallback."""
     if not eligible:
         return 0.0
-    records = [e for e in events if e.get("event") == "peer_lost"]
-    committed = sum(1 for e in records if e.get("committed"))
-    return (committed + 1) / (len(records) + 2)
+    lost = [e for e in ev.records(events) if isinstance(e, ev.PeerLost)]
+    committed = sum(1 for e in lost if e.committed)
+    return (committed + 1) / (len(lost) + 2)
 
 
 def _modules(state: Mapping[str, Any]) -> list[torch.nn.Module]:

@@ -7,23 +7,20 @@ script owns the signals Slurm sends to the task.
 
 submitit installs its own handlers before calling us: USR2 checkpoints and ``scontrol requeue``s
 inside the handler (guessing timeout vs preemption from elapsed time), SIGTERM/SIGCONT are logged and
-ignored. :class:`EarlySignals` replaces them with record-only handlers for the seconds before the
-script's Session installs its own, and hands a signal that came in that window on to the Session.
+ignored. :func:`hold_signals` replaces them with record-only handlers (the runtime's one
+record-only signal class, ``SignalRecorder(hand_over=True)``) for the seconds before the script's
+Session installs its own, and hands a signal that came in that window on to the Session.
 """
 from __future__ import annotations
 
 import os
 import runpy
-import signal
 import sys
-import threading
-import time
 import traceback
 from collections.abc import Mapping
 from pathlib import Path
-from types import FrameType
 
-from coci_hpc.runtime.entry import DEFAULT_SIGNALS
+from coci_hpc.runtime.entry import DEFAULT_SIGNALS, SignalRecorder
 from coci_hpc.slurm.env import JobEnvironment
 
 # The signals the Session owns (USR2: coci-submit's --signal, USR1, SIGTERM), held until it starts.
@@ -31,60 +28,12 @@ from coci_hpc.slurm.env import JobEnvironment
 OWNED_SIGNALS = DEFAULT_SIGNALS
 
 
-class EarlySignals:
-    """Record-only handlers for the gap between submitit's set-up and the Session's.
-
-    A signal received here is delivered again, once, to this process as soon as someone else (the
-    Session) has installed a handler for it, so a preemption a few seconds after start still stops
-    the run at its first step boundary. Without a Session the signal stays recorded and nothing
-    else happens (the script ends or Slurm ends it).
-    """
-
-    coci_placeholder = True     # runtime.signals.after_session: after the Session, the default action
-
-    def __init__(self, signals: tuple[int, ...] = OWNED_SIGNALS, poll_s: float = 0.05) -> None:
-        self.signals = signals
-        self.poll_s = poll_s
-        self.received: list[int] = []
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if signal.getsignal(signum) != self._handle:
-            # Called by the Session's handler, which chains to the one it replaced: it has the signal.
-            return
-        # Only record: a signal handler runs between two bytecodes of whatever the script does.
-        print(f"coci-submit: {signal.Signals(signum).name} received while no training session runs; "
-              f"held for the session if one starts", file=sys.stderr, flush=True)
-        with self._lock:
-            self.received.append(signum)
-            start = self._thread is None
-            if start:
-                self._thread = threading.Thread(target=self._forward, daemon=True,
-                                                name="coci-early-signals")
-        if start:
-            assert self._thread is not None
-            self._thread.start()
-
-    def install(self) -> EarlySignals:
-        for s in self.signals:
-            signal.signal(s, self._handle)
-        return self
-
-    def _forward(self) -> None:
-        pending: list[int] = []
-        while True:
-            with self._lock:
-                pending.extend(self.received)
-                self.received.clear()
-            for s in list(pending):
-                handler = signal.getsignal(s)
-                if handler != self._handle and callable(handler):
-                    pending.remove(s)
-                    os.kill(os.getpid(), s)
-            if not pending and all(signal.getsignal(s) != self._handle for s in self.signals):
-                return  # everything handed on and the Session owns the signals: nothing left to do
-            time.sleep(self.poll_s)
+def hold_signals() -> SignalRecorder:
+    """Record-only handlers for the gap between submitit's set-up and the Session's: the runtime's
+    one record-only signal class as a placeholder (``hand_over``). A signal received here is
+    delivered again, once, to this process as soon as the Session has installed its handler, so
+    a preemption a few seconds after start still stops the run at its first step boundary."""
+    return SignalRecorder(OWNED_SIGNALS, hand_over=True, label="coci-submit").install()
 
 
 ARRAY_TASK = "%a"
@@ -113,7 +62,7 @@ class ScriptRunner:
         self.env = dict(env)
 
     def __call__(self) -> int:
-        EarlySignals().install()
+        hold_signals()
         clear_stale_result()
         os.environ.update(self.env)
         sys.argv = [self.script, *task_arguments(self.args, JobEnvironment.from_env())]

@@ -53,7 +53,7 @@ def test_previous_records_and_steps_lost() -> None:
               {"event": "checkpoint", "attempt": 2, "wall": 3, "step": 100},
               {"event": "losses", "attempt": 2, "wall": 4, "steps": [101, 102, 117]}]
     prev = att.previous_records(events)
-    assert [e["wall"] for e in prev] == [2, 3, 4]
+    assert [e.wall for e in prev] == [2, 3, 4]                    # typed records (runtime/events.py)
     assert att.steps_lost(prev, 100) == 17 and att.steps_lost([], 100) is None
 
 

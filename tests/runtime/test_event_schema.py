@@ -74,7 +74,8 @@ def test_an_old_log_reads_the_same(tmp_path: Path) -> None:
     assert typed[0].extra == {"some_old_field": 3}                                # type: ignore[union-attr]
     assert isinstance(typed[2], events.Relaunch) and typed[2].cause is None and typed[2].lost == {}
     # The crash whose prose says "lost a task" is a crash, the node loss a node failure, for both readers.
-    assert [events.relaunch_cause(r) for r in recs if r["event"] == "relaunch"] == ["crash", "node_failure"]
+    assert [events.relaunch_cause(r) for r in events.read_records(tmp_path) if isinstance(r, events.Relaunch)] \
+        == ["crash", "node_failure"]
     h = history.build(recs, str(tmp_path))
     assert [a.ended for a in h.attempts] == ["crash (restarted in place)", "running"]
     prev = classify_previous(previous_records(recs), None, restart_count=0)
@@ -103,9 +104,43 @@ def test_a_torn_attempt_start_does_not_shift_the_relaunch_record(tmp_path: Path)
     relaunch._record(ckpt, "7", events.Relaunch(action="relaunch", cause="node_failure", lost={"n3": "down*"},
                                                  nodes=["n1", "n4"], reason="node(s) n3 (down*) lost", restart=2))
     recs = events.read_events(ckpt)
-    assert recs[-1]["event"] == "relaunch" and recs[-1]["attempt"] == 2 == events.current_attempt(recs)
+    assert recs[-1]["event"] == "relaunch" and recs[-1]["attempt"] == 2 == events.current_attempt(events.records(recs))
     prev = classify_previous(previous_records(recs), None, restart_count=0)
     assert (prev.reason, prev.source) == ("node_failure", "relaunch")
     h = history.build(recs, str(ckpt))
     # attempt 2's start is torn: history knows attempts 1 only; the relaunch is not pinned on it.
     assert [a.ended for a in h.attempts] == ["running"]
+
+
+def test_the_readers_get_typed_records_and_an_old_log_reads_the_same_through_them(tmp_path: Path) -> None:
+    """history and the attempt rules read the log as typed records (read_records); the dicts of
+    read_events stay the raw view, and both give the same history and the same previous end."""
+    _write_lines(tmp_path / "events.jsonl", OLD_LOG + [{"v": 1, "event": "some_future_event", "wall": 150.0,
+                                                         "attempt": 2, "job_id": "7"}])
+    typed = events.read_records(tmp_path)
+    assert all(isinstance(r, events.Record) for r in typed)
+    assert [r.EVENT for r in typed] == [r["event"] for r in OLD_LOG]     # the unknown event is left out
+    assert typed == events.records(events.read_events(tmp_path)) == events.records(typed)
+    assert events.read_records_counted(tmp_path)[1] == 0
+    assert history.build(typed, "ck").to_dict() == history.build(OLD_LOG, "ck").to_dict()
+    assert classify_previous(previous_records(typed), None, restart_count=0) == \
+        classify_previous(previous_records(OLD_LOG), None, restart_count=0)
+    assert events.current_attempt(typed) == 2 and events.session_gave_up(typed) is None
+
+
+READERS = ["coci_hpc/history.py", "coci_hpc/runtime/attempts.py"]
+
+
+@pytest.mark.parametrize("module", READERS)
+def test_the_readers_do_not_read_raw_dicts(module: str) -> None:
+    """No ``e["event"]`` / ``e.get("event")`` and no dict reader: what a record is comes from its
+    type, so a renamed or retyped field fails in mypy, not in coci-status."""
+    import ast
+    tree = ast.parse((DOC.parents[2] / module).read_text())
+    raw = [n.lineno for n in ast.walk(tree)
+           if (isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and n.slice.value == "event")
+           or (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get" and n.args
+               and isinstance(n.args[0], ast.Constant) and n.args[0].value == "event")]
+    dict_readers = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names
+                    if a.name in ("read_events", "read_events_counted")]
+    assert raw == [] and dict_readers == [], f"{module}: raw reads at lines {raw}, imports {dict_readers}"

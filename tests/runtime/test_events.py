@@ -5,7 +5,7 @@ import json
 import math
 from pathlib import Path
 
-from coci_hpc.runtime.events import EventLog, last_attempt, read_events
+from coci_hpc.runtime.events import EventLog, last_attempt, read_events, records
 
 
 def test_records_carry_the_common_fields(tmp_path: Path) -> None:
@@ -18,7 +18,7 @@ def test_records_carry_the_common_fields(tmp_path: Path) -> None:
         {"v": 1, "event": "checkpoint", "attempt": 2, "job_id": "77", "step": 10}
     assert rec["persist_s"] is None and rec["wall"] > 0     # NaN is not JSON: written as null
     assert read_events(tmp_path) == [rec] and read_events(tmp_path / "nope.jsonl") == []
-    assert last_attempt([rec]) == 2
+    assert last_attempt(records([rec])) == 2
 
 
 def test_torn_last_line_is_skipped_and_the_next_writer_starts_a_fresh_line(tmp_path: Path) -> None:

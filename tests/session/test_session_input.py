@@ -15,7 +15,7 @@ from coci_hpc.comm import Comm
 from coci_hpc.errors import UsageError
 from coci_hpc.runtime import distributed, signals
 from coci_hpc.session import Session
-from coci_hpc.submit.runner import EarlySignals
+from coci_hpc.submit.runner import hold_signals
 
 ENV: dict[str, str] = {}      # not in a Slurm job, no COCI_* settings
 
@@ -94,7 +94,7 @@ def test_torchrun_world_size_wins_over_a_one_rank_mpi_world(monkeypatch: pytest.
 
 def test_after_the_loop_coci_submits_placeholders_give_the_default_action_back(tmp_path: Path) -> None:
     before = {s: signal.getsignal(s) for s in signals.SHIELDED}
-    early = EarlySignals().install()
+    early = hold_signals()
     try:
         s = Session(_model(), 2, ckpt_dir=tmp_path, policy="fixed:5", environ=ENV)
         for _ in s.steps():
