@@ -52,10 +52,6 @@ __all__ = ["DEFAULT_SIGNALS", "PreemptionGuard", "Received", "SignalRecorder", "
            "requeue_with_retries"]
 
 
-    def sigterm_at(self) -> float | None:
-        """``time.monotonic()`` of the first SIGTERM (Slurm ending the step; SIGKILL follows), else None."""
-        return next((r.monotonic for r in self.received if r.signum == signal.SIGTERM), None)
-
 class PreemptionGuard:
     """Step-boundary agreement on stopping, and the self-requeue that follows a checkpoint.
 

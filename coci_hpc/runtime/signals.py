@@ -130,6 +130,10 @@ class SignalRecorder:
     def first(self) -> Received | None:
         return self.received[0] if self.received else None
 
+    def sigterm_at(self) -> float | None:
+        """``time.monotonic()`` of the first SIGTERM (Slurm ending the step; SIGKILL follows), else None."""
+        return next((r.monotonic for r in self.received if r.signum == signal.SIGTERM), None)
+
     def _forward(self) -> None:
         """``hand_over``: deliver each recorded signal again, once, when another handler owns it.
         Reads ``received`` by index (no lock: a lock taken inside a handler could deadlock against
