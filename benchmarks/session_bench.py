@@ -154,15 +154,14 @@ def memtier_worker(a: argparse.Namespace) -> None:
        the round. No per-step barrier: a rank blocked in the tier holds up its peer's next
        collective, and that shows in the round's wall time (barrier to barrier).
     """
-    import numpy as np
     import torch
+    from sharded_bench import build
 
     from coci_hpc.checkpoint import CheckpointManager
     from coci_hpc.comm import Comm
     from coci_hpc.planner import failures, two_tier
     from coci_hpc.runtime import memtier
     from coci_hpc.runtime.failurehistory import DEFAULT_MTBF_H
-    from sharded_bench import build
 
     torch.set_num_threads(1)
     c = Comm.world()
