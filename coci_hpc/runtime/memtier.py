@@ -48,7 +48,7 @@ from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.state import Leaf, collect, storage_dtype
 from coci_hpc.comm import Comm
 from coci_hpc.errors import UsageError
-from coci_hpc.runtime.partner import partner_of
+from coci_hpc.runtime.partner import PartnerLink
 
 TAG = 0xC0C2
 HEAD = struct.Struct("<4sIqQ")      # magic, rank, step, header JSON bytes
@@ -169,10 +169,10 @@ class MemoryTier:
 
         self.state_fn = state_fn
         self.comm = mpi_comm
-        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.link = PartnerLink(mpi_comm, ranks_per_node, TAG)      # the per-rank copy's transport too
+        self.rank, self.size = self.link.rank, self.link.size
         self.every = max(1, int(every))
-        self.partner = partner_of(self.rank, self.size, ranks_per_node)
-        self.source = next(r for r in range(self.size) if partner_of(r, self.size, ranks_per_node) == self.rank)
+        self.partner, self.source = self.link.partner, self.link.source
         self.own = [Slot() for _ in range(SLOTS_PER_SIDE)]
         self.recv = [Slot() for _ in range(SLOTS_PER_SIDE)]
         self._send_req: Any = None
@@ -190,7 +190,6 @@ class MemoryTier:
         self._plan_sends: list[Any] = []
         self._next_k: tuple[int, int] | None = None      # (k, from step)
         self.planned: tuple[int | None, int] | None = None
-        self._status = MPI.Status()
         self._byte = MPI.BYTE
 
     # -- per step ------------------------------------------------------------------------------
@@ -207,7 +206,7 @@ class MemoryTier:
         slot = min(self.own, key=lambda s: s.step)   # the older own copy; its send has finished
         skeletons, leaves = collect(self.state_fn(), rng=True)
         pack_into(slot, self.rank, step, skeletons, leaves)
-        self._send_req = self.comm.Isend([slot.buf[:slot.nbytes], self._byte], self.partner, TAG)
+        self._send_req = self.link.isend(self.link.spec(slot.buf[:slot.nbytes]))
         self.copies += 1
         self.poll()
         self.copy_s.append(time.perf_counter() - t0)
@@ -251,13 +250,12 @@ class MemoryTier:
         """Non-blocking: finish what has finished, take in a copy that has started to arrive."""
         if self._send_req is not None and self._send_req.Test():
             self._send_req = None
-        if self._recv_req is None and self.comm.Iprobe(source=self.source, tag=TAG, status=self._status):
-            n = self._status.Get_count(self._byte)
+        if self._recv_req is None and (n := self.link.arrived()) is not None:
             slot = next(s for s in self.recv if s is not self.complete)
             slot.ensure(n)
             slot.nbytes, slot.step = n, -1
             self._recv_slot = slot
-            self._recv_req = self.comm.Irecv([slot.buf[:n], self._byte], source=self.source, tag=TAG)
+            self._recv_req = self.link.irecv(slot.buf[:n])
         if self._recv_req is not None and self._recv_req.Test():
             got = self._recv_slot
             assert got is not None
