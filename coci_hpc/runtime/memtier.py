@@ -9,7 +9,8 @@ Per memory-tier step (at the step boundary, where the state is that of the step'
    boundary, so a ``state_dict()`` that is a collective is fine) and its bytes are copied into one
    of two REUSED host buffers (:class:`Slot`: a JSON header of the skeletons and leaf
    descriptions, then the raw leaf bytes; never pickle);
-2. a non-blocking ``Isend`` of that buffer to the partner starts (on a communicator of our own);
+2. a non-blocking ``Isend`` of that buffer to the partner starts (on a communicator of our own,
+   through :class:`~coci_hpc.runtime.partner.PartnerLink`, the per-rank copy's transport too);
    the copy coming the other way is taken in by ``Iprobe`` / ``Irecv`` into one of two reused
    receive buffers, and both are only *tested* at later boundaries (never waited on: a dead peer
    would block a wait forever). The transfer overlaps the next steps; a new memory-tier step
@@ -17,7 +18,9 @@ Per memory-tier step (at the step boundary, where the state is that of the step'
 
 Host memory: two slots of the rank's own state and two of its source's (the newest complete
 copy is kept while the next one arrives), i.e. about 4x the rank's share of the state (its shards
-plus the small replicated and per-rank values). A slot grows only when the state does (the first
+plus the small replicated and per-rank values). Fewer would open a window: two mutual partners
+both sending step S, one dies before its S has arrived; the survivor can write the previous step
+only if it still holds its own copy of it (docs/explanation/memory-tier.md, "What it costs"). A slot grows only when the state does (the first
 step that creates optimizer moments); in steady state nothing is allocated per step.
 
 Partner of rank r: :func:`~coci_hpc.runtime.partner.partner_of` (the same local rank on the next
