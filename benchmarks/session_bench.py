@@ -3,6 +3,7 @@
     python benchmarks/session_bench.py                     # 1 and 2 ranks (mpiexec), JSON + table
     python benchmarks/session_bench.py --ranks 1 --hidden 512 --steps 200 --rounds 3
     python benchmarks/session_bench.py --latency CKPT_DIR    # restart latency split from an event log
+    python benchmarks/session_bench.py --memtier             # the memory tier's cost, 1 GB FSDP2 state, 2 ranks
 
 Each worker trains the examples/train.py model (wider: --hidden, --batch set the step time) with
 DDP on gloo, and alternates rounds of the bare loop and of the same loop under ``Session`` (policy
