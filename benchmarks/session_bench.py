@@ -3,6 +3,7 @@
     python benchmarks/session_bench.py                     # 1 and 2 ranks (mpiexec), JSON + table
     python benchmarks/session_bench.py --ranks 1 --hidden 512 --steps 200 --rounds 3
     python benchmarks/session_bench.py --latency CKPT_DIR    # restart latency split from an event log
+    python benchmarks/session_bench.py --memtier             # the memory tier's cost, 1 GB FSDP2 state, 2 ranks
 
 Each worker trains the examples/train.py model (wider: --hidden, --batch set the step time) with
 DDP on gloo, and alternates rounds of the bare loop and of the same loop under ``Session`` (policy
@@ -137,80 +138,181 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def memtier_worker(a: argparse.Namespace) -> None:
-    """The memory tier's per-step cost on an FSDP2 state of about --memtier-mb MB (parameters and
-    Adam's two moments, over all ranks): alternating rounds of the bare FSDP2 loop and the same loop
-    with ``MemoryTier.boundary`` every step (a copy every --k steps); per round the median step time
-    of each, and the time the boundary itself blocked (the copy into the reused host buffer, the
-    Isend, the tests of the exchange in flight)."""
-    import torch
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import init_device_mesh
+    """The memory tier's per-step cost on the sharded benchmark's FSDP2 state
+    (``sharded_bench.build``: 8 ``Linear`` layers, batch 4, parameters + Adam's two moments of
+    about --memtier-mb MB over all ranks).
 
-    import coci_hpc
+    1. Costs for the planner, measured here: the bare step time (median of --cal-steps steps),
+       the tier's blocked time per copy (every boundary's time over --cal-steps copies at k = 1,
+       the receive side's included), the disk save's stall (one blocking ``CheckpointManager.save``
+       of the state, or --disk-s) and --restart-s (given).
+    2. k from the two-tier planner (``plan_two_tier`` on those costs, the session's default
+       failure model: per-node MTBF ``DEFAULT_MTBF_H``, one node per rank, --horizon-h), as the
+       Session's ``plan_with`` computes it; --k adds fixed intervals measured the same way.
+    3. Interleaved rounds (which side goes first alternates): --steps steps (rounded up to whole
+       intervals of k) of the bare loop, then of the same loop with ``MemoryTier.boundary`` after
+       every step (the first copy at the round's first step), the last exchange finished inside
+       the round. No per-step barrier: a rank blocked in the tier holds up its peer's next
+       collective, and that shows in the round's wall time (barrier to barrier).
+    """
+    import torch
+    from sharded_bench import build
+
+    from coci_hpc.checkpoint import CheckpointManager
+    from coci_hpc.comm import Comm
+    from coci_hpc.planner import failures, two_tier
     from coci_hpc.runtime import memtier
+    from coci_hpc.runtime.failurehistory import DEFAULT_MTBF_H
 
     torch.set_num_threads(1)
-    comm = coci_hpc.init_distributed()
-    world = comm.world_size
-    torch.manual_seed(0)
-    # params * 4 bytes * 3 (param + exp_avg + exp_avg_sq) ~ memtier-mb; square layers of width h
-    h = 1024
-    layers = max(1, round(a.memtier_mb * 2**20 / (12 * h * h)))
-    model = torch.nn.Sequential(*[torch.nn.Linear(h, h) for _ in range(layers)])
-    mesh = init_device_mesh("cpu", (world,))
-    for m in model:
-        fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    x = torch.randn(a.batch, h)
-    state = {"model": model, "optimizer": opt}
-    from coci_hpc.comm import Comm
     c = Comm.world()
-    tier = memtier.MemoryTier(lambda: state, c.mpi_comm.Dup(), 1, a.k)
+    import coci_hpc
+    coci_hpc.init_distributed(comm=c)
+    world = c.size
+    model, _mesh, step_fn = build(int(a.memtier_mb), world)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    state = {"model": model, "optimizer": opt}
 
     def step() -> None:
-        opt.zero_grad()
-        model(x).pow(2).mean().backward()
-        opt.step()
+        step_fn(opt)
+
+    def say(msg: str) -> None:
+        if c.rank == 0:
+            print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
     for _ in range(a.warmup):
         step()
-    rounds = []
-    s = 0
-    for _ in range(a.rounds):
-        bare, tiered, blocked = [], [], 0.0
-        for _ in range(a.steps):
-            c.barrier()
-            t0 = time.perf_counter()
+    say("warm")
+    tier = memtier.MemoryTier(lambda: state, c.mpi_comm.Dup(), 1, 1)
+
+    def settle() -> float:
+        """Finish the exchange in flight (counted as the tier's: it blocks)."""
+        t0 = time.perf_counter()
+        while True:
+            tier.poll()
+            if all(c.allgather(tier._send_req is None and tier._recv_req is None)):
+                return time.perf_counter() - t0
+
+    def run(n: int, k: int | None) -> tuple[float, float]:
+        """n steps, bare (k None) or with the tier every k steps: (wall seconds, blocked seconds)."""
+        c.barrier()
+        blocked = 0.0
+        t0 = time.perf_counter()
+        for i in range(n):
             step()
-            bare.append(time.perf_counter() - t0)
-        for _ in range(a.steps):
-            s += 1
-            c.barrier()
-            t0 = time.perf_counter()
-            step()
-            t1 = time.perf_counter()
-            tier.boundary(s)
-            t2 = time.perf_counter()
-            tiered.append(t2 - t0)
-            blocked += t2 - t1
-        rounds.append({"bare_step_s": statistics.median(bare), "tier_step_s": statistics.median(tiered),
-                       "blocked_per_step_s": blocked / a.steps,
-                       "mean_bare_s": statistics.fmean(bare), "mean_tier_s": statistics.fmean(tiered)})
+            if k is not None:
+                t1 = time.perf_counter()
+                tier.boundary(i)
+                blocked += time.perf_counter() - t1
+        if k is not None:
+            blocked += settle()
+        c.barrier()
+        return time.perf_counter() - t0, blocked
+
+    # 1. measured costs
+    bare_steps = []
+    for _ in range(a.cal_steps):
+        c.barrier()
+        t0 = time.perf_counter()
+        step()
+        bare_steps.append(time.perf_counter() - t0)
+    step_s = float(max(c.allgather(statistics.median(bare_steps))))
+    # The copy's stall as the Session's boundary sees it: a copy every 2nd step, every boundary
+    # timed (snapshot into the host buffer, Isend, the tests, the receive of the partner's copy);
+    # finishing the last exchange is not counted here (it waits for the peer's step too).
+    # One untimed exchange first: it allocates the four host buffers (a one-time cost: the first
+    # touch of their pages), as a run's first copies do, not the copies the planner is about.
+    tier.every = 2
+    for i in (0, 2):             # two exchanges: both own slots and both receive slots
+        tier.boundary(i)
+        settle()
+    copies0 = tier.copies
+    cal = 2 * a.cal_steps
+    c.barrier()
+    blocked = 0.0
+    for i in range(cal):
+        step()
+        t1 = time.perf_counter()
+        tier.boundary(i)
+        blocked += time.perf_counter() - t1
+    settle()
+    mem_s = float(max(c.allgather(blocked / max(1, tier.copies - copies0))))
+    say(f"step {step_s:.4f} s, copy blocks {mem_s:.4f} s")
+    if a.disk_s is not None:
+        disk_s, disk_how = a.disk_s, "--disk-s"
+    else:
+        mgr = CheckpointManager(Path(a.tmp) / "disk", comm=c, keep=1, rng=False)
+        c.barrier()
+        t0 = time.perf_counter()
+        mgr.save(1, state)
+        c.barrier()
+        disk_s, disk_how = time.perf_counter() - t0, "measured: one blocking CheckpointManager.save"
+        shutil.rmtree(Path(a.tmp) / "disk", ignore_errors=True)
+    # 2. k from the planner (rank 0; the simulation is deterministic in its seed)
+    plan = None
+    if c.rank == 0:
+        costs = two_tier.TierCosts(mem_s, disk_s, a.restart_s, a.restart_s, step_s)
+        model_f = failures.from_mtbf(DEFAULT_MTBF_H * 3600)
+        p = two_tier.plan_two_tier(costs, two_tier.profile_from_model(model_f, world), a.horizon_h * 3600)
+        plan = {"mem_every_steps": p.mem_every_steps, "disk_every_steps": p.disk_every_steps,
+                "reason": p.reason, "costs": costs.to_dict(), "mtbf_node_h": DEFAULT_MTBF_H, "nodes": world,
+                "horizon_h": a.horizon_h, "disk_s_from": disk_how}
+    plan = c.bcast(plan)
+    say(f"disk save {disk_s:.3f} s; plan {plan['mem_every_steps']} / {plan['disk_every_steps']}")
+    assert plan is not None
+    ks: list[tuple[str, int]] = []
+    if plan["mem_every_steps"]:
+        ks.append(("planned", int(plan["mem_every_steps"])))
+    ks = [("fixed", k) for k in a.k if k not in {v for _, v in ks}] + ks
+    # 3. interleaved rounds per k
+    results = []
+    done: dict[tuple[int, int], tuple[list[float], list[float], list[float]]] = {}
+    for how, k in ks:
+        # The window: whole intervals of k when they fit in --steps, else --steps steps holding
+        # one copy (at its first step) and its completion. A boundary with no exchange in flight
+        # only tests a request (microseconds), so the extra time of the window is the extra time
+        # of one interval of k steps: the fraction is extra / (copies * k * bare step).
+        n = -(-a.steps // k) * k if k <= a.steps else a.steps
+        copies = -(-n // k)
+        tier.every = k
+        off_w: list[float] = []
+        on_w: list[float] = []
+        on_b: list[float] = []
+        if (n, copies) in done:     # the same window with the same copies: measured already
+            off_w, on_w, on_b = done[(n, copies)]
+        for r in range(a.rounds if (n, copies) not in done else 0):
+            for side in ((None, k) if r % 2 == 0 else (k, None)):
+                w, b = run(n, side)
+                if side is None:
+                    off_w.append(w)
+                else:
+                    on_w.append(w)
+                    on_b.append(b)
+        done[(n, copies)] = (off_w, on_w, on_b)
+        say(f"k={k}: on {[round(x, 3) for x in on_w]} off {[round(x, 3) for x in off_w]}")
+        blocked = [max(x) for x in zip(*c.allgather(on_b))]   # the slowest rank's, per round
+        span = [copies * k * off / n for off in off_w]        # bare seconds of the intervals covered
+        per_round = [(on - off) / sp for on, off, sp in zip(on_w, off_w, span)]
+        results.append({"k": k, "k_from": how, "window_steps": n, "copies_per_window": copies,
+                        "direct": n == copies * k,
+                        "off_wall_s": off_w, "on_wall_s": on_w, "blocked_s": blocked,
+                        "step_s": statistics.median(off_w) / n,
+                        "extra_per_copy_s": statistics.median((on - off) / copies for on, off in zip(on_w, off_w)),
+                        "memtier_overhead": statistics.median(per_round),
+                        "memtier_overhead_pooled": (sum(on_w) - sum(off_w)) / sum(span),
+                        "memtier_overhead_rounds": per_round,
+                        "memtier_blocked_ratio": statistics.median(b / sp for b, sp in zip(blocked, span))})
     state_bytes = sum(l.nbytes for l in memtier.collect(state, rng=False)[1])
-    out = c.gather({"rounds": rounds, "state_bytes": state_bytes, "copies": tier.copies, "skipped": tier.skipped,
-                    "allocations": tier.allocations()})
+    import resource
+    out = c.gather({"state_bytes": state_bytes, "copies": tier.copies, "skipped": tier.skipped,
+                    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                    "allocations": tier.allocations(),
+                    "slot_bytes": sum(int(s.buf.size) for s in (*tier.own, *tier.recv))})
     if c.rank == 0:
         assert out is not None
-        r0 = out[0]["rounds"]
-        bare_med = statistics.median(r["mean_bare_s"] for r in r0)
-        print(json.dumps({"ranks": world, "k": a.k, "state_mb_total": sum(o["state_bytes"] for o in out) / 2**20,
-                          "step_s": bare_med,
-                          "memtier_overhead": statistics.median((r["mean_tier_s"] - r["mean_bare_s"]) / r["mean_bare_s"]
-                                                                for r in r0),
-                          "memtier_blocked_ratio": statistics.median(r["blocked_per_step_s"] / r["mean_bare_s"]
-                                                                     for r in r0),
-                          "per_rank": out}))
+        print(json.dumps({"ranks": world, "state_mb_total": sum(o["state_bytes"] for o in out) / 2**20,
+                          "cal_step_s": step_s, "mem_copy_blocked_s": mem_s, "disk_save_s": disk_s,
+                          "plan": plan, "results": results, "per_rank": out}), flush=True)
 
 
 def latency(ckpt_dir: str) -> int:
@@ -248,7 +350,13 @@ def main() -> int:
     ap.add_argument("--memtier", action="store_true",
                     help="the memory tier's per-step cost on an FSDP2 state (--memtier-mb, --k) instead")
     ap.add_argument("--memtier-mb", type=float, default=1024, help="FSDP2 state size over all ranks (MB)")
-    ap.add_argument("--k", type=int, default=10, help="memory-tier interval in steps (the planner's k)")
+    ap.add_argument("--k", type=int, nargs="*", default=[10],
+                    help="--memtier: fixed intervals measured besides the planner's k (default 10: Orbax's)")
+    ap.add_argument("--cal-steps", type=int, default=5, help="--memtier: steps timed for the planner's costs")
+    ap.add_argument("--disk-s", type=float, help="--memtier: the disk save's stall (default: one save, timed)")
+    ap.add_argument("--restart-s", type=float, default=30.0,
+                    help="--memtier: restart seconds for the planner (the restart latency table: 20-38 s)")
+    ap.add_argument("--horizon-h", type=float, default=24.0, help="--memtier: the planner's horizon (hours)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -257,6 +365,15 @@ def main() -> int:
         return 0
     if a.latency:
         return latency(a.latency)
+    if a.memtier:
+        if a.ranks == [1, 2]:
+            a.ranks = [2]           # the tier needs a partner: 2 ranks unless asked otherwise
+        if a.steps == 300:
+            a.steps = 30
+        if a.rounds == 5:
+            a.rounds = 3
+        if a.warmup == 20:
+            a.warmup = 2
     results = []
     for n in a.ranks:
         tmp = tempfile.mkdtemp(prefix="coci-session-bench-")
@@ -265,7 +382,9 @@ def main() -> int:
                     "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
                     "--rounds", str(a.rounds), "--cost-rounds", str(a.cost_rounds)]
             if a.memtier:
-                args += ["--memtier", "--memtier-mb", str(a.memtier_mb), "--k", str(a.k)]
+                args += ["--memtier", "--memtier-mb", str(a.memtier_mb), "--k", *map(str, a.k),
+                         "--cal-steps", str(a.cal_steps), "--restart-s", str(a.restart_s),
+                         "--horizon-h", str(a.horizon_h)] + ([] if a.disk_s is None else ["--disk-s", str(a.disk_s)])
             cmd = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", str(n), *args]
             env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
             p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -277,10 +396,18 @@ def main() -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     if a.memtier:
         print(json.dumps({"benchmark": "memtier_overhead", "results": results}, indent=1))
-        print(f"\n{'ranks':>5} {'k':>4} {'state MB':>9} {'step s':>8} {'overhead':>9} {'blocked':>8}  (goal <= 0.02)")
+        print(f"\n{'ranks':>5} {'state MB':>9} {'k':>5} {'k from':>8} {'window':>6} {'step s':>8} "
+              f"{'overhead':>9} {'pooled':>8} {'blocked':>8}  (medians over rounds; goal <= 0.02)")
         for r in results:
-            print(f"{r['ranks']:>5} {r['k']:>4} {r['state_mb_total']:>9.1f} {r['step_s']:>8.4f} "
-                  f"{r['memtier_overhead']:>9.4f} {r['memtier_blocked_ratio']:>8.4f}")
+            for x in r["results"]:
+                print(f"{r['ranks']:>5} {r['state_mb_total']:>9.1f} {x['k']:>5} {x['k_from']:>8} "
+                      f"{x['window_steps']:>6} {x['step_s']:>8.4f} {x['memtier_overhead']:>9.4f} "
+                      f"{x['memtier_overhead_pooled']:>8.4f} {x['memtier_blocked_ratio']:>8.4f}")
+            p = r["plan"]
+            print(f"      planner: k={p['mem_every_steps']} disk every {p['disk_every_steps']} from copy "
+                  f"{r['mem_copy_blocked_s']:.4f} s, disk {r['disk_save_s']:.3f} s, step {r['cal_step_s']:.4f} s, "
+                  f"restart {p['costs']['mem_restart_s']:g} s, MTBF {p['mtbf_node_h']:g} h/node, "
+                  f"{p['nodes']} nodes; {p['reason']}")
         return 0
     print(json.dumps({"benchmark": "session_overhead", "results": results}, indent=1))
     print(f"\n{'ranks':>5} {'step ms':>8} {'bare steps/s':>13} {'session steps/s':>16} {'ratio':>7} "

@@ -9,7 +9,8 @@ Per memory-tier step (at the step boundary, where the state is that of the step'
    boundary, so a ``state_dict()`` that is a collective is fine) and its bytes are copied into one
    of two REUSED host buffers (:class:`Slot`: a JSON header of the skeletons and leaf
    descriptions, then the raw leaf bytes; never pickle);
-2. a non-blocking ``Isend`` of that buffer to the partner starts (on a communicator of our own);
+2. a non-blocking ``Isend`` of that buffer to the partner starts (on a communicator of our own,
+   through :class:`~coci_hpc.runtime.partner.PartnerLink`, the per-rank copy's transport too);
    the copy coming the other way is taken in by ``Iprobe`` / ``Irecv`` into one of two reused
    receive buffers, and both are only *tested* at later boundaries (never waited on: a dead peer
    would block a wait forever). The transfer overlaps the next steps; a new memory-tier step
@@ -17,7 +18,9 @@ Per memory-tier step (at the step boundary, where the state is that of the step'
 
 Host memory: two slots of the rank's own state and two of its source's (the newest complete
 copy is kept while the next one arrives), i.e. about 4x the rank's share of the state (its shards
-plus the small replicated and per-rank values). A slot grows only when the state does (the first
+plus the small replicated and per-rank values). Fewer would open a window: two mutual partners
+both sending step S, one dies before its S has arrived; the survivor can write the previous step
+only if it still holds its own copy of it (docs/explanation/memory-tier.md, "What it costs"). A slot grows only when the state does (the first
 step that creates optimizer moments); in steady state nothing is allocated per step.
 
 Partner of rank r: :func:`~coci_hpc.runtime.partner.partner_of` (the same local rank on the next
@@ -48,7 +51,7 @@ from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.state import Leaf, collect, storage_dtype
 from coci_hpc.comm import Comm
 from coci_hpc.errors import UsageError
-from coci_hpc.runtime.partner import partner_of
+from coci_hpc.runtime.partner import PartnerLink
 
 TAG = 0xC0C2
 HEAD = struct.Struct("<4sIqQ")      # magic, rank, step, header JSON bytes
@@ -169,10 +172,10 @@ class MemoryTier:
 
         self.state_fn = state_fn
         self.comm = mpi_comm
-        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.link = PartnerLink(mpi_comm, ranks_per_node, TAG)      # the per-rank copy's transport too
+        self.rank, self.size = self.link.rank, self.link.size
         self.every = max(1, int(every))
-        self.partner = partner_of(self.rank, self.size, ranks_per_node)
-        self.source = next(r for r in range(self.size) if partner_of(r, self.size, ranks_per_node) == self.rank)
+        self.partner, self.source = self.link.partner, self.link.source
         self.own = [Slot() for _ in range(SLOTS_PER_SIDE)]
         self.recv = [Slot() for _ in range(SLOTS_PER_SIDE)]
         self._send_req: Any = None
@@ -190,7 +193,6 @@ class MemoryTier:
         self._plan_sends: list[Any] = []
         self._next_k: tuple[int, int] | None = None      # (k, from step)
         self.planned: tuple[int | None, int] | None = None
-        self._status = MPI.Status()
         self._byte = MPI.BYTE
 
     # -- per step ------------------------------------------------------------------------------
@@ -207,7 +209,7 @@ class MemoryTier:
         slot = min(self.own, key=lambda s: s.step)   # the older own copy; its send has finished
         skeletons, leaves = collect(self.state_fn(), rng=True)
         pack_into(slot, self.rank, step, skeletons, leaves)
-        self._send_req = self.comm.Isend([slot.buf[:slot.nbytes], self._byte], self.partner, TAG)
+        self._send_req = self.link.isend(self.link.spec(slot.buf[:slot.nbytes]))
         self.copies += 1
         self.poll()
         self.copy_s.append(time.perf_counter() - t0)
@@ -251,13 +253,12 @@ class MemoryTier:
         """Non-blocking: finish what has finished, take in a copy that has started to arrive."""
         if self._send_req is not None and self._send_req.Test():
             self._send_req = None
-        if self._recv_req is None and self.comm.Iprobe(source=self.source, tag=TAG, status=self._status):
-            n = self._status.Get_count(self._byte)
+        if self._recv_req is None and (n := self.link.arrived()) is not None:
             slot = next(s for s in self.recv if s is not self.complete)
             slot.ensure(n)
             slot.nbytes, slot.step = n, -1
             self._recv_slot = slot
-            self._recv_req = self.comm.Irecv([slot.buf[:n], self._byte], source=self.source, tag=TAG)
+            self._recv_req = self.link.irecv(slot.buf[:n])
         if self._recv_req is not None and self._recv_req.Test():
             got = self._recv_slot
             assert got is not None

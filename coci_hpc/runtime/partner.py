@@ -259,6 +259,50 @@ def partner_of(rank: int, size: int, ranks_per_node: int) -> int:
     return (rank + k) % size
 
 
+class PartnerLink:
+    """The transport both partner copies use: the per-step per-rank copy (:class:`PartnerCopy`)
+    and the memory tier's copy of the whole local state (:mod:`.memtier`). One rank sends to its
+    ``partner`` (:func:`partner_of`) and receives from its ``source`` (the rank whose partner it
+    is), on a communicator of its own (a duplicate of the world: its messages never match the
+    training's), with non-blocking sends and probes; never a wait that a dead peer could hold.
+    What travels and in how many messages is the user's business (eager pieces for the small
+    per-rank copy, one message for the tier)."""
+
+    def __init__(self, mpi_comm: Any, ranks_per_node: int, tag: int) -> None:
+        from mpi4py import MPI
+
+        self.comm = mpi_comm
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.tag = tag
+        self.partner = partner_of(self.rank, self.size, ranks_per_node)
+        # The rank that sends to us: the inverse of partner_of.
+        self.source = next(r for r in range(self.size) if partner_of(r, self.size, ranks_per_node) == self.rank)
+        self.status = MPI.Status()
+        self.byte = MPI.BYTE
+
+    def spec(self, buf: Any) -> list[Any]:
+        """A buffer spec for :meth:`isend` (made once and kept: mpi4py parses a spec per call)."""
+        return [buf, self.byte]
+
+    def isend(self, spec: list[Any]) -> Any:
+        """Start sending ``spec`` (:meth:`spec`) to the partner: the request, tested later."""
+        return self.comm.Isend(spec, self.partner, self.tag)
+
+    def arrived(self) -> int | None:
+        """The size in bytes of the next message from the source if it has started to arrive, else None."""
+        if self.comm.Iprobe(source=self.source, tag=self.tag, status=self.status):
+            return int(self.status.Get_count(self.byte))
+        return None
+
+    def recv(self, buf: Any) -> None:
+        """Take in the message :meth:`arrived` saw (eager-sized: already here, no wait)."""
+        self.comm.Recv([buf, self.byte], source=self.source, tag=self.tag)
+
+    def irecv(self, buf: Any) -> Any:
+        """Start taking in the message :meth:`arrived` saw: the request, tested later."""
+        return self.comm.Irecv([buf, self.byte], source=self.source, tag=self.tag)
+
+
 class PartnerCopy:
     """Send this rank's copies to its partner; keep the last two received from the rank whose
     partner this one is, undecoded. MPI only (``mpi_comm`` a duplicate of the world)."""
@@ -266,14 +310,14 @@ class PartnerCopy:
     RECV_SLOTS = 4      # two held, the last full copy (a "same" refers to it), one being filled
 
     def __init__(self, mpi_comm: Any, ranks_per_node: int, capacity: int = 16384) -> None:
+        self.link = PartnerLink(mpi_comm, ranks_per_node, TAG)
         self.comm = mpi_comm
-        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-        self.partner = partner_of(self.rank, self.size, ranks_per_node)
-        # The rank that sends to us: the inverse of partner_of.
-        self.source = next(r for r in range(self.size) if partner_of(r, self.size, ranks_per_node) == self.rank)
+        self.rank, self.size = self.link.rank, self.link.size
+        self.partner, self.source = self.link.partner, self.link.source
         self.sent_step = -1
         self.ref: PackedCopy | None = None     # the last copy sent in full
         self._same = np.zeros((SAME_SLOTS, SAME_HEAD.size), dtype=np.uint8)
+        self._same_specs = [self.link.spec(self._same[i]) for i in range(SAME_SLOTS)]
         self._same_reqs: list[Any] = [None] * SAME_SLOTS
         self._same_i = 0
         self.sent_full = self.sent_same = 0
@@ -283,10 +327,7 @@ class PartnerCopy:
         self._have = 0
         self._held: dict[int, tuple[int, int, int]] = {}   # step -> (buffer, bytes, its step), the last two
         self._full: tuple[int, int, int] | None = None      # the last full copy: (step, buffer, bytes)
-        from mpi4py import MPI
-
-        self._status = MPI.Status()
-        self._byte = MPI.BYTE
+        self._byte = self.link.byte
 
     @property
     def held_steps(self) -> list[int]:
@@ -304,13 +345,13 @@ class PartnerCopy:
             if req is None or req.Test():
                 self._same_i = (i + 1) % SAME_SLOTS
                 SAME_HEAD.pack_into(self._same[i], 0, SAME, copy.rank, copy.step, ref.step)
-                self._same_reqs[i] = self.comm.Isend([self._same[i], self._byte], self.partner, TAG)
+                self._same_reqs[i] = self.link.isend(self._same_specs[i])
                 self.sent_step = copy.step
                 self.sent_same += 1
             return
         # MPI keeps one sender's order per tag: the receiver reassembles the pieces in order.
-        isend, dest = self.comm.Isend, self.partner
-        copy.requests = [isend(p, dest, TAG) for p in copy.pieces(self._byte)]
+        isend = self.link.isend
+        copy.requests = [isend(p) for p in copy.pieces(self._byte)]
         self.sent_step = copy.step
         self.ref = copy
         self.sent_full += 1
@@ -319,15 +360,14 @@ class PartnerCopy:
         """Take in every piece that has arrived (non-blocking), into preallocated buffers."""
         if self.size == 1:
             return
-        comm, st, byte = self.comm, self._status, self._byte
-        while comm.Iprobe(source=self.source, tag=TAG, status=st):
-            n = st.Get_count(byte)
+        link = self.link
+        while (n := link.arrived()) is not None:
             buf = self._bufs[self._cur]
             if self._have + n > buf.size:
                 grown = np.zeros(max(2 * buf.size, self._have + n), dtype=np.uint8)
                 grown[:self._have] = buf[:self._have]
                 buf = self._bufs[self._cur] = grown
-            comm.Recv([buf[self._have:self._have + n], byte], source=self.source, tag=TAG)  # here: no wait
+            link.recv(buf[self._have:self._have + n])  # here: no wait
             if self._want == 0:            # the first piece of a copy starts with its header
                 if n < COPY_HEAD.size:
                     continue               # not the start of a copy: skip it

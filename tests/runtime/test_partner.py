@@ -212,3 +212,32 @@ def test_the_steps_copy_leaves_at_forward_before_the_gradient_allreduce(tmp_path
     assert res[0]["copy_3"] == res[1]["after_forward"]
     assert (res[0]["full"], res[0]["same"]) == (4, 0)   # step 0, then one per step (at forward)
     assert res[0]["own_step"] == 4 and res[0]["own_3"] == res[0]["at_boundary"]
+
+
+def test_one_transport_for_the_per_rank_copy_and_the_memory_tier() -> None:
+    """PartnerLink carries both copies: a message sent with it arrives through it (probe, size,
+    non-blocking receive), nothing is seen when nothing was sent, and the per-rank copy and the
+    memory tier each hold one, with their own tags, on their own communicators."""
+    from mpi4py import MPI
+
+    from coci_hpc.runtime import memtier
+    from coci_hpc.runtime.partner import TAG, PartnerCopy, PartnerLink
+
+    comm = MPI.COMM_SELF.Dup()
+    link = PartnerLink(comm, 1, TAG)
+    assert (link.partner, link.source) == (0, 0) and link.arrived() is None
+    out = np.arange(10_000, dtype=np.uint8)
+    req = link.isend(link.spec(out))
+    n = None
+    while n is None:
+        n = link.arrived()
+    assert n == out.size
+    got = np.zeros(n, dtype=np.uint8)
+    link.irecv(got).Wait()
+    req.Wait()
+    assert np.array_equal(got, out) and link.arrived() is None
+    pc = PartnerCopy(MPI.COMM_SELF.Dup(), 1)
+    tier = memtier.MemoryTier(lambda: {}, MPI.COMM_SELF.Dup(), 1, 3)
+    assert isinstance(pc.link, PartnerLink) and isinstance(tier.link, PartnerLink)
+    assert pc.link.tag == TAG and tier.link.tag == memtier.TAG != TAG
+    assert (pc.partner, pc.source) == (tier.partner, tier.source) == (0, 0)
