@@ -110,6 +110,7 @@ _H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError, IndexError
 
 _MIN_COPY_SHARE = 32 << 20  # a copy thread gets at least this many bytes (else: fewer threads)
 _MAP_CHUNK = 64 << 20  # bytes per populate call: a failure names its range promptly
+_SMALL_RUN = 64 << 10  # a box whose runs average less is mapped by its extent, not run by run
 PASS1_MAPPED = True  # check over the file's mapping (False: stream; see DatasetReader.verify)
 
 
@@ -525,7 +526,12 @@ class DatasetReader:
         try:
             for j, (meta, sh, at) in enumerate(jobs):
                 base = at - sh["start"]  # the dataset's first byte in the file
-                for batch in _batches(self._runs[(meta["dataset"], sh["start"])], size):
+                runs = self._runs[(meta["dataset"], sh["start"])]
+                if fmap is not None and len(runs) > 1 and self._nbytes(sh) < len(runs) * _SMALL_RUN:
+                    # short runs (a column-sharded box: one per row) share their pages with the
+                    # other boxes' runs: map the box's extent in a few calls, not one per run
+                    self._map_in([(meta, at, self._span((meta["dataset"], sh["start"])))])
+                for batch in _batches(runs, size):
                     try:
                         if fmap is not None:
                             parts = [fmap.view(base + a, n) for a, n in batch]
