@@ -52,7 +52,7 @@ def worker(args: argparse.Namespace) -> None:
         return m, torch.optim.Adam(m.parameters(), lr=1e-3)
 
     model, opt = build()
-    model(torch.randn(2, args.cols)).pow(2).mean().backward()
+    model(torch.randn(2, args.cols // dist.get_world_size())).pow(2).mean().backward()  # Rowwise: input split on its last dim
     opt.step()
     mgr = CheckpointManager(args.dir, comm=comm, keep=2)
 
