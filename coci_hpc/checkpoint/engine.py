@@ -38,7 +38,7 @@ from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.checkpoint.coordinator import LayoutCache, agree
 from coci_hpc.checkpoint.dtensor import is_dtensor, local_of, optimizer_targets, runs, target_box, wrap_like
 from coci_hpc.checkpoint.h5file import DatasetReader
-from coci_hpc.checkpoint.layout import Layout, LeafDesc, Piece, RankLayout, make_layout
+from coci_hpc.checkpoint.layout import Layout, LeafDesc, Piece, RankLayout, make_layout, shard_entries
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, copy_threads, pread_into
@@ -473,11 +473,7 @@ def seal(world_size: int, prepared: Prepared, gathered: list[dict[str, Any]], ke
         elif d.kind == "dtensor":
             entry["boxes"] = [[r, list(o), list(sh)] for r, o, sh in layout.boxes[i]]
         tensors.append(entry)
-    shards = []
-    for r, g in enumerate(gathered):
-        for p, crc in zip(layout.pieces_of(r), g["crcs"]):
-            shards.append({"file": mf.DATA_FILE, "dataset": layout.datasets[p.dataset].path,
-                           "rank": r, "start": p.start, "stop": p.stop, "crc32c": crc})
+    shards = shard_entries(layout, [g["crcs"] for g in gathered], mf.DATA_FILE)
     skel = {"replicated": prepared.skeletons["replicated"],
             "per_rank": {str(r): g["per_rank"] for r, g in enumerate(gathered)}}
     m = mf.build(step=prepared.step, world_size=world_size, tensors=tensors, shards=shards,

@@ -15,6 +15,7 @@ that cover it before the caller may use it. Any HDF5 error on damaged metadata b
 """
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import stat
@@ -29,7 +30,7 @@ import numpy as np
 from coci_hpc.checkpoint.integrity import checksum
 from coci_hpc.checkpoint.layout import DatasetSpec
 from coci_hpc.checkpoint.lustre import IOTuning
-from coci_hpc.checkpoint.manifest import DATA_FILE
+from coci_hpc.checkpoint.manifest import DATA_FILE, box_runs
 from coci_hpc.checkpoint.perms import set_file
 from coci_hpc.checkpoint.rawio import FileMap, aligned_empty, copy_pool, load_helper, pread_into
 from coci_hpc.checkpoint.state import storage_dtype
@@ -109,6 +110,7 @@ _H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError, IndexError
 
 _MIN_COPY_SHARE = 32 << 20  # a copy thread gets at least this many bytes (else: fewer threads)
 _MAP_CHUNK = 64 << 20  # bytes per populate call: a failure names its range promptly
+_SMALL_RUN = 64 << 10  # a box whose runs average less is mapped by its extent, not run by run
 PASS1_MAPPED = True  # check over the file's mapping (False: stream; see DatasetReader.verify)
 
 
@@ -209,7 +211,11 @@ class DatasetReader:
         # read: one HDF5 lookup per dataset, not two (each costs ~0.3 ms).
         self._offsets: dict[tuple[Any, ...], int] = {}
         self._algorithm: str | None = None
-        self._shards: dict[str, list[Mapping[str, Any]]] = {}
+        # Each shard's byte runs in the dataset, in the order its CRC covers them (one run, or a
+        # format-4 DTensor box's runs), and per dataset every run sorted: (starts, stops, keys).
+        self._by_key: dict[tuple[str, int], Mapping[str, Any]] = {}
+        self._runs: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        self._index: dict[str, tuple[list[int], list[int], list[tuple[str, int]]]] = {}
         self._verified: set[tuple[str, int]] = set()
         self._metas: dict[str, Mapping[str, Any]] = {}
         self._map: FileMap | None | bool = False  # False: not tried yet (see _mapped)
@@ -227,9 +233,40 @@ class DatasetReader:
                                          "with; load an older step")
         self._algorithm = manifest["checksum"]
         self._metas = {t["dataset"]: t for t in manifest["tensors"] if t["file"] == mine}
+        every: dict[str, list[tuple[int, int, tuple[str, int]]]] = {}
         for sh in manifest["shards"]:
             if sh["file"] == mine:
-                self._shards.setdefault(sh["dataset"], []).append(sh)
+                ds = sh["dataset"]
+                key = (ds, sh["start"])
+                self._by_key[key] = sh
+                if "box" in sh:
+                    t = self._metas[ds]
+                    rs = box_runs(t["shape"], sh["box"], storage_dtype(t["dtype"]).itemsize)
+                else:
+                    rs = [(sh["start"], sh["stop"] - sh["start"])] if sh["stop"] > sh["start"] else []
+                self._runs[key] = rs
+                every.setdefault(ds, []).extend((a, a + n, key) for a, n in rs)
+        for ds, runs in every.items():
+            runs.sort()
+            self._index[ds] = ([a for a, _, _ in runs], [b for _, b, _ in runs], [k for _, _, k in runs])
+
+    def _overlapping(self, dataset: str, start: int, stop: int) -> list[tuple[int, int, tuple[str, int]]]:
+        """The shard runs (first byte, end, shard key) overlapping bytes [start, stop), in order
+        (the runs of a dataset never overlap: the manifest's check)."""
+        idx = self._index.get(dataset)
+        if idx is None:
+            return []
+        starts, stops, keys = idx
+        lo, hi = bisect.bisect_right(stops, start), bisect.bisect_left(starts, stop)
+        return [(starts[i], stops[i], keys[i]) for i in range(lo, hi)]
+
+    def _keys_in(self, dataset: str, start: int, stop: int) -> list[tuple[str, int]]:
+        """Keys of the shards overlapping [start, stop), each once, in order of first overlap."""
+        return list(dict.fromkeys(k for _, _, k in self._overlapping(dataset, start, stop)))
+
+    def _span(self, key: tuple[str, int]) -> int:
+        sh = self._by_key[key]
+        return int(sh["stop"] - sh["start"])
 
     def close(self) -> None:
         if isinstance(self._map, FileMap):
@@ -324,9 +361,12 @@ class DatasetReader:
 
     def _whole_shards(self, meta: Mapping[str, Any], start: int, stop: int) -> list[tuple[Any, list[int]]]:
         """Unverified shards lying wholly inside [start, stop), each with a running CRC."""
-        return [(sh, [0]) for sh in self._shards.get(meta["dataset"], ())
-                if start <= sh["start"] and sh["stop"] <= stop and sh["stop"] > sh["start"]
-                and (meta["dataset"], sh["start"]) not in self._verified]
+        out = []
+        for key in self._keys_in(meta["dataset"], start, stop):
+            sh = self._by_key[key]
+            if "box" not in sh and start <= sh["start"] and sh["stop"] <= stop and key not in self._verified:
+                out.append((sh, [0]))
+        return out  # box shards (several runs) are checked by _verify
 
     def _read_checking(self, flat: np.ndarray, file_off: int, start: int,
                        whole: list[tuple[Any, list[int]]]) -> None:
@@ -358,8 +398,10 @@ class DatasetReader:
 
     def _check(self, meta: Mapping[str, Any], sh: Mapping[str, Any], crc: int) -> None:
         if crc != sh["crc"]:
+            what = f"box at {sh['box'][0]} of shape {sh['box'][1]} (bytes [{sh['start']}, {sh['stop']}))" \
+                if "box" in sh else f"bytes [{sh['start']}, {sh['stop']})"
             raise CheckpointCorrupt(
-                f"{self.path}: shard {meta['dataset']!r} bytes [{sh['start']}, {sh['stop']}) written "
+                f"{self.path}: shard {meta['dataset']!r} {what} written "
                 f"by rank {sh['rank']} fails its checksum ({self._algorithm} {crc:08x}, manifest "
                 f"{sh['crc']:08x})", hint="the data file is damaged; load an older step "
                                           "(load_latest falls back by itself)")
@@ -368,35 +410,40 @@ class DatasetReader:
     def _verify(self, meta: Mapping[str, Any], got: memoryview, start: int, off: int) -> None:
         assert self._algorithm is not None
         stop = start + len(got)
-        for sh in self._shards.get(meta["dataset"], ()):
-            key = (meta["dataset"], sh["start"])
-            if sh["stop"] <= start or sh["start"] >= stop or key in self._verified:
+        for key in self._keys_in(meta["dataset"], start, stop):
+            if key in self._verified:
                 continue
-            if start <= sh["start"] and sh["stop"] <= stop:
-                data: Any = got[sh["start"] - start:sh["stop"] - start]
+            sh, runs = self._by_key[key], self._runs[key]
+            if start <= sh["start"] and sh["stop"] <= stop:  # the bytes read hold all of its runs
+                parts: list[Any] = [got[a - start:a - start + n] for a, n in runs]
             else:  # the read covers part of the shard: its CRC needs all of it
-                data = np.empty(sh["stop"] - sh["start"], dtype=np.uint8)
+                data = np.empty(sum(n for _, n in runs), dtype=np.uint8)
+                at = 0
                 try:
-                    pread_into(self._fd, data, off + sh["start"])
+                    for a, n in runs:
+                        pread_into(self._fd, data[at:at + n], off + a)
+                        at += n
                 except (OSError, EOFError) as exc:
                     raise CheckpointCorrupt(f"{self.path}: reading {meta['dataset']!r} failed: {exc}",
                                             hint="the shard file is damaged; load an older step") from exc
-            self._check(meta, sh, checksum(data, self._algorithm))
+                parts = [data]
+            crc = 0
+            for part in parts:
+                crc = checksum(part, self._algorithm, crc)
+            self._check(meta, sh, crc)
 
     def shards_of(self, ranges: Sequence[tuple[Mapping[str, Any], int, int]]) -> set[tuple[str, int]]:
         """Keys (dataset, first byte) of the shards overlapping byte ranges ``(meta, start, stop)``."""
-        out = set()
+        out: set[tuple[str, int]] = set()
         for meta, start, stop in ranges:
-            for sh in self._shards.get(meta["dataset"], ()):
-                if sh["stop"] > start and sh["start"] < stop and sh["stop"] > sh["start"]:
-                    out.add((meta["dataset"], sh["start"]))
+            out.update(k for _, _, k in self._overlapping(meta["dataset"], start, stop))
         return out
 
     def shard_extent(self, key: tuple[str, int]) -> tuple[int, int]:
-        """(first byte in the file, bytes) of the shard ``key`` (see :meth:`shards_of`)."""
+        """(first byte in the file, bytes to its last) of the shard ``key`` (see :meth:`shards_of`);
+        a box shard's runs lie in that extent with other boxes' runs between them."""
         dataset, first = key
-        sh = next(sh for sh in self._shards[dataset] if sh["start"] == first)
-        return self.offset(self._metas[dataset]) + first, sh["stop"] - sh["start"]
+        return self.offset(self._metas[dataset]) + first, self._span(key)
 
     def trust(self, keys: set[tuple[str, int]]) -> None:
         """Count shards another rank of this node checked (the same page cache) as checked."""
@@ -431,14 +478,14 @@ class DatasetReader:
         jobs = []
         for dataset, first in keys - self._verified:
             meta = self._metas[dataset]
-            sh = next(sh for sh in self._shards[dataset] if sh["start"] == first)
+            sh = self._by_key[(dataset, first)]
             jobs.append((meta, sh, self.offset(meta) + first))
         jobs.sort(key=lambda j: j[2])
         fmap = self._mapped() if PASS1_MAPPED else None
         if fmap is not None:
             for _, sh, at in jobs:
                 os.posix_fadvise(self._fd, at, sh["stop"] - sh["start"], os.POSIX_FADV_WILLNEED)
-        size = min(_READ_CHUNK, max((sh["stop"] - sh["start"] for _, sh, _ in jobs), default=0))
+        size = min(_READ_CHUNK, max((self._nbytes(sh) for _, sh, _ in jobs), default=0))
         with _stream_buffers(0 if fmap is not None else size) as bufs:
             self._check_jobs(jobs, fmap, bufs, size)
         if fmap is None:
@@ -468,22 +515,32 @@ class DatasetReader:
         assert algorithm is not None
         crcs = [0] * len(jobs)
 
-        def feed(j: int, part: np.ndarray) -> None:  # the helper thread: chunks arrive in order
-            crcs[j] = checksum(part, algorithm, crcs[j])
+        def feed(j: int, parts: list[np.ndarray]) -> None:  # the helper thread: chunks arrive in order
+            crc = crcs[j]
+            for part in parts:
+                crc = checksum(part, algorithm, crc)
+            crcs[j] = crc
 
         pending = None
         k = 0
         try:
             for j, (meta, sh, at) in enumerate(jobs):
-                n = sh["stop"] - sh["start"]
-                for c0 in range(0, n, size):
-                    m = min(size, n - c0)
+                base = at - sh["start"]  # the dataset's first byte in the file
+                runs = self._runs[(meta["dataset"], sh["start"])]
+                if fmap is not None and len(runs) > 1 and self._nbytes(sh) < len(runs) * _SMALL_RUN:
+                    # short runs (a column-sharded box: one per row) share their pages with the
+                    # other boxes' runs: map the box's extent in a few calls, not one per run
+                    self._map_in([(meta, at, self._span((meta["dataset"], sh["start"])))])
+                for batch in _batches(runs, size):
                     try:
                         if fmap is not None:
-                            part = fmap.view(at + c0, m)
+                            parts = [fmap.view(base + a, n) for a, n in batch]
                         else:
-                            part = bufs[k % 2][:m]  # the other buffer is being checked
-                            pread_into(self._fd, part, at + c0)
+                            buf, pos = bufs[k % 2], 0  # the other buffer is being checked
+                            for a, n in batch:
+                                pread_into(self._fd, buf[pos:pos + n], base + a)
+                                pos += n
+                            parts = [buf[:pos]]
                     except (OSError, EOFError) as exc:
                         raise CheckpointCorrupt(f"{self.path}: reading {meta['dataset']!r} failed: {exc}",
                                                 hint="the shard file is damaged or truncated; load an "
@@ -491,8 +548,8 @@ class DatasetReader:
                     k += 1
                     if pending is not None:
                         pending.result()
-                    pending = load_helper().submit(feed, j, part)
-                    del part
+                    pending = load_helper().submit(feed, j, parts)
+                    del parts
         finally:
             if pending is not None:
                 pending.result()
@@ -530,9 +587,8 @@ class DatasetReader:
             raise CheckpointCorrupt(f"{self.path}: read past the end of {meta['dataset']!r}",
                                     hint="manifest and request disagree")
         if self._algorithm is not None:
-            covered = [sh for sh in self._shards.get(meta["dataset"], ())
-                       if sh["stop"] > start and sh["start"] < stop and sh["stop"] > sh["start"]]
-            unchecked = [sh for sh in covered if (meta["dataset"], sh["start"]) not in self._verified]
+            covered = self._overlapping(meta["dataset"], start, stop)
+            unchecked = [k for _, _, k in covered if k not in self._verified]
             if unchecked or not self._covered(covered, start, stop):
                 raise CheckpointCorrupt(f"{self.path}: bytes [{start}, {stop}) of {meta['dataset']!r} "
                                         f"are not all covered by checked shards",
@@ -584,13 +640,17 @@ class DatasetReader:
                                          "step") from errors[0]
 
     @staticmethod
-    def _covered(shards: list[Mapping[str, Any]], start: int, stop: int) -> bool:
+    def _covered(runs: list[tuple[int, int, tuple[str, int]]], start: int, stop: int) -> bool:
+        """Whether sorted runs (first byte, end, key) leave no byte of [start, stop) out."""
         at = start
-        for sh in sorted(shards, key=lambda s: s["start"]):
-            if sh["start"] > at:
+        for a, b, _ in runs:
+            if a > at:
                 return False
-            at = max(at, sh["stop"])
+            at = max(at, b)
         return at >= stop
+
+    def _nbytes(self, sh: Mapping[str, Any]) -> int:
+        return sum(n for _, n in self._runs[(sh["dataset"], sh["start"])])
 
     def read_bytes(self, meta: Mapping[str, Any], start: int, stop: int) -> np.ndarray:
         self.offset(meta)  # the dataset lies inside the file: no allocation from a crafted size
@@ -600,3 +660,23 @@ class DatasetReader:
         buf = np.empty(stop - start, dtype=np.uint8)
         self.read(meta, buf, start)
         return buf
+
+
+def _batches(runs: Sequence[tuple[int, int]], size: int) -> list[list[tuple[int, int]]]:
+    """Runs (first byte, bytes) cut into pieces of at most ``size`` bytes and grouped, in order,
+    into batches of at most ``size`` bytes: one hand-off to the checking thread per batch, not
+    per run (a column-sharded box has one run per row)."""
+    out: list[list[tuple[int, int]]] = []
+    batch: list[tuple[int, int]] = []
+    filled = 0
+    for a, n in runs:
+        for c0 in range(0, n, size):
+            m = min(size, n - c0)
+            if filled + m > size and batch:
+                out.append(batch)
+                batch, filled = [], 0
+            batch.append((a + c0, m))
+            filled += m
+    if batch:
+        out.append(batch)
+    return out

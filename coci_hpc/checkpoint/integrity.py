@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -82,3 +82,68 @@ def seal_problem(manifest: Mapping[str, Any]) -> str | None:
     if got != want:
         return f"its own checksum does not match (crc32c {got:08x}, recorded {want:08x}): it was edited or damaged"
     return None
+
+
+# CRC-32C of a concatenation from the CRCs of its parts (zlib's crc32_combine, for the
+# Castagnoli polynomial): crc(A + B) = (x^(8 len B) * crc(A) mod P) ^ crc(B). A DTensor box is
+# written as many contiguous runs, each checksummed while it is written; the manifest records
+# one CRC per box (format 4), combined from them without touching the bytes again.
+_POLY_REFLECTED = 0x82F63B78
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the CRC-32C polynomial (reflected bit order, as zlib's multmodp)."""
+    m, p = 1 << 31, 0
+    while a:
+        if a & m:
+            p ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ _POLY_REFLECTED if b & 1 else b >> 1
+    return p
+
+
+_X2N = [1 << 30]  # x^(2^k) mod P, k = 0, 1, ... (x^1 is 1 << 30 in reflected order)
+
+
+def _x8nmodp(nbytes: int) -> int:
+    """x^(8 nbytes) mod P."""
+    p, k, n = 1 << 31, 3, nbytes  # 1 << 31: x^0
+    while n:
+        while len(_X2N) <= k:
+            _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+        if n & 1:
+            p = _multmodp(_X2N[k], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+class Combiner:
+    """Folds CRC-32C values of consecutive byte runs into the CRC-32C of their concatenation.
+    The shift for one run length is tabulated once (4 x 256 entries), so each run costs four
+    lookups: the runs of a box have one length."""
+
+    def __init__(self) -> None:
+        self._tables: dict[int, tuple[list[int], ...]] = {}
+
+    def _table(self, nbytes: int) -> tuple[list[int], ...]:
+        t = self._tables.get(nbytes)
+        if t is None:
+            op = _x8nmodp(nbytes)
+            t = self._tables[nbytes] = tuple([_multmodp(op, v << (8 * k)) for v in range(256)] for k in range(4))
+        return t
+
+    def combine(self, crc1: int, crc2: int, len2: int) -> int:
+        """CRC-32C of A + B from crc1 = CRC-32C(A), crc2 = CRC-32C(B) and len2 = len(B)."""
+        if len2 == 0:
+            return crc1
+        t0, t1, t2, t3 = self._table(len2)
+        return t0[crc1 & 0xFF] ^ t1[(crc1 >> 8) & 0xFF] ^ t2[(crc1 >> 16) & 0xFF] ^ t3[crc1 >> 24] ^ crc2
+
+    def fold(self, parts: Sequence[tuple[int, int]]) -> int:
+        """CRC-32C of the concatenation of parts given as (CRC-32C, bytes), in order."""
+        crc = 0  # the CRC of no bytes
+        for c, n in parts:
+            crc = self.combine(crc, c, n)
+        return crc

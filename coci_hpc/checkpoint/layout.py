@@ -265,6 +265,45 @@ def dtensor_pieces(idx: int, name: str, shape: tuple[int, ...], itemsize: int,
             for r, offs, shape_b in boxes for start, src, n in runs(shape, (offs, shape_b), itemsize)]
 
 
+def shard_entries(layout: Layout, crcs: Sequence[Sequence[int]], file: str) -> list[dict[str, Any]]:
+    """The manifest's "shards": every rank's pieces (in :meth:`Layout.pieces_of` order) with the
+    CRC-32C each rank computed while writing them (``crcs[rank]``, same order).
+
+    The runs of a DTensor box (a rank writes at most one box of a tensor) become ONE entry
+    (format 4): ``"box"`` [offsets, shape], ``start``/``stop`` its first byte and one past its
+    last in the dataset, and the CRC-32C of its bytes in the local shard's C order (its runs in
+    order), combined from the runs' CRCs. A ``Shard(1)`` box of a 4096-row weight was 4096
+    entries before; it is one now."""
+    from coci_hpc.checkpoint.integrity import Combiner
+
+    comb = Combiner()
+    out: list[dict[str, Any]] = []
+    box_of = {i: {b[0]: b for b in bx} for i, bx in layout.boxes.items()}  # dataset -> rank -> box
+    for r, mine in enumerate(crcs):
+        pieces = layout.pieces_of(r)
+        if len(pieces) != len(mine):
+            raise CheckpointError(f"rank {r} reported {len(mine)} checksums for {len(pieces)} pieces",
+                                  hint="report this; save again under a new step")
+        i = 0
+        while i < len(pieces):
+            p = pieces[i]
+            d = layout.datasets[p.dataset]
+            if d.kind != "dtensor":
+                out.append({"file": file, "dataset": d.path, "rank": r, "start": p.start, "stop": p.stop,
+                            "crc32c": mine[i]})
+                i += 1
+                continue
+            j = i + 1
+            while j < len(pieces) and pieces[j].dataset == p.dataset:
+                j += 1
+            _, offs, shape = box_of[p.dataset][r]
+            crc = comb.fold([(mine[k], pieces[k].stop - pieces[k].start) for k in range(i, j)])
+            out.append({"file": file, "dataset": d.path, "rank": r, "start": p.start,
+                        "stop": pieces[j - 1].stop, "box": [list(offs), list(shape)], "crc32c": crc})
+            i = j
+    return out
+
+
 def _row_bytes(locs: Sequence[LeafDesc]) -> int:
     for l in locs:
         if l.shape and l.shape[0]:

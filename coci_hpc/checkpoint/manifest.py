@@ -24,8 +24,9 @@ from coci_hpc.checkpoint import integrity, perms
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 
 FORMAT = "coci-ckpt"
-FORMAT_VERSION = 3             # 3: per-rank leaves packed, one dataset per leaf with its "parts"
-READABLE_VERSIONS = (1, 2, 3)  # 2: CRC-32C, one dataset per rank and per-rank leaf (rank00003/...)
+FORMAT_VERSION = 4                # 4: one "shards" entry per DTensor box ("box"), not per byte run
+READABLE_VERSIONS = (1, 2, 3, 4)  # 3: per-rank leaves packed, one dataset per leaf with its "parts"
+#                                   2: CRC-32C, one dataset per rank and per-rank leaf (rank00003/...)
 #                                1: zlib CRC-32 shards ("crc32"), no own checksum
 MAX_DEPTH = 64              # nesting of a manifest's JSON: deeper is damage, not training state
 MAX_NDIM = 32               # HDF5's own limit on dataset rank
@@ -175,6 +176,7 @@ def _schema_problem(m: dict[str, Any]) -> str | None:
     if not isinstance(tensors, list) or not isinstance(shards, list):
         return "'tensors' or 'shards' is not a list"
     sizes: dict[tuple[str, str], int] = {}
+    dtensors: dict[tuple[str, str], tuple[dict[str, Any], int, set[Any]]] = {}  # (entry, itemsize, boxes)
     for i, t in enumerate(tensors):
         if not isinstance(t, dict):
             return f"tensors[{i}] is not an object"
@@ -198,6 +200,8 @@ def _schema_problem(m: dict[str, Any]) -> str | None:
         if (t["file"], t["dataset"]) in sizes:
             return f"tensors[{i}] ({t['name']!r}) names dataset {t['dataset']!r} a second time"
         sizes[(t["file"], t["dataset"])] = t["nbytes"]
+        if t["kind"] == "dtensor":
+            dtensors[(t["file"], t["dataset"])] = (t, itemsize, {_box_key(b) for b in t["boxes"]})
     crc_key = integrity.SHARD_KEY[m["checksum"]]
     for i, sh in enumerate(shards):
         if not isinstance(sh, dict) or not all(_is_int(sh.get(k)) for k in ("rank", "start", "stop", crc_key)) \
@@ -209,17 +213,63 @@ def _schema_problem(m: dict[str, Any]) -> str | None:
         if not sh["start"] <= sh["stop"] <= sizes[key]:
             return (f"shards[{i}] covers bytes [{sh['start']}, {sh['stop']}) outside {key[1]!r} "
                     f"({sizes[key]} bytes)")
+        if "box" in sh:
+            problem = _box_shard_problem(sh, dtensors.get(key), m["format_version"])
+            if problem:
+                return f"shards[{i}] {problem}"
     # Every byte of every tensor is under exactly one shard checksum: no unchecked bytes.
     ranges: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for sh in shards:
-        if sh["stop"] > sh["start"]:
-            ranges.setdefault((sh["file"], sh["dataset"]), []).append((sh["start"], sh["stop"]))
+        key = (sh["file"], sh["dataset"])
+        if "box" in sh:  # the box's runs (checked above to lie inside [start, stop))
+            ranges.setdefault(key, []).extend((a, a + n) for a, n in box_runs(dtensors[key][0]["shape"],
+                                                                              sh["box"], dtensors[key][1]))
+        elif sh["stop"] > sh["start"]:
+            ranges.setdefault(key, []).append((sh["start"], sh["stop"]))
     for key, size in sizes.items():
         pos = 0
         for a, b in sorted(ranges.get(key, [])):
             pos = b if a == pos else -1
         if pos != size:
             return f"the shards of {key[1]!r} do not cover its {size} bytes exactly once"
+    return None
+
+
+def box_runs(shape: list[int], box: list[list[int]], itemsize: int) -> list[tuple[int, int]]:
+    """(first byte, bytes) of each contiguous run of a format-4 box shard in its dataset, in the
+    local shard's C order: the order its CRC covers them in."""
+    from coci_hpc.checkpoint.dtensor import runs  # dtensor imports torch: only when reading
+
+    return [(a, n) for a, _, n in runs(shape, (tuple(box[0]), tuple(box[1])), itemsize)]
+
+
+def shard_nbytes(sh: dict[str, Any], tensor: dict[str, Any]) -> int:
+    """Bytes a shard's checksum covers (a box shard: its box, not the extent of its runs)."""
+    if "box" not in sh:
+        return int(sh["stop"] - sh["start"])
+    return math.prod(sh["box"][1]) * (_itemsize(tensor["dtype"]) or 0)
+
+
+def _box_key(b: list[Any]) -> tuple[Any, ...]:
+    return (b[0], tuple(b[1]), tuple(b[2]))
+
+
+def _box_shard_problem(sh: dict[str, Any], tensor: tuple[dict[str, Any], int, set[Any]] | None,
+                       version: int) -> str | None:
+    """What is wrong with a box shard (format 4): one of its DTensor's boxes, written by the rank
+    the tensor's "boxes" name, whose runs begin at ``start`` and end at ``stop``."""
+    if version < 4 or tensor is None:
+        return "is a box shard of a tensor that is not a DTensor of a format-4 manifest"
+    t, itemsize, boxes = tensor
+    box = sh["box"]
+    if not (isinstance(box, list) and len(box) == 2 and all(
+            isinstance(x, list) and len(x) == len(t["shape"]) and all(_is_int(v) for v in x) for x in box)):
+        return "has a malformed 'box'"
+    if _box_key([sh["rank"], *box]) not in boxes:
+        return f"names a box of rank {sh['rank']} that {t['name']!r} does not list"
+    rs = box_runs(t["shape"], box, itemsize)
+    if not rs or (sh["start"], sh["stop"]) != (rs[0][0], rs[-1][0] + rs[-1][1]):
+        return f"says bytes [{sh['start']}, {sh['stop']}) but its box spans others"
     return None
 
 

@@ -47,9 +47,9 @@ def test_a_format_2_checkpoint_with_per_rank_datasets_still_loads(shared_dir, co
     for k in ("v", "s"):  # rank r's own per-rank values, as rank r saved them
         assert torch.equal(target["mine"].value[k], expected["mine"].value[k])
     assert torch.equal(target["rows"].local, expected["rows"].local)
-    # The next save writes the packed layout (format 3) next to it.
+    # The next save writes the packed layout (format 3 and later; now 4) next to it.
     mgr.save(10, target)
     m = cat.read_manifest(cat.step_dir(root, 10))
-    assert m["format_version"] == 3
+    assert m["format_version"] == 4
     assert [t["dataset"] for t in m["tensors"] if t["kind"] == "per_rank"] == ["per_rank/mine/v", "per_rank/mine/s"]
     mgr.close()

@@ -7,6 +7,7 @@
 
 RESULT (rank 0, one JSON line): per rank what it checked (see the tests in test_memtier.py).
 Ranks per node for the partner choice: MEMTIER_JOB_RPN (default 1: every rank its own node).
+MEMTIER_JOB_MESH=hsdp: HSDP (2-D mesh, replicate x shard) instead of FSDP2 on a 1-D mesh.
 """
 from __future__ import annotations
 
@@ -45,7 +46,10 @@ class MLP(torch.nn.Module):
 def build(world: int) -> tuple[Any, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = MLP()
-    mesh = init_device_mesh("cpu", (world,))
+    if os.environ.get("MEMTIER_JOB_MESH") == "hsdp":  # 2-D: replicate x shard, 2 x (world / 2)
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     fully_shard(model.fc1, mesh=mesh)
     fully_shard(model.fc2, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -162,6 +166,9 @@ def main() -> int:
         result["loaded_step"] = None if res is None else res.step
         result["loaded"] = hashes(model2, opt2)
         result["expected"] = full_at.get(res.step) if res is not None else None
+        if res is not None and res.step + 1 in full_at:  # the loaded state trains on as the run did
+            step_once(model2, opt2, res.step + 1)
+            result["resumed"] = hashes(model2, opt2) == full_at[res.step + 1]
     gathered = comm.gather(result)
     if rank == 0:
         print("RESULT " + json.dumps(gathered), flush=True)
