@@ -5,8 +5,9 @@ Slurm sends the job's ``--signal`` (e.g. ``--signal=USR1@60``) before the time l
 setting (most sites) a preemption is SIGTERM at the start of the partition's GraceTime. A handler that
 checkpoints runs at an arbitrary point inside a step (torn state, a collective half done on one
 rank), so :class:`~coci_hpc.runtime.signals.SignalRecorder` (the one record-only signal class)
-only records. The loop calls :meth:`PreemptionGuard.stop_requested` once per step on every rank; it agrees across ranks (a rank that got no signal still stops at the
-same step), and then the loop saves and calls :meth:`PreemptionGuard.requeue`.
+only records. The loop calls :meth:`PreemptionGuard.stop_requested` once per step on every rank;
+it agrees across ranks (a rank that got no signal still stops at the same step), and then the loop
+saves and calls :meth:`PreemptionGuard.requeue`.
 
 Why the job requeues itself: a job that exits during its grace time ends COMPLETED and is NOT
 requeued by Slurm (seen on the local cluster), and Slurm never requeues a job that hits its time

@@ -156,17 +156,18 @@ class StepSync:
             req.wait()
             self._pending = None
             return
-        notice = self._notice_or_ending(time.monotonic())
-        try:
-            poll_until_done(
-                test, self.deadline_s if deadline_s is None else deadline_s, notice,
-                lambda limit: (f"the step agreement did not complete within {limit:.1f}s: a peer rank "
-                               f"is gone (crashed, killed, or its node failed)"),
-                lambda waited, why: (f"a peer rank is gone after {waited:.2f}s of waiting for the step "
-                                     f"agreement ({why})"))
-        except PeerLost:
-            self.lost = True      # the allreduce in flight can never complete
-            raise
+        if not test():        # usually done by the boundary: set up the polled wait only when it is not
+            try:
+                poll_until_done(
+                    test, self.deadline_s if deadline_s is None else deadline_s,
+                    self._notice_or_ending(time.monotonic()),
+                    lambda limit: (f"the step agreement did not complete within {limit:.1f}s: a peer rank "
+                                   f"is gone (crashed, killed, or its node failed)"),
+                    lambda waited, why: (f"a peer rank is gone after {waited:.2f}s of waiting for the step "
+                                         f"agreement ({why})"))
+            except PeerLost:
+                self.lost = True      # the allreduce in flight can never complete
+                raise
         if hasattr(req, "Wait"):
             req.Wait()            # completed: frees the MPI request
         else:
