@@ -148,6 +148,17 @@ class Staging:
                 continue
         return out
 
+    def holders(self) -> set[int]:
+        """The ranks that posted anything here: the survivors that reached this save (a rank that
+        is lost posts nothing; one that reached it posts at least its own state)."""
+        out = set()
+        for p in self.path.glob("*.from*"):
+            try:
+                out.add(int(p.name.rsplit(".from", 1)[1][:5]))
+            except ValueError:
+                continue
+        return out
+
     def has_own(self, rank: int) -> bool:
         """Whether ``rank`` posted its own state (it survived)."""
         return (self.path / f"rank{rank:05d}.from{rank:05d}").exists()

@@ -150,6 +150,8 @@ class PeerLost(Record):
     survivor: int | None = _f("the writing survivor's rank")
     committed: bool | None = _f("whether the survivors' checkpoint committed")
     lost_ranks: list[int] | None = _f("whose per-rank state came from a partner's copy")
+    lost: list[int] | None = _f("the ranks that never reached the survivors' save (lost, as the writing survivor "
+                                "saw it); absent in logs written before 2026-11-27")
     reason: str | None = _f("why nothing was committed")
     failure_wall: float | None = _f("when the peer was lost")
     detect_wall: float | None = _f("when a survivor saw it")

@@ -293,6 +293,7 @@ class TierOutcome:
     tier: str = "disk"
     reason: str = ""
     ranks_from_partner: list[int] = field(default_factory=list)
+    lost: list[int] = field(default_factory=list)   # ranks that posted nothing: lost, as the writer saw it
     write_s: float = 0.0
     path: Path | None = None
 
@@ -339,6 +340,7 @@ def survivors_save(root: Path, boundary: int, tier: MemoryTier, tuning: IOTuning
         elif now - quiet_since > QUIET_S and not staging.writing():
             break
         time.sleep(0.05)
+    out.lost = sorted(set(range(tier.size)) - staging.holders())
     if step is None:
         missing = sorted(set(range(tier.size)) - {r for ranks in found.values() for r in ranks})
         out.reason = (f"no memory-tier copy of rank(s) {missing} survived (a rank and its partner were both "

@@ -170,7 +170,7 @@ class PeerLoss:
                 tier = getattr(out, "tier", "survivors" if out.committed else "disk")
                 step_of = out.step if isinstance(out, memtier.TierOutcome) and out.step is not None else boundary
                 log.write("peer_lost", step=step_of, tier=tier, how=how, survivor=self.rank,
-                          committed=out.committed, lost_ranks=out.ranks_from_partner, reason=out.reason, failure_wall=t_fail,
+                          committed=out.committed, lost_ranks=out.ranks_from_partner, lost=out.lost or None, reason=out.reason, failure_wall=t_fail,
                           detect_wall=t_detect, commit_wall=time.time() if out.committed else None,
                           save_s=out.write_s, fallback_step=None if out.committed else latest)
                 if in_place and self.notice is not None:

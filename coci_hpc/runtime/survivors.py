@@ -120,6 +120,7 @@ class Outcome:
     writer: bool = False            # this rank wrote the checkpoint
     reason: str = ""                # why nothing was committed
     ranks_from_partner: list[int] = field(default_factory=list)
+    lost: list[int] = field(default_factory=list)   # ranks that posted nothing: lost, as the writer saw it
     write_s: float = 0.0
     path: Path | None = None
 
@@ -232,6 +233,7 @@ def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, ow
         out.reason = parts_reason(parts)
         return out
     found = gather_posted(root, step, size, window_s)
+    out.lost = sorted(set(range(size)) - cat.Staging(root, step).holders())
     missing = [r for r in range(size) if r not in found]
     if missing:
         out.reason = (f"no state of rank(s) {missing} for step {step} reached the survivors "

@@ -132,6 +132,13 @@ def test_the_memory_tiers_staging_holds_copies_by_step_and_is_swept_with_the_sur
     holder, path = got[12][1]
     assert holder == 0 and path.read_bytes() == b"partner12"
     assert got[12][0][0] == 0 and got[9][0][1].read_bytes() == b"own9"
+    # the survivors that posted: holder 1 too, though its copy of rank 1 is shadowed in posted_at
+    assert st.holders() == {0, 1} and cat.TierStaging(tmp_path, 13).holders() == set()
+    (tmp_path / "dp").mkdir()
+    dp = cat.Staging(tmp_path / "dp", 12)
+    dp.post(0, 2, b"copy of 0 held by 2")
+    dp.post(2, 2, b"own")
+    assert dp.holders() == {2}
     assert st.claim() and not cat.TierStaging(tmp_path, 12).claim()
     st.drop_posted()
     assert cat.TierStaging(tmp_path, 12).posted_at() == {} and (st.path / "claim").exists()

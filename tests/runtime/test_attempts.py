@@ -207,6 +207,10 @@ def test_previous_attempt_restarted_in_place_is_the_relaunch_loops_record() -> N
     got = att.classify_previous([lost, relaunch], SlurmAttempt("REQUEUED", 0.0, 10.0, "n1"), restart_count=1)
     assert (got.reason, got.source, got.end_wall) == ("node_failure", "relaunch", 51.0)
     assert "n2 (down) lost" in got.detail and "rank(s) [1] lost after step 80" in got.detail
+    # A rank and its partner both lost: nothing came from a partner's copy, the lost ranks are known.
+    both = {**lost, "lost_ranks": [], "lost": [1, 3], "committed": False, "reason": "no memory-tier copy"}
+    got = att.classify_previous([both], SlurmAttempt("NODE_FAIL", 0.0, 58.0, "n1"), restart_count=1)
+    assert "rank(s) [1, 3] lost after step 80" in got.detail and "?" not in got.detail, got.detail
     crash = {**relaunch, "lost": {}, "reason": "the ranks exited with status 137 (no node down)"}
     got = att.classify_previous([crash], None, restart_count=0)
     assert (got.reason, got.end_wall) == ("crash", 57.0)

@@ -44,6 +44,7 @@ def test_lost_rank_recovers_from_partner_bit_exactly(tmp_path: Path) -> None:
     res = job(2, "recover", tmp_path, 3, 7, "1")
     out = res[0]["outcome"]
     assert out["committed"] and out["tier"] == "memory" and out["step"] == 6 and out["from_partner"] == [1]
+    assert out["lost"] == [1]                            # the rank that posted nothing
     for r in res:
         assert r["loaded_step"] == 6                     # lost 7 - 6 = 1 <= k steps
         assert r["loaded"] == r["expected"]              # gathered full tensors, bit for bit
@@ -55,6 +56,7 @@ def test_node_loss_with_two_ranks_per_node(tmp_path: Path) -> None:
     writers = [r["outcome"] for r in res if "outcome" in r and r["outcome"]["writer"]]
     assert len(writers) == 1
     assert writers[0]["tier"] == "memory" and writers[0]["step"] == 4 and writers[0]["from_partner"] == [2, 3]
+    assert writers[0]["lost"] == [2, 3]
     for r in res:
         assert r["loaded_step"] == 4 and r["loaded"] == r["expected"]
 
@@ -67,6 +69,7 @@ def test_rank_and_partner_lost_falls_back_to_disk(tmp_path: Path) -> None:
     w = writers[0]
     assert not w["committed"] and w["tier"] == "disk" and "disk tier" in w["reason"]
     assert "[1, 3]" in w["reason"]
+    assert w["lost"] == [1, 3] and w["from_partner"] == []   # what the event log's `lost` says (not "?")
     for r in res:
         assert r["loaded_step"] == 1 and r["loaded"] == r["expected"]   # the disk checkpoint of step 1
 

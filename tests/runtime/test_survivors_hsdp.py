@@ -36,6 +36,7 @@ def test_hsdp_rank_lost_survivors_checkpoint_loads_bit_exactly_and_resumes(tmp_p
     w = writers[0]
     assert w["committed"] and w["tier"] == "memory" and w["step"] == 4, w
     assert int(lost) in w["from_partner"]  # the lost rank's state: its partner's copy (others may be too)
+    assert w["lost"] == [int(lost)]        # only the rank that is gone, whatever came from partners
     m = cat.read_step(tmp_path, 4)
     assert m["survivors_save"] is True and m["world_size"] == 4
     # each HSDP shard once in the file (two replicas hold each; the survivors write one)

@@ -126,6 +126,9 @@ def test_fsdp2_rank_and_partner_lost_falls_back_to_the_disk_tier(three_nodes: Sl
     assert "disk tier" in lost[0]["reason"] and lost[0]["fallback_step"] == DISK_EVERY, lost
     starts = [e for e in events if e["event"] == "attempt_start"]
     assert starts[1]["resumed_step"] == DISK_EVERY
+    # the lost ranks are named (n2 ran rank 1, n3 rank 2), not "?": no copy came from a partner
+    assert lost[0]["lost"] == [1, 2] and not lost[0]["lost_ranks"], lost
+    assert "rank(s) [1, 2] lost after step" in starts[1]["prev_end"]["detail"], starts[1]
     text = _status(cluster, ckpt)
     assert f"fell back to step {DISK_EVERY} (the disk tier served)" in text
 

@@ -157,7 +157,8 @@ def main() -> int:
         if rank not in lost:
             out = memtier.survivors_save(root, steps, tier, tuning, keep=3, window_s=3.0)
             result["outcome"] = {"writer": out.writer, "committed": out.committed, "tier": out.tier,
-                                 "step": out.step, "from_partner": out.ranks_from_partner, "reason": out.reason}
+                                 "step": out.step, "from_partner": out.ranks_from_partner, "reason": out.reason,
+                                 "lost": out.lost}
         comm.barrier()          # the test's stand-in for the relaunch: everyone back
         model2, opt2 = build(world)
         state2 = {"model": model2, "optimizer": opt2}
