@@ -346,7 +346,8 @@ def render_text(h: RunHistory) -> str:
                          f"{pl['step']} committed {_s(pl['after_failure_s'])}s after the failure; "
                          f"steps lost {_i(pl['steps_lost'])}")
         else:
-            lines.append(f"attempt {pl['attempt']}: a rank was lost after step {pl['step']}; no survivors' "
+            who = f"rank(s) {pl['lost_ranks']} were" if pl.get("lost_ranks") else "a rank was"
+            lines.append(f"attempt {pl['attempt']}: {who} lost after step {pl['step']}; no survivors' "
                          f"checkpoint ({pl['reason']}); fell back to step {_i(pl['fallback_step'])} (the disk tier served); "
                          f"steps lost {_i(pl['steps_lost'])}")
     lines.append(f"steps lost in total: {h.steps_lost_total}")

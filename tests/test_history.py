@@ -347,3 +347,20 @@ def test_an_unreadable_line_is_counted_and_makes_no_attempt_0(run_dir: Path, cap
     out = capsys.readouterr().out
     assert "event log: 3 unreadable line(s) skipped" in out
     assert not any(ln.split()[:1] == ["0"] for ln in out.splitlines())
+
+
+def test_a_rank_and_partner_loss_names_the_lost_ranks(tmp_path: Path) -> None:
+    """The memory tier's fallback (no copy of the lost ranks survived): the line names the ranks
+    from the record's ``lost`` (nothing came from a partner, so ``lost_ranks`` is empty)."""
+    none = {"reason": "none", "source": "none", "detail": "first attempt"}
+    recs = [_rec("attempt_start", 1, 0, nodes=["n1", "n2", "n3"], ranks=3, restart_count=0, prev_end=none,
+                 resumed_step=None, steps_lost=None),
+            _rec("checkpoint", 1, 8, step=100, kind="planned", blocking_s=0.02, persist_s=0.1),
+            _rec("peer_lost", 1, 16, step=120, committed=False, tier="disk", lost_ranks=[], lost=[1, 2],
+                 reason="no memory-tier copy of rank(s) [1] survived", failure_wall=T0 + 10.0, fallback_step=100)]
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    text = history.render_text(history.load(d, use_sacct=False))
+    assert "attempt 1: rank(s) [1, 2] were lost after step 120; no survivors' checkpoint" in text, text
+    assert "fell back to step 100 (the disk tier served)" in text

@@ -131,6 +131,7 @@ def test_fsdp2_rank_and_partner_lost_falls_back_to_the_disk_tier(three_nodes: Sl
     assert "rank(s) [1, 2] lost after step" in starts[1]["prev_end"]["detail"], starts[1]
     text = _status(cluster, ckpt)
     assert f"fell back to step {DISK_EVERY} (the disk tier served)" in text
+    assert "rank(s) [1, 2] were lost after step" in text
 
 
 def _wait_for_peer_lost(ckpt: Path, timeout: float) -> None:
