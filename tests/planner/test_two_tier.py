@@ -245,3 +245,30 @@ def test_profile_from_model_learns_from_the_current_regime():
     p = tt.profile_from_model(model, 16, window=(0.0, 4 * YEAR))
     assert p.partner_loss == 0.0 and "current regime" in p.note
     assert tt.profile_from_model(model, 16).partner_loss == 0.0     # window taken from the incidents
+
+
+def test_rare_pair_losses_get_enough_check_runs_for_a_steady_disk_interval():
+    """A 64-node job hit ~17 times in 72 h, 0.2 % of them taking a pair (system 16's learned
+    regime): 3000 simulated incidents hold ~6 pair losses, and which disk interval wins was the
+    noise of where they fell (K doubled on one check seed). The check now simulates runs for
+    ~200 pair losses (here the 4000-run cap: ~130), and every seed's disk interval stays next to
+    the first-order one."""
+    costs = tt.TierCosts(mem_ckpt_s=3.2, disk_ckpt_s=80.0, mem_restart_s=190.0,
+                         disk_restart_s=230.0, step_time_s=5.0)
+    prof = tt.IncidentProfile(6.4976e-05, 0.0019609, 64)
+    work = 3 * DAY
+    disks = []
+    for seed in range(4):
+        plan = tt.plan_two_tier(costs, prof, work, seed=seed)
+        assert plan.tier == "two-tier"
+        runs = plan.params["check_runs"]
+        assert runs == min(4000, math.ceil(200 / (prof.disk_rate * work)))
+        assert runs * prof.disk_rate * work >= 100.0
+        fo = plan.alternatives["two-tier-first-order"]["disk_every_steps"]
+        disks.append(plan.disk_every_steps / fo)
+    assert all(0.79 <= d <= 1.26 for d in disks), disks
+    # the old check (3000 incidents, at most 400 runs) let one of these seeds (3) pick K doubled
+    old = [tt.plan_two_tier(costs, prof, work, seed=s, check_pair_losses=0, max_runs=400)
+           for s in range(4)]
+    assert max(p.disk_every_steps / p.alternatives["two-tier-first-order"]["disk_every_steps"]
+               for p in old) > 1.5
