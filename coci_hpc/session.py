@@ -229,6 +229,7 @@ class Session:
         self._started = True
         total = int(total)
         step = 0
+        completed = False
         try:
             step = self._begin()
             if step > total:
@@ -243,6 +244,7 @@ class Session:
                 self._after_step(step, now - t, total)
                 t = now
             self._finish(total)
+            completed = True
         except GeneratorExit:          # the loop body left early: a `break`, or an exception
             if step < total:
                 self.peer_loss.after_exception(self.step, self.sync)
@@ -252,7 +254,7 @@ class Session:
             self._op_timeout.restore()
             self.recorder.uninstall()
             self.survival.remove_hooks()
-            signals.after_session()        # coci-submit's placeholders give the default action back
+            signals.after_session(completed)   # placeholders give the default action back; done: late warnings ignored
 
     def observe(self, loss: Any) -> None:
         """Record the step's loss; rank 0 feeds it to the planner and the event log.

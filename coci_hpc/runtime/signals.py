@@ -233,14 +233,29 @@ def _kill_daemonic_children() -> None:
             pass
 
 
-def after_session() -> None:
+# Slurm's warning signals (``--signal``): after a loop that finished its work, one that arrives
+# late is ignored rather than ending the process (see after_session).
+LATE_WARNINGS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def after_session(completed: bool = False) -> None:
     """After a Session's loop: a signal whose handler is still a placeholder (a ``hand_over``
     :class:`SignalRecorder`: coci-submit's runner holds USR1/USR2/SIGTERM for the Session until it
     starts, see submit/runner.py) gets its
-    default action back, as in a script without coci_hpc. A user's own handler is left alone."""
+    default action back, as in a script without coci_hpc. A user's own handler is left alone.
+
+    ``completed``: the loop ran every step and wrote its final checkpoint. Then USR1/USR2 left at
+    their default action (which ends the process) are ignored from now on: Slurm's time-limit or
+    preemption warning can arrive while the finished run is still exiting (its lead time reached
+    just as the last step ended), and dying of it would make Slurm record the completed job as
+    FAILED. SIGTERM keeps its default action."""
     if threading.current_thread() is not threading.main_thread():
         return
     for s in SHIELDED:
-        owner = getattr(signal.getsignal(s), "__self__", None)
+        handler = signal.getsignal(s)
+        owner = getattr(handler, "__self__", None)
         if isinstance(owner, SignalRecorder) and owner.hand_over:
             signal.signal(s, signal.SIG_DFL)
+            handler = signal.SIG_DFL
+        if completed and s in LATE_WARNINGS and handler == signal.SIG_DFL:
+            signal.signal(s, signal.SIG_IGN)

@@ -150,3 +150,23 @@ def test_a_signal_before_the_session_exists_stops_the_real_session_at_its_first_
     assert len(stops) == 1, p.stderr
     assert stops[0].signal == signame and stops[0].reason == reason and stops[0].saved
     assert stops[0].step is not None and stops[0].step <= 2     # the first boundary (or the pipelined next)
+
+
+def test_after_a_completed_loop_late_warnings_are_ignored_not_a_users_handler() -> None:
+    before = {s: signal.getsignal(s) for s in signals.SHIELDED}
+    try:
+        for s in signals.SHIELDED:
+            signal.signal(s, signal.SIG_DFL)
+        signals.after_session(completed=False)         # a loop left early: defaults stay
+        assert all(signal.getsignal(s) == signal.SIG_DFL for s in signals.SHIELDED)
+        signals.after_session(completed=True)          # the run is done and saved
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        mine = lambda *a: None                         # noqa: E731
+        signal.signal(signal.SIGUSR2, mine)
+        signals.after_session(completed=True)
+        assert signal.getsignal(signal.SIGUSR2) is mine
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)

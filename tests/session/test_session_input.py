@@ -4,8 +4,10 @@ total_steps below the latest checkpoint, torchrun's WORLD_SIZE beside a one-rank
 coci-submit's placeholder signal handlers after the loop."""
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -99,10 +101,15 @@ def test_after_the_loop_coci_submits_placeholders_give_the_default_action_back(t
         s = Session(_model(), 2, ckpt_dir=tmp_path, policy="fixed:5", environ=ENV)
         for _ in s.steps():
             assert signal.getsignal(signal.SIGUSR2) != early._handle   # the Session owns it
-        assert all(signal.getsignal(s) == signal.SIG_DFL for s in signals.SHIELDED)
+        # the run completed: a late time-limit / preemption warning must not kill the exiting
+        # process (Slurm would record the finished job as FAILED); SIGTERM keeps its default
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        assert all(signal.getsignal(s) == signal.SIG_IGN for s in signals.LATE_WARNINGS)
+        os.kill(os.getpid(), signal.SIGUSR2)   # would end this test process under SIG_DFL
+        time.sleep(0.1)
         mine = lambda *a: None             # noqa: E731  a user's own handler is left alone
         signal.signal(signal.SIGUSR1, mine)
-        signals.after_session()
+        signals.after_session(completed=True)
         assert signal.getsignal(signal.SIGUSR1) is mine
     finally:
         for s, h in before.items():
