@@ -110,42 +110,34 @@ def local_buffers(model: Any, opt: Any) -> list[Any]:
 
 
 def raw_write(path: Path, bufs: list[Any]) -> None:
-    """The floor of a durable save: this rank's bytes, ``pwrite`` in 64 MB pieces into a file of
-    its own, then ``fsync`` of the file and its directory (no format, no checksum, no commit)."""
+    """The floor of a durable save: this rank's bytes, ``pwrite`` (the store's own
+    ``rawio.pwrite_all``) into a file of its own, then ``fsync`` of the file and its directory (no format, no checksum, no commit)."""
+    from coci_hpc.checkpoint.rawio import pwrite_all
+    from coci_hpc.durable import fsync_dir
+
     fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
     try:
         off = 0
         for b in bufs:
-            mv = memoryview(b)
-            done = 0
-            while done < len(mv):
-                done += os.pwrite(fd, mv[done:done + (64 << 20)], off + done)
-            off += len(mv)
+            pwrite_all(fd, b, off)
+            off += b.nbytes
         os.fsync(fd)
     finally:
         os.close(fd)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_dir(path.parent)
 
 
 def raw_read(path: Path, bufs: list[Any]) -> None:
     """The floor of a load: read this rank's bytes back straight into the live tensors' memory
-    (``preadv``, no format, no checksum)."""
+    (the store's ``rawio.pread_into``, no format, no checksum)."""
+    from coci_hpc.checkpoint.rawio import pread_into
+
     fd = os.open(path, os.O_RDONLY)
     try:
         off = 0
         for b in bufs:
-            mv = memoryview(b)
-            done = 0
-            while done < len(mv):
-                n = os.preadv(fd, [mv[done:done + (64 << 20)]], off + done)
-                if n <= 0:
-                    raise EOFError(f"{path} is short")
-                done += n
-            off += len(mv)
+            pread_into(fd, b, off)
+            off += b.nbytes
     finally:
         os.close(fd)
 
