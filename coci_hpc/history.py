@@ -164,7 +164,7 @@ def build(events: Iterable[Record | Mapping[str, Any]], ckpt_dir: str,
             peer_losses.append({"attempt": n, "step": e.step, "committed": bool(e.committed),
                                 "failure_wall": fail,
                                 "after_failure_s": (commit - fail) if commit and fail else None,
-                                "lost_ranks": e.lost or e.lost_ranks, "reason": e.reason or "",
+                                "lost_ranks": e.ranks_lost, "reason": e.reason or "",
                                 "fallback_step": e.fallback_step, "steps_lost": None,
                                 "tier": e.tier})
             if e.committed:

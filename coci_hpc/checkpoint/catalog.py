@@ -159,6 +159,11 @@ class Staging:
                 continue
         return out
 
+    def absent(self, size: int) -> list[int]:
+        """The ranks of a world of ``size`` that posted nothing here: lost, as far as this
+        staging can tell."""
+        return sorted(set(range(size)) - self.holders())
+
     def has_own(self, rank: int) -> bool:
         """Whether ``rank`` posted its own state (it survived)."""
         return (self.path / f"rank{rank:05d}.from{rank:05d}").exists()

@@ -92,7 +92,7 @@ def classify_previous(prev_records: Lines, prev_slurm: SlurmAttempt | None,
         # one) or requeued the job (Slurm's row then says REQUEUED, not why).
         when = (lost.failure_wall or lost.wall) if lost is not None else relaunch.step_ended_wall
         return PrevEnd(relaunch_cause(relaunch), "relaunch",
-                       f"{relaunch.reason}" + ("" if lost is None else f"; rank(s) {lost.lost or lost.lost_ranks or '?'} "
+                       f"{relaunch.reason}" + ("" if lost is None else f"; rank(s) {lost.ranks_lost or '?'} "
                                                f"lost after step {lost.step}"),
                        None if when is None else float(when))
     if lost is not None and end is None:
@@ -102,7 +102,7 @@ def classify_previous(prev_records: Lines, prev_slurm: SlurmAttempt | None,
         saved = (f"survivors' checkpoint of step {lost.step}" if lost.committed
                  else f"no survivors' checkpoint ({lost.reason})")
         return PrevEnd("node_failure" if state == "NODE_FAIL" else "rank_failure", "session",
-                       f"rank(s) {lost.lost or lost.lost_ranks or '?'} lost after step {lost.step}; {saved}"
+                       f"rank(s) {lost.ranks_lost or '?'} lost after step {lost.step}; {saved}"
                        + (f"; Slurm: {state}" if state else ""), _wall(lost.failure_wall or lost.wall))
     if in_same_job and prev_slurm is not None:
         state = prev_slurm.state

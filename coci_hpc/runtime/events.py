@@ -159,6 +159,12 @@ class PeerLost(Record):
     save_s: float | None = _f("the survivors' save seconds")
     fallback_step: int | None = _f("the checkpoint the next attempt resumes from instead")
 
+    @property
+    def ranks_lost(self) -> list[int] | None:
+        """The lost ranks as far as the record knows: ``lost``, or in a log written before that
+        field, ``lost_ranks`` (the ranks whose state came from a partner, the lost ones then)."""
+        return self.lost or self.lost_ranks
+
 
 @dataclass
 class End(Record):

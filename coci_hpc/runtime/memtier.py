@@ -340,7 +340,7 @@ def survivors_save(root: Path, boundary: int, tier: MemoryTier, tuning: IOTuning
         elif now - quiet_since > QUIET_S and not staging.writing():
             break
         time.sleep(0.05)
-    out.lost = sorted(set(range(tier.size)) - staging.holders())
+    out.lost = staging.absent(tier.size)
     if step is None:
         missing = sorted(set(range(tier.size)) - {r for ranks in found.values() for r in ranks})
         out.reason = (f"no memory-tier copy of rank(s) {missing} survived (a rank and its partner were both "

@@ -124,14 +124,14 @@ class PeerLoss:
                  f"started since this attempt ({self.log.attempt}) began: this process was left behind and "
                  f"leaves without saving, recording or requeueing")
             leave_after_peer_loss(in_place)
-        ahead = mf_latest(self.root)
-        if ahead is not None and ahead > self.survival.snapshot.step:
+        ahead, mine = mf_latest(self.root), self.survival.snapshot.step
+        if ahead is not None and ahead > mine:
             # A checkpoint newer than the last step this rank finished committed while it was gone:
             # the others went on and saved without it (its host froze, the survivors saved, Slurm
             # is cancelling the attempt and its SIGCONT woke this process). It is the lost rank:
             # recording a loss of its own would blame the survivors in the next attempt's line.
             _say(f"rank {self.rank}: peer lost at step {step} ({how}), but step {ahead} was committed after "
-                 f"this rank's last step ({self.survival.snapshot.step}): this rank was the one left behind "
+                 f"this rank's last step ({mine}): this rank was the one left behind "
                  f"and leaves without saving, recording or requeueing")
             leave_after_peer_loss(in_place)
         try:

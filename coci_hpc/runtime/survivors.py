@@ -233,7 +233,7 @@ def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, ow
         out.reason = parts_reason(parts)
         return out
     found = gather_posted(root, step, size, window_s)
-    out.lost = sorted(set(range(size)) - cat.Staging(root, step).holders())
+    out.lost = cat.Staging(root, step).absent(size)
     missing = [r for r in range(size) if r not in found]
     if missing:
         out.reason = (f"no state of rank(s) {missing} for step {step} reached the survivors "

@@ -134,6 +134,7 @@ def test_the_memory_tiers_staging_holds_copies_by_step_and_is_swept_with_the_sur
     assert got[12][0][0] == 0 and got[9][0][1].read_bytes() == b"own9"
     # the survivors that posted: holder 1 too, though its copy of rank 1 is shadowed in posted_at
     assert st.holders() == {0, 1} and cat.TierStaging(tmp_path, 13).holders() == set()
+    assert st.absent(4) == [2, 3] and cat.TierStaging(tmp_path, 13).absent(2) == [0, 1]
     (tmp_path / "dp").mkdir()
     dp = cat.Staging(tmp_path / "dp", 12)
     dp.post(0, 2, b"copy of 0 held by 2")
