@@ -10,7 +10,7 @@ import torch
 from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.comm import Comm
 from coci_hpc.runtime import peerloss
-from coci_hpc.runtime.events import EventLog, read_records
+from coci_hpc.runtime.events import EventLog, read_events
 
 
 class _Left(Exception):
@@ -57,7 +57,7 @@ def _peer_loss(root: Path, last_finished: int, calls: list[Any], in_slurm: bool 
     pl = peerloss.PeerLoss(comm=Comm.serial(), mgr=mgr, survival=_Survival(last_finished),  # type: ignore[arg-type]
                            state={}, session_key="__coci__", local_session_state=dict, parts=[], root=root,
                            log=log, book=_Book(), losses=None, job=Job(),  # type: ignore[arg-type]
-                           runner=lambda *a, **k: calls.append(a), notice=None, in_place=None)
+                           runner=lambda *a, **k: calls.append(a) or "", notice=None, in_place=None)
     return pl, mgr, log
 
 
@@ -90,7 +90,7 @@ def test_a_rank_behind_a_newer_committed_checkpoint_leaves_without_saving_or_rec
         pl.handle(8, "the step agreement's deadline passed", 0.0)
     assert left == [False]
     assert not mgr.quiesced and calls == []                          # no save begun, no scontrol
-    assert [r for r in read_records(tmp_path / "events.jsonl") if r.get("event") == "peer_lost"] == []
+    assert [r for r in read_events(tmp_path / "events.jsonl") if r.get("event") == "peer_lost"] == []
     err = capsys.readouterr().err
     assert "step 9 was committed after this rank's last step (7)" in err and "without saving" in err
 
