@@ -18,11 +18,11 @@ from tests.conftest import ROOT, run_ranks
 SCRIPT = str(ROOT / "tests" / "session" / "scripts" / "two_tier_train.py")
 # The job's MTBF 2 s with 1 incident in 10 taking a rank and its partner, a blocking disk save of
 # ~0.1 s against a memory copy of ~5 ms, steps of ~20 ms: the memory tier pays clearly (simulated
-# waste ~0.56 of the work against ~0.76 for disk only), D ~ 60-65 steps, the single-tier plan's
-# interval ~ 25-38 steps. The run goes past the plan at step REPLAN_EVERY, the margin before k
-# applies and a few D; not a multiple of REPLAN_EVERY (a plan begun at the last boundary would
-# never be applied).
-STEPS, MTBF_S = 530, 2.0
+# waste ~0.6 of the work against ~0.8 for disk only), D ~ 60-110 steps (it moves with the
+# measured costs), the single-tier plan's interval ~ 20-40 steps. The run goes past the plan at
+# step REPLAN_EVERY, the margin before k applies and 2 or 3 D; not near a multiple of
+# REPLAN_EVERY (a plan begun at the last boundaries would never be applied, yet printed).
+STEPS, MTBF_S = 540, 2.0
 PLAN_RE = re.compile(r"two-tier plan: (.*); memory copy every (\S+) step\(s\), disk save every (\d+) step\(s\)")
 
 
@@ -64,20 +64,19 @@ def test_two_tier_plan_sets_k_on_every_rank_and_the_disk_interval(tmp_path: Path
 
     # D: rank 0's disk interval is the plan's, set at the plan (from step REPLAN_EVERY on)
     disk = tier0["disk"]
+    assert dedup(disk) == dedup([None, *ds]), (dedup(disk), why)
     switch = next(s for s, d in enumerate(disk) if d is not None)
-    assert switch >= memtier.REPLAN_EVERY and dedup(disk) == dedup([None, *ds]), (dedup(disk), why)
+    assert switch >= memtier.REPLAN_EVERY, (switch, why)
     saves = planned_saves(tmp_path / "tier")
     after = [(a, b) for a, b in zip(saves, saves[1:]) if a >= switch]
-    assert len(after) >= 3, (saves, why)
-    exact = 0
+    assert len(after) >= 2, (saves, why)
     for a, b in after:
-        in_force = set(disk[a:b])
-        if len(in_force) == 1:                     # one plan over the whole gap: exactly D apart
-            assert b - a == disk[a], (a, b, saves, why)
-            exact += 1
-        else:                                      # a replan within it: one of the intervals it held
-            assert min(in_force) <= b - a <= max(in_force), (a, b, saves, why)
-    assert exact >= 2, (saves, why)
+        # the save after a is at the first step s whose interval in force (set at boundary s - 1,
+        # where s is decided) has passed: exactly D after a, also across a replan (unless the
+        # replan shortened D below the steps already done: then at once)
+        assert b - a >= disk[b - 1] and all(s - a < disk[s - 1] for s in range(a + 1, b)), (a, b, saves, why)
+    steady = [(a, b) for a, b in after if len(set(disk[a:b])) == 1]
+    assert steady and all(b - a == disk[a] for a, b in steady), (steady, saves, why)
 
     # ... which is not what the schedule's own single-tier plan does: without the memory tier
     # (the control) and in this run before the plan, disk saves come well under D apart
