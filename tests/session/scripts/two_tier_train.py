@@ -17,7 +17,8 @@ real file system, instead of about one (the two-phase save's snapshot).
 Rank 0 prints one ``RESULT`` JSON line: per run, every rank's memory-tier interval after each
 step boundary (``every[s]``: after boundary s) and how many copies it had made by then
 (``copies[s]``), rank 0's two-tier disk interval after each (``disk[s]``; None: the schedule's
-own plan), the measured costs, and the hash of the final (gathered) parameters. The Session's own lines (the plan it made) go to stderr as usual.
+own plan), the measured costs, and the hash of the final (gathered) parameters. The Session's
+own lines (the plans it made) go to stderr as usual.
 """
 from __future__ import annotations
 
