@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import json
+
 from coci_hpc.planner.convergence import ConvergenceTracker
 from coci_hpc.planner.costs import Costs
 from coci_hpc.planner.failures import FailureModel
@@ -75,10 +77,21 @@ class OnlinePlanner:
         nxt = self.plan.next_step(last_ckpt_step)
         return nxt is not None and nxt <= step
 
+    def _model_json(self) -> str:
+        """The failure model as JSON, made once per model (it never changes in place). A real
+        history's model holds its incidents (LANL system 2: 5000, ~800 KB): as a dict it was
+        rebuilt and flattened into every checkpoint and every memory-tier copy, 0.2-0.45 s of
+        rank 0's time each (and the copy time the two-tier plan measures); one string is not."""
+        cached = getattr(self, "_model_json_cache", None)     # from_state() skips __init__
+        if cached is None or cached[0] is not self.failure_model:
+            cached = (self.failure_model, json.dumps(self.failure_model.to_dict(), separators=(",", ":")))
+            self._model_json_cache = cached
+        return cached[1]
+
     def to_state(self) -> dict:
         return {"version": 1, "policy": self.policy_spec, "nodes": self.nodes,
                 "horizon_s": self.horizon_s, "costs": self.costs.to_dict(),
-                "failure_model": self.failure_model.to_dict(), "tracker": self.tracker.to_state(),
+                "failure_model_json": self._model_json(), "tracker": self.tracker.to_state(),
                 "plan": self.plan.to_dict(), "replans": self.replans,
                 "time_since_failure_s": self.time_since_failure_s,
                 "survivor_coverage": self.survivor_coverage}
@@ -90,7 +103,9 @@ class OnlinePlanner:
         obj = cls.__new__(cls)
         obj.policy_spec = state["policy"]
         obj.policy = make_policy(state["policy"])
-        obj.failure_model = FailureModel.from_dict(state["failure_model"])
+        # "failure_model" (a dict): checkpoints written before the model was kept as one string
+        obj.failure_model = FailureModel.from_dict(json.loads(state["failure_model_json"])
+                                                   if "failure_model_json" in state else state["failure_model"])
         obj.nodes = int(state["nodes"])
         obj.costs = Costs.from_dict(state["costs"])
         obj.horizon_s = float(state["horizon_s"])

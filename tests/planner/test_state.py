@@ -79,3 +79,22 @@ def test_online_planner_passes_hazard_and_time_since_failure_and_keeps_it():
     assert later.params["time_since_failure_s"] == 3750.0
     del state["time_since_failure_s"]                         # states written before this field
     assert OnlinePlanner.from_state(state).time_since_failure_s is None
+
+
+def test_a_history_model_is_kept_as_one_string_made_once_and_old_states_still_load():
+    """A real history's model holds its incidents (thousands): the state keeps it as one JSON
+    string, made once per model (not rebuilt and flattened at every save and memory-tier copy),
+    that loads back to the same model; a state written with the model as a dict still loads."""
+    from coci_hpc.planner.failures import FailureEvent, estimate
+    evs = [FailureEvent((f"n{i % 7}",), 1000.0 * i, reason="hw", source="event") for i in range(300)]
+    model = estimate(evs, 7 * 300 * 1000.0, cluster_nodes=7)
+    op = OnlinePlanner("coci", model, 4, Costs(5, 60, 0.5), 6 * 3600)
+    a, b = op.to_state(), op.to_state()
+    assert "failure_model" not in a and a["failure_model_json"] is b["failure_model_json"]
+    back = OnlinePlanner.from_state(json.loads(json.dumps(a)))
+    assert back.failure_model == model and len(back.failure_model.events) == 300
+    old = {k: v for k, v in a.items() if k != "failure_model_json"}
+    old["failure_model"] = model.to_dict()
+    assert OnlinePlanner.from_state(old).failure_model == model
+    op.failure_model = from_mtbf(3600.0)           # a new model (the partition's history arrived)
+    assert json.loads(op.to_state()["failure_model_json"])["events"] == []
