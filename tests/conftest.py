@@ -48,11 +48,35 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def run_ranks(n: int, *args: str, timeout: float = 120, env: dict[str, str] | None = None
               ) -> subprocess.CompletedProcess:
-    """Run ``python args...`` on n ranks under mpiexec (n=0: plain python, no MPI)."""
+    """Run ``python args...`` on n ranks under mpiexec (n=0: plain python, no MPI).
+
+    Under mpiexec the script runs as ``python -m mpi4py script``: an exception that ends one rank
+    calls MPI_Abort, so mpiexec ends every rank and the test fails at once with that rank's
+    traceback. Run as a plain script, the failed rank would wait in MPI_Finalize for the others
+    while they wait in a collective for it: a hang until ``timeout``, with the cause never shown.
+    On ``timeout`` mpiexec is asked to end its ranks (SIGTERM, which it forwards) before it is
+    killed, so no rank is left running, and the output so far is shown."""
     cmd = [sys.executable, *args]
     if n:
+        if list(args[:2]) != ["-m", "mpi4py"]:
+            cmd = [sys.executable, "-m", "mpi4py", *args]
         cmd = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", str(n), *cmd]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=ROOT)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env or clean_env(), cwd=ROOT) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()            # mpiexec forwards it to the ranks and reaps them
+            try:
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()             # its ranks (own process groups) may still hold the pipes
+                try:
+                    out, err = proc.communicate(timeout=10)
+                except subprocess.TimeoutExpired:
+                    out, err = "", "(no output: the ranks outlived mpiexec)"
+            raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout:g} s:\n{out}\n{err}") from None
+    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p

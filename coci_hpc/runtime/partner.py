@@ -289,8 +289,14 @@ class PartnerLink:
         return self.comm.Isend(spec, self.partner, self.tag)
 
     def arrived(self) -> int | None:
-        """The size in bytes of the next message from the source if it has started to arrive, else None."""
-        if self.comm.Iprobe(source=self.source, tag=self.tag, status=self.status):
+        """The size in bytes of the next message from the source if it has started to arrive, else None.
+
+        Probed twice: Open MPI's ``Iprobe`` looks for a match *before* it drives progress, so a
+        lone call only sees what an earlier MPI call took in, and nothing else here calls MPI
+        between boundaries. With one probe a copy was taken in a boundary late, its sender's
+        request was still open at the next memory-tier step (k = 2), and that copy was skipped."""
+        if (self.comm.Iprobe(source=self.source, tag=self.tag, status=self.status)
+                or self.comm.Iprobe(source=self.source, tag=self.tag, status=self.status)):
             return int(self.status.Get_count(self.byte))
         return None
 

@@ -35,6 +35,14 @@ def test_partner_copy_is_bit_exact_and_buffers_are_reused(tmp_path: Path, n: int
         # the copy this rank holds is its source's local FSDP2 shards at that step, byte for byte
         assert r["received"] == src["own_at_last"] and r["received"]
         assert r["skipped"] == 0
+        # A copy sent at boundary s is taken in by the receiver's next boundary: the step's gloo
+        # collectives order every rank's boundary s before any rank's boundary s + 1, and nothing
+        # calls MPI in between. (One Iprobe per boundary took it in a boundary late: the sender's
+        # request was then still open at the next copy's step and that copy was skipped, or the
+        # driver waited for a copy never sent; under mpiexec that hung the HSDP test.)
+        for t, got in enumerate(r["seen"], start=1):
+            newest_before = (t - 1) // k * k          # the newest copy sent at a boundary before t
+            assert newest_before <= got <= t or (newest_before == 0 and got == -1), (t, r["seen"])
         # two own + two received slots, allocated in the first copies, never again
         assert r["allocs"][-1] == 4 and r["allocs"][2 * k + 1:] == [4] * (len(r["allocs"]) - 2 * k - 1)
         assert r["addrs_stable"] is True

@@ -31,6 +31,9 @@ def test_hsdp_rank_lost_survivors_checkpoint_loads_bit_exactly_and_resumes(tmp_p
     # a memory-tier copy every 2 steps; the rank is lost in step 6 (5 done): step 4 is saved,
     # one finished step is lost (the survivors' save writes the newest step every rank's state is held for)
     res = job(4, "recover", tmp_path, 2, 5, lost)
+    for r in res:   # every copy taken in by the partner's next boundary, none skipped (as in test_memtier)
+        assert r["skipped"] == 0, r
+        assert r["seen"][2] == 2 and r["seen"][3] in (2, 4) and r["seen"][4] == 4, (r["rank"], r["seen"])
     writers = [r["outcome"] for r in res if "outcome" in r and r["outcome"]["writer"]]
     assert len(writers) == 1
     w = writers[0]

@@ -89,15 +89,25 @@ def slot_bytes(slot: memtier.Slot) -> dict[str, str]:
 
 
 def settle(tier: memtier.MemoryTier, comm: Comm, want: int) -> None:
-    """Let the exchange of step ``want`` finish on every rank (a test's quiet moment)."""
+    """Let the exchange of step ``want`` finish on every rank (a test's quiet moment). Every rank
+    decides from the same gathered values, so all of them leave together: a rank that left alone
+    would leave the others waiting in the next collective for it."""
+    sent = comm.allgather(max(s.step for s in tier.own) == want)
+    if not all(sent):           # skipped (the last copy still in flight): it will never arrive
+        raise SystemExit(f"rank {comm.rank}: the copy of step {want} was never sent by rank(s) "
+                         f"{[r for r, ok in enumerate(sent) if not ok]} (skipped: the copy before it was "
+                         f"still in flight)")
     end = time.monotonic() + 30
-    while time.monotonic() < end:
+    while True:
         tier.poll()
         done = tier._send_req is None and tier.complete is not None and tier.complete.step == want
-        if all(comm.allgather(done)):
+        states = comm.allgather((done, time.monotonic() > end))
+        if all(d for d, _ in states):
             return
+        if any(late for _, late in states):
+            raise SystemExit(f"rank {comm.rank}: the exchange of step {want} did not finish in 30 s on "
+                             f"rank(s) {[r for r, (d, _) in enumerate(states) if not d]}")
         time.sleep(0.01)
-    raise SystemExit(f"rank {comm.rank}: the exchange of step {want} did not finish")
 
 
 def main() -> int:
@@ -127,9 +137,11 @@ def main() -> int:
     full_at: dict[int, dict[str, str]] = {}        # full tensors (gathered) at each memory-tier step
     allocs: list[int] = []
     addrs: list[list[int]] = []
+    seen: list[int] = []                           # the step of the source's copy held after each boundary
     for s in range(1, steps + 1):
         step_once(model, opt, s)
         tier.boundary(s)
+        seen.append(-1 if tier.complete is None else tier.complete.step)
         if s % k == 0:
             at_step[s] = local_bytes(state)
         full_at[s] = hashes(model, opt)
@@ -149,6 +161,7 @@ def main() -> int:
     # after the first two copies each way (both slots of each side exist), nothing is allocated
     result["addrs_stable"] = all(a == addrs[2 * k + 1] for a in addrs[2 * k + 1:]) if steps > 2 * k + 1 else None
     result["skipped"] = tier.skipped
+    result["seen"] = seen
     if mode == "recover":
         lost = [int(x) for x in sys.argv[5].split(",")]
         # The "lost" ranks stop taking part (their memory is gone); the survivors train one more
