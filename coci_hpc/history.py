@@ -57,6 +57,10 @@ class Attempt:
     # Why a lost rank cannot be covered by a survivors' save in this attempt (state held in parts
     # across ranks, such as FSDP2's), from its attempt_start record; None when it can.
     survivors_off: str | None = None
+    # Whether steps_lost is exact (the previous attempt's progress records, or its stop); False: a
+    # lower bound from the event log; None: not recorded (a log written before the records).
+    steps_lost_exact: bool | None = None
+    prev_last_step: int | None = None         # the previous attempt's last finished step, as this one read it
 
 
 @dataclass
@@ -136,7 +140,8 @@ def build(events: Iterable[Record | Mapping[str, Any]], ckpt_dir: str,
                 attempt=n, job_id=e.job_id, nodes=list(e.nodes), ranks=e.ranks,
                 start_wall=e.wall, resumed_step=e.resumed_step, steps_lost=e.steps_lost,
                 prev_end=dict(e.prev_end), restart_latency_s=None,
-                sacct_id=e.slurm_id or e.job_id, survivors_off=e.survivors_off)
+                sacct_id=e.slurm_id or e.job_id, survivors_off=e.survivors_off,
+                steps_lost_exact=e.steps_lost_exact, prev_last_step=e.prev_last_step)
             for step in e.torn_survivors_saves:
                 # The previous attempt's survivors were killed mid-save: no peer_lost record of theirs.
                 peer_losses.append({"attempt": n - 1, "step": step, "committed": False, "after_failure_s": None,
@@ -204,6 +209,10 @@ def build(events: Iterable[Record | Mapping[str, Any]], ckpt_dir: str,
     for a in ordered:
         pts = [s for s, _, n in loss_pts if n == a.attempt]
         a.last_step = max(pts) if pts else (a.checkpoints[-1] if a.checkpoints else a.resumed_step)
+    for prev, nxt in zip(ordered, ordered[1:]):
+        # A crash's losses lag its last step; the next attempt read that step from the progress records.
+        if nxt.prev_last_step is not None and (prev.last_step is None or nxt.prev_last_step > prev.last_step):
+            prev.last_step = nxt.prev_last_step
     if status == "running" and ordered and ordered[-1].attempt in stops:
         status = "stopped"
     if sacct:
@@ -312,6 +321,11 @@ def _s(x: Any, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _lost(a: Attempt) -> str:
+    """Steps lost; ``>=N`` when only a lower bound is known (no progress record survived)."""
+    return ">=" + str(a.steps_lost) if a.steps_lost and a.steps_lost_exact is False else _i(a.steps_lost)
+
+
 def render_text(h: RunHistory) -> str:
     """The human summary: one row per attempt, then checkpoints and totals."""
     jobs = sorted({str(a.job_id) for a in h.attempts if a.job_id})
@@ -327,7 +341,7 @@ def render_text(h: RunHistory) -> str:
         lat = a.restart_latency_s or {}
         lines.append(
             f"{a.attempt:>3} {str(a.job_id or '-'):>7} {','.join(a.nodes)[:10]:<10} {_clock(a.start_wall):>8} "
-            f"{_i(a.resumed_step if a.resumed_step is not None else 0):>6} {_i(a.steps_lost):>5} "
+            f"{_i(a.resumed_step if a.resumed_step is not None else 0):>6} {_lost(a):>5} "
             f"{_s(lat.get('total')):>9} {_s(lat.get('slurm_requeue_s')):>9} {_s(lat.get('process_start_s')):>7} "
             f"{_s(lat.get('restore_s'), 2):>9} {_i(a.last_step):>6}  "
             f"{(a.ended + (' [' + a.ended_source + ']' if a.ended_source else ''))[:28]:<28} {a.sacct_state or '-'}")

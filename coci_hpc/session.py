@@ -18,7 +18,7 @@ from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.comm import Comm
 from coci_hpc.errors import PeerLost, UsageError
 from coci_hpc.planner.failures import FailureModel
-from coci_hpc.runtime import errorexit, memtier, runrecord, signals
+from coci_hpc.runtime import errorexit, memtier, progress, runrecord, signals
 from coci_hpc.runtime.attemptbook import AttemptBook
 from coci_hpc.runtime.config import resolve
 from coci_hpc.runtime.data import check_saveable, session_state
@@ -66,7 +66,8 @@ class Session:
       ``<ckpt_dir>/events.jsonl`` (attempts and how they ended, checkpoints, losses, stops, latency);
     - gives up (``GaveUpError``) after ``max_requeues`` requeues after unannounced ends or
       restarts that keep resuming from the same checkpoint; warns when the signal lead cannot fit
-      a step, a save and the requeue. Per step: one MAX-allreduce of 3 doubles, no Slurm call, no I/O.
+      a step, a save and the requeue. Per step: one MAX-allreduce of 3 doubles, no Slurm call, one
+      32-byte ``pwrite`` (the last step finished: ``runtime/progress.py``).
 
     Args:
         state: What to checkpoint, by name: modules, optimizers, LR schedulers, a ``GradScaler``,
@@ -177,6 +178,7 @@ class Session:
             self.comm, self.events_path, self.run_record, self.config.ckpt_dir,
             resume_from_other_run=bool(self.config.resume_from_other_run), say=_say)
         self.mgr = CheckpointManager(self.config.ckpt_dir, self.comm, keep=keep)
+        self.progress = progress.ProgressRecord(self.config.ckpt_dir, self.comm)   # last step finished, per rank
         # Under the relaunch loop, its notice that srun saw a rank of this step end (runtime/peernotice.py).
         self.sync = StepSync(self.comm, self._min_deadline, PeerNotice.from_env(self._environ), self.recorder.sigterm_at)
         self._op_timeout = OpTimeout()     # gloo's per-op timeout follows the peer deadline (a silent host)
@@ -185,7 +187,7 @@ class Session:
         self.log = EventLog(self.events_path, attempt=1, job_id=self.job.job_id, enabled=self.rank == 0)
         self.losses = LossBuffer(self.log, enabled=self.rank == 0)
         self.book = AttemptBook(self.log, self.job, self._runner, self.config.ckpt_dir, in_place=self._in_place,
-                                process_wall=self._process_wall, init_wall=self._init_wall)
+                                process_wall=self._process_wall, init_wall=self._init_wall, progress=self.progress)
         self.stopper = StopController(self.job, self.recorder, self.config.signal_lead_s, self._runner, say=_say)
         self.peer_loss = PeerLoss(comm=self.comm, mgr=self.mgr, survival=self.survival, state=self._state,
                                   session_key=STATE_KEY, local_session_state=self._state[STATE_KEY].local_state_dict,
@@ -196,8 +198,7 @@ class Session:
             self.peer_loss.local_state, self.comm, self.job.ranks_per_node, self._parts, self.survival.enabled,
             self._environ, _say, self.schedule.following(memtier.plan_with(self.schedule, horizon_s, _say)))
         self._watch = contextlib.ExitStack()   # the comm's watch on its peers while the loop runs
-        self.step = 0                      # steps completed
-        self._loss, self._started = math.nan, False
+        self.step, self._loss, self._started = 0, math.nan, False   # steps completed, rank 0's loss, steps() ran
         self._pending_ckpt: tuple[int, float] | None = None   # async save in flight: (step, blocking_s)
         self._blocking = False             # agree on a stop at the boundary itself (lead short for 2 steps)
         self._recheck_at = -1              # a boundary where every rank re-decides _blocking
@@ -291,6 +292,7 @@ class Session:
                                              survival=self.survival, parts=self._parts)
             blocking = verdict is None and self.stopper.agree_at_boundary(self.schedule, self.log, warn=True)
         verdict, self._blocking, self.log.attempt = self.comm.bcast((verdict, blocking, self.log.attempt))
+        self.progress.begin(self.log.attempt, self.step)
         self.survival.boundary(self.step)
         if verdict is not None:
             self.mgr.close()
@@ -311,6 +313,7 @@ class Session:
     # -- the step boundary ---------------------------------------------------------------------------
     def _after_step(self, step: int, dt: float, total: int) -> None:
         self.step = step
+        self.progress.mark(step)            # a few bytes into the page cache: what a crash leaves
         self.history.poll(self.schedule)
         if self.rank == 0:
             self.losses.record(step, self._loss)

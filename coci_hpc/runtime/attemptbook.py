@@ -14,7 +14,8 @@ from coci_hpc.errors import GaveUpError, SlurmError, UsageError
 from coci_hpc.runtime import attempts as att
 from coci_hpc.runtime import survivors as sv
 from coci_hpc.runtime.config import SessionConfig
-from coci_hpc.runtime.events import EventLog, PeerLost, last_attempt, read_records, records
+from coci_hpc.runtime.events import EventLog, PeerLost, Stop, last_attempt, read_records, records
+from coci_hpc.runtime.progress import ProgressRecord
 from coci_hpc.runtime.schedule import Schedule
 from coci_hpc.slurm import commands, sacct
 from coci_hpc.slurm.env import JobEnvironment
@@ -28,11 +29,14 @@ def _say(msg: str) -> None:
 class AttemptBook:
     """One attempt's records, for the Session. ``in_place``: the relaunch loop's restart number
     (None outside that loop); ``process_wall`` / ``init_wall``: when the process and the Session
-    started (the restart latency's split)."""
+    started (the restart latency's split); ``progress``: the ranks' progress records (the previous
+    attempt's last finished step: steps lost and the restart latency from it)."""
 
     def __init__(self, log: EventLog, job: JobEnvironment, runner: commands.Runner, ckpt_dir: Path, *,
-                 in_place: int | None, process_wall: float | None, init_wall: float) -> None:
+                 in_place: int | None, process_wall: float | None, init_wall: float,
+                 progress: ProgressRecord | None = None) -> None:
         self.log, self.job, self._runner, self.ckpt_dir = log, job, runner, ckpt_dir
+        self.progress = progress
         self.events_path = log.path
         self._in_place, self._process_wall, self._init_wall = in_place, process_wall, init_wall
         self.catalog: Any = ckpt_dir        # the manager's catalog once read_history has it
@@ -77,11 +81,20 @@ class AttemptBook:
         if rc > 0 and len(rows) < 2 and info["sacct_error"] is None:
             info["sacct_error"] = f"sacct lists {len(rows)} attempt(s) of job {self.job.requeue_id}"
         prev_end = att.classify_previous(prev, prev_slurm, restart_count=rc, sacct_error=info["sacct_error"])
-        lost = att.steps_lost(prev, resumed) if prev_end.reason != "none" else None
+        ended = prev_end.reason != "none"
+        # The previous attempt's last finished step, from its ranks' progress records (exact, with
+        # when it finished); None when none survived (a power loss, an older version): the log's.
+        mark = self.progress.last_finished(self.log.attempt - 1) if ended and self.progress else None
+        lost = att.steps_lost(prev, resumed, None if mark is None else mark.step) if ended else None
+        seen = att.last_step_seen(prev) if ended else None
+        last_step = max((s for s in (seen, None if mark is None else mark.step) if s is not None), default=None)
+        exact = mark is not None or any(isinstance(e, Stop) for e in prev)
         if info.get("torn"):        # the torn save's step was finished by every rank (no record says so)
             lost = max(lost or 0, max(info["torn"]) - (resumed or 0))
-        if prev_end.reason in ("node_failure", "crash", "rank_failure") and prev_end.end_wall:
-            schedule.after_failure(time.time() - prev_end.end_wall)
+        last_wall = None if mark is None else mark.wall
+        failed_wall = max((w for w in (prev_end.end_wall, last_wall) if w), default=None)
+        if prev_end.reason in ("node_failure", "crash", "rank_failure") and failed_wall:
+            schedule.after_failure(time.time() - failed_wall)
         # The share of failures the planner may count as ~one step lost (survivors' saves).
         covered = not parts or memory_every is not None     # state held in parts: by the memory tier
         coverage = sv.coverage_estimate(recs, survivors_enabled and covered)
@@ -95,6 +108,7 @@ class AttemptBook:
         self.log.write("attempt_start", nodes=nodes, ranks=ranks, run=run_record,
                        policy=config.policy,
                        restart_count=rc, prev_end=prev_end.to_dict(), resumed_step=resumed, steps_lost=lost,
+                       steps_lost_exact=exact if lost is not None else None, prev_last_step=last_step,
                        torn_survivors_saves=info.get("torn") or [],
                        config_sources=dict(config.sources), slurm_id=self.job.requeue_id,
                        survivor_coverage=coverage,
@@ -105,7 +119,7 @@ class AttemptBook:
         sv.sweep_torn(self.catalog)      # only now that attempt_start is written: see sweep_torn (the
                                          # memory tier's staging too: catalog.TierStaging)
         _say(att.describe_start(self.log.attempt, self.job.job_id, rc, nodes, ranks, prev_end.reason,
-                                prev_end.detail, resumed, lost))
+                                prev_end.detail, resumed, lost, last_step, exact))
         if not covered and survivors_enabled:
             _say(f"on a lost rank: no survivors' save, back to the last checkpoint: {sv.parts_reason(parts)}")
         if verdict is not None:
@@ -117,7 +131,8 @@ class AttemptBook:
             # In place, the "requeue" part is the relaunch loop's (failure -> these processes
             # exist): Slurm's row started with the allocation, long before.
             began = self._process_wall if self._in_place else (cur.start if cur else None)
-            lat = att.latency_split(prev_end.end_wall, began, self._init_wall, time.time(), restore_s)
+            lat = att.latency_split(prev_end.end_wall, began, self._init_wall, time.time(), restore_s,
+                                    last_step_wall=last_wall if ended else None)
             if self._in_place and prev_end.reason != "none" and lat["total"] is not None:
                 schedule.restarted_in_place(float(lat["total"]))
             self.log.write("resumed", step=resumed, restart_latency_s=lat)

@@ -150,13 +150,17 @@ def last_step_seen(prev_records: Lines) -> int | None:
     return best
 
 
-def steps_lost(prev_records: Lines, resumed_step: int | None) -> int | None:
-    """Steps done by the previous attempt past the checkpoint we resume from (a lower bound for a
-    crash: losses are flushed every few seconds, not every step)."""
+def steps_lost(prev_records: Lines, resumed_step: int | None, last_finished: int | None = None) -> int | None:
+    """Steps done by the previous attempt past the checkpoint we resume from. ``last_finished``:
+    the newest step its ranks' progress records say they finished (:mod:`.progress`), exact after
+    any end; without it, the records' newest step, a lower bound after a crash (losses are flushed
+    every few seconds, not every step)."""
     recs = records(prev_records)
     if not recs:
         return None
     seen = last_step_seen(recs)
+    if last_finished is not None:
+        seen = max(seen if seen is not None else last_finished, last_finished)
     if seen is None:
         return None
     return max(0, seen - (resumed_step or 0))
@@ -336,21 +340,32 @@ def give_up_reason(events: Lines, resumed_step: int | None, prev_end_reason: str
 
 
 def latency_split(prev_end_wall: float | None, attempt_start_wall: float | None, process_wall: float,
-                  restored_wall: float, restore_s: float) -> dict[str, float | None]:
-    """Restart latency: previous stop (or failure) -> first resumed step, split into Slurm's requeue
-    delay (-> this attempt's start), process start (-> session created) and restore."""
-    total = None if prev_end_wall is None else max(0.0, restored_wall - prev_end_wall)
+                  restored_wall: float, restore_s: float, last_step_wall: float | None = None
+                  ) -> dict[str, float | None]:
+    """Restart latency: the previous attempt's last finished step (``last_step_wall``, from the
+    ranks' progress records; else its stop or failure) -> this attempt's first resumed step, split
+    into the previous attempt's end after its last step (a stop's save, Slurm noticing a failure),
+    Slurm's requeue delay (-> this attempt's start), process start (-> session created) and restore."""
+    end = prev_end_wall
+    if last_step_wall is not None and (end is None or end < last_step_wall):
+        end = last_step_wall       # a crash's newest record lags its last step: it ended after that step
+    begin = last_step_wall if last_step_wall is not None else end
+    total = None if begin is None else max(0.0, restored_wall - begin)
+    after = None if last_step_wall is None or end is None else end - last_step_wall
     slurm = None
-    if prev_end_wall is not None and attempt_start_wall is not None:
-        slurm = max(0.0, attempt_start_wall - prev_end_wall)
+    if end is not None and attempt_start_wall is not None:
+        slurm = max(0.0, attempt_start_wall - end)
     proc = None if attempt_start_wall is None else max(0.0, process_wall - attempt_start_wall)
-    return {"total": total, "slurm_requeue_s": slurm, "process_start_s": proc, "restore_s": restore_s}
+    return {"total": total, "after_last_step_s": after, "slurm_requeue_s": slurm, "process_start_s": proc,
+            "restore_s": restore_s}
 
 
 def describe_start(attempt: int, job_id: str | None, restart_count: int, nodes: Sequence[str], ranks: int,
-                   prev_reason: str, prev_detail: str, resumed: int | None, lost: int | None) -> str:
+                   prev_reason: str, prev_detail: str, resumed: int | None, lost: int | None,
+                   last_step: int | None = None, exact: bool = True) -> str:
     """The log line of an attempt's start: what is unknown (no job, nothing to resume) is left out,
-    not printed as None."""
+    not printed as None. ``last_step``: the previous attempt's last finished step; ``exact``:
+    whether ``lost`` is (else a lower bound: no progress record of that attempt survived)."""
     where = ",".join(nodes) if nodes else "this host"
     head = f"attempt {attempt}" + (f" (job {job_id}, restart {restart_count})" if job_id else "")
     text = f"{head} on {where}, {ranks} rank(s)"
@@ -360,16 +375,21 @@ def describe_start(attempt: int, job_id: str | None, restart_count: int, nodes: 
         text += f"; {prev_detail}"
     text += f"; resuming from step {resumed}" if resumed is not None else "; starting from step 0"
     if lost:
-        text += f"; {lost} step(s) to repeat"
+        text += f"; {'' if exact else 'at least '}{lost} step(s) to repeat"
+        if last_step is not None:
+            text += f" (the previous attempt finished step {last_step}" + (
+                ")" if exact else "; its progress record is lost: counted from the event log)")
     return text
 
 
 def describe_latency(lat: Mapping[str, float | None]) -> str:
-    """``restart latency 37.3 s (requeue 30.1 s + start 5.2 s + restore 2.0 s)``; parts not known left out."""
-    parts = [f"{name} {lat[key]:.1f} s" for key, name in (("slurm_requeue_s", "requeue"),
-                                                            ("process_start_s", "start"), ("restore_s", "restore"))
-             if lat.get(key) is not None]
+    """``restart latency 37.3 s (requeue 30.1 s + start 5.2 s + restore 2.0 s)``, ``... from the last
+    finished step (end 0.0 s + ...)`` when the progress records dated that step; parts not known left out."""
+    parts = [f"{name} {lat[key]:.1f} s" for key, name in (
+        ("after_last_step_s", "end"), ("slurm_requeue_s", "requeue"), ("process_start_s", "start"),
+        ("restore_s", "restore")) if lat.get(key) is not None]
     total = lat.get("total")
     if total is None:
         return "restart latency unknown (no record of the previous end)" + (f": {', '.join(parts)}" if parts else "")
-    return f"restart latency {total:.1f} s" + (f" ({' + '.join(parts)})" if parts else "")
+    since = " from the last finished step" if lat.get("after_last_step_s") is not None else ""
+    return f"restart latency {total:.1f} s{since}" + (f" ({' + '.join(parts)})" if parts else "")

@@ -77,7 +77,13 @@ class AttemptStart(Record):
         f"`{r}`" for r in PREV_END_REASONS) + ", `source`: `session`\\|`sacct`\\|`scontrol`\\|`relaunch`\\|`none`, "
         "`detail`}", {})
     resumed_step: int | None = _f("the checkpoint step resumed from (null: from scratch)")
-    steps_lost: int | None = _f("steps of the previous attempt done again")
+    steps_lost: int | None = _f("steps of the previous attempt done again: its last finished step minus "
+                                "`resumed_step`")
+    steps_lost_exact: bool | None = _f("whether `steps_lost` is exact (the ranks' progress records, or a stop); "
+                                       "false: a lower bound from this log (no progress record of that attempt "
+                                       "survived: a power loss, or a version before them)")
+    prev_last_step: int | None = _f("the last step the previous attempt finished (its ranks' progress records, "
+                                    "else the newest step its records name)")
     torn_survivors_saves: list[int] = _f("steps of survivors' saves killed before their manifest", [])
     config_sources: dict[str, str] = _f("where each setting came from", {})
     slurm_id: str | None = _f("what sacct knows the job as (an array task's `A_T`)")
@@ -95,7 +101,9 @@ class Resumed(Record):
     EVENT: ClassVar[str] = "resumed"
     step: int | None = _f("the step resumed from")
     restart_latency_s: dict[str, Any] | None = _f(
-        "{`total`, `slurm_requeue_s`, `process_start_s`, `restore_s`}")
+        "{`total` (from the previous attempt's last finished step when its progress records date it, else from "
+        "its stop or end), `after_last_step_s` (that step -> the previous attempt's stop or end), `slurm_requeue_s`, "
+        "`process_start_s`, `restore_s`}")
 
 
 @dataclass

@@ -165,8 +165,35 @@ def test_lead_check_compares_the_lead_with_step_save_and_requeue() -> None:
 
 def test_latency_split() -> None:
     lat = att.latency_split(100.0, 119.0, 123.5, 125.0, 0.75)
-    assert lat == {"total": 25.0, "slurm_requeue_s": 19.0, "process_start_s": 4.5, "restore_s": 0.75}
+    assert lat == {"total": 25.0, "after_last_step_s": None, "slurm_requeue_s": 19.0, "process_start_s": 4.5,
+                   "restore_s": 0.75}
     assert att.latency_split(None, None, 1.0, 2.0, 0.1)["total"] is None
+
+
+def test_latency_runs_from_the_last_finished_step() -> None:
+    # A stop saved for 3 s after its last step (97): the latency counts that save.
+    lat = att.latency_split(100.0, 119.0, 123.5, 125.0, 0.75, last_step_wall=97.0)
+    assert (lat["total"], lat["after_last_step_s"], lat["slurm_requeue_s"]) == (28.0, 3.0, 19.0)
+    # A crash whose newest record (96, a losses flush) lags its last step (99.5): it ended at that step.
+    lat = att.latency_split(96.0, None, 110.0, 112.0, 0.5, last_step_wall=99.5)
+    assert (lat["total"], lat["after_last_step_s"], lat["slurm_requeue_s"]) == (12.5, 0.0, None)
+    assert att.describe_latency(lat) == ("restart latency 12.5 s from the last finished step "
+                                         "(end 0.0 s + restore 0.5 s)")
+
+
+def test_steps_lost_is_exact_with_the_last_finished_step() -> None:
+    """The issue's case: killed after step 63, checkpoint 50, losses flushed up to step 52."""
+    prev = [{"event": "attempt_start", "attempt": 1, "wall": 1, "resumed_step": None},
+            {"event": "checkpoint", "attempt": 1, "wall": 3, "step": 50},
+            {"event": "losses", "attempt": 1, "wall": 4, "steps": [49, 50, 51, 52]}]
+    assert att.steps_lost(prev, 50) == 2                      # the event log alone: a lower bound
+    assert att.steps_lost(prev, 50, last_finished=63) == 13   # the progress records
+    assert att.steps_lost(prev, 50, last_finished=40) == 2    # a stale record never lowers the log's count
+    assert att.steps_lost([], 50, last_finished=63) is None   # no previous attempt
+    line = att.describe_start(2, None, 0, [], 1, "crash", "no stop or end record", 50, 13, 63)
+    assert line.endswith("; 13 step(s) to repeat (the previous attempt finished step 63)")
+    low = att.describe_start(2, None, 0, [], 1, "crash", "no stop or end record", 50, 2, 52, exact=False)
+    assert "at least 2 step(s) to repeat" in low and "progress record is lost" in low
 
 
 def _in_place(job: str, rc: int, k: int, resumed: int | None, prev: str = "crash") -> dict:
