@@ -164,3 +164,35 @@ def test_a_plain_process_killed_at_random_steps_and_inside_a_save_counts_the_ste
     h = status(ckpt)
     assert [a["steps_lost"] for a in h["attempts"]] == [None, *losts], (h["attempts"], losts)
     assert h["steps_lost_total"] == sum(losts) and [a["last_step"] for a in h["attempts"][:3]] == lasts
+
+
+@pytest.mark.timeout(600)
+def test_two_ranks_one_killed_then_all_killed_count_the_steps_repeated(tmp_path: Path) -> None:
+    """Under ``mpiexec -n 2``: rank 1 SIGKILLed inside a step (mpiexec then ends rank 0, which
+    may first save what it can), then both ranks at once; rank 0's output is the truth."""
+    rng = random.Random()
+    ckpt = tmp_path / "ckpt"
+    lasts: list[int] = []
+    losts: list[int] = []
+    t_kill = 0.0
+    for attempt, victims in ((1, [1]), (2, [0, 1]), (3, [])):
+        t_launch = time.time()
+        job = launch(2, ckpt)
+        wait_step(job, 1)
+        if victims:
+            resumed = steps_printed("".join(job.out))[0] - 1
+            wait_step(job, rng.randint(max(resumed, 25) + 1, min(max(resumed, 25) + 60, 135)))
+            pids = ranks_of(job, 2)
+            last, kill_wall = killed(job, [pids[r] for r in victims], rng)
+        else:
+            assert job.proc.wait(timeout=300) == 0, "".join(job.err)[-3000:]
+            job.output()
+        if attempt > 1:
+            losts.append(check_restart(ckpt, attempt, job, lasts[-1], t_kill, t_launch))
+        if victims:
+            lasts.append(last)
+            t_kill = kill_wall
+    print(lasts, losts, [e for e in read_events(ckpt) if e["event"] in ("peer_lost", "stop", "end")])
+    h = status(ckpt)
+    assert [a["steps_lost"] for a in h["attempts"]] == [None, *losts], (h["attempts"], losts)
+    assert [a["last_step"] for a in h["attempts"][:2]] == lasts
