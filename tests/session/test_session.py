@@ -244,7 +244,8 @@ def test_in_a_slurm_job_the_stop_requeues_and_the_next_attempt_is_classified(tmp
     assert start["prev_end"]["reason"] == "preemption" and start["prev_end"]["source"] == "session"
     assert start["nodes"] == ["n1", "n2"] and start["restart_count"] == 1
     resumed = [e for e in read_events(tmp_path) if e["event"] == "resumed"][-1]
-    assert set(resumed["restart_latency_s"]) == {"total", "slurm_requeue_s", "process_start_s", "restore_s"}
+    assert set(resumed["restart_latency_s"]) == {"total", "after_last_step_s", "slurm_requeue_s", "process_start_s",
+                                                 "restore_s"}
 
 
 NODE_FAIL_ROWS = ("99|NODE_FAIL|2026-11-22T10:00:00|2026-11-22T10:00:20|n1\n"
