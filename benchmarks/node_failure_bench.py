@@ -203,8 +203,8 @@ def one_job(env: dict[str, str], wd: Path, a: argparse.Namespace, mode: str,
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for r in rows:
-        # The session's steps_lost is a lower bound from the event log (a hard kill loses the losses
-        # not yet flushed); the last step rank 0 printed before the kill is another one.
+        # The session's steps_lost comes from the ranks' progress records (exact; before issue 34 a
+        # lower bound from the event log); the last step rank 0 printed before the kill cross-checks it.
         seen = [x for x in (r.get("steps_lost"),
                             None if r.get("resumed_step") is None or r.get("last_step_printed") is None
                             else r["last_step_printed"] - r["resumed_step"]) if x is not None]

@@ -4,6 +4,7 @@
     python benchmarks/session_bench.py --ranks 1 --hidden 512 --steps 200 --rounds 3
     python benchmarks/session_bench.py --latency CKPT_DIR    # restart latency split from an event log
     python benchmarks/session_bench.py --memtier             # the memory tier's cost, 1 GB FSDP2 state, 2 ranks
+    python benchmarks/session_bench.py --progress [DIR]      # the progress record's cost per step (in DIR)
 
 Each worker trains the examples/train.py model (wider: --hidden, --batch set the step time) with
 DDP on gloo, and alternates rounds of the bare loop and of the same loop under ``Session`` (policy
@@ -17,6 +18,11 @@ Last, the session's own cost per step is measured directly (an empty loop body u
 vs bare, 5,000 steps; with 2 ranks it includes the allreduce's latency) and turned into the ratio
 it implies at the measured step time: step / (step + cost); with the survivors' partner copy
 (the default) and without it, in --cost-rounds alternating rounds, medians.
+
+``--progress``: the progress record alone (runtime/progress.py), one process: ``ProgressRecord.mark``
+(the one call the Session adds per step) timed over --steps marks per round (default 200,000),
+--rounds rounds, median microseconds per mark; beside it the same write followed by ``fdatasync``
+(what a durable record per step would cost, 200 writes per round) and a bare ``os.pwrite``.
 """
 from __future__ import annotations
 
@@ -315,6 +321,47 @@ def memtier_worker(a: argparse.Namespace) -> None:
                           "plan": plan, "results": results, "per_rank": out}), flush=True)
 
 
+def progress_cost(directory: str | None, rounds: int, marks: int) -> int:
+    """The progress record's cost per step: ``mark`` vs a bare pwrite vs pwrite + fdatasync."""
+    from coci_hpc.comm import Comm
+    from coci_hpc.runtime.progress import SLOT, ProgressRecord, encode
+
+    root = Path(directory or tempfile.mkdtemp(prefix="coci-progress-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    rec = ProgressRecord(root, Comm.serial())
+    rec.begin(1, 0)
+    fd = os.open(root / ".progress" / "bench-raw", os.O_RDWR | os.O_CREAT, 0o644)
+    raw = encode(1, 0, 0.0)
+    mark_us, pwrite_us, sync_us = [], [], []
+    try:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for step in range(1, marks + 1):
+                rec.mark(step)
+            mark_us.append((time.perf_counter() - t0) / marks * 1e6)
+            t0 = time.perf_counter()
+            for step in range(1, marks + 1):
+                os.pwrite(fd, raw, (step & 1) * SLOT)
+            pwrite_us.append((time.perf_counter() - t0) / marks * 1e6)
+            t0 = time.perf_counter()
+            for step in range(1, 201):
+                os.pwrite(fd, raw, (step & 1) * SLOT)
+                os.fdatasync(fd)
+            sync_us.append((time.perf_counter() - t0) / 200 * 1e6)
+    finally:
+        os.close(fd)
+        if directory is None:
+            shutil.rmtree(root, ignore_errors=True)
+    res = {"benchmark": "progress_record", "dir": str(root), "rounds": rounds, "marks_per_round": marks,
+           "mark_us": statistics.median(mark_us), "pwrite_us": statistics.median(pwrite_us),
+           "pwrite_fdatasync_us": statistics.median(sync_us),
+           "mark_us_rounds": mark_us, "pwrite_fdatasync_us_rounds": sync_us}
+    print(json.dumps(res, indent=1))
+    print(f"\nmark {res['mark_us']:.2f} us/step, bare pwrite {res['pwrite_us']:.2f} us, pwrite + fdatasync "
+          f"{res['pwrite_fdatasync_us']:.1f} us (medians of {rounds} rounds) in {root}")
+    return 0
+
+
 def latency(ckpt_dir: str) -> int:
     """Every restart in a run's event log: how the previous attempt ended and the latency split."""
     from coci_hpc.runtime.events import read_events
@@ -357,6 +404,8 @@ def main() -> int:
     ap.add_argument("--restart-s", type=float, default=30.0,
                     help="--memtier: restart seconds for the planner (the restart latency table: 20-38 s)")
     ap.add_argument("--horizon-h", type=float, default=24.0, help="--memtier: the planner's horizon (hours)")
+    ap.add_argument("--progress", nargs="?", const="", metavar="DIR",
+                    help="the progress record's cost per step instead (in DIR; default a temporary directory)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -365,6 +414,8 @@ def main() -> int:
         return 0
     if a.latency:
         return latency(a.latency)
+    if a.progress is not None:
+        return progress_cost(a.progress or None, a.rounds, a.steps if a.steps != 300 else 200_000)
     if a.memtier:
         if a.ranks == [1, 2]:
             a.ranks = [2]           # the tier needs a partner: 2 ranks unless asked otherwise
