@@ -66,8 +66,7 @@ class Session:
       ``<ckpt_dir>/events.jsonl`` (attempts and how they ended, checkpoints, losses, stops, latency);
     - gives up (``GaveUpError``) after ``max_requeues`` requeues after unannounced ends or
       restarts that keep resuming from the same checkpoint; warns when the signal lead cannot fit
-      a step, a save and the requeue. Per step: one MAX-allreduce of 3 doubles, no Slurm call, one
-      32-byte ``pwrite`` (the last step finished: ``runtime/progress.py``).
+      a step, a save and the requeue. Per step: a MAX-allreduce of 3 doubles, a 32-byte pwrite, no Slurm call.
 
     Args:
         state: What to checkpoint, by name: modules, optimizers, LR schedulers, a ``GradScaler``,
