@@ -167,21 +167,29 @@ def test_a_plain_process_killed_at_random_steps_and_inside_a_save_counts_the_ste
 
 
 @pytest.mark.timeout(600)
-def test_two_ranks_one_killed_then_all_killed_count_the_steps_repeated(tmp_path: Path) -> None:
+def test_two_ranks_one_killed_all_killed_and_killed_inside_a_save_count_the_steps_repeated(tmp_path: Path) -> None:
     """Under ``mpiexec -n 2``: rank 1 SIGKILLed inside a step (mpiexec then ends rank 0, which
-    may first save what it can), then both ranks at once; rank 0's output is the truth."""
+    may first save what it can), then both ranks at once, then both while rank 1 is held inside a
+    save (rank 0 waits for it in the save's collective); rank 0's output is the truth."""
     rng = random.Random()
     ckpt = tmp_path / "ckpt"
     lasts: list[int] = []
     losts: list[int] = []
     t_kill = 0.0
-    for attempt, victims in ((1, [1]), (2, [0, 1]), (3, [])):
+    for attempt, victims, in_save in ((1, [1], False), (2, [0, 1], False), (3, [0, 1], True), (4, [], False)):
         t_launch = time.time()
-        job = launch(2, ckpt)
+        job = launch(2, ckpt, faulty=in_save, env={**SAVE_PAUSE, "COCI_FAULT_SAVE_PAUSE_RANK": "1"} if in_save else None)
         wait_step(job, 1)
-        if victims:
+        if in_save:
+            deadline = time.monotonic() + 180
+            while "FAULT INJECTION" not in "".join(job.err):
+                assert job.proc.poll() is None and time.monotonic() < deadline, "".join(job.err)[-3000:]
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.0, 1.0))
+        elif victims:
             resumed = steps_printed("".join(job.out))[0] - 1
             wait_step(job, rng.randint(max(resumed, 25) + 1, min(max(resumed, 25) + 60, 135)))
+        if victims:
             pids = ranks_of(job, 2)
             last, kill_wall = killed(job, [pids[r] for r in victims], rng)
         else:
@@ -195,4 +203,4 @@ def test_two_ranks_one_killed_then_all_killed_count_the_steps_repeated(tmp_path:
     print(lasts, losts, [e for e in read_events(ckpt) if e["event"] in ("peer_lost", "stop", "end")])
     h = status(ckpt)
     assert [a["steps_lost"] for a in h["attempts"]] == [None, *losts], (h["attempts"], losts)
-    assert [a["last_step"] for a in h["attempts"][:2]] == lasts
+    assert [a["last_step"] for a in h["attempts"][:3]] == lasts
