@@ -364,3 +364,27 @@ def test_a_rank_and_partner_loss_names_the_lost_ranks(tmp_path: Path) -> None:
     text = history.render_text(history.load(d, use_sacct=False))
     assert "attempt 1: rank(s) [1, 2] were lost after step 120; no survivors' checkpoint" in text, text
     assert "fell back to step 100 (the disk tier served)" in text
+
+
+# -- issue 34: the progress records ----------------------------------------------------------------
+def test_a_crash_shows_the_step_the_progress_records_read_and_a_lower_bound_says_so() -> None:
+    """Attempt 1 crashed after step 63 with its losses flushed to 52; attempt 2 read 63 from the
+    progress records (exact); attempt 3 found no record of attempt 2 (a lower bound, ">=")."""
+    none = {"reason": "none", "source": "none", "detail": "first attempt"}
+    crash = {"reason": "crash", "source": "session", "detail": "no stop or end record"}
+    recs = [
+        _rec("attempt_start", 1, 0, None, nodes=[], ranks=1, prev_end=none, resumed_step=None, steps_lost=None),
+        _losses(1, 5, 0, 52),
+        _rec("checkpoint", 1, 4, None, step=50, kind="planned", blocking_s=0.01, persist_s=0.1),
+        _rec("attempt_start", 2, 10, None, nodes=[], ranks=1, prev_end=crash, resumed_step=50, steps_lost=13,
+             steps_lost_exact=True, prev_last_step=63),
+        _losses(2, 15, 50, 80),
+        _rec("attempt_start", 3, 20, None, nodes=[], ranks=1, prev_end=crash, resumed_step=75, steps_lost=5,
+             steps_lost_exact=False, prev_last_step=80),
+    ]
+    h = history.build(recs, "/ckpt")
+    assert [a.last_step for a in h.attempts] == [63, 80, 75] and h.steps_lost_total == 18
+    rows = history.render_text(h).splitlines()
+    row = {int(r.split()[0]): r.split() for r in rows if r.strip()[:1].isdigit()}   # att job start from lost ...
+    assert (row[2][3:5], row[3][3:5]) == (["50", "13"], ["75", ">=5"]), rows
+    assert row[1][-4:] == ["63", "crash", "[session]", "-"], rows                    # to, ended, sacct

@@ -14,7 +14,7 @@ from coci_hpc.errors import GaveUpError, SlurmError, UsageError
 from coci_hpc.runtime import attempts as att
 from coci_hpc.runtime import survivors as sv
 from coci_hpc.runtime.config import SessionConfig
-from coci_hpc.runtime.events import EventLog, PeerLost, Stop, last_attempt, read_records, records
+from coci_hpc.runtime.events import EventLog, PeerLost, last_attempt, read_records, records
 from coci_hpc.runtime.progress import ProgressRecord
 from coci_hpc.runtime.schedule import Schedule
 from coci_hpc.slurm import commands, sacct
@@ -85,13 +85,11 @@ class AttemptBook:
         # The previous attempt's last finished step, from its ranks' progress records (exact, with
         # when it finished); None when none survived (a power loss, an older version): the log's.
         mark = self.progress.last_finished(self.log.attempt - 1) if ended and self.progress else None
-        lost = att.steps_lost(prev, resumed, None if mark is None else mark.step) if ended else None
-        seen = att.last_step_seen(prev) if ended else None
-        last_step = max((s for s in (seen, None if mark is None else mark.step) if s is not None), default=None)
-        exact = mark is not None or any(isinstance(e, Stop) for e in prev)
+        led = att.ledger(prev, resumed, None if mark is None else mark.step) if ended else None
+        lost, last_step, exact = (led.lost, led.last_step, led.exact) if led else (None, None, False)
         if info.get("torn"):        # the torn save's step was finished by every rank (no record says so)
             lost = max(lost or 0, max(info["torn"]) - (resumed or 0))
-        last_wall = None if mark is None else mark.wall
+        last_wall = mark.wall if mark is not None and mark.step == last_step else None   # when it finished
         failed_wall = max((w for w in (prev_end.end_wall, last_wall) if w), default=None)
         if prev_end.reason in ("node_failure", "crash", "rank_failure") and failed_wall:
             schedule.after_failure(time.time() - failed_wall)

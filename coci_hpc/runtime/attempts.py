@@ -166,6 +166,29 @@ def steps_lost(prev_records: Lines, resumed_step: int | None, last_finished: int
     return max(0, seen - (resumed_step or 0))
 
 
+@dataclass(frozen=True)
+class Ledger:
+    """What the previous attempt did that this one repeats: ``lost`` steps (None: nothing to
+    compare), up to ``last_step``; ``exact`` unless only a lower bound is known."""
+
+    lost: int | None
+    last_step: int | None
+    exact: bool
+
+
+def ledger(prev_records: Lines, resumed_step: int | None, last_finished: int | None) -> Ledger:
+    """The steps the previous attempt finished past ``resumed_step``: from its ranks' progress
+    records (``last_finished``, :mod:`.progress`), else from its records in the log. Exact with a
+    record at least as new as the log's newest step, or after a stop (the loop stopped at its
+    step); a lower bound otherwise (no record survived, or an older one did: a power loss)."""
+    recs = records(prev_records)
+    seen = last_step_seen(recs)
+    last = max((s for s in (seen, last_finished) if s is not None), default=None)
+    exact = (last_finished is not None and (seen is None or last_finished >= seen)) \
+        or any(isinstance(e, Stop) for e in recs)
+    return Ledger(steps_lost(recs, resumed_step, last_finished), last, exact)
+
+
 # Restarts that follow the session's own announced stop (the --signal warning of a time limit, a
 # preemption) are the job working as intended; these are the ones --max-requeues counts.
 UNANNOUNCED = ("node_failure", "crash", "requeue_by_hand")

@@ -16,9 +16,10 @@ A power loss (or a kernel panic, a node lost with its page cache) loses what was
 back yet: Linux writes dirty pages back after ``dirty_expire_centisecs`` (30 s by default), so
 the record on disk may be up to about 30 s old, or, if none of this attempt's records reached
 the disk, from an earlier attempt (its attempt number says so and it is not used). The count
-then falls back to the event log, fsync'd with every losses record (at most every 5 s + one
-step): steps lost is then a lower bound, short by at most the steps of those seconds, and the
-``attempt_start`` record says so (``steps_lost_exact: false``).
+is the newer of the records and the event log, fsync'd with every losses record (at most every
+5 s + one step): after a power loss of every node it may be short by at most the steps of those
+seconds, and the ``attempt_start`` record says so (``steps_lost_exact: false``) where no record
+of the attempt, or only one older than the log, survived.
 
 Each file holds two 32-byte slots written alternately (step parity), each with a CRC32, so a
 write torn by a power loss leaves the other slot, one step older, readable. A record that

@@ -190,6 +190,11 @@ def test_steps_lost_is_exact_with_the_last_finished_step() -> None:
     assert att.steps_lost(prev, 50, last_finished=63) == 13   # the progress records
     assert att.steps_lost(prev, 50, last_finished=40) == 2    # a stale record never lowers the log's count
     assert att.steps_lost([], 50, last_finished=63) is None   # no previous attempt
+    assert att.ledger(prev, 50, 63) == att.Ledger(13, 63, True)
+    assert att.ledger(prev, 50, None) == att.Ledger(2, 52, False)     # no record survived: a lower bound
+    assert att.ledger(prev, 50, 51) == att.Ledger(2, 52, False)       # an older one did (a power loss)
+    stopped = [*prev, {"event": "stop", "attempt": 1, "wall": 5, "step": 52, "reason": "preemption"}]
+    assert att.ledger(stopped, 52, None) == att.Ledger(0, 52, True)   # a stop's step is exact by itself
     line = att.describe_start(2, None, 0, [], 1, "crash", "no stop or end record", 50, 13, 63)
     assert line.endswith("; 13 step(s) to repeat (the previous attempt finished step 63)")
     low = att.describe_start(2, None, 0, [], 1, "crash", "no stop or end record", 50, 2, 52, exact=False)
