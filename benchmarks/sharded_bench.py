@@ -192,6 +192,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
     out: dict[str, Any] = {"world": world}
+    phases: list[list[dict[str, float]]] = []   # [round][rank] -> the coci save's phase times
     if args.phase == "save":
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         step(opt)
@@ -217,6 +218,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                      ("raw_save", lambda: raw_write(raw_path, bufs))]
             for name, fn in saves[rep % 3:] + saves[:rep % 3]:
                 rec(name, timer(fn))
+            # where this round's coci save spent its time, per rank (issue 33: a slow save names its phase)
+            phases.append(comm.allgather({k: round(v, 4) for k, v in mgr.stats.items()}))
             if comm.rank == 0:
                 drop_cache([cdir, target, rawdir])
             comm.barrier()
@@ -284,6 +287,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     dist.destroy_process_group()
     out.update({k: statistics.median(v) for k, v in res.items()})
     out["samples"] = res
+    if phases:
+        out["coci_save_phases"] = phases
     return out
 
 

@@ -215,16 +215,19 @@ class CheckpointManager:
         with Watchdog(self.comm, self.timeout_s, f"saving checkpoint step {step}") as dog:
             if self._before_save(step) == "skip":
                 return cat.step_dir(self.root, step)
-            directory = self._with_space(step, lambda: self._save_once(step, state, dog))
-        self.stats = {"save_s": time.perf_counter() - t0}
+            phases: dict[str, float] = {}
+            directory = self._with_space(step, lambda: self._save_once(step, state, dog, phases))
+        self.stats = {"save_s": time.perf_counter() - t0, **phases}
         return directory
 
-    def _save_once(self, step: int, state: Mapping[str, Any], dog: Watchdog) -> Path:
-        """One sync save transaction (:func:`.engine.save`)."""
+    def _save_once(self, step: int, state: Mapping[str, Any], dog: Watchdog, phases: dict[str, float]) -> Path:
+        """One sync save transaction (:func:`.engine.save`); ``phases``: its time per phase."""
         dog.enter("preparing the file (collective)", waiting_for_others=True)
+        t0 = time.perf_counter()
         skeletons, leaves = collect(state, rng=self.rng)
+        phases["state_s"] = time.perf_counter() - t0
         return engine.save(self.comm, self.writer, self._catalog, self._layouts, step, skeletons, leaves,
-                           self.tuning(), self.keep, progress=dog.enter)
+                           self.tuning(), self.keep, progress=dog.enter, stats=phases)
 
     def _with_space(self, step: int, attempt: Callable[[], Any], failed: BaseException | None = None) -> Any:
         """The one no-space policy, for the sync save and the async retry: run ``attempt`` (a save

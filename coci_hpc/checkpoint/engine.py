@@ -41,7 +41,7 @@ from coci_hpc.checkpoint.h5file import DatasetReader
 from coci_hpc.checkpoint.layout import Layout, LeafDesc, Piece, RankLayout, make_layout, shard_entries
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
-from coci_hpc.checkpoint.rawio import WriteItem, copy_threads, pread_into
+from coci_hpc.checkpoint.rawio import WriteItem, copy_threads, last_write_times, pread_into
 from coci_hpc.checkpoint.state import (
     Leaf,
     PerRank,
@@ -115,15 +115,23 @@ def check_step(step: Any) -> int:
 # ------------------------------------------------------------------- the save transaction
 def save(comm: Comm, writer: StorageWriter, catalog: StepCatalog, layouts: LayoutCache, step: int,
          skeletons: dict[str, Any], leaves: Sequence[Leaf], tuning: IOTuning, keep: int,
-         progress: Progress | None = None) -> Path:
-    """Collective, blocking: the sync save, the whole transaction; returns the step directory."""
-    prepared = create(comm, writer, plan(comm, catalog, step, skeletons, leaves, tuning, layouts))
+         progress: Progress | None = None, stats: dict[str, float] | None = None) -> Path:
+    """Collective, blocking: the sync save, the whole transaction; returns the step directory.
+    ``stats`` receives this rank's time in each phase (``plan_s``, ``create_s``, ``collect_s``,
+    ``write_s``, ``sync_s``, ``commit_s``, ``manifest_s``)."""
+    t0 = time.perf_counter()
+    planned = plan(comm, catalog, step, skeletons, leaves, tuning, layouts)
+    t1 = time.perf_counter()
+    prepared = create(comm, writer, planned)
+    prepared.stats.update(plan_s=t1 - t0, create_s=time.perf_counter() - t1)
 
     def items() -> list[WriteItem]:
         # Agree that every rank has its data before any collective write starts.
         return comm.run_step(lambda: prepared.items(comm.rank), f"collecting the data of step {step}")
 
     write_and_commit(comm, writer, prepared, items, keep, progress=progress)
+    if stats is not None:
+        stats.update({k: v for k, v in prepared.stats.items() if k.endswith("_s")})
     return prepared.directory
 
 
@@ -134,15 +142,25 @@ def write_and_commit(comm: Comm, writer: StorageWriter, prepared: Prepared,
     the discard on any failure; returns the steps retention removed (rank 0)."""
     try:
         written = Written()
+        clock = time.perf_counter
+        t0 = t1 = clock()
         try:
             if progress is not None:
                 progress("writing its data", False)
-            written.finish(write(writer, prepared, items(), independent=independent))
+            data = items()
+            t1 = clock()
+            written.finish(write(writer, prepared, data, independent=independent))
         except Exception as exc:  # noqa: BLE001 - agreed on in the commit
             written.finish(error=exc)
+        t2 = clock()
         if progress is not None:
             progress("waiting for the other ranks to commit", True)
-        return Commit(comm, prepared, written, keep).run()
+        commit = Commit(comm, prepared, written, keep)
+        removed = commit.run()
+        io = last_write_times()  # the writer's own split of its time: the data, then the sync
+        prepared.stats.update(collect_s=t1 - t0, write_s=io.get("write_s", t2 - t1), sync_s=io.get("sync_s", 0.0),
+                              commit_s=clock() - t2, manifest_s=commit.manifest_s)
+        return removed
     except BaseException:
         discard(comm, prepared)  # raised on every rank: no partial step left
         raise

@@ -14,6 +14,7 @@ import bisect
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -102,6 +103,15 @@ def copy_threads(sharing: int = 1) -> int:
     return max(1, min(MAX_COPY_THREADS, cores // max(1, sharing)))
 
 
+_times = threading.local()
+
+
+def last_write_times() -> dict[str, float]:
+    """``{"write_s", "sync_s"}`` of the last :func:`write_posix` / :func:`write_mpiio` of the
+    calling thread: the save's phase times name the slow part (issue 33)."""
+    return dict(getattr(_times, "last", {}))
+
+
 def pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
     """Write all of ``buf`` at ``offset``: a short write is retried, one that writes nothing fails."""
     mv = memoryview(buf).cast("B")  # type: ignore[arg-type]  # numpy types its buffer protocol for Python >= 3.12 only
@@ -146,6 +156,8 @@ def write_posix(path: str | os.PathLike, items: Sequence[WriteItem], *, fsync: b
     the page cache. Falls back to buffered writes where O_DIRECT is refused.
     """
     fut = background().submit(_crcs, items)
+    t0 = time.perf_counter()
+    t1 = t0
     fd = os.open(path, os.O_WRONLY)
     dfd = _open_direct(path) if direct else None
     try:
@@ -164,9 +176,11 @@ def write_posix(path: str | os.PathLike, items: Sequence[WriteItem], *, fsync: b
                         dfd, head = None, 0
             if n > head:
                 pwrite_all(fd, it.buf[head:], it.offset + head)
+        t1 = time.perf_counter()
         if fsync:
             os.fsync(fd)
     finally:
+        _times.last = {"write_s": t1 - t0, "sync_s": time.perf_counter() - t1}
         os.close(fd)
         if dfd is not None:
             os.close(dfd)
@@ -198,6 +212,8 @@ def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteIte
         for i in range(0, len(mv), _CHUNK):
             chunks.append((it.offset + i, mv[i:i + _CHUNK]))
     total = sum(len(mv) for _, mv in chunks)
+    t0 = time.perf_counter()
+    t1 = t0
     with guarded("the MPI-IO write's agreement on rounds"):
         rounds = mpi_comm.allreduce(len(chunks), op=MPI.MAX)
     with guarded("MPI_File_open (collective)"):
@@ -223,6 +239,7 @@ def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteIte
             else:
                 with guarded("MPI_File_write_at_all", _CHUNK):
                     fh.Write_at_all(0, [empty, MPI.BYTE])
+        t1 = time.perf_counter()
         # MPI_File_sync is collective: every rank must agree whether to call it.
         with guarded("the MPI-IO write's agreement on success"):
             any_short = mpi_comm.allreduce(short is not None, op=MPI.LOR)
@@ -232,6 +249,7 @@ def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteIte
     finally:
         with guarded("MPI_File_close"):
             fh.Close()
+        _times.last = {"write_s": t1 - t0, "sync_s": time.perf_counter() - t1}
     crcs = fut.result()
     if short is not None:
         raise CheckpointError(short, hint="free space (df, lfs quota) or lower keep=; nothing was "
