@@ -63,9 +63,9 @@ def simulate_many(pairs, costs, work_s: float, traces: tuple[np.ndarray, np.ndar
 
 def simulate_detail(pairs, costs, work_s: float, traces: tuple[np.ndarray, np.ndarray]
                     ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`simulate_many` and, per (pair, run), the worst single failure: the most one
-    failure cost, in seconds: the work it rolled back (training done since the checkpoint it
-    went back to) plus the restart it started."""
+    """:func:`simulate_many` and, per (pair, run), the worst single failure: the most work one
+    failure rolled back, in seconds of training (done since the checkpoint it went back to; the
+    restart's own time is not counted)."""
     times, flags = traces
     st = costs.step_time_s
     cd, rm, rd = costs.disk_ckpt_s, costs.mem_restart_s, costs.disk_restart_s
@@ -126,7 +126,7 @@ def simulate_detail(pairs, costs, work_s: float, traces: tuple[np.ndarray, np.nd
         done_s = np.minimum(np.minimum((sm + 1) * t_seg, work_s), i0 * t_seg + (f - w) - stalls)
         back = np.where(to_disk, sd, sm)
         lost = np.where(run, np.maximum(0.0, done_s - back * t_seg), (i0 - np.minimum(back, i0)) * t_seg)
-        worst = np.where(sel, np.maximum(worst, lost + np.where(to_disk, rd, rm)), worst)
+        worst = np.where(sel, np.maximum(worst, lost), worst)
         i0 = np.where(sel, back, i0)
         w = np.where(sel, f + np.where(to_disk, rd, rm), w)
     wall = np.where(done, wall, finish_at(w, i0))

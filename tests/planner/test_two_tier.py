@@ -111,8 +111,8 @@ def test_plan_never_wastes_more_than_daly_on_the_same_traces(seed):
 
 
 def _reference(mem, disk, c, work, times, flags, worst=None):
-    """Step-by-step: one checkpoint at a time. ``worst``: a list that gets the most one failure
-    cost (work rolled back + its restart)."""
+    """Step-by-step: one checkpoint at a time. ``worst``: a list that gets the most work one
+    failure rolled back."""
     st = c.step_time_s
     t_seg = (disk if mem is None else mem) * st
     kk = 1 if mem is None else max(1, round(disk / mem))
@@ -141,12 +141,12 @@ def _reference(mem, disk, c, work, times, flags, worst=None):
         fi += 1
         i = (j // kk) * kk if flagged else j
         w = f + (c.disk_restart_s if flagged else c.mem_restart_s)
-        most = max(most, done - i * t_seg + (c.disk_restart_s if flagged else c.mem_restart_s))
+        most = max(most, done - i * t_seg)
         while fi < len(fail) and fail[fi][0] < w:     # failed again while restarting
             f, flagged = fail[fi]
             fi += 1
             back = (i // kk) * kk if flagged else i
-            most = max(most, (i - back) * t_seg + (c.disk_restart_s if flagged else c.mem_restart_s))
+            most = max(most, (i - back) * t_seg)
             i = back
             w = f + (c.disk_restart_s if flagged else c.mem_restart_s)
 

@@ -67,7 +67,7 @@ def test_rates_split_every_failure_once():
 def test_the_plan_beats_the_old_one_when_jobs_die_whole():
     """Replayed at the modelled rates, the planned disk interval wastes less than the plan with no
     disk save in the horizon (what a profile without whole-job failures gave), and no single
-    failure costs more than 1.5 of its disk intervals."""
+    failure rolls back more than 1.5 of its disk intervals of work."""
     prof = tt.IncidentProfile(1 / 7200.0, 0.0, 64).with_whole_job(wj.resolve())
     work = 3 * DAY
     new = tt.plan_two_tier(COSTS, prof, work)
@@ -77,7 +77,7 @@ def test_the_plan_beats_the_old_one_when_jobs_die_whole():
                                          (old.mem_every_steps, old.disk_every_steps)], COSTS, work, traces)
     assert waste[0].mean() < 0.8 * waste[1].mean()
     assert worst[0].max() <= 1.5 * new.disk_interval_s
-    assert worst[1].max() > 1.5 * new.disk_interval_s      # the old plan: one failure cost hours
+    assert worst[1].max() > 4 * new.disk_interval_s        # the old plan: one failure cost many hours
 
 
 def test_given_beats_learned_beats_prior():
