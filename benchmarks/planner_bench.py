@@ -310,6 +310,16 @@ def grid_paper(runs: int, seed: int) -> list[dict]:
     return rows
 
 
+def _arms(text: str) -> tuple[tuple[float, float], ...]:
+    """``F:PER_H,...`` (PER_H a number or 1/N) -> ((F, outages per hour), ...)."""
+    out = []
+    for part in text.split(","):
+        f, _, o = part.partition(":")
+        num, _, den = o.partition("/")
+        out.append((float(f), float(num or 0) / float(den) if den else float(num or 0)))
+    return tuple(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -339,6 +349,16 @@ def main(argv=None) -> int:
                     default=two_tier_grid.NODES, help="two_tier: job sizes (default 16,64,256,1024)")
     ap.add_argument("--tt-state", type=lambda t: tuple(float(x) for x in t.split(",")),
                     default=two_tier_grid.STATE_GB, help="two_tier: GB of state per node (default 1,10,80)")
+    ap.add_argument("--tt-arms", type=_arms, default=two_tier_grid.ARMS, metavar="F:PER_H[,F:PER_H...]",
+                    help="two_tier: whole-job failures added to the replay, each arm the share F of its "
+                    "incidents that end the whole job and outages per hour (PER_H may be 1/160) (default: "
+                    + ",".join(f"{f:g}:{o:.4g}" for f, o in two_tier_grid.ARMS) + ")")
+    ap.add_argument("--tt-diagnostics", action="store_true",
+                    help="two_tier: also the out-of-sample, other-draw, past and replay-fit diagnostics "
+                    "(three more grid searches per setting and arm)")
+    ap.add_argument("--tt-node-only", action="store_true",
+                    help="two_tier: plan without the whole-job model (the planner before issue 34), "
+                    "for comparison")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     only = set(a.only.split(","))
@@ -379,7 +399,9 @@ def main(argv=None) -> int:
         timing["replay"] = round(time.perf_counter() - t, 1)
     if "two_tier" in only and files:
         t = time.perf_counter()
-        grids["two_tier"] = two_tier_grid.grid_two_tier(files, a.tt_runs, a.seed, a.tt_nodes, a.tt_state)
+        grids["two_tier"] = two_tier_grid.grid_two_tier(files, a.tt_runs, a.seed, a.tt_nodes, a.tt_state,
+                                                        arms=a.tt_arms, diagnostics=a.tt_diagnostics,
+                                                        node_only=a.tt_node_only)
         timing["two_tier"] = round(time.perf_counter() - t, 1)
     out: dict = {}
     goals = dict(GOALS)
@@ -436,9 +458,10 @@ def main(argv=None) -> int:
             goal = goals.get(k)
             print(f"{k:36s} {v:.3f}" + (f"   goal <= {goal}: {'met' if v <= goal else 'NOT met'}"
                                         if goal else ""))
-    for sysname, blk in out.get("per_system", {}).items():
-        print(f"{sysname}: " + ", ".join(f"{k} {v:.3f}" for k, v in blk.items()
-                                         if k in two_tier_grid.GOALS))
+    for arm, blk in out.get("arms", {}).items():
+        print(f"{arm}: " + ", ".join(f"{k} {blk[k]:.3f}" for k in two_tier_grid.GOALS))
+        for sysname, sb in blk["per_system"].items():
+            print(f"  {sysname}: " + ", ".join(f"{k} {sb[k]:.3f}" for k in two_tier_grid.GOALS))
     print(f"(elapsed {out['settings']['elapsed_s']} s)")
     return 0
 

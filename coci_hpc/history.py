@@ -26,6 +26,7 @@ from coci_hpc.runtime.events import (
     Relaunch,
     Resumed,
     Stop,
+    TwoTierPlan,
     parse,
     read_records_counted,
     relaunch_cause,
@@ -79,6 +80,8 @@ class RunHistory:
     # the failure to the commit, the lost ranks, the steps the next attempt repeated.
     peer_losses: list[dict[str, Any]] = field(default_factory=list)
     skipped_lines: int = 0                    # event-log lines that did not parse (torn, foreign, damaged)
+    # The newest two-tier plan (memory and disk intervals and why), from its two_tier_plan record
+    two_tier_plan: dict[str, Any] | None = None
 
     @property
     def steps_lost_total(self) -> int:
@@ -123,6 +126,7 @@ def build(events: Iterable[Record | Mapping[str, Any]], ckpt_dir: str,
     resumed_wall: dict[int, float] = {}
     starts: dict[int, AttemptStart] = {}        # attempt -> its attempt_start record
     before: dict[int, tuple[str, Any, str]] = {}  # attempt -> the run's status when it started
+    tt_plan: dict[str, Any] | None = None
     for line in events:
         e = line if isinstance(line, Record) else parse(dict(line))
         n = e.attempt if e is not None else line.get("attempt")   # type: ignore[union-attr]
@@ -164,6 +168,9 @@ def build(events: Iterable[Record | Mapping[str, Any]], ckpt_dir: str,
                 loss_pts.append((int(s), v, n))   # a null loss (NaN when written) is a gap in the plot
         elif isinstance(e, Stop):
             stops[n] = e
+        elif isinstance(e, TwoTierPlan):
+            tt_plan = {"attempt": n, "wall": e.wall, "memory_every": e.memory_every, "disk_every": e.disk_every,
+                       "reason": e.reason, "disk_reason": e.disk_reason}
         elif isinstance(e, PeerLost):
             fail, commit = e.failure_wall, e.commit_wall
             peer_losses.append({"attempt": n, "step": e.step, "committed": bool(e.committed),
@@ -234,7 +241,7 @@ def build(events: Iterable[Record | Mapping[str, Any]], ckpt_dir: str,
         ckpt_dir=ckpt_dir, attempts=ordered, checkpoints=checkpoints,
         loss_steps=[p[0] for p in loss_pts], loss_values=[p[1] for p in loss_pts],
         loss_attempts=[p[2] for p in loss_pts], status=status, final_step=final_step, message=message,
-        sacct_note=sacct_note, peer_losses=peer_losses, skipped_lines=skipped_lines)
+        sacct_note=sacct_note, peer_losses=peer_losses, skipped_lines=skipped_lines, two_tier_plan=tt_plan)
 
 
 def _gap(a: Any, b: Any) -> float | None:
@@ -375,6 +382,14 @@ def render_text(h: RunHistory) -> str:
                          f"{_s(ip.get('detect_s'))} + decide {_s(ip.get('decide_s'))} + relaunch "
                          f"{_s(ip.get('relaunch_s'))} + start {_s(ip.get('process_start_s'))} + restore "
                          f"{_s(ip.get('restore_s'), 2)}; {ip.get('reason')}")
+    tp = h.two_tier_plan
+    if tp:
+        mem = (f"memory copy every {tp['memory_every']} step(s)" if tp.get("memory_every")
+               else "no memory tier")
+        lines.append(f"two-tier plan (attempt {tp['attempt']}, {_clock(tp.get('wall'))}): {mem}, disk save every "
+                     f"{_i(tp.get('disk_every'))} step(s)")
+        lines.append(f"  memory: {tp.get('reason') or '-'}")
+        lines.append(f"  disk: {tp.get('disk_reason') or '-'}")
     if h.sacct_note:
         lines.append(f"sacct: {h.sacct_note}")
     if h.skipped_lines:

@@ -195,7 +195,8 @@ class Session:
                                   in_place=self._in_place)
         self.survival.memtier = memtier.for_session(   # state held in parts: to a partner every k steps
             self.peer_loss.local_state, self.comm, self.job.ranks_per_node, self._parts, self.survival.enabled,
-            self._environ, _say, self.schedule.following(memtier.plan_with(self.schedule, horizon_s, _say)))
+            self._environ, _say, self.schedule.following(memtier.plan_with(
+                self.schedule, horizon_s, _say, self._environ, self.events_path, self.log)))
         self._watch = contextlib.ExitStack()   # the comm's watch on its peers while the loop runs
         self.step, self._loss, self._started = 0, math.nan, False   # steps completed, rank 0's loss, steps() ran
         self._pending_ckpt: tuple[int, float] | None = None   # async save in flight: (step, blocking_s)

@@ -102,11 +102,20 @@ PEER_NOTICE = Var("COCI_PEER_NOTICE", str, None, "path of the relaunch loop's pe
                   "relaunch loop (`--spare-nodes`), not by users", "Session", "unset")
 INPLACE_RESTARTS = Var("COCI_INPLACE_RESTARTS", pos_int, None, "the relaunch loop's in-place restart number; set "
                        "by the loop, not by users", "Session", "unset")
+WHOLE_JOB_SHARE = Var("COCI_WHOLE_JOB_SHARE", float, None, "share of the incidents hitting a job that end the "
+                      "whole job (no survivor: the memory tier cannot serve them), strictly between 0 and 1; "
+                      "the two-tier plan's disk interval answers them", "the two-tier planner (Session, coci-plan)",
+                      "0.15 (SCR), or learned from the event logs")
+OUTAGE_RATE = Var("COCI_OUTAGE_RATE", float, None, "outages per hour that end every job (file system, scheduler, "
+                  "fabric), >= 0; the two-tier plan's disk interval answers them",
+                  "the two-tier planner (Session, coci-plan)",
+                  "1/160 (Blue Waters), or learned from the Slurm history")
 DEBUG = Var("COCI_DEBUG", str, None, "any value: print the traceback of a failed collective step",
             "`coci_hpc.comm`", "unset")
 
 VARS: tuple[Var, ...] = (CKPT_DIR, POLICY, MAX_REQUEUES, NO_PROGRESS, SIGNAL_LEAD, RESUME_OTHER_RUN, PEER_TIMEOUT,
-                         SURVIVORS, MEMTIER_K, DIST_TIMEOUT, SHIELD_SIGNALS, CACHE_DIR, PEER_NOTICE, INPLACE_RESTARTS, DEBUG)
+                         SURVIVORS, MEMTIER_K, DIST_TIMEOUT, SHIELD_SIGNALS, CACHE_DIR, PEER_NOTICE, INPLACE_RESTARTS,
+                         WHOLE_JOB_SHARE, OUTAGE_RATE, DEBUG)
 BY_NAME = {v.name: v for v in VARS}
 
 

@@ -140,6 +140,15 @@ def _parser() -> argparse.ArgumentParser:
     tt_grp.add_argument("--memory-copy-s", type=float, help="seconds one partner copy blocks a step")
     tt_grp.add_argument("--memory-restart-cost", type=float, help="seconds to recover from the memory "
                         "tier: survivors' save + restart + restore (default: --restart-cost)")
+    tt_grp.add_argument("--whole-job-share", type=float, metavar="F",
+                        help="share of the incidents that end the whole job (no survivor), strictly between "
+                        "0 and 1 (default: COCI_WHOLE_JOB_SHARE, else learned from --event-log, else 0.15, SCR's)")
+    tt_grp.add_argument("--outage-rate", type=float, metavar="PER_HOUR",
+                        help="outages per hour that end every job, >= 0 (default: COCI_OUTAGE_RATE, else "
+                        "learned from the history's partition-wide outages, else 1/160, Blue Waters')")
+    tt_grp.add_argument("--event-log", action="append", default=None, metavar="PATH",
+                        help="a run's events.jsonl (or its checkpoint directory), repeatable: its attempts "
+                        "that ended whole (no stop, no survivors' save) teach the whole-job share")
     add_json(p, "the plan")
     add_plot(p, "also draw the loss curve and the overhead comparison into this file (.png, .pdf, .svg; "
                 "a directory: plan.png in it)")
@@ -204,6 +213,9 @@ def _main(argv: Sequence[str] | None) -> int:
         raise UsageError(f"--persist {a.persist:g}: must be a non-negative number of seconds",
                          hint="e.g. --persist 40 (0 for synchronous saves)")
     policy = make_policy(a.policy)
+    # the whole-job inputs are checked before the work (a bad share or rate names its option)
+    wj = _whole_job(a) if (a.two_tier or a.event_log or a.whole_job_share is not None
+                           or a.outage_rate is not None) else None
     since_failure = (None if a.time_since_failure is None
                      else parse_duration(a.time_since_failure, "--time-since-failure"))
     now = time.time()
@@ -268,7 +280,7 @@ def _main(argv: Sequence[str] | None) -> int:
                       "first": [c.to_dict() for c in p.checkpoints[:5]]}
                   for n, p in plans.items()},
     }
-    tt_plan = _two_tier(a, model, costs, horizon) if a.two_tier else None
+    tt_plan = _two_tier(a, model, costs, horizon, wj) if a.two_tier else None
     if tt_plan is not None:
         out["two_tier"] = tt_plan.to_dict()
     if target is not None:
@@ -290,7 +302,7 @@ def _main(argv: Sequence[str] | None) -> int:
     return 0
 
 
-def _two_tier(a, model, costs: Costs, horizon: float) -> two_tier.TwoTierPlan:
+def _two_tier(a, model, costs: Costs, horizon: float, wj: dict | None) -> two_tier.TwoTierPlan:
     from coci_hpc.planner import two_tier
     if a.memory_copy_s is None or not (math.isfinite(a.memory_copy_s) and a.memory_copy_s >= 0):
         raise UsageError("--two-tier needs --memory-copy-s: the seconds one partner copy blocks a step",
@@ -300,7 +312,39 @@ def _two_tier(a, model, costs: Costs, horizon: float) -> two_tier.TwoTierPlan:
     rm = costs.restart_s if a.memory_restart_cost is None else a.memory_restart_cost
     tc = two_tier.TierCosts(float(a.memory_copy_s), costs.ckpt_s, float(rm), costs.restart_s,
                             costs.step_time_s)
-    return two_tier.plan_two_tier(tc, two_tier.profile_from_model(model, a.nodes), horizon)
+    return two_tier.plan_two_tier(tc, two_tier.profile_from_model(model, a.nodes, whole_job=wj),
+                                  horizon)
+
+
+def _whole_job(a) -> dict:
+    """The whole-job model's inputs (:func:`coci_hpc.planner.whole_job.resolve`): the options, else
+    the COCI_* settings; the event logs' ends. Bad values name the option or setting."""
+    import os
+
+    from coci_hpc.planner import whole_job as wjm
+    from coci_hpc.runtime import events as ev
+    kw = wjm.given_from_settings(os.environ)
+    if a.whole_job_share is not None:
+        kw.update(share=wjm.check_share(a.whole_job_share, "--whole-job-share"), share_name="--whole-job-share")
+    if a.outage_rate is not None:
+        wjm.check_outage_rate(a.outage_rate, "--outage-rate")
+        kw.update(outage_per_hour=a.outage_rate, outage_name="--outage-rate")
+    if a.event_log:
+        whole = other = 0
+        for path in a.event_log:
+            f = os.path.join(path, ev.FILENAME) if os.path.isdir(path) else path
+            if not os.path.isfile(f):
+                raise UsageError(f"--event-log {path}: no such file", hint="give a run's events.jsonl or its "
+                                 "checkpoint directory (coci-submit --ckpt-dir)")
+            recs = ev.read_records(f)
+            if not any(isinstance(r, ev.AttemptStart) for r in recs):
+                raise UsageError(f"--event-log {path}: no attempt records in it, nothing to learn the whole-job "
+                                 "share from", hint="give the events.jsonl of a run that started (coci-status "
+                                 "shows its attempts), or drop --event-log to use the default share")
+            w, o = ev.whole_job_ends(recs)
+            whole, other = whole + w, other + o
+        kw["learned_share"] = (whole, other)
+    return kw
 
 
 def _horizon(a, prof: Profile, fit: CurveFit | None, costs: Costs, t_now: float,

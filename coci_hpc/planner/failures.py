@@ -192,6 +192,11 @@ class FailureModel:
     n_records: int | None = None          # failure records before declustering (None: not counted)
     weibull_scale_s: float | None = None  # per-node Weibull scale, with weibull_shape
     cluster_nodes: int | None = None      # nodes watched (node events): exposure = this x window
+    # Outages that end every job (planner/whole_job.py), found by the Slurm adapter: their times
+    # (an outage among ``events`` has the same time) and the window they were looked for in;
+    # None: the source could not show them (a given MTBF)
+    outage_times: tuple[float, ...] = ()
+    outage_window_s: float | None = None
 
     @property
     def hazard_shape(self) -> float | None:
@@ -237,6 +242,7 @@ class FailureModel:
 
     def to_dict(self, nodes: int | None = None) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "events"}
+        d["outage_times"] = list(self.outage_times)
         d["per_node_mtbf_hours"] = 1.0 / self.per_node_rate / 3600.0
         d["events"] = [e.to_dict() for e in self.events]
         if nodes is not None:
@@ -254,8 +260,9 @@ class FailureModel:
                                  end_s=e.get("end_s")) for e in d.get("events", []))
         keys = ("per_node_rate", "ci_low", "ci_high", "confidence", "n_failures",
                 "exposure_node_s", "distribution", "weibull_shape", "weibull_lrt", "prior", "note",
-                "n_records", "weibull_scale_s", "cluster_nodes")
-        return cls(**{k: d[k] for k in keys if k in d}, events=evs)
+                "n_records", "weibull_scale_s", "cluster_nodes", "outage_window_s")
+        return cls(**{k: d[k] for k in keys if k in d}, events=evs,
+                   outage_times=tuple(float(t) for t in d.get("outage_times") or ()))
 
 
 def from_mtbf(mtbf_node_s: float) -> FailureModel:

@@ -25,8 +25,9 @@ change points in the rate of incidents and of multi-node incidents), not the who
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -108,6 +109,11 @@ class IncidentProfile:
     partner_loss: float
     nodes: int
     note: str = ""
+    # failures that end the whole job (planner/whole_job.py): the share of the incidents above
+    # that end every rank, and outages per second on top of them; 0 and 0: node failures only
+    whole_job_share: float = 0.0
+    outage_rate: float = 0.0
+    whole_job_note: str = ""
 
     def __post_init__(self) -> None:
         if not (self.job_rate > 0 and math.isfinite(self.job_rate)):
@@ -115,14 +121,46 @@ class IncidentProfile:
                                hint="give a failure history or --mtbf-hours")
         if not 0.0 <= self.partner_loss <= 1.0:
             raise PlannerError(f"partner-loss probability must be in [0, 1], got {self.partner_loss!r}")
+        if not 0.0 <= self.whole_job_share < 1.0:
+            raise PlannerError(f"whole-job share must be in [0, 1), got {self.whole_job_share!r}")
+        if not (self.outage_rate >= 0.0 and math.isfinite(self.outage_rate)):
+            raise PlannerError(f"outage rate must be >= 0 per second, got {self.outage_rate!r}")
+
+    def with_whole_job(self, wj) -> IncidentProfile:
+        """This profile with the whole-job model ``wj`` (a :class:`~coci_hpc.planner.whole_job.WholeJob`)."""
+        return replace(self, whole_job_share=float(wj.share), outage_rate=float(wj.outage_rate),
+                       whole_job_note=wj.describe() + (f" ({wj.note})" if wj.note else ""))
+
+    @property
+    def total_rate(self) -> float:
+        """Failures per second that hit the job: its incidents and the outages."""
+        return self.job_rate + self.outage_rate
 
     @property
     def mem_rate(self) -> float:
-        return self.job_rate * (1.0 - self.partner_loss)
+        """Failures the memory tier serves: incidents whose lost ranks' partners survived and
+        that did not end the whole job."""
+        return self.job_rate * (1.0 - self.partner_loss) * (1.0 - self.whole_job_share)
+
+    @property
+    def pair_loss_rate(self) -> float:
+        return self.job_rate * self.partner_loss
+
+    @property
+    def whole_job_rate(self) -> float:
+        """Failures that end the whole job (no partner loss among them): the share of the other
+        incidents, and the outages."""
+        return self.job_rate * (1.0 - self.partner_loss) * self.whole_job_share + self.outage_rate
 
     @property
     def disk_rate(self) -> float:
-        return self.job_rate * self.partner_loss
+        """Failures that defeat the memory tier: partner losses and whole-job failures."""
+        return self.pair_loss_rate + self.whole_job_rate
+
+    @property
+    def disk_share(self) -> float:
+        """The share of all failures hitting the job that go back to disk."""
+        return min(1.0, self.disk_rate / self.total_rate)
 
     @classmethod
     def from_incidents(cls, sizes: Sequence[int], window_s: float, cluster_nodes: int,
@@ -273,7 +311,8 @@ def first_order_optimum(costs: TierCosts, mem_rate: float, disk_rate: float,
 class TwoTierPlan:
     """``mem_every_steps`` None: the memory tier was dropped (``reason`` says why) and the plan
     is disk only. ``alternatives``: each candidate's expected waste, as a fraction of the work,
-    to first order and in the simulator."""
+    to first order and in the simulator. ``disk_reason``: why the disk interval is what it is
+    (the rate of failures it answers)."""
 
     tier: str                          # "two-tier" or "disk-only"
     mem_every_steps: int | None
@@ -284,6 +323,7 @@ class TwoTierPlan:
     partner_loss: float
     alternatives: dict = field(default_factory=dict)
     params: dict = field(default_factory=dict)
+    disk_reason: str = ""
 
     @property
     def mem_interval_s(self) -> float | None:
@@ -298,6 +338,7 @@ class TwoTierPlan:
         return {"tier": self.tier, "mem_every_steps": self.mem_every_steps,
                 "disk_every_steps": self.disk_every_steps, "mem_interval_s": self.mem_interval_s,
                 "disk_interval_s": self.disk_interval_s, "reason": self.reason,
+                "disk_reason": self.disk_reason,
                 "job_rate_per_s": self.job_rate, "partner_loss": self.partner_loss,
                 "costs": self.costs.to_dict(), "alternatives": dict(self.alternatives),
                 "params": dict(self.params)}
@@ -312,21 +353,33 @@ def daly_steps(costs: TierCosts, job_rate: float) -> int:
     return _steps(daly_interval(costs.disk_ckpt_s, 1.0 / job_rate), costs.step_time_s)
 
 
+def _per_h(rate: float) -> str:
+    return f"{rate * 3600:.3g}/h"
+
+
 def plan_two_tier(costs: TierCosts, profile: IncidentProfile, work_s: float, *, seed: int = 0,
                   check_failures: int = 3000, check_pair_losses: int = 200,
                   max_runs: int = 4000) -> TwoTierPlan:
-    """The pair (memory every k steps, disk every K k steps), or disk only when the memory tier
-    does not pay. ``work_s``: the training time the plan is checked over (the job's horizon).
-    Candidates: the first-order optimum and its neighbours (k halved/doubled, K scaled) and
-    Daly's disk-only interval (the first-order disk-only interval is reported, not chosen);
-    each is simulated on the same exponential incident traces (``check_failures`` incidents in
-    all and at least ``check_pair_losses`` of them taking a pair, at most ``max_runs`` runs;
-    deterministic in ``seed``) and the least simulated waste
-    wins, a memory tier only when it beats Daly beyond the noise (paired 95 % bound)."""
+    """The pair (memory every k steps, disk every D steps, D a multiple of k), or disk only when
+    the memory tier does not pay. ``work_s``: the training time the plan is checked over (the
+    job's horizon).
+
+    The disk interval answers the failures that defeat the memory tier (partner losses and
+    whole-job failures, ``profile.disk_rate``): Daly's interval for that rate, rounded to a
+    multiple of k. To first order the two-tier waste is separable,
+    ``Cm/T + lm (T/2 + Rm) + Cd/D + ld (D/2 + Rd)``, so the disk interval's optimum does not
+    depend on the memory interval. No disk save falls inside the horizon only when that interval
+    is past the job's end (or, for a profile without whole-job failures, when no incident takes a
+    pair). Memory-interval candidates: the first-order optimum and its neighbours (halved,
+    doubled, every step); they and Daly's disk-only plan are simulated on the same exponential
+    traces (``check_failures`` failures in all and at least ``check_pair_losses`` of them going
+    back to disk, at most ``max_runs`` runs; deterministic in ``seed``) and the least simulated
+    waste wins, a memory tier only when it beats Daly beyond the noise (paired 95 % bound)."""
     if not (work_s > 0 and math.isfinite(work_s)):
         raise PlannerError(f"the horizon must be > 0 seconds, got {work_s!r}", hint="e.g. --horizon 24h")
     st = costs.step_time_s
-    lm, ld, lam = profile.mem_rate, profile.disk_rate, profile.job_rate
+    lm, ld, lam = profile.mem_rate, profile.disk_rate, profile.total_rate
+    last = math.ceil(work_s / st)
     cands: dict[str, tuple[int | None, int]] = {}
     fo: dict[str, float] = {}
     daly_k = daly_steps(costs, lam)
@@ -335,22 +388,21 @@ def plan_two_tier(costs: TierCosts, profile: IncidentProfile, work_s: float, *, 
     cands["disk-first-order"] = (None, young_k)
     mem_ok = profile.nodes >= 2 and lm > 0
     why_no_mem = ("the job has one node: a partner on another node is impossible"
-                  if profile.nodes < 2 else "every incident takes a rank and its partner")
+                  if profile.nodes < 2 else "every failure takes a rank and its partner or ends the whole job")
+    # the disk tier's interval: Daly's for the failures the memory tier does not cover
+    disk_t = daly_interval(costs.disk_ckpt_s, 1.0 / ld) if ld > 0 else math.inf
+    disk_steps = min(last, _steps(disk_t, st)) if math.isfinite(disk_t) else last
     if mem_ok:
         t, k, _ = first_order_optimum(costs, lm, ld)
-        ms = _steps(t, st)
-        cands["two-tier-first-order"] = (ms, ms * k)
-        for f_m in (0.5, 2.0):
-            m2 = _steps(ms * f_m * st, st)
-            k2 = max(1, int(round(ms * k / m2)))
-            cands[f"two-tier-k*{f_m:g}"] = (m2, m2 * k2)
-        for f_k in (0.5, 0.8, 1.25, 2.0):
-            k2 = max(1, int(round(k * f_k)))
-            cands[f"two-tier-K*{f_k:g}"] = (ms, ms * k2)
-        cands["two-tier-k1"] = (1, max(1, int(round(ms * k))))
+        ms = min(_steps(t, st), disk_steps)
+        mems = {"two-tier-first-order": ms, "two-tier-k*0.5": _steps(ms * 0.5 * st, st),
+                "two-tier-k*2": min(disk_steps, _steps(ms * 2.0 * st, st)), "two-tier-k1": 1}
+        for name, mk in mems.items():
+            # a multiple of k: the nearest one, or past the end when Daly's interval is
+            mult = math.ceil(last / mk) if disk_steps >= last else max(1, int(round(disk_steps / mk)))
+            cands[name] = (mk, mk * mult)
     # a disk interval past the horizon means no disk save in it: say so with the horizon
     # (rounded up to whole memory intervals), not with a number of steps no job reaches
-    last = math.ceil(work_s / st)
     cands = {n: (m, min(d, last if m is None else m * math.ceil(last / m))) for n, (m, d) in cands.items()}
     for name, (m, d) in cands.items():
         if m is None:
@@ -360,13 +412,13 @@ def plan_two_tier(costs: TierCosts, profile: IncidentProfile, work_s: float, *, 
     # the simulator check: the same traces for every candidate
     runs = math.ceil(check_failures / (lam * work_s))
     if check_pair_losses and ld > 0:
-        # the disk interval is decided by the few incidents that take a pair (0.1-2 % of them
-        # on the LANL histories: ~6 in 3000): enough of those, or the disk interval chosen is
-        # the noise of where a handful of them fell
+        # the disk interval's worth is decided by the few failures that go back to disk (0.1-2 %
+        # of the incidents on the LANL histories without whole-job failures): enough of those,
+        # or the choice is the noise of where a handful of them fell
         runs = max(runs, math.ceil(check_pair_losses / (ld * work_s)))
     runs = int(min(max_runs, max(20, runs)))
     rng = np.random.default_rng(seed)
-    traces = tsim.poisson_traces(rng, lam, profile.partner_loss, work_s, runs)
+    traces = tsim.poisson_traces(rng, lam, profile.disk_share, work_s, runs)
     # distinct candidates only (two names may round to the same pair)
     pairs = list(dict.fromkeys(cands.values()))
     per_run = dict(zip(pairs, tsim.simulate_many(pairs, costs, work_s, traces) / work_s))
@@ -385,9 +437,17 @@ def plan_two_tier(costs: TierCosts, profile: IncidentProfile, work_s: float, *, 
     m, d = cands[best_name]
     alts = {n: {"mem_every_steps": cands[n][0], "disk_every_steps": cands[n][1],
                 "first_order_waste": fo[n], "simulated_waste": sim_by_name[n]} for n in cands}
-    params = {"mem_rate_per_s": lm, "disk_rate_per_s": ld, "chosen": best_name,
-              "check_runs": runs, "seed": seed, "work_s": work_s, "profile_note": profile.note}
+    params = {"mem_rate_per_s": lm, "disk_rate_per_s": ld, "pair_loss_rate_per_s": profile.pair_loss_rate,
+              "whole_job_rate_per_s": profile.whole_job_rate, "whole_job_share": profile.whole_job_share,
+              "outage_rate_per_s": profile.outage_rate, "whole_job_note": profile.whole_job_note,
+              "disk_daly_steps": None if not math.isfinite(disk_t) else _steps(disk_t, st),
+              "chosen": best_name, "check_runs": runs, "seed": seed, "work_s": work_s,
+              "profile_note": profile.note}
     if m is None:
+        disk_reason = (f"Daly's interval for every failure ({_per_h(lam)}): "
+                       "with no memory tier each one goes back to disk")
+        if d >= last:
+            disk_reason += "; it is past the job's end: no disk save before it"
         if not mem_ok:
             reason = f"memory tier dropped: {why_no_mem}"
         else:
@@ -395,29 +455,55 @@ def plan_two_tier(costs: TierCosts, profile: IncidentProfile, work_s: float, *, 
             reason = (f"memory tier dropped: it does not pay{' beyond the simulation noise' if noise else ''} "
                       f"(best two-tier pair wastes {sim_by_name[two]:.4g} of the work in simulation, "
                       f"Daly's disk only {sim_by_name[best_name]:.4g})")
-        return TwoTierPlan("disk-only", None, d, reason, costs, lam, profile.partner_loss, alts, params)
+        return TwoTierPlan("disk-only", None, d, reason, costs, lam, profile.partner_loss, alts, params,
+                           disk_reason)
+    if ld > 0:
+        disk_reason = (f"Daly's interval for the failures the memory tier does not cover, "
+                       f"{_per_h(ld)}: partner losses {_per_h(profile.pair_loss_rate)} + whole-job "
+                       f"failures {_per_h(profile.whole_job_rate)}")
+        if profile.whole_job_note:
+            disk_reason += f" ({profile.whole_job_note})"
+        if d >= last:
+            disk_reason += f"; that interval ({disk_t / 3600:.4g} h) is past the job's end: no disk save before it"
+    else:
+        disk_reason = ("no failure in the profile defeats the memory tier (no partner loss, no whole-job "
+                       "failure): no disk save before the job's end")
     reason = (f"memory tier pays: simulated waste {sim_by_name[best_name]:.4g} of the work vs "
               f"{sim_by_name['daly']:.4g} for Daly's disk-only plan")
-    return TwoTierPlan("two-tier", m, d, reason, costs, lam, profile.partner_loss, alts, params)
+    return TwoTierPlan("two-tier", m, d, reason, costs, lam, profile.partner_loss, alts, params, disk_reason)
 
 
-def profile_from_model(model, nodes: int,
-                       window: tuple[float, float] | None = None) -> IncidentProfile:
+def profile_from_model(model, nodes: int, window: tuple[float, float] | None = None,
+                       whole_job: Mapping[str, Any] | None = None) -> IncidentProfile:
     """The incident profile of a :class:`~coci_hpc.planner.failures.FailureModel`: its
     declustered incidents and their sizes in the history's current regime (``window``: the
-    history's (start, end) epoch seconds, when known) when it has them (node events), else its rate as one-node incidents (a given MTBF says nothing about sizes)."""
+    history's (start, end) epoch seconds, when known) when it has them (node events), else its
+    rate as one-node incidents (a given MTBF says nothing about sizes); with the whole-job model
+    (:func:`coci_hpc.planner.whole_job.resolve`, ``whole_job`` its keyword arguments: the
+    values given by settings or options) from what the model learned (its outages) and the
+    priors. The outages the model found among its incidents are counted once: as outages, not
+    also as incidents."""
+    from coci_hpc.planner import whole_job as wjm
+    outage_times = set(getattr(model, "outage_times", ()) or ())
+    outage_window = getattr(model, "outage_window_s", None)
+    learned = None if outage_window is None else (len(outage_times), float(outage_window))
+    wj = wjm.resolve(**dict(whole_job or {}), learned_outages=learned)
     n_cl = model.cluster_nodes
+    events = [e for e in model.events if e.time_s not in outage_times] if model.events else []
     if model.events and n_cl and model.exposure_node_s > 0:
-        sizes = [len(set(e.nodes)) for e in model.events]
-        times = [e.time_s for e in model.events]
         span = model.exposure_node_s / n_cl
+        all_times = [e.time_s for e in model.events]
         if window is None:
             # the model keeps the window's length, not its ends: taken as ending at the newest
             # incident (a quiet spell at the end then counts as part of the regime before it)
-            window = (min(min(times), max(times) - span), max(times))
-        return IncidentProfile.from_incident_times(times, sizes, window[0], window[1], n_cl, nodes)
-    return IncidentProfile(nodes * model.per_node_rate, 0.0, nodes,
-                           "no incident sizes known: every incident taken as one node")
+            window = (min(min(all_times), max(all_times) - span), max(all_times))
+        sizes = [len(set(e.nodes)) for e in events]
+        times = [e.time_s for e in events]
+        p = IncidentProfile.from_incident_times(times, sizes, window[0], window[1], n_cl, nodes)
+    else:
+        p = IncidentProfile(nodes * model.per_node_rate, 0.0, nodes,
+                            "no incident sizes known: every incident taken as one node")
+    return p.with_whole_job(wj)
 
 
 def describe(plan: TwoTierPlan) -> list[str]:
@@ -429,8 +515,13 @@ def describe(plan: TwoTierPlan) -> list[str]:
                    f"disk save every {plan.disk_every_steps} step(s) ({plan.disk_interval_s / 3600:.4g} h)")
     else:
         out.append(f"  disk save every {plan.disk_every_steps} step(s) ({plan.disk_interval_s / 3600:.4g} h)")
-    out.append(f"  incidents hitting the job {plan.job_rate * 3600:.4g}/h, taking a rank and its "
-               f"partner {100 * plan.partner_loss:.3g} %")
+    if plan.mem_every_steps is not None:
+        out.append(f"  memory interval: the simulated best for the failures the memory tier serves "
+                   f"({plan.params.get('mem_rate_per_s', 0.0) * 3600:.3g}/h)")
+    if plan.disk_reason:
+        out.append(f"  disk interval: {plan.disk_reason}")
+    out.append(f"  failures hitting the job {plan.job_rate * 3600:.4g}/h, taking a rank and its "
+               f"partner {100 * plan.partner_loss:.3g} % of the incidents")
     if plan.params.get("profile_note"):
         out.append(f"  ({plan.params['profile_note']})")
     out.append(f"  {'alternative':22s} {'memory':>7s} {'disk':>8s} {'first order':>12s} {'simulated':>10s}")

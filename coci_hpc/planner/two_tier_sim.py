@@ -58,6 +58,14 @@ def simulate(mem_every_steps: int | None, disk_every_steps: int, costs, work_s: 
 
 def simulate_many(pairs, costs, work_s: float, traces: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     """:func:`simulate` for several (memory, disk) step pairs at once: (pairs x runs)."""
+    return simulate_detail(pairs, costs, work_s, traces)[0]
+
+
+def simulate_detail(pairs, costs, work_s: float, traces: tuple[np.ndarray, np.ndarray]
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`simulate_many` and, per (pair, run), the worst single failure: the most work one
+    failure rolled back, in seconds of training (done since the checkpoint it went back to; the
+    restart's own time is not counted)."""
     times, flags = traces
     st = costs.step_time_s
     cd, rm, rd = costs.disk_ckpt_s, costs.mem_restart_s, costs.disk_restart_s
@@ -81,6 +89,7 @@ def simulate_many(pairs, costs, work_s: float, traces: tuple[np.ndarray, np.ndar
     i0 = np.zeros(shape, dtype=np.int64)
     done = np.zeros(shape, dtype=bool)
     wall = np.zeros(shape)
+    worst = np.zeros(shape)
 
     def finish_at(w_, i_):
         return w_ + (work_s - i_ * t_seg) + (n - i_) * cm + cd * (n // kk - i_ // kk)
@@ -110,7 +119,15 @@ def simulate_many(pairs, costs, work_s: float, traces: tuple[np.ndarray, np.ndar
         sm = np.where(run, j, i0)                   # newest memory checkpoint
         sd = (sm // kk) * kk                        # newest disk checkpoint (every disk point is one)
         sel = rst | run
-        i0 = np.where(sel, np.where(to_disk, sd, sm), i0)
+        # the work this failure rolls back: training done (whole segments up to the newest
+        # checkpoint, then the time since it, less the stalls of the checkpoints passed) back to
+        # the checkpoint restored; during a restart, what the restart was restoring beyond it
+        stalls = (sm - i0) * cm + cd * (sm // kk - i0 // kk)
+        done_s = np.minimum(np.minimum((sm + 1) * t_seg, work_s), i0 * t_seg + (f - w) - stalls)
+        back = np.where(to_disk, sd, sm)
+        lost = np.where(run, np.maximum(0.0, done_s - back * t_seg), (i0 - np.minimum(back, i0)) * t_seg)
+        worst = np.where(sel, np.maximum(worst, lost), worst)
+        i0 = np.where(sel, back, i0)
         w = np.where(sel, f + np.where(to_disk, rd, rm), w)
     wall = np.where(done, wall, finish_at(w, i0))
-    return wall - work_s
+    return wall - work_s, worst

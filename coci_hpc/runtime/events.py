@@ -200,8 +200,19 @@ class Relaunch(Record):
     decided_wall: float | None = _f("when the loop decided")
 
 
+@dataclass
+class TwoTierPlan(Record):
+    EVENT: ClassVar[str] = "two_tier_plan"
+    WRITER: ClassVar[str] = "the Session (rank 0), when the memory tier's plan changes"
+    memory_every: int | None = _f("memory-tier copy every this many steps; null: the plan drops the memory tier")
+    disk_every: int | None = _f("disk save every this many steps")
+    reason: str | None = _f("why the memory tier is kept or dropped")
+    disk_reason: str | None = _f("why the disk interval is what it is: the failures it answers (partner losses, "
+                                 "whole-job failures) and where their rates came from")
+
+
 RECORD_TYPES: tuple[type[Record], ...] = (AttemptStart, Resumed, Checkpoint, Losses, Stop, LeadWarning,
-                                          PeerLost, End, Relaunch)
+                                          PeerLost, End, Relaunch, TwoTierPlan)
 BY_EVENT: dict[str, type[Record]] = {t.EVENT: t for t in RECORD_TYPES}
 EVENTS = tuple(BY_EVENT)
 
@@ -381,6 +392,33 @@ def session_gave_up(events: Sequence[Record]) -> str | None:
         if int(e.attempt or 0) == last and isinstance(e, End):
             return str(e.message or "gave up") if e.status == "gave_up" else None
     return None
+
+
+def whole_job_ends(events: Sequence[Record]) -> tuple[int, int]:
+    """(attempts that ended whole, attempts that ended with a node or rank lost and a survivor
+    left) in one run's log, for the two-tier planner's whole-job share
+    (:mod:`coci_hpc.planner.whole_job`). An attempt that a later attempt followed and that wrote
+    no ``stop`` (an announced end), no ``end`` and no ``peer_lost`` (a survivor saw the loss) ended
+    with every rank at once: a crash of the whole job. The newest attempt may still run: not
+    counted. The relaunch loop's ``relaunch`` record says which: after a lost node the survivors'
+    case, after a crash of the rank step a whole-job end."""
+    by: dict[int, set[str]] = {}
+    relaunched_node: set[int] = set()
+    for e in events:
+        a = int(e.attempt or 0)
+        by.setdefault(a, set()).add(e.EVENT)
+        if isinstance(e, Relaunch) and relaunch_cause(e) == "node_failure":
+            relaunched_node.add(a)
+    last = last_attempt(events)
+    whole = other = 0
+    for a, kinds in by.items():
+        if a >= last or AttemptStart.EVENT not in kinds:
+            continue
+        if PeerLost.EVENT in kinds or a in relaunched_node:
+            other += 1
+        elif not kinds & {Stop.EVENT, End.EVENT}:
+            whole += 1
+    return whole, other
 
 
 def markdown_table() -> str:

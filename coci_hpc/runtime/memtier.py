@@ -34,6 +34,7 @@ replicated state at the last step and the per-step per-rank copy (:mod:`.partner
 from __future__ import annotations
 
 import json
+import os
 import struct
 import time
 from collections.abc import Callable, Mapping
@@ -431,13 +432,34 @@ def for_session(state_fn: Callable[[], Mapping[str, Any]], comm: Comm, ranks_per
     return tier
 
 
-def plan_with(schedule: Any, horizon_s: float, say: Callable[[str], None]
+def plan_with(schedule: Any, horizon_s: float, say: Callable[[str], None],
+              environ: Mapping[str, str] | None = None, events_path: Any = None, log: Any = None,
               ) -> Callable[[list[float]], tuple[int | None, int] | None]:
     """The session's ``plan_fn``: the two-tier plan (:mod:`coci_hpc.planner.two_tier`) for the
     schedule's nodes from its failure model and measured costs (disk save stall, restart, step
     time) and the copies' measured stall; None until a disk save has been timed. Says the plan
-    when it changes."""
+    when it changes, with why each interval is what it is. The whole-job model
+    (:mod:`coci_hpc.planner.whole_job`): ``COCI_WHOLE_JOB_SHARE``/``COCI_OUTAGE_RATE`` from
+    ``environ`` (checked here, on every rank: a bad value stops the start, naming it), the run's
+    own event log (``events_path``: its attempts that ended whole), the priors. ``log`` (the
+    Session's :class:`~coci_hpc.runtime.events.EventLog`) gets a ``two_tier_plan`` record per
+    change, for coci-status."""
+    from coci_hpc.planner import whole_job as wjm
+    given = wjm.given_from_settings(environ)
     last: list[Any] = [None]
+    learned: list[Any] = []
+
+    def whole_job() -> dict:
+        if not learned:      # once per attempt: the log's earlier attempts do not change
+            from coci_hpc.runtime import events as ev
+            share = None
+            try:
+                if events_path is not None and os.path.isfile(events_path):
+                    share = ev.whole_job_ends(ev.read_records(events_path))
+            except OSError:
+                share = None     # the log is the run's record, not the plan's input: plan without it
+            learned.append(share)
+        return {**given, "learned_share": learned[0]}
 
     def plan(copy_s: list[float]) -> tuple[int | None, int] | None:
         from coci_hpc.planner import two_tier
@@ -450,11 +472,16 @@ def plan_with(schedule: Any, horizon_s: float, say: Callable[[str], None]
             return None
         mem = float(np.median(copy_s))
         tc = two_tier.TierCosts(mem, c.ckpt_s, c.restart_s, c.restart_s, c.step_time_s)
-        p = two_tier.plan_two_tier(tc, two_tier.profile_from_model(model, schedule.nodes), horizon_s)
+        p = two_tier.plan_two_tier(tc, two_tier.profile_from_model(model, schedule.nodes, whole_job=whole_job()),
+                                   horizon_s)
         out = (p.mem_every_steps, p.disk_every_steps)
         if out != last[0]:
             last[0] = out
             say(f"two-tier plan: {p.reason}; memory copy every {p.mem_every_steps or '-'} step(s), "
-                f"disk save every {p.disk_every_steps} step(s)")
+                f"disk save every {p.disk_every_steps} step(s): {p.disk_reason}")
+            if log is not None:
+                from coci_hpc.runtime.events import TwoTierPlan
+                log.write(TwoTierPlan(memory_every=p.mem_every_steps, disk_every=p.disk_every_steps,
+                                      reason=p.reason, disk_reason=p.disk_reason))
         return out
     return plan

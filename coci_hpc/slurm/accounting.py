@@ -18,6 +18,7 @@ failure model (records declustered into incidents) and a JSON-able summary;
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections import Counter
@@ -345,6 +346,10 @@ def build_model(hist: History, window_start_s: float, window_end_s: float, *,
     model = fmod.estimate(incidents, exposure, confidence=confidence, basis=basis,
                           n_records=len(recs),
                           cluster_nodes=max(cluster_nodes, 1) if have_events else None)
+    outages = outage_times(incidents, [e for e in hist.events if e.source == "sacct"
+                                       and window_start_s <= e.time_s <= window_end_s + 1],
+                           max(cluster_nodes, 1) if have_events else 0)
+    model = dataclasses.replace(model, outage_times=tuple(outages), outage_window_s=span)
     by_node: Counter = Counter(n for e in recs for n in e.nodes)
     announced = Counter(j.state for j in hist.jobs if j.state in ANNOUNCED_STATES
                         and j.end_s is not None and window_start_s <= j.end_s <= window_end_s + 1)
@@ -354,6 +359,7 @@ def build_model(hist: History, window_start_s: float, window_end_s: float, *,
         "window_hours": span / 3600.0, "cluster_nodes": cluster_nodes,
         "exposure_node_hours": exposure / 3600.0, "exposure_basis": basis,
         "records": len(recs), "incidents": len(incidents),
+        "outages": len(outages),
         "by_node": dict(by_node.most_common()),
         "by_reason": dict(Counter(_reason_class(e) for e in recs).most_common()),
         "announced_not_counted": {s: announced.get(s, 0) for s in ANNOUNCED_STATES},
@@ -362,6 +368,31 @@ def build_model(hist: History, window_start_s: float, window_end_s: float, *,
         "records_read": hist.n_records,
     }
     return model, summary
+
+
+def outage_times(incidents: Sequence[FailureEvent], job_fails: Sequence[FailureEvent],
+                 watched_nodes: int) -> list[float]:
+    """The incidents that were outages ending every job (:mod:`coci_hpc.planner.whole_job`), by
+    their times: with node events (``watched_nodes`` > 0), an incident on at least half the
+    watched nodes (a partition- or cluster-wide outage); from job records, a minute in which two
+    or more jobs on different nodes ended NODE_FAIL (several nodes went at once: Slurm does not
+    say which node of a job died, so one job's NODE_FAIL alone is one node). Such a minute is
+    the incident that holds it, when there is one."""
+    from coci_hpc.planner.whole_job import outage_count
+    found = {e.time_s for e in incidents if outage_count([(len(set(e.nodes)), e.time_s)], watched_nodes)}
+    recs = sorted(job_fails, key=lambda e: e.time_s)
+    i = 0
+    while i < len(recs):
+        j = i
+        while j + 1 < len(recs) and recs[j + 1].time_s - recs[i].time_s <= fmod.SIMULTANEOUS_S:
+            j += 1
+        group = recs[i:j + 1]
+        if any(not set(a.nodes) & set(b.nodes) for x, a in enumerate(group) for b in group[x + 1:]):
+            t = recs[i].time_s
+            holder = [e.time_s for e in incidents if e.time_s <= t <= e.time_s + fmod.SIMULTANEOUS_S]
+            found.add(holder[0] if holder else t)
+        i = j + 1
+    return sorted(found)
 
 
 def failure_model_from_cluster(partition: str | None, *, since: str | None = None,

@@ -77,7 +77,15 @@ def failure_model(a: FailureInput, now: float) -> tuple[fmod.FailureModel, dict]
         hist = acct.History()
         kw = {"skip_bad_lines": a.skip_bad_lines}
         if a.sacct_file:
-            hist = hist.merge(acct.read_file(a.sacct_file, "sacct", **kw))
+            jobs = acct.read_file(a.sacct_file, "sacct", **kw)
+            if not jobs.jobs:
+                # nothing to count exposure, NODE_FAIL ends or outages from: a wrong file, not a quiet cluster
+                raise UsageError(f"--sacct-file {a.sacct_file}: no job records that ran (the exposure, the "
+                                 "NODE_FAIL ends and the outages are counted from them)",
+                                 hint="produce it with: " + " ".join(acct.SACCT_ARGS) + " --starttime=...; "
+                                      "or plan from --events-file or --mtbf-hours (the outage and whole-job "
+                                      "rates then default to their priors)")
+            hist = hist.merge(jobs)
         if a.events_file:
             hist = hist.merge(acct.read_file(a.events_file, "events", maintenance_patterns=patterns,
                                              **kw))

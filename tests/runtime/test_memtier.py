@@ -111,8 +111,45 @@ def test_plan_with_uses_the_two_tier_planner_on_measured_costs() -> None:
                                two_tier.profile_from_model(Sched.failure_model, 16), 24 * 3600.0)
     assert (k, disk) == (p.mem_every_steps, p.disk_every_steps) and k is not None and disk > k
     assert said and f"memory copy every {k} step(s)" in said[0]
+    # with no partner loss known (a given MTBF) the disk interval answers the whole-job failures
+    assert disk * 0.5 < 24 * 3600.0 and "whole-job failures" in said[0]
     Sched.measured = False                           # no disk save timed yet: no plan
     assert memtier.plan_with(Sched(), 24 * 3600.0, said.append)([0.05]) is None
+
+
+def test_plan_with_reads_the_settings_and_logs_the_plan(tmp_path: Path) -> None:
+    """COCI_WHOLE_JOB_SHARE / COCI_OUTAGE_RATE reach the plan (a bad value stops the start,
+    naming it); the plan goes into the event log, where coci-status shows both intervals."""
+    import pytest
+
+    from coci_hpc import history
+    from coci_hpc.errors import UsageError
+    from coci_hpc.planner.costs import Costs
+    from coci_hpc.planner.failures import from_mtbf
+    from coci_hpc.runtime import memtier
+    from coci_hpc.runtime.events import EventLog, read_records
+
+    class Sched:
+        failure_model = from_mtbf(30 * 24 * 3600.0)
+        measured = True
+        nodes = 16
+
+        def costs(self) -> Costs:
+            return Costs(5.0, 120.0, 0.5)
+
+    with pytest.raises(UsageError, match="COCI_WHOLE_JOB_SHARE"):
+        memtier.plan_with(Sched(), 3600.0, print, {"COCI_WHOLE_JOB_SHARE": "1.2"})
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path, attempt=1, job_id=None)
+    log.write("attempt_start", nodes=["a", "b"], ranks=2)
+    lo = memtier.plan_with(Sched(), 24 * 3600.0, print, {"COCI_OUTAGE_RATE": "0"}, path, log)([0.05])
+    hi = memtier.plan_with(Sched(), 24 * 3600.0, print, {"COCI_OUTAGE_RATE": "0.02"}, path, log)([0.05])
+    assert lo is not None and hi is not None and hi[1] < lo[1]      # more outages: disk saves closer
+    plans = [r for r in read_records(path) if r.EVENT == "two_tier_plan"]
+    assert [(p.memory_every, p.disk_every) for p in plans] == [lo, hi]
+    text = history.render_text(history.build(read_records(path), str(tmp_path)))
+    assert f"disk save every {hi[1]} step(s)" in text and "disk: Daly's interval" in text
+    assert "outages 1 per 50 h (given)" in text and "two-tier plan (attempt 1" in text
 
 
 def test_tier_off_on_every_rank_when_host_memory_is_short() -> None:

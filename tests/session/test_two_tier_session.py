@@ -86,5 +86,12 @@ def test_two_tier_plan_sets_k_on_every_rank_and_the_disk_interval(tmp_path: Path
     assert len(own) >= 5 and before, (own, before)
     assert max(own + before) < min(ds), (own, before, why)
 
+    # every plan said is in the event log (coci-status shows the newest), with the failures its
+    # disk interval answers: the setup's partner losses and the whole-job defaults
+    logged = [e for e in read_events(tmp_path / "tier") if e["event"] == "two_tier_plan"]
+    assert [(str(e["memory_every"]), e["disk_every"]) for e in logged] == [(k, int(d)) for _, k, d in plans]
+    assert all("partner losses" in e["disk_reason"] and "whole-job failures" in e["disk_reason"]
+               for e in logged), logged
+
     # checkpoint timing never changes training: the same final parameters
     assert tier0["final"] == control["final"] == by_rank[1]["control"]["final"]
