@@ -206,4 +206,6 @@ def optimizer_targets(state: Mapping[str, Any], tensors: Sequence[Mapping[str, A
                 dtype = getattr(torch, str(meta["dtype"]).split(".", 1)[1], None) \
                     if str(meta["dtype"]).startswith("torch.") else None
                 if isinstance(dtype, torch.dtype):
+                    # on the parameter's own device: from_local shares it (no copy); never read
+                    # into in place (a device tensor): the load fills a host buffer and wraps that
                     targets[name] = wrap_like(p, torch.empty_like(local_of(p), dtype=dtype))
