@@ -7,6 +7,7 @@ Adam step with the saver's:
 
     boundary_job.py matrix DIR [--no-fake]   every case for this world; RESULT {case: problems}
     boundary_job.py load DIR LAYOUT [--no-fake]  load DIR/sync-fsdp (saved by matrix) into LAYOUT
+    ... --device cuda             the same on a GPU (no fake: tests/gpu/run)
     boundary_job.py mixed DIR         a DTensor shard on another device than its mesh: save, load
 
 Cases (layout: plain = DDP-style replicated tensors, fsdp, tp, hsdp (2+ ranks, even)):
@@ -44,6 +45,7 @@ from coci_hpc.checkpoint.state import collect
 from coci_hpc.comm import Comm
 from tests.checkpoint.fake_device import DeviceBoundary
 
+DEVICE = "cpu"   # --device cuda: the same cases on a real GPU (tests/gpu/run), without the fake
 TUNING = IOTuning(False, DEFAULT_ALIGN, DEFAULT_ALIGN_THRESHOLD, None)
 
 
@@ -60,17 +62,17 @@ class MLP(torch.nn.Module):
 
 def build(layout: str, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = MLP(8 if layout == "tp" else 7)   # tp: torch's forward needs even shards; fsdp: uneven chunks
+    model = MLP(8 if layout == "tp" else 7).to(DEVICE)   # tp: torch's forward needs even shards; fsdp: uneven
     if layout == "fsdp":
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(DEVICE, (world,))
         fully_shard(model.fc1, mesh=mesh)
         fully_shard(model, mesh=mesh)
     elif layout == "hsdp":
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(DEVICE, (2, world // 2), mesh_dim_names=("replicate", "shard"))
         fully_shard(model.fc1, mesh=mesh)
         fully_shard(model, mesh=mesh)
     elif layout == "tp":
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(DEVICE, (world,))
         parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
@@ -79,14 +81,14 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: 
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         opt.zero_grad()
-        model(torch.randn(4, 10, generator=gen)).pow(2).mean().backward()
+        model(torch.randn(4, 10, generator=gen).to(DEVICE)).pow(2).mean().backward()
         opt.step()
         with torch.no_grad():
             model.seen.add_(1.0)
 
 
 def digest(t: Any) -> str:
-    t = (t.full_tensor() if isinstance(t, DTensor) else t).detach().contiguous()
+    t = (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().contiguous()
     raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
     bad = "" if not t.is_floating_point() or bool(torch.isfinite(t).all()) else " NON-FINITE"
     return hashlib.sha256(raw).hexdigest()[:12] + bad
@@ -261,14 +263,17 @@ def layouts(world: int) -> list[str]:
 
 
 def main() -> int:
+    global DEVICE
     mode, root = sys.argv[1], Path(sys.argv[2])
+    if "--device" in sys.argv:
+        DEVICE = sys.argv[sys.argv.index("--device") + 1]
     fake = None if "--no-fake" in sys.argv else DeviceBoundary()
     init_distributed(comm=Comm.world())
     job = Job(root, fake)
     result: dict[str, Any] = {"world": job.world, "cases": {}, "fake": fake is not None}
     with fake.installed() if fake is not None else contextlib.nullcontext():
         if mode == "matrix":
-            only = [a for a in sys.argv[3:] if not a.startswith("--")]
+            only = [a for a in sys.argv[3:] if not a.startswith("--") and a != DEVICE]
             for layout in layouts(job.world):
                 if only and layout not in only:
                     continue
