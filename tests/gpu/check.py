@@ -55,7 +55,7 @@ def example(script: str, steps: int, tmp: Path, device_ok: bool) -> dict[str, An
     out["nonfinite_loss"] = bool(re.search(r"loss=(nan|inf|-inf)", ref.stdout))
     for sig in (signal.SIGTERM, signal.SIGKILL):
         d = tmp / f"{script}-{sig.name}"
-        at = random.randint(steps // 4, 3 * steps // 4)
+        at = random.randint(steps // 3, 3 * steps // 4)   # after the first checkpoint (every steps // 5) committed
         p = subprocess.Popen([*args, "--ckpt-dir", str(d)], env=env(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
         assert p.stdout is not None
