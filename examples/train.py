@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     dist = coci_hpc.init_distributed()          # gloo here, NCCL on GPUs; from MPI or Slurm's env
     # NCCL (chosen when CUDA is there) needs the model on this rank's GPU; gloo trains on the CPU.
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.backend == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.backend else torch.device("cpu")
     torch.manual_seed(args.seed)                # same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(), torch.nn.Dropout(0.2),

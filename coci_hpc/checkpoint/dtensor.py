@@ -62,6 +62,14 @@ def local_box(dt: Any, name: str) -> Box:
             raise UsageError(f"DTensor {name!r} has placement {p!r}, which the checkpoint store "
                              f"does not know", hint="use Shard(d) or Replicate() placements")
     mesh = dt.device_mesh
+    local_device = local_of(dt).device
+    if local_device.type != mesh.device_type:
+        # e.g. part of an FSDP2 model moved to the CPU after fully_shard on a CUDA mesh: the ranks'
+        # shards of one tensor on different devices; refused before anything is written or read
+        raise CheckpointError(f"DTensor {name!r} holds its local shard on {local_device} but lives on a "
+                              f"{mesh.device_type!r} device mesh: one tensor's shards on different devices",
+                              hint=f"keep every shard on the mesh's device: move the model before sharding it, "
+                                   f"or the shard back (model.to({mesh.device_type!r})), then save or load")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if mesh.size() != world or mesh.get_coordinate() is None:
         raise UsageError(f"DTensor {name!r} lives on a device mesh of {mesh.size()} rank(s) "
@@ -198,4 +206,6 @@ def optimizer_targets(state: Mapping[str, Any], tensors: Sequence[Mapping[str, A
                 dtype = getattr(torch, str(meta["dtype"]).split(".", 1)[1], None) \
                     if str(meta["dtype"]).startswith("torch.") else None
                 if isinstance(dtype, torch.dtype):
+                    # on the parameter's own device: from_local shares it (no copy); never read
+                    # into in place (a device tensor): the load fills a host buffer and wraps that
                     targets[name] = wrap_like(p, torch.empty_like(local_of(p), dtype=dtype))

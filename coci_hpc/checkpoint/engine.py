@@ -834,6 +834,7 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
     direct: list[tuple[dict[str, Any], Runs, np.ndarray]] = []
     after: list[tuple[dict[str, Any], Runs, tuple[int, ...], Any]] = []
     fresh: list[tuple[np.ndarray, int]] = []
+    wrap: list[tuple[str, Any, torch.Tensor]] = []  # (leaf, DTensor target, its fresh local) after the fill
     in_place: set[int] = set()  # ids of the state's own tensors the checked bytes go into
     for meta, start, shape, _ in ranges:
         name = meta["name"]
@@ -845,7 +846,10 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
             # it while loading, must see the checkpoint's bytes and leave the state as it was.
             obj, dest = empty_like_leaf(meta["dtype"], shape)
             _plan(reader, fresh, meta, dest, start)
-            tensors[name] = wrap_like(tgt, obj) if is_dtensor(tgt) else obj
+            if is_dtensor(tgt):
+                wrap.append((name, tgt, obj))  # wrapped once filled: see below
+            else:
+                tensors[name] = obj  # torch copies it (load_state_dict, the optimizer's cast) in apply, after the fill
             continue
         tensors[name] = tgt.local if isinstance(tgt, Sharded) else tgt
         if how == "direct":
@@ -854,6 +858,10 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
         else:
             after.append((meta, start, shape, _owner(state, name)))
     reader.copy_verified(fresh, threads)
+    for name, tgt, obj in wrap:
+        # Only now: from_local onto a mesh of another device (CUDA) copies the buffer at once, so
+        # wrapping it before the fill handed the state uninitialised memory (issue 32).
+        tensors[name] = wrap_like(tgt, obj)
 
     def fill() -> None:
         """Called once every refusable object accepted its state: from here on nothing refuses."""
@@ -882,7 +890,9 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
         reader.copy_verified(pieces, threads)
         with torch.no_grad():
             for live, obj in cast:
-                live.copy_(obj)  # the optimizer cast it (dtype/device): copy with the same cast
+                # the optimizer cast it (dtype/device): copy with the same cast; blocking (obj is
+                # pageable and dropped right after), obj was filled just above
+                live.copy_(obj)
 
     rank = comm.rank
     per_rank_skel = m["skeletons"]["per_rank"].get(str(rank), {})

@@ -30,7 +30,7 @@ def _bytes_of(leaf: Any) -> np.ndarray | None:
         return array
     source = getattr(leaf, "source", None)
     if isinstance(source, torch.Tensor):
-        t = source.detach().cpu().contiguous()
+        t = source.detach().cpu().contiguous()  # a blocking copy for a device tensor
         return t.view(torch.uint8).reshape(-1).numpy() if t.numel() else np.empty(0, np.uint8)
     return None
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coci_hpc.checkpoint.devices import on_host
 from coci_hpc.checkpoint.dtensor import check_plain, is_dtensor, local_box, local_of
 from coci_hpc.checkpoint.layout import FROM_RANK0
 from coci_hpc.checkpoint.optim_names import is_fqn_keyed, param_names, to_fqn, to_index
@@ -102,8 +103,8 @@ def _tensor_bytes(t: torch.Tensor) -> tuple[str, np.ndarray]:
         raise CheckpointError(f"cannot checkpoint a tensor of dtype {t.dtype}",
                               hint="convert it to a supported dtype before saving")
     t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
+    if not on_host(t):
+        t = t.cpu()  # a blocking copy to new host memory: the bytes are there when it returns
     t = t.contiguous()
     view_as = _TORCH_DTYPES[name][1]
     if t.dtype != view_as:
@@ -117,7 +118,7 @@ def _tensor_leaf(t: torch.Tensor, prefix: str, kind: str, defer_device: bool,
         return _dtensor_leaf(t, prefix, defer_device, guarded)
     check_plain(t, prefix)
     deferrable = t.numel() > 0 and t.data_ptr() in guarded
-    if defer_device and t.device.type != "cpu" and str(t.dtype) in _TORCH_DTYPES:
+    if defer_device and not on_host(t) and str(t.dtype) in _TORCH_DTYPES:
         return Leaf(prefix, str(t.dtype), tuple(t.shape), None, kind,
                     t.numel() * t.element_size(), t.detach(), deferrable)
     name, arr = _tensor_bytes(t)
@@ -129,7 +130,7 @@ def _dtensor_leaf(t: Any, prefix: str, defer_device: bool, guarded: frozenset[in
     box = local_box(t, prefix)
     local = local_of(t)
     deferrable = local.numel() > 0 and local.data_ptr() in guarded
-    if defer_device and local.device.type != "cpu" and str(local.dtype) in _TORCH_DTYPES:
+    if defer_device and not on_host(local) and str(local.dtype) in _TORCH_DTYPES:
         return Leaf(prefix, str(local.dtype), tuple(t.shape), None, "dtensor",
                     local.numel() * local.element_size(), local.detach(), deferrable, box)
     name, arr = _tensor_bytes(local)
@@ -236,6 +237,7 @@ def _torch_dtype(name: Any) -> torch.dtype:
 def empty_like_leaf(dtype: str, shape: tuple[int, ...]) -> tuple[Any, np.ndarray]:
     """A fresh tensor/array for a stored leaf and a 1-D byte-compatible numpy view to read into."""
     if dtype in _TORCH_DTYPES:
+        # host memory, uninitialised: hand it to torch (from_local, load_state_dict) only once filled
         t = torch.empty(shape, dtype=getattr(torch, dtype.split(".", 1)[1]))
         return t, _tensor_bytes(t)[1]
     a = np.empty(shape, dtype=storage_dtype(dtype))
@@ -249,7 +251,8 @@ def leaf_view(obj: Any, dtype: str, shape: tuple[int, ...]) -> np.ndarray | None
     if is_dtensor(obj):
         obj = local_of(obj)
     if isinstance(obj, torch.Tensor):
-        if (obj.device.type != "cpu" or str(obj.dtype) != dtype or tuple(obj.shape) != tuple(shape)
+        # a device tensor is never read into in place: its bytes go through a filled host buffer
+        if (not on_host(obj) or str(obj.dtype) != dtype or tuple(obj.shape) != tuple(shape)
                 or not obj.is_contiguous()):
             return None
         return _tensor_bytes(obj)[1]

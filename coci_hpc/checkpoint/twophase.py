@@ -73,6 +73,7 @@ import torch
 from coci_hpc.checkpoint import engine
 from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.checkpoint.coordinator import LayoutCache
+from coci_hpc.checkpoint.devices import pinned_empty, wait_copies
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, aligned_empty, lower_thread_priority
@@ -93,19 +94,22 @@ class HostBuffers:
     def get(self, name: str, nbytes: int) -> np.ndarray:
         buf = self._bufs.get(name)
         if buf is None or buf.nbytes != nbytes:
-            if torch.cuda.is_available():
-                t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            t = pinned_empty(nbytes)
+            if t is not None:
                 self._pinned[name] = t
                 buf = t.numpy()
             else:
                 buf = aligned_empty(nbytes)
             self._bufs[name] = buf
+        # Reused across saves: safe, start() runs only once the previous persist (which reads
+        # it) finished (make_room), and every byte is copied in again before this save's write.
         return buf
 
     def pinned(self, name: str) -> torch.Tensor | None:
         return self._pinned.get(name)
 
     def drop_unused(self, names: set[str]) -> None:
+        # No save is in flight here (start's caller settled it): nothing still reads a dropped buffer.
         for n in [n for n in self._bufs if n not in names]:
             del self._bufs[n]
             self._pinned.pop(n, None)
@@ -124,10 +128,13 @@ def copy_bytes(leaf: Leaf, start: int, dst: np.ndarray, pinned: torch.Tensor | N
     assert leaf.source is not None
     src = leaf.source.contiguous().reshape(-1).view(torch.uint8)[start:stop]
     if pinned is not None:
+        # Issued on the source device's current stream, after the work already queued there (the
+        # step that made these values); waited for before ``dst`` is written out or reused. A
+        # training loop on a stream of its own must synchronise it before saving.
         pinned.copy_(src, non_blocking=True)
-        torch.cuda.current_stream(src.device).synchronize()
+        wait_copies(src.device)
     else:
-        np.copyto(dst, src.cpu().numpy())
+        np.copyto(dst, src.cpu().numpy())  # .cpu(): a blocking copy (or the host tensor itself)
 
 
 @dataclass

@@ -84,7 +84,7 @@ class _Source:
                 continue
             data = self.read(name, box)
             with torch.no_grad():
-                local.copy_(data.reshape(local.shape))
+                local.copy_(data.reshape(local.shape))  # blocking: data (host, filled) may be freed after
 
     def close(self) -> None:
         pass

@@ -146,7 +146,7 @@ class CheckpointSource:
         shape = entry.shape
         if not shape:
             obj, view = empty_like_leaf(entry.dtype, shape)
-            self._read_into(entry, view, 0)
+            self._read_into(entry, view, 0)   # filled before the tensor is handed out
             return obj if isinstance(obj, torch.Tensor) else torch.from_numpy(obj)
         row = entry.nbytes // shape[0] if shape[0] else 0
         out_shape = (stop - start,) + shape[1:]

@@ -67,6 +67,9 @@ def rendezvous(comm: Comm | None = None, job: JobEnvironment | None = None,
 
 
 DEFAULT_TIMEOUT_S = 120.0
+# NCCL for CUDA tensors, gloo beside it for CPU ones: DCP's async save refuses a group without a
+# CPU backend, and control paths on host tensors then never wait behind a hung NCCL collective.
+NCCL_WITH_CPU = "cpu:gloo,cuda:nccl"
 
 
 def init_distributed(backend: str | None = None, comm: Comm | None = None,
@@ -78,7 +81,8 @@ def init_distributed(backend: str | None = None, comm: Comm | None = None,
     Slurm step (``SLURM_PROCID`` / ``SLURM_NTASKS``, the job's first node); else one process.
 
     Args:
-        backend: ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available, else gloo.
+        backend: any torch.distributed backend string; default ``"cpu:gloo,cuda:nccl"`` (NCCL for
+            CUDA tensors, gloo for CPU ones) when CUDA is available, else ``"gloo"``.
         comm: The MPI communicator to rendezvous over (default: MPI's world when launched by MPI).
         timeout_s: Bound on every gloo/NCCL collective (default ``COCI_DIST_TIMEOUT_S`` or 120 s):
             between separate hosts a dead peer sends no reset, and torch's default (30 min for
@@ -93,10 +97,10 @@ def init_distributed(backend: str | None = None, comm: Comm | None = None,
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
                         dist.get_backend(), "initialized")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or (NCCL_WITH_CPU if torch.cuda.is_available() else "gloo")
     values, source = rendezvous(comm)
     rank, world, local = int(values["RANK"]), int(values["WORLD_SIZE"]), int(values.get("LOCAL_RANK", 0))
-    if backend == "nccl":
+    if "nccl" in backend:
         torch.cuda.set_device(local % max(1, torch.cuda.device_count()))
     if world == 1:
         # No rendezvous for one process: an in-memory store, no port to pick.

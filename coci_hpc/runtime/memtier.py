@@ -208,6 +208,8 @@ class MemoryTier:
             return
         t0 = time.perf_counter()
         slot = min(self.own, key=lambda s: s.step)   # the older own copy; its send has finished
+        # collect copies device tensors to host (blocking .cpu()); the slot is reused only once
+        # its last Isend completed (_send_req is None above), and pack_into rewrites every byte
         skeletons, leaves = collect(self.state_fn(), rng=True)
         pack_into(slot, self.rank, step, skeletons, leaves)
         self._send_req = self.link.isend(self.link.spec(slot.buf[:slot.nbytes]))

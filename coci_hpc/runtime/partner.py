@@ -105,7 +105,8 @@ def capture(state: Mapping[str, Any], rank: int, step: int, rng: bool = True) ->
     """This rank's per-rank state now (RNG streams and ``PerRank`` values), copied, through the
     checkpoint's own :func:`collect` (the reference :class:`Capturer` is checked against)."""
     per_rank = {k: v for k, v in state.items() if isinstance(v, PerRank)}
-    skel, leaves = collect(per_rank, rng=rng)
+    skel, leaves = collect(per_rank, rng=rng)   # device tensors: a blocking .cpu() copy
+    # copies: the arrays may be views of live (host) tensors
     owned = tuple(Leaf(l.name, l.dtype, l.shape, None if l.array is None else l.array.copy(), l.kind, l.nbytes)
                   for l in leaves)
     return RankState(rank, step, skel["per_rank"], owned)

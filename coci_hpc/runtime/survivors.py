@@ -88,7 +88,7 @@ class BoundarySnapshot:
                 bufs = self.buffers.setdefault(key, {})
                 for name, b in inner.named_buffers():
                     if name in bufs and bufs[name].shape == b.shape:
-                        bufs[name].copy_(b)
+                        bufs[name].copy_(b)   # same device, stream-ordered before any later use
                     else:
                         bufs[name] = b.detach().clone()
                 continue
@@ -173,7 +173,7 @@ def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: 
     """Hand the save transaction the pieces of the N-rank checkpoint of ``step``: ``state``
     (already rolled back) gives the replicated part, ``per_rank`` every rank's own; one process
     writes, checks and commits it (:func:`coci_hpc.checkpoint.engine.save_whole`)."""
-    skel, leaves = collect(state, rng=False)
+    skel, leaves = collect(state, rng=False)   # device tensors: blocking .cpu() copies (see NCCL in survivors.md)
     parts = held_in_parts(leaves)
     if parts:
         raise ValueError(parts_reason(parts))

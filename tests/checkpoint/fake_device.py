@@ -1,0 +1,184 @@
+"""FAKE device boundary: what a CUDA device changes, emulated on the CPU (a test fake, issue 32).
+
+On a CPU mesh ``DTensor.from_local`` shares the local tensor's memory, ``.to()`` / ``.cpu()`` give
+the tensor itself, a ``non_blocking`` copy is complete when it returns and no buffer is pinned. On a
+GPU each of these is a copy made at that moment, or a wait, so a buffer handed to torch before it
+is filled (the FSDP2 load of issue 32), or reused before a copy out of it finished, is corrupt there
+and correct on the CPU. :class:`DeviceBoundary` makes a CPU process behave as the GPU does:
+
+* *device* tensors are the ones :meth:`DeviceBoundary.adopt` tagged (the model's parameters and
+  buffers, the optimizer's state) and every copy a crossing below made to the device; coci's
+  :func:`~coci_hpc.checkpoint.devices.on_host` says False for them, so the store takes its device
+  paths (fresh host buffers on load, deferred pinned copies in the async snapshot);
+* ``DTensor.from_local`` of a host tensor copies it to new device memory (from_local onto a CUDA
+  mesh); ``Tensor.to(device=...)`` of a host tensor and ``Tensor.cuda()`` copy it to the device;
+  ``Tensor.cpu()`` of a device tensor copies it to new host memory;
+* ``copy_(src, non_blocking=True)`` poisons its destination (every byte 0xFF: NaN in floats) and
+  copies only at the next :func:`~coci_hpc.checkpoint.devices.wait_copies`, reading ``src`` then;
+* the async snapshot's pinned buffers (:func:`~coci_hpc.checkpoint.devices.pinned_empty`, here
+  plain memory) are poisoned when :class:`~coci_hpc.checkpoint.twophase.HostBuffers` hands one
+  out again or drops it.
+
+Tags are kept by storage address with a reference to the tensor, so an address is never reused
+while tagged. Only for the tests' small states.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from coci_hpc.checkpoint import devices, twophase
+
+POISON = 0xFF
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def poison(t: torch.Tensor) -> None:
+    """Every byte of ``t`` set to 0xFF (NaN in float tensors), through its raw bytes."""
+    t = _local(t)
+    if t.numel() and t.is_contiguous():
+        with torch.no_grad():
+            _ORIG["fill_"](t.view(-1).view(torch.uint8), POISON)
+
+
+_ORIG: dict[str, Any] = {"fill_": torch.Tensor.fill_}
+
+
+class DeviceBoundary:
+    def __init__(self) -> None:
+        self._device: dict[int, torch.Tensor] = {}   # storage address -> a tensor on it (kept alive)
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._lock = threading.Lock()
+        self.crossings = {"from_local": 0, "to": 0, "cpu": 0, "non_blocking": 0, "poisoned_buffers": 0}
+
+    # -- which memory is the device's ----------------------------------------------------------
+    @staticmethod
+    def _key(t: torch.Tensor) -> int:
+        return _local(t).untyped_storage().data_ptr()
+
+    def tag(self, t: torch.Tensor) -> torch.Tensor:
+        if _local(t).untyped_storage().nbytes():
+            self._device[self._key(t)] = t
+        return t
+
+    def is_device(self, t: torch.Tensor) -> bool:
+        return _local(t).untyped_storage().nbytes() > 0 and self._key(t) in self._device
+
+    def adopt(self, *objs: Any) -> None:
+        """Tag the memory of modules' parameters and buffers, optimizers' state, tensors."""
+        for obj in objs:
+            if isinstance(obj, torch.nn.Module):
+                for t in [*obj.parameters(), *obj.buffers()]:
+                    self.tag(t.detach())
+            elif isinstance(obj, torch.optim.Optimizer):
+                for st in obj.state.values():
+                    for v in st.values():
+                        if isinstance(v, torch.Tensor) and v.numel() > 1:   # Adam's step stays on the host
+                            self.tag(v.detach())
+            elif isinstance(obj, torch.Tensor):
+                self.tag(obj.detach())
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad() if not t.requires_grad else contextlib.nullcontext():
+            out = t.clone()
+        return self.tag(out)
+
+    # -- the patches --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[DeviceBoundary]:
+        boundary = self
+        from_local = DTensor.from_local
+        assert not any(n in torch.Tensor.__dict__ for n in ("to", "cuda", "cpu", "copy_")), "installed twice"
+        to, cpu, copy_ = torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.copy_
+        get, drop = twophase.HostBuffers.get, twophase.HostBuffers.drop_unused
+        saved = (devices.on_host, devices.pinned_empty, devices.wait_copies)
+
+        def fake_from_local(local_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not boundary.is_device(local_tensor):
+                boundary.crossings["from_local"] += 1
+                local_tensor = boundary._to_device(local_tensor)   # copied now, as onto a CUDA mesh
+            return from_local(local_tensor, *args, **kwargs)
+
+        def fake_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            out = to(self, *args, **kwargs)
+            wants_device = "device" in kwargs or any(isinstance(a, (str, torch.device, torch.Tensor)) for a in args)
+            if wants_device and not boundary.is_device(self):
+                boundary.crossings["to"] += 1
+                if out is self or _local(out).untyped_storage().data_ptr() == boundary._key(self):
+                    out = boundary._to_device(out)
+                else:
+                    boundary.tag(out)
+            return out
+
+        def fake_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return self if boundary.is_device(self) else boundary._to_device(self)
+
+        def fake_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if boundary.is_device(self):
+                boundary.crossings["cpu"] += 1
+                with torch.no_grad():
+                    return self.clone()                  # new host memory
+            return cpu(self, *args, **kwargs)
+
+        def fake_copy_(self: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Tensor:
+            if not non_blocking:
+                return copy_(self, src)
+            boundary.crossings["non_blocking"] += 1
+            poison(self)                                 # not there until the wait
+            with boundary._lock:
+                boundary._pending.append((self, src))
+            return self
+
+        def fake_wait_copies(device: torch.device) -> None:
+            with boundary._lock:
+                pending, boundary._pending = boundary._pending, []
+            for dst, src in pending:
+                copy_(dst, src)                          # reads the source now, as the stream would
+
+        def fake_get(self: twophase.HostBuffers, name: str, nbytes: int) -> Any:
+            old = self._bufs.get(name)
+            buf = get(self, name, nbytes)
+            if buf is old:                               # reused: whatever it held is gone
+                boundary.crossings["poisoned_buffers"] += 1
+                buf.fill(POISON)
+            return buf
+
+        def fake_drop(self: twophase.HostBuffers, names: set[str]) -> None:
+            for n, b in self._bufs.items():
+                if n not in names:
+                    boundary.crossings["poisoned_buffers"] += 1
+                    b.fill(POISON)                       # released: a late reader sees poison
+            drop(self, names)
+
+        DTensor.from_local = staticmethod(fake_from_local)  # type: ignore[method-assign]
+        torch.Tensor.to = fake_to  # type: ignore[method-assign]
+        torch.Tensor.cuda = fake_cuda  # type: ignore[method-assign]
+        torch.Tensor.cpu = fake_cpu  # type: ignore[method-assign]
+        torch.Tensor.copy_ = fake_copy_  # type: ignore[method-assign]
+        twophase.HostBuffers.get = fake_get  # type: ignore[method-assign]
+        twophase.HostBuffers.drop_unused = fake_drop  # type: ignore[method-assign]
+        devices.on_host = lambda t: not boundary.is_device(t)
+        devices.pinned_empty = lambda nbytes: torch.empty(nbytes, dtype=torch.uint8)
+        devices.wait_copies = fake_wait_copies
+        # the modules that imported the names
+        import coci_hpc.checkpoint.state as state_mod
+        state_mod.on_host = devices.on_host  # type: ignore[attr-defined]
+        twophase.pinned_empty, twophase.wait_copies = devices.pinned_empty, fake_wait_copies  # type: ignore[attr-defined]
+        try:
+            yield self
+        finally:
+            DTensor.from_local = staticmethod(from_local)  # type: ignore[method-assign]
+            for name in ("to", "cuda", "cpu", "copy_"):
+                delattr(torch.Tensor, name)   # back to torch._C.TensorBase's own
+            twophase.HostBuffers.get, twophase.HostBuffers.drop_unused = get, drop  # type: ignore[method-assign]
+            devices.on_host, devices.pinned_empty, devices.wait_copies = saved
+            state_mod.on_host = saved[0]  # type: ignore[attr-defined]
+            twophase.pinned_empty, twophase.wait_copies = saved[1], saved[2]  # type: ignore[attr-defined]
