@@ -8,7 +8,8 @@ synthetic token data set, and CociTrainer instead of Trainer.
 Killed or preempted and started again with the same arguments, it resumes mid-epoch from its
 checkpoint directory and ends with the same parameters as an uninterrupted run. Each rank prints
 ``batch step=<n> rank=<r> idx=<i,j,...>`` for every batch it trains on (the sample indices, so a
-test can check that no sample is seen twice or skipped), rank 0 ``step=<n>`` after each step and
+test can check that no sample is seen twice or skipped; with ``--samples-log DIR`` appended to
+``DIR/rank<r>.txt`` instead, where other ranks' output cannot interleave), rank 0 ``step=<n>`` after each step and
 ``final_params_sha256=<hex>`` at the end. Without --ckpt-dir / --policy the values come from
 coci-submit's environment (COCI_CKPT_DIR, COCI_POLICY).
 """
@@ -59,11 +60,18 @@ class ExampleTrainer(CociTrainer):
     """Reports which samples each rank trains on (and adds pretend work per batch)."""
 
     step_time = 0.0
+    samples_log: Path | None = None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         idx = inputs.pop("idx")
-        print(f"batch step={self.state.global_step + 1} rank={self.args.process_index} "
-              f"idx={','.join(str(int(i)) for i in idx)}", flush=True)
+        rank = self.args.process_index
+        line = f"batch step={self.state.global_step + 1} rank={rank} idx={','.join(str(int(i)) for i in idx)}\n"
+        if self.samples_log is None:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        else:
+            with open(self.samples_log / f"rank{rank}.txt", "a") as f:
+                f.write(line)
         if self.step_time:
             time.sleep(self.step_time)
         return super().training_step(model, inputs, num_items_in_batch)
@@ -84,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4, help="per_device_train_batch_size")
     ap.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
     ap.add_argument("--step-time", type=float, default=0.0, help="seconds of pretend extra work per batch")
+    ap.add_argument("--samples-log", type=Path, default=None, help="append each rank's batch lines to DIR/rank<r>.txt")
     args = ap.parse_args(argv)
 
     transformers.logging.set_verbosity_error()
@@ -99,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         logging_steps=25, save_strategy="no", report_to="none", disable_tqdm=True, seed=args.seed,
         use_cpu=not torch.cuda.is_available(), remove_unused_columns=False, dataloader_num_workers=0)
     coci = {k: v for k, v in {"ckpt_dir": args.ckpt_dir, "policy": args.policy}.items() if v is not None}
-    ExampleTrainer.step_time = args.step_time
+    ExampleTrainer.step_time, ExampleTrainer.samples_log = args.step_time, args.samples_log
+    if args.samples_log is not None:
+        args.samples_log.mkdir(parents=True, exist_ok=True)
     trainer = ExampleTrainer(model=model, args=targs, train_dataset=TokenSequences(SAMPLES),
                              callbacks=[PrintSteps()], coci=coci)
     trainer.train()
