@@ -37,9 +37,9 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -187,7 +187,7 @@ class ResumableBatches:
         self.sampler.load_state_dict(state)
 
 
-class ResumableLoader(DataLoader):  # type: ignore[type-arg]
+class ResumableLoader(DataLoader):
     """A DataLoader over :class:`ResumableBatches` that counts the batches it hands to the loop.
 
     Its own generator, re-seeded from ``(seed, epoch)`` at each epoch, seeds the workers: creating
@@ -297,6 +297,20 @@ class CociTrainerMixin:
     are not. ``train(resume_from_checkpoint=...)`` is not needed: a run resumes from its store.
     """
 
+    # The Trainer's attributes and methods this mixin uses (annotations only: the Trainer has them).
+    args: Any
+    state: Any
+    control: Any
+    model: Any
+    optimizer: Any
+    lr_scheduler: Any
+    accelerator: Any
+    callback_handler: Any
+    data_collator: Any
+    add_callback: Any
+    _remove_unused_columns: Any
+    _get_collator_with_removed_columns: Any
+
     def __init__(self, *args: Any, coci: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         unknown = sorted(set(coci or {}) - _SESSION_ARGS)
         if unknown:
@@ -306,7 +320,7 @@ class CociTrainerMixin:
         super().__init__(*args, **kwargs)
         self._coci_kwargs = dict(coci or {})
         self._coci_session: Session | None = None
-        self._coci_gen: Iterator[int] | None = None
+        self._coci_gen: Generator[int, None, None] | None = None
         self._coci_step = 0                      # the last step whose boundary the Session passed
         self._coci_batches: ResumableBatches | None = None
         self._coci_rng: dict[str, Any] | None = None   # RNG right after the restore, for the first fetch
@@ -349,9 +363,9 @@ class CociTrainerMixin:
         args = self.args
         collator = self.data_collator
         if type(dataset).__module__.startswith("datasets."):
-            dataset = self._remove_unused_columns(dataset, description="Training")  # type: ignore[attr-defined]
+            dataset = self._remove_unused_columns(dataset, description="Training")
         else:
-            collator = self._get_collator_with_removed_columns(collator, description="Training")  # type: ignore[attr-defined]
+            collator = self._get_collator_with_removed_columns(collator, description="Training")
         batch = int(getattr(self, "_train_batch_size", args.train_batch_size))
         self._coci_batches = ResumableBatches(len(dataset), batch, rank=args.process_index, world_size=args.world_size,
                                               seed=args.data_seed if args.data_seed is not None else args.seed)
@@ -371,20 +385,20 @@ class CociTrainerMixin:
                              hint="keep CociTrainer's get_train_dataloader: the loader's position is resume state")
         # Accelerate's optimizer wrapper delegates its state; the store hooks the inner optimizer's
         # step (a two-phase save's snapshot must end before the next step changes the parameters).
-        opt = self.optimizer  # type: ignore[attr-defined]
+        opt = self.optimizer
         opt = getattr(opt, "optimizer", opt) if type(opt).__name__ == "AcceleratedOptimizer" else opt
-        state: dict[str, Any] = {"model": self.model, "optimizer": opt,  # type: ignore[attr-defined]
-                                 "scheduler": _Delegate(self.lr_scheduler),  # type: ignore[attr-defined]
+        state: dict[str, Any] = {"model": self.model, "optimizer": opt,
+                                 "scheduler": _Delegate(self.lr_scheduler),
                                  "loader": self._coci_batches, "trainer_state": _TrainerStateEntry(self)}
-        scaler = getattr(self.accelerator, "scaler", None)  # type: ignore[attr-defined]
+        scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:
             state["scaler"] = scaler
         return state
 
     def _coci_begin(self) -> None:
-        st: Any = self.state  # type: ignore[attr-defined]
+        st: Any = self.state
         session = Session(self._coci_state(), total_steps=int(st.max_steps), **self._coci_kwargs)
-        self._coci_session, self._coci_gen = session, session.steps()
+        self._coci_session, self._coci_gen = session, cast(Generator[int, None, None], session.steps())
         try:
             step = next(self._coci_gen)          # restores the newest committed checkpoint, if any
         except StopIteration:                    # the store holds the final step: nothing to train
@@ -394,7 +408,7 @@ class CociTrainerMixin:
         b = self._coci_batches
         assert b is not None
         b.roll()
-        ga = self.args.gradient_accumulation_steps  # type: ignore[attr-defined]
+        ga = self.args.gradient_accumulation_steps
         if b.consumed_in_epoch() % ga:
             raise UsageError(f"the checkpoint stopped {b.consumed_in_epoch()} batches into an epoch, not a multiple "
                              f"of gradient_accumulation_steps={ga}",
@@ -407,7 +421,7 @@ class CociTrainerMixin:
 
     def _coci_boundary(self) -> None:
         """After a step: the Session's step boundary (agree, save, maybe stop: SystemExit)."""
-        step = int(self.state.global_step)  # type: ignore[attr-defined]
+        step = int(self.state.global_step)
         if self._coci_gen is None or step == self._coci_step:
             return
         if step != self._coci_step + 1:
@@ -427,16 +441,16 @@ class CociTrainerMixin:
     def _coci_step_end(self) -> None:
         b = self._coci_batches
         if b is not None:   # the Trainer's epoch counter is relative to where this process started
-            self.state.epoch = b.epoch + b.consumed_in_epoch() / max(1, b.per_epoch)  # type: ignore[attr-defined]
+            self.state.epoch = b.epoch + b.consumed_in_epoch() / max(1, b.per_epoch)
 
     def _coci_end(self) -> None:
         self._coci_boundary()
         if self._coci_gen is not None:           # the Trainer stopped before max_steps (a callback)
             gen, self._coci_gen = self._coci_gen, None
-            if self.args.process_index == 0:  # type: ignore[attr-defined]
+            if self.args.process_index == 0:
                 _say(f"the Trainer stopped at step {self._coci_step} before max_steps: no final checkpoint; "
                      f"the last one committed is the resume point")
-            gen.close()                          # type: ignore[attr-defined]
+            gen.close()
 
     # -- the Trainer's methods ----------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
@@ -448,7 +462,7 @@ class CociTrainerMixin:
         except BaseException:
             gen, self._coci_gen = self._coci_gen, None
             if gen is not None:     # an exception inside a step: the Session asks its peers (survivors)
-                gen.close()                      # type: ignore[attr-defined]
+                gen.close()
             raise
 
     def _check_resume(self, resume: str | bool | None) -> None:
@@ -494,7 +508,7 @@ class CociTrainerMixin:
             check_private_api(Trainer)
             raise UsageError("Trainer._run_epoch was called in a way CociTrainer does not know",
                              hint=f"install the tested transformers: pip install 'transformers{TESTED}'")
-        ctrl: Any = self.control  # type: ignore[attr-defined]
+        ctrl: Any = self.control
         if self._coci_gen is None:               # restored at max_steps: the run is already done
             ctrl.should_training_stop = True
             return None
@@ -506,14 +520,14 @@ class CociTrainerMixin:
         if done:
             # The rest of a started epoch, as the Trainer's own resume sees it but without its
             # skip through the first `done` batches: the loader is already there.
-            ga = self.args.gradient_accumulation_steps  # type: ignore[attr-defined]
+            ga = self.args.gradient_accumulation_steps
             kwargs["steps_in_epoch"] = b.per_epoch - done
             kwargs["num_update_steps_per_epoch"] = math.ceil(b.per_epoch / ga) - done // ga
         return super()._run_epoch(**kwargs)  # type: ignore[misc]
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        if not self._coci_warned_save and self.args.process_index == 0:  # type: ignore[attr-defined]
-            _say(f"save_strategy={self.args.save_strategy!s}: the Trainer's own checkpoints are not written; "  # type: ignore[attr-defined]
+        if not self._coci_warned_save and self.args.process_index == 0:
+            _say(f"save_strategy={self.args.save_strategy!s}: the Trainer's own checkpoints are not written; "
                  f"coci's store holds the training state (set save_strategy='no'; export the model with "
                  f"trainer.save_model() or coci-ckpt)")
         self._coci_warned_save = True
