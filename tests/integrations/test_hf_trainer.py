@@ -105,17 +105,19 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list, list[torc
     return seen, _params(t)
 
 
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "2-workers"])
 def test_a_signal_mid_epoch_stops_at_a_boundary_and_the_resumed_run_is_bit_identical(
-        tmp_path: Path, reference: tuple[list, list[torch.Tensor]]) -> None:
+        tmp_path: Path, reference: tuple[list, list[torch.Tensor]], workers: int) -> None:
     ref_seen, ref_params = reference
     first: list = []
     before = signal.getsignal(signal.SIGUSR2)
+    # With workers the loader runs ahead of the loop: the position saved is what the loop consumed.
     with pytest.raises(SystemExit) as stop:
-        _trainer(tmp_path, first, callbacks=[SignalAt(20)]).train()
+        _trainer(tmp_path, first, callbacks=[SignalAt(20)], dataloader_num_workers=workers).train()
     assert stop.value.code == 0
     assert signal.getsignal(signal.SIGUSR2) == before           # the Session gave the signal back
     second: list = []
-    resumed = _trainer(tmp_path, second)
+    resumed = _trainer(tmp_path, second, dataloader_num_workers=workers)
     resumed.train()
 
     stopped = first[-1][0]
@@ -147,6 +149,29 @@ def test_a_finished_run_trains_nothing_more_and_a_resume_point_outside_the_store
         _trainer(tmp_path, []).train(resume_from_checkpoint=str(hf_ckpt))
     assert "disagrees with coci's store" in e.value.message and f"step: {STEPS}" in e.value.message
     assert "without resume_from_checkpoint" in (e.value.hint or "")
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            control.should_training_stop = True
+
+
+def test_a_trainer_stopped_early_by_a_callback_keeps_its_last_checkpoint(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    seen: list = []
+    t = _trainer(tmp_path, seen, callbacks=[StopAt(15)])
+    t.train()                                                     # returns: not a coci stop
+    assert seen[-1][0] == 15 and t.state.global_step == 15
+    assert "stopped at step 15 before max_steps: no final checkpoint" in capfd.readouterr().err
+    kinds = [(e["step"], e["kind"]) for e in read_events(tmp_path) if e["event"] == "checkpoint"]
+    assert kinds == [(10, "planned")]
+    again: list = []
+    _trainer(tmp_path, again, callbacks=[StopAt(25)]).train()
+    assert again[0][0] == 11                                      # resumed from the last committed step
 
 
 def test_the_callback_on_a_plain_trainer_is_refused_naming_the_trainer_to_use(tmp_path: Path) -> None:
