@@ -485,10 +485,13 @@ class CociTrainerMixin:
                      "coci={'init_from': PATH} (a Hugging Face safetensors directory, a torch.save file or a "
                      "coci checkpoint)")
 
-    def get_batch_samples(self, epoch_iterator: Iterator[Any], num_batches: int, device: Any) -> Any:
+    def _coci_started(self) -> None:
         if self._coci_session is None:
             raise UsageError("CociTrainer's callback was removed: nothing restores, saves or stops the run",
                              hint="keep the CociCallback that CociTrainer adds")
+
+    def get_batch_samples(self, epoch_iterator: Iterator[Any], num_batches: int, device: Any) -> Any:
+        self._coci_started()
         self._coci_boundary()
         if self._coci_rng is not None:
             # The first fetch after a restore draws from the RNG the uninterrupted run fetched with
@@ -508,6 +511,7 @@ class CociTrainerMixin:
             check_private_api(Trainer)
             raise UsageError("Trainer._run_epoch was called in a way CociTrainer does not know",
                              hint=f"install the tested transformers: pip install 'transformers{TESTED}'")
+        self._coci_started()
         ctrl: Any = self.control
         if self._coci_gen is None:               # restored at max_steps: the run is already done
             ctrl.should_training_stop = True

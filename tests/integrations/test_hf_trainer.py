@@ -180,6 +180,11 @@ def test_the_callback_on_a_plain_trainer_is_refused_naming_the_trainer_to_use(tm
         _trainer(tmp_path, [], cls=Trainer, callbacks=[hf.CociCallback()]).train()
     assert "not a CociTrainer" in e.value.message and "CociTrainerMixin" in (e.value.hint or "")
     assert signal.getsignal(signal.SIGUSR2) == before and not (tmp_path / "events.jsonl").exists()
+    removed = _trainer(tmp_path, [])
+    removed.remove_callback(hf.CociCallback)
+    with pytest.raises(UsageError, match="callback was removed"):
+        removed.train()
+    assert removed.state.global_step == 0                        # refused before any step
 
 
 def _plain(ckpt: Path, **kwargs: Any) -> Any:
