@@ -57,6 +57,7 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
 from coci_hpc.checkpoint import catalog
 from coci_hpc.checkpoint.state import capture_rng, restore_rng
 from coci_hpc.errors import CheckpointError, UsageError
+from coci_hpc.runtime import errorexit
 from coci_hpc.runtime.data import ResumableSampler
 from coci_hpc.runtime.distributed import DistInfo
 from coci_hpc.runtime.distributed import init_distributed as _coci_init_distributed
@@ -261,6 +262,7 @@ class CociCallback(TrainerCallback):
     """
 
     def __init__(self) -> None:
+        errorexit.install()            # a refusal ends `python train.py` with one line, no traceback
         self.trainer: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -312,6 +314,7 @@ class CociTrainerMixin:
     _get_collator_with_removed_columns: Any
 
     def __init__(self, *args: Any, coci: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        errorexit.install()            # a refusal ends `python train.py` with one line, no traceback
         unknown = sorted(set(coci or {}) - _SESSION_ARGS)
         if unknown:
             raise UsageError(f"unknown coci= settings: {', '.join(unknown)}",
