@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)   # dropout 0.1
     model = GPT2LMHeadModel(config)
     targs = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="hf-trainer-out-"), max_steps=args.steps,
+        output_dir=str(Path(tempfile.gettempdir()) / "hf_trainer_train-out"), max_steps=args.steps,  # nothing is written
         per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.grad_accum,
         learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=5, weight_decay=0.01,
         logging_steps=25, save_strategy="no", report_to="none", disable_tqdm=True, seed=args.seed,
