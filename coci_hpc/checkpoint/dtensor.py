@@ -175,18 +175,18 @@ def optimizer_targets(state: Mapping[str, Any], tensors: Sequence[Mapping[str, A
     optimizer is touched until every check passed (all or nothing), and only the bytes of this
     rank's box are read.
     """
+    from coci_hpc.checkpoint.leaves import LeafKind, PerRank, escape_key
     from coci_hpc.checkpoint.optim_names import param_names
-    from coci_hpc.checkpoint.state import PerRank, _escape
 
     for key, value in state.items():
         inner = value.value if isinstance(value, PerRank) else value
         if not isinstance(inner, torch.optim.Optimizer):
             continue
-        section = "per_rank" if isinstance(value, PerRank) else "replicated"
+        section = LeafKind.PER_RANK.value if isinstance(value, PerRank) else LeafKind.REPLICATED.value
         params = [p for g in inner.param_groups for p in g["params"]]
         # saved keyed by parameter name (.optim_names) or, older, by position
         names = param_names(state, inner)
-        by_name = {_escape(n): params[i] for i, n in enumerate(names)} if names is not None else {}
+        by_name = {escape_key(n): params[i] for i, n in enumerate(names)} if names is not None else {}
         prefix = f"{section}/{key}/state/"
         for meta in tensors:
             name = meta["name"]
