@@ -28,8 +28,9 @@ from coci_hpc.errors import CheckpointError, UsageError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offsets, local shape)
 
-# torch.distributed.tensor is imported only where a DTensor is in hand: importing it costs 0.7 s of
-# every rank's start (2.2 s for coci_hpc.session), and a job without DTensors never needs it.
+# torch.distributed.tensor is imported only where a DTensor is in hand: it cost 0.7 s of each import
+# of coci_hpc.session (2.2 s). torch imports it too once an optimizer is built (Optimizer.add_param_group
+# imports torch._dynamo, which imports FSDP), so what this saves is the import of coci_hpc itself.
 _DTENSOR_MODULE = "torch.distributed.tensor"
 
 
