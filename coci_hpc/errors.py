@@ -1,11 +1,13 @@
 """The one error hierarchy of coci_hpc.
 
-Library code raises these; only ``coci_hpc.cli`` turns them into messages and exit codes
+Library code raises these; only ``coci_hpc.cli`` turns them into exit codes
 (``coci_hpc.cli.common.run_cli``; for a user's script that lets one escape,
-``coci_hpc.runtime.errorexit`` with the same format). A message names the problem; ``hint`` says
-how to fix it.
+``coci_hpc.runtime.errorexit``), both printing them with :func:`report_error`, the one format. A
+message names the problem; ``hint`` says how to fix it.
 """
 from __future__ import annotations
+
+import sys
 
 
 class CociError(Exception):
@@ -20,6 +22,15 @@ class CociError(Exception):
 
     def __str__(self) -> str:
         return self.message if not self.hint else f"{self.message} (hint: {self.hint})"
+
+
+def report_error(prog: str, exc: CociError) -> None:
+    """The one error style: ``prog: error: message`` and, when there is one, ``prog: hint: ...``.
+    Here, below the CLI, so that the runtime's exit hook (runtime/errorexit.py) prints the same
+    without importing the CLI layer."""
+    print(f"{prog}: error: {exc.message}", file=sys.stderr)
+    if exc.hint:
+        print(f"{prog}: hint: {exc.hint}", file=sys.stderr)
 
 
 class UsageError(CociError):

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tests.faults import figures
+
 ROOT = Path(__file__).resolve().parent.parent
 DEVCLUSTER = ROOT / "slurm" / "devcluster"
 # What the examples print at the end (rank 0): the hash a resumed run must share with an uninterrupted one.
@@ -80,6 +82,22 @@ def run_ranks(n: int, *args: str, timeout: float = 120, env: dict[str, str] | No
     if p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
+
+
+# (ranks, command line without --ckpt-dir) -> the finished run; see reference_run.
+_REFERENCE_RUNS: dict[tuple[int, tuple[str, ...]], subprocess.CompletedProcess] = {}
+
+
+def reference_run(n: int, *args: str, ckpt_dir: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """An uninterrupted run, for its final parameter hash: ``run_ranks(n, *args, "--ckpt-dir", ckpt_dir)``,
+    run once per pytest process for each command line. A second test (or module) that needs the same
+    reference gets the first run's output instead of training again; ``ckpt_dir`` is not part of the
+    key, since where the run checkpoints does not change what it computes (each bit-exact test
+    compares against exactly that). The first caller's ``ckpt_dir`` holds that run's checkpoints."""
+    key = (n, tuple(str(a) for a in args))
+    if key not in _REFERENCE_RUNS:
+        _REFERENCE_RUNS[key] = run_ranks(n, *args, "--ckpt-dir", str(ckpt_dir), timeout=timeout)
+    return _REFERENCE_RUNS[key]
 
 
 def wait_for(pred: Callable[[], bool], what: str, timeout: float) -> None:
@@ -200,3 +218,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                                else "is marked slurm but does not use the cluster"))
     if wrong:
         raise pytest.UsageError("cluster markers:\n  " + "\n  ".join(wrong))
+
+
+# -- the fault-injection suite's figures (tests/faults/figures.py), gathered from pytest-xdist's workers
+FIGURES_KEY = "coci_fault_figures"
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)   # set on a pytest-xdist worker only
+    if workeroutput is not None:
+        workeroutput[FIGURES_KEY] = figures.FIGURES
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """pytest-xdist's controller: a worker finished; add its figures to the table."""
+    figures.merge(getattr(node, "workeroutput", {}).get(FIGURES_KEY, {}))
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    lines = figures.format_figures(figures.FIGURES)
+    if not lines:
+        return
+    terminalreporter.section("fault-injection figures")
+    for line in lines:
+        terminalreporter.write_line(line)

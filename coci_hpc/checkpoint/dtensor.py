@@ -17,6 +17,7 @@ a DTensor target also reads its box out of a plain (replicated or ``Sharded``) c
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,15 +28,18 @@ from coci_hpc.errors import CheckpointError, UsageError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offsets, local shape)
 
-try:  # torch built without distributed: no DTensor can exist
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
+# torch.distributed.tensor is imported only where a DTensor is in hand: it cost 0.7 s of each import
+# of coci_hpc.session (2.2 s). torch imports it too once an optimizer is built (Optimizer.add_param_group
+# imports torch._dynamo, which imports FSDP), so what this saves is the import of coci_hpc itself.
+_DTENSOR_MODULE = "torch.distributed.tensor"
 
 
 def is_dtensor(t: Any) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    """Whether ``t`` is a DTensor, without importing torch.distributed.tensor: a DTensor can exist only
+    once its module has been imported (by whoever made it), so a module not yet loaded means no."""
+    mod = sys.modules.get(_DTENSOR_MODULE)
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return cls is not None and isinstance(t, cls)
 
 
 def check_plain(t: torch.Tensor, name: str) -> None:
@@ -51,6 +55,8 @@ def check_plain(t: torch.Tensor, name: str) -> None:
 def local_box(dt: Any, name: str) -> Box:
     """This rank's box of ``dt`` after checking its placements and mesh."""
     import torch.distributed as dist
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     for p in dt.placements:
         if isinstance(p, Partial):
@@ -161,6 +167,8 @@ def local_of(t: Any) -> torch.Tensor:
 
 def wrap_like(target: Any, local: torch.Tensor) -> Any:
     """A DTensor with ``target``'s mesh, placements and global shape around ``local``."""
+    from torch.distributed.tensor import DTensor
+
     return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
                               shape=target.shape, stride=target.stride())
 
@@ -176,18 +184,18 @@ def optimizer_targets(state: Mapping[str, Any], tensors: Sequence[Mapping[str, A
     optimizer is touched until every check passed (all or nothing), and only the bytes of this
     rank's box are read.
     """
+    from coci_hpc.checkpoint.leaves import LeafKind, PerRank, escape_key
     from coci_hpc.checkpoint.optim_names import param_names
-    from coci_hpc.checkpoint.state import PerRank, _escape
 
     for key, value in state.items():
         inner = value.value if isinstance(value, PerRank) else value
         if not isinstance(inner, torch.optim.Optimizer):
             continue
-        section = "per_rank" if isinstance(value, PerRank) else "replicated"
+        section = LeafKind.PER_RANK.value if isinstance(value, PerRank) else LeafKind.REPLICATED.value
         params = [p for g in inner.param_groups for p in g["params"]]
         # saved keyed by parameter name (.optim_names) or, older, by position
         names = param_names(state, inner)
-        by_name = {_escape(n): params[i] for i, n in enumerate(names)} if names is not None else {}
+        by_name = {escape_key(n): params[i] for i, n in enumerate(names)} if names is not None else {}
         prefix = f"{section}/{key}/state/"
         for meta in tensors:
             name = meta["name"]

@@ -27,12 +27,13 @@ from functools import partial
 from operator import attrgetter
 from typing import Any, NamedTuple
 
+from coci_hpc.checkpoint.leaves import LeafKind
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError
 
 # A replicated leaf rank 0 writes whole: its value there is the authoritative one (module
 # buffers; see coci_hpc.checkpoint.state.collect).
-FROM_RANK0 = "from_rank0"
-REPLICATED_KINDS = ("replicated", FROM_RANK0)
+FROM_RANK0 = LeafKind.FROM_RANK0.value
+REPLICATED_KINDS = (LeafKind.REPLICATED.value, FROM_RANK0)
 
 
 class LeafDesc(NamedTuple):
@@ -234,7 +235,7 @@ def _plan_dtensors(per_rank_leaves: Sequence[Sequence[LeafDesc]], datasets: list
     """DTensor leaves: one dataset of the global shape each; every distinct box written once
     (see :func:`.dtensor.plan`), as its coalesced byte runs."""
     from coci_hpc.checkpoint.dtensor import plan
-    from coci_hpc.checkpoint.state import storage_dtype
+    from coci_hpc.checkpoint.leaves import storage_dtype
 
     by_rank = [{l.name: l for l in leaves if l.kind == "dtensor"} for leaves in per_rank_leaves]
     out: dict[int, tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]] = {}
@@ -363,7 +364,7 @@ def check_pieces(pieces: Sequence[Piece], descs: Sequence[LeafDesc]) -> None:
 
 def layout_from_manifest(m: Mapping[str, Any]) -> Layout:
     """The layout a (format 3) manifest was written with: datasets, pieces and per-rank parts."""
-    from coci_hpc.checkpoint.state import storage_dtype
+    from coci_hpc.checkpoint.leaves import storage_dtype
 
     datasets: list[DatasetSpec] = []
     parts: dict[int, tuple[RankPart, ...]] = {}

@@ -44,7 +44,7 @@ def _clean(model: torch.nn.Module, name: str) -> str:
 
 
 def _models(state: Mapping[str, Any]) -> list[torch.nn.Module]:
-    from coci_hpc.checkpoint.state import PerRank
+    from coci_hpc.checkpoint.leaves import PerRank
 
     out = []
     for value in state.values():

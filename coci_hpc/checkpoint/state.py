@@ -26,39 +26,16 @@ import torch
 from coci_hpc.checkpoint.devices import on_host
 from coci_hpc.checkpoint.dtensor import check_plain, is_dtensor, local_box, local_of
 from coci_hpc.checkpoint.layout import FROM_RANK0
+from coci_hpc.checkpoint.leaves import NUMPY_KINDS, PerRank, Sharded, escape_key, storage_dtype, torch_dtypes
 from coci_hpc.checkpoint.optim_names import is_fqn_keyed, param_names, to_fqn, to_index
 from coci_hpc.checkpoint.unsupported import check_value
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError
 
-# torch dtype name -> (numpy dtype used for the stored bytes, torch dtype to view as on the way out).
-# bfloat16 and bool have no exact numpy twin of the same meaning, so their bytes go out as uint.
-_TORCH_DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
-    "torch.float64": (np.dtype("<f8"), torch.float64),
-    "torch.float32": (np.dtype("<f4"), torch.float32),
-    "torch.float16": (np.dtype("<f2"), torch.float16),
-    "torch.bfloat16": (np.dtype("<u2"), torch.int16),
-    "torch.int64": (np.dtype("<i8"), torch.int64),
-    "torch.int32": (np.dtype("<i4"), torch.int32),
-    "torch.int16": (np.dtype("<i2"), torch.int16),
-    "torch.int8": (np.dtype("i1"), torch.int8),
-    "torch.uint8": (np.dtype("u1"), torch.uint8),
-    "torch.bool": (np.dtype("u1"), torch.uint8),
-}
-_NUMPY_KINDS = "fiub"
-
-
-@dataclass(frozen=True)
-class PerRank:
-    """Marks a state value as different on every rank (stored once per rank)."""
-
-    value: Any
-
-
-@dataclass
-class Sharded:
-    """A tensor split along dim 0 across ranks; ``local`` is this rank's rows, in rank order."""
-
-    local: torch.Tensor
+# The wrapper types, leaf kinds, dtype encoding and key escaping live in .leaves (so that dtensor,
+# layout and optim_names need not import this module back); the old names stay importable here.
+_TORCH_DTYPES = torch_dtypes()
+_NUMPY_KINDS = NUMPY_KINDS
+_escape = escape_key
 
 
 @dataclass(frozen=True)
@@ -69,7 +46,7 @@ class Leaf:
     dtype: str          # "torch.float32" or "numpy.float32": how to give it back
     shape: tuple[int, ...]
     array: np.ndarray | None  # 1-D view in the storage dtype; shares memory with a CPU tensor.
-    kind: str           # "replicated" | "from_rank0" | "per_rank" | "sharded" | "dtensor"
+    kind: str           # a LeafKind value: "replicated" | "from_rank0" | "per_rank" | "sharded" | "dtensor"
     nbytes: int
     source: torch.Tensor | None = None  # a device tensor left for the two-phase save to copy
     # Only the optimizer step changes it (a parameter or the state of an optimizer whose step
@@ -78,22 +55,6 @@ class Leaf:
     # A DTensor leaf (kind "dtensor"): this rank's box of the global tensor, (global offsets,
     # local shape); ``shape`` is the global shape, ``array``/``nbytes`` the local part's.
     box: tuple[Any, ...] = ()
-
-
-def storage_dtype(dtype: str) -> np.dtype:
-    if dtype in _TORCH_DTYPES:
-        return _TORCH_DTYPES[dtype][0]
-    if isinstance(dtype, str) and dtype.startswith("numpy."):
-        try:
-            dt = np.dtype(dtype[len("numpy."):])
-        except TypeError:
-            dt = None
-        # Only the numeric kinds that are ever saved: raw bytes read into an object (pointer)
-        # array would be memory corruption, never a tensor.
-        if dt is not None and dt.kind in _NUMPY_KINDS:
-            return dt.newbyteorder("<")
-    raise CheckpointError(f"unsupported tensor dtype {dtype!r} in checkpoint",
-                          hint="supported: " + ", ".join(sorted(_TORCH_DTYPES)) + ", numpy numeric")
 
 
 def _tensor_bytes(t: torch.Tensor) -> tuple[str, np.ndarray]:
@@ -145,12 +106,6 @@ def _numpy_bytes(a: np.ndarray) -> tuple[str, np.ndarray]:
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
     return f"numpy.{a.dtype.newbyteorder('=').name}", a.reshape(-1)
-
-
-def _escape(key: str) -> str:
-    """A key as one HDF5 path component ("/" separates groups; "." and ".." are special)."""
-    key = key.replace("%", "%25").replace("/", "%2F")
-    return {"": "%00", ".": "%2E", "..": "%2E%2E"}.get(key, key)
 
 
 def _json_leaf(x: Any, where: str) -> Any:

@@ -1,4 +1,5 @@
-"""The single place where coci_hpc errors become messages and exit codes, and what every coci-* tool
+"""The single place where coci_hpc errors become exit codes (printed in the one format of
+:func:`coci_hpc.errors.report_error`, also importable from here), and what every coci-* tool
 shares: ``--version`` (every :class:`UsageArgumentParser` has it), the ``--json`` flag
 (:func:`add_json`, :func:`print_json`), the plot flag (:func:`add_plot`, :func:`plot_target`), the
 missing-directory error (:func:`require_dir`) and progress on a terminal (:func:`progress`).
@@ -20,7 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from coci_hpc.errors import CheckpointNotFound, CociError, UsageError
+# report_error (the one error style) lives in coci_hpc.errors, below every layer; importable here too.
+from coci_hpc.errors import CheckpointNotFound, CociError, UsageError, report_error
 
 EXIT_PIPE = 141          # 128 + SIGPIPE, what a C tool killed by the closed pipe reports
 # What matplotlib writes without extra packages; anything else (out.txt) is refused up front.
@@ -160,13 +162,6 @@ def progress(prog: str, what: str, after_s: float = 2.0) -> Iterator[None]:
     finally:
         done.set()
         th.join(timeout=1.0)
-
-
-def report_error(prog: str, exc: CociError) -> None:
-    """The one error style: ``prog: error: message`` and, when there is one, ``prog: hint: ...``."""
-    print(f"{prog}: error: {exc.message}", file=sys.stderr)
-    if exc.hint:
-        print(f"{prog}: hint: {exc.hint}", file=sys.stderr)
 
 
 def _pipe_closed() -> int:

@@ -4,17 +4,18 @@
     coci-submit --partition gpu --nodes 2 --time 4:00:00 train.py --lr 3e-4
 
 Options use sbatch's own spelling and go BEFORE the script; everything after SCRIPT goes to the
-script. One of coci-submit's own options after SCRIPT (`train.py --dry-run`) is refused, since it
-would silently reach the script instead; to pass one to the script on purpose, put `--` after SCRIPT:
-`coci-submit -p gpu train.py -- --policy fixed:50` (the `--` itself is dropped). Any other sbatch
-option: --sbatch-arg KEY[=VALUE] (repeatable). --dry-run prints the batch script and submits
-nothing; it needs no running Slurm and says what it could not check.
+script, as with sbatch, srun, mpiexec, torchrun and python: `coci-submit -p gpu train.py --policy
+fixed:50` gives --policy to train.py (one line on stderr says so when a coci-submit option has that
+name). Only --dry-run after SCRIPT is refused: meant for coci-submit, it would submit the job for
+real; to pass it to the script, put `--` after SCRIPT (`train.py -- --dry-run`; that `--` is
+dropped). Any other sbatch option: --sbatch-arg KEY[=VALUE] (repeatable). --dry-run prints the
+batch script and submits nothing; it needs no running Slurm and says what it could not check.
 
 Durations (--time) take 2h, 90m, 1d12h or Slurm's MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]]; a bare
 number is minutes, as in sbatch, and `1:30` is 1 min 30 s (say 1:30:00 or 1h30m for 90 minutes).
 
 Exit codes: 0 submitted (or dry run printed), 2 bad usage (missing or non-Python script, unknown
-partition, bad --time, --mpi, --python, --sbatch-arg or other option, an own option after SCRIPT),
+partition, bad --time, --mpi, --python, --sbatch-arg or other option, --dry-run after SCRIPT),
 3 Slurm unreachable or sbatch refused the job, 5 checkpoint directory not creatable or not
 writable, or another run's (a changed step count is the same run; --resume-from-other-run to take
 another run's checkpoint on purpose).
@@ -93,8 +94,13 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--dry-run", action="store_true", help="print the batch script; submit nothing")
     p.add_argument("script", nargs="?", help="the training script (a Python file)")
     p.add_argument("script_args", nargs=argparse.REMAINDER,
-                   help="its arguments (after `--` when one looks like a coci-submit option)")
+                   help="its arguments, all of them the script's (put `--` after the script to pass it --dry-run)")
     return p
+
+
+# Refused after the script though a script may have it too: meant for coci-submit, its absence submits
+# the job for real, which cannot be taken back. Every other name after the script is the script's.
+IRREVERSIBLE_IF_MISPLACED = ("--dry-run",)
 
 
 def _own_long_options(p: argparse.ArgumentParser) -> frozenset[str]:
@@ -105,8 +111,10 @@ def _own_long_options(p: argparse.ArgumentParser) -> frozenset[str]:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """argparse, plus the `--` that marks the script's arguments as meant for it.
 
-    argparse's REMAINDER swallows options placed after the script (`train.py --dry-run` submitted
-    for real), and drops a `--` right after it, so the split at `--` happens here, before argparse.
+    What follows the script is the script's (the launchers' convention), so argparse's REMAINDER
+    takes it whole; argparse drops a `--` right after the script, so the split at `--` happens
+    here, before argparse. The script's arguments up to a `--` of their own are then checked:
+    --dry-run is refused, and a long option that coci-submit also has gets one line on stderr.
     """
     p = _parser()
     args = list(sys.argv[1:] if argv is None else argv)
@@ -125,16 +133,21 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
             a.script_args = [*a.script_args, "--", *after]
     if a.script is None:
         p.error("the training script is missing: coci-submit [OPTIONS] train.py [ARGS]")
-    own = _own_long_options(p)
-    for tok in checked:
-        name = tok.split("=", 1)[0]
-        if name in own:
+    names = [tok.split("=", 1)[0] for tok in checked if tok.startswith("--")]
+    for name in IRREVERSIBLE_IF_MISPLACED:
+        if name in names:
             shown = " ".join(shlex.quote(t) for t in checked)
             raise UsageError(
-                f"{name} comes after the script {a.script}, so it would go to the script, not to coci-submit",
+                f"{name} comes after the script {a.script}, so it would go to the script and the job "
+                f"would be submitted for real",
                 hint=f"for coci-submit's {name}, put it before the script: coci-submit {name} ... {a.script} ...; "
                      f"to pass it to the script on purpose, put `--` after the script: "
                      f"coci-submit [OPTIONS] {a.script} -- {shown}")
+    own = _own_long_options(p)
+    shared = list(dict.fromkeys(n for n in names if n in own))
+    if shared:
+        print(f"{PROG}: note: {', '.join(shared)} after {a.script} go{'es' if len(shared) == 1 else ''} to "
+              f"the script, not to coci-submit (coci-submit's options go before the script)", file=sys.stderr)
     return a
 
 

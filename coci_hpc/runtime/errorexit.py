@@ -22,8 +22,7 @@ import weakref
 from types import TracebackType
 from typing import Any
 
-from coci_hpc.cli.common import report_error
-from coci_hpc.errors import CociError
+from coci_hpc.errors import CociError, report_error
 
 _installed = False
 _code: int | None = None
@@ -48,7 +47,7 @@ def install() -> None:
         if not isinstance(exc, CociError):
             previous(tp, exc, tb)
             return
-        report_error(prog(), exc)          # the tools' own format (one place: cli.common)
+        report_error(prog(), exc)          # the tools' own format (one place: errors.report_error)
         sys.stderr.flush()
         _code = int(exc.exit_code)
     sys.excepthook = hook

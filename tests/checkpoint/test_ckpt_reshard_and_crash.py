@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -26,21 +28,36 @@ def _result(p: subprocess.CompletedProcess) -> dict:
     return json.loads(lines[0][len("RESULT "):])
 
 
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], tuple[Path, dict]]:
+    """``written(n)``: step 4 of the test state saved by ``n`` ranks, once per module (the tests
+    here only read it): (its directory, what the writers reported)."""
+    done: dict[int, tuple[Path, dict]] = {}
+
+    def get(writers: int) -> tuple[Path, dict]:
+        if writers not in done:
+            root = tmp_path_factory.mktemp(f"written-by-{writers}")
+            done[writers] = root, _result(run_ranks(writers, JOB, "write", str(root), "4", "21"))
+        return done[writers]
+
+    return get
+
+
 @pytest.mark.parametrize("writers,readers", [(2, 1), (1, 2)])
-def test_checkpoint_written_on_n_ranks_loads_on_m_ranks(tmp_path, writers, readers):
-    wrote = _result(run_ranks(writers, JOB, "write", str(tmp_path), "4", "21"))
-    read = _result(run_ranks(readers, JOB, "read", str(tmp_path)))
+def test_checkpoint_written_on_n_ranks_loads_on_m_ranks(written, writers, readers):
+    root, wrote = written(writers)
+    read = _result(run_ranks(readers, JOB, "read", str(root)))
     assert (wrote["world"], read["world"]) == (writers, readers)
     assert read["step"] == 4
     assert read["hash"] == wrote["hash"]          # model, optimizer, scheduler, scaler, extras...
     assert read["rows"] == wrote["rows"]          # the sharded tensor, re-split over M ranks
-    assert cat.read_manifest(cat.step_dir(tmp_path, 4))["world_size"] == writers
+    assert cat.read_manifest(cat.step_dir(root, 4))["world_size"] == writers
 
 
-def test_per_rank_state_on_another_world_size_is_explained(tmp_path):
+def test_per_rank_state_on_another_world_size_is_explained(written):
     """PerRank values are each rank's own and never redistributed; a load on another number of
     ranks says which ranks got theirs back, which saved values were left and which ranks are new."""
-    run_ranks(2, JOB, "write", str(tmp_path), "4", "21")
+    tmp_path, _ = written(2)
     fewer = run_ranks(1, JOB, "read", str(tmp_path)).stderr
     assert "saved by 2 rank(s) and is loaded by 1: PerRank state ['mine']" in fewer
     assert "rank(s) 0-0 got their own values back" in fewer and "saved rank(s) [1] were not loaded" in fewer

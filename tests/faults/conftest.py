@@ -9,7 +9,9 @@ Usage in a test::
         record_figure("kill -9, 2 ranks, async", tried=8, bad_restores=0)
 
 Figures with the same name add up (so a parametrised test can report per case and the table
-shows the totals); each row keeps its keys in the order first seen.
+shows the totals); each row keeps its keys in the order first seen. The table itself is printed by
+tests/conftest.py (tests/faults/figures.py), which pytest-xdist's controller loads, and which
+gathers the figures of every worker.
 """
 from __future__ import annotations
 
@@ -21,19 +23,7 @@ import pytest
 
 from coci_hpc.checkpoint import CheckpointManager
 from tests.checkpoint.helpers import full_state
-
-# name -> {key: value}; module-level because pytest_terminal_summary sees the config, not fixtures.
-_FIGURES: dict[str, dict[str, int | float | str]] = {}
-
-
-def _add(name: str, **values: int | float | str) -> None:
-    row = _FIGURES.setdefault(name, {})
-    for key, value in values.items():
-        old = row.get(key)
-        if isinstance(value, (int, float)) and isinstance(old, (int, float)) and not isinstance(value, bool):
-            row[key] = old + value
-        else:
-            row[key] = value
+from tests.faults import figures
 
 
 @pytest.fixture
@@ -43,29 +33,9 @@ def record_figure() -> Callable[..., None]:
 
     def record(name: str, **values: int | float | str) -> None:
         if rank == "0":  # under mpiexec -n 2 both ranks run the test: count it once
-            _add(name, **values)
+            figures.add(name, **values)
 
     return record
-
-
-def format_figures(figures: dict[str, dict[str, int | float | str]]) -> list[str]:
-    """The figures as text lines: the scenario, then its figures as ``key=value`` (scenarios
-    have different figures, so one column per key would be mostly empty)."""
-    if not figures:
-        return []
-    width = max(len(name) for name in figures)
-    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
-    return [f"{name:<{width}}  " + "  ".join(f"{k}={fmt(v)}" for k, v in row.items())
-            for name, row in figures.items()]
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ANN001
-    lines = format_figures(_FIGURES)
-    if not lines:
-        return
-    terminalreporter.section("fault-injection figures")
-    for line in lines:
-        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="module")

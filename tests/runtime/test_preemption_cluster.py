@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, SlurmCluster, reference_hash, run_ranks
+from tests.conftest import ROOT, SlurmCluster, reference_hash, reference_run
 
 pytestmark = pytest.mark.slurm
 
@@ -22,8 +22,8 @@ STEPS, EVERY = 400, 100
 def test_preempted_training_resumes_bit_exactly(slurm_cluster: SlurmCluster) -> None:
     wd = slurm_cluster.workdir / "train"
     wd.mkdir()
-    ref = run_ranks(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--ckpt-dir", str(wd / "ref"),
-                    "--ckpt-every", str(EVERY), timeout=300)
+    ref = reference_run(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--ckpt-every", str(EVERY),
+                        ckpt_dir=wd / "ref", timeout=300)
     ref_hash = reference_hash(ref.stdout, steps=STEPS)
 
     log = wd / "job-%j.out"

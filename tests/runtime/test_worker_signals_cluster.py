@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, SlurmCluster, reference_hash, run_ranks
+from tests.conftest import ROOT, SlurmCluster, reference_hash, reference_run
 
 pytestmark = pytest.mark.slurm
 pytest.importorskip("torchdata")
@@ -42,7 +42,7 @@ def test_dataloader_workers_preempted_via_template_and_coci_submit_end_bit_exact
         slurm_cluster: SlurmCluster) -> None:
     wd = slurm_cluster.workdir / "workers"
     wd.mkdir()
-    ref = reference_hash(run_ranks(0, str(SCRIPT), *ARGS, "--ckpt-dir", str(wd / "ref"), timeout=300).stdout)
+    ref = reference_hash(reference_run(0, str(SCRIPT), *ARGS, ckpt_dir=wd / "ref", timeout=300).stdout)
     # Both at once, one per node, each preempted by an urgent job on its node.
     tmpl_ckpt, tmpl_log = wd / "tmpl", wd / "tmpl-%j.out"
     tjob = slurm_cluster.sbatch(f"--export=ALL,COCI_SIGNAL_LEAD_S={LEAD}", "-N", "1", "-w", "n1", "--time=5",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from coci_hpc.history import build, render_text
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, clean_env, reference_hash, run_ranks
+from tests.conftest import ROOT, clean_env, reference_hash, reference_run, run_ranks
 
 TRAIN = str(ROOT / "examples" / "train_fsdp.py")
 ARGS = ["--steps", "12", "--policy", "fixed:4", "--seed", "1"]
@@ -20,7 +20,7 @@ MPIEXEC = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2"]
 
 
 def test_fsdp2_example_stopped_and_resumed_ends_bit_identical(tmp_path: Path) -> None:
-    ref = reference_hash(run_ranks(2, "-m", "mpi4py", TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "ref"), timeout=300).stdout)
+    ref = reference_hash(reference_run(2, "-m", "mpi4py", TRAIN, *ARGS, ckpt_dir=tmp_path / "ref", timeout=300).stdout)
     run = tmp_path / "run"
     cmd = [*MPIEXEC, sys.executable, "-m", "mpi4py", TRAIN, *ARGS, "--ckpt-dir", str(run), "--step-time", "0.3"]
     p = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, clean_env, reference_hash, run_ranks
+from tests.conftest import ROOT, clean_env, reference_hash, reference_run, run_ranks
 
 TRAIN = str(ROOT / "examples" / "train.py")
 ARGS = ["--steps", "80", "--policy", "fixed:20", "--seed", "3"]
@@ -39,7 +39,7 @@ def _torch_only(ckpt: Path, extra: list[str], stop_rank1_at: str | None = None) 
 
 
 def test_ddp_without_mpi_matches_mpiexec_and_resumes_bit_exactly(tmp_path: Path) -> None:
-    ref = reference_hash(run_ranks(2, "-m", "mpi4py", TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "mpi"), timeout=300).stdout)
+    ref = reference_hash(reference_run(2, "-m", "mpi4py", TRAIN, *ARGS, ckpt_dir=tmp_path / "mpi", timeout=300).stdout)
     assert reference_hash(_torch_only(tmp_path / "torch", [])[0]) == ref
     out = _torch_only(tmp_path / "stop", ["--step-time", "0.02"], stop_rank1_at="checkpoint")[0]
     assert "final_params_sha256" not in out and "stopped at step" in out
@@ -47,7 +47,7 @@ def test_ddp_without_mpi_matches_mpiexec_and_resumes_bit_exactly(tmp_path: Path)
     assert [e["ranks"] for e in ev if e["event"] == "attempt_start"] == [2]
     assert reference_hash(_torch_only(tmp_path / "stop", ["--step-time", "0.02"])[0]) == ref  # the same run
     # one process, plain python: resumes a 1-rank run after a hard kill
-    one = reference_hash(run_ranks(0, TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "one")).stdout)
+    one = reference_hash(reference_run(0, TRAIN, *ARGS, ckpt_dir=tmp_path / "one").stdout)
     p = subprocess.Popen([sys.executable, TRAIN, *ARGS, "--ckpt-dir", str(tmp_path / "kill"), "--step-time", "0.02"],
                          cwd=ROOT, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120

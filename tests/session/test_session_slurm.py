@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, SlurmCluster, reference_hash, run_ranks
+from tests.conftest import ROOT, SlurmCluster, reference_hash, reference_run
 
 pytestmark = pytest.mark.slurm
 
@@ -52,8 +52,8 @@ def _preempt(cluster: SlurmCluster) -> str:
 def test_preemption_node_failure_and_time_limit_end_bit_exact(slurm_cluster: SlurmCluster) -> None:
     wd = slurm_cluster.workdir / "story"
     wd.mkdir()
-    ref = reference_hash(run_ranks(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--ckpt-dir", str(wd / "ref"),
-                          "--policy", f"fixed:{EVERY}", timeout=600).stdout)
+    ref = reference_hash(reference_run(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--policy", f"fixed:{EVERY}",
+                                       ckpt_dir=wd / "ref", timeout=600).stdout)
     ckpt, log = wd / "run", wd / "job-%j.out"
     job = _submit(slurm_cluster, "--time=3", f"--signal=USR2@{LEAD}", "-o", str(log), str(TEMPLATE),
                   sys.executable, str(TRAIN), "--steps", str(STEPS), "--ckpt-dir", str(ckpt),
@@ -140,8 +140,8 @@ def test_max_requeues_and_no_progress_stop_a_job_with_a_message(slurm_cluster: S
 def test_array_template_runs_each_task_in_its_own_directory(slurm_cluster: SlurmCluster) -> None:
     wd = slurm_cluster.workdir / "array"
     wd.mkdir()
-    ref = reference_hash(run_ranks(0, str(TRAIN), "--steps", "60", "--ckpt-dir", str(wd / "ref"), "--policy", "fixed:20",
-                          "--seed", "1").stdout)
+    ref = reference_hash(reference_run(0, str(TRAIN), "--steps", "60", "--policy", "fixed:20", "--seed", "1",
+                                       ckpt_dir=wd / "ref").stdout)
     job = _submit(slurm_cluster, "--array=0-1", "-o", str(wd / "%A_%a.out"), str(ARRAY), sys.executable, str(TRAIN),
                   "--steps", "60", "--ckpt-dir", str(wd / "sweep"), "--policy", "fixed:20", "--seed", "%a")
     for task in (0, 1):
@@ -170,8 +170,8 @@ def test_sigterm_only_preemption_saves_requeues_and_ends_bit_exact_and_scancel_d
     wd = cluster.workdir / "sigterm"
     wd.mkdir()
     steps, every = 600, 100
-    ref = reference_hash(run_ranks(2, "-m", "mpi4py", str(TRAIN), "--steps", str(steps), "--ckpt-dir", str(wd / "ref"),
-                          "--policy", f"fixed:{every}", timeout=600).stdout)
+    ref = reference_hash(reference_run(2, "-m", "mpi4py", str(TRAIN), "--steps", str(steps), "--policy", f"fixed:{every}",
+                                       ckpt_dir=wd / "ref", timeout=600).stdout)
     ckpt, log = wd / "run", wd / "job-%j.out"
     job = _submit(cluster, "--time=10", "-o", str(log), str(TEMPLATE), sys.executable, str(TRAIN), "--steps",
                   str(steps), "--ckpt-dir", str(ckpt), "--policy", f"fixed:{every}", "--step-time", "0.05")

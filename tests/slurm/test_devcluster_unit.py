@@ -96,6 +96,27 @@ def test_user_signal_setting_is_rendered_and_read_back(dc) -> None:
     assert dc.configured_user_signal() is False and dc.configured_nodes() == 2
 
 
+def test_scheduler_is_tuned_for_tests_and_applied_to_a_cluster_started_without_it(dc, monkeypatch) -> None:
+    """A requeued job waited for the next 30 s backfill pass; the rendered config asks for a pass every
+    second, and `up` on a running cluster that lacks it reconfigures (and only then)."""
+    conf = dc.render_slurm_conf(2, "h")
+    line = next(ln for ln in conf.splitlines() if ln.startswith("SchedulerParameters="))
+    params = dict(kv.split("=") for kv in line.split("=", 1)[1].split(","))
+    assert params == {"bf_interval": "1", "sched_interval": "1", "batch_sched_delay": "0"}
+    calls: list[list[str]] = []
+
+    def fake_run(cmd, check=True):  # noqa: ANN001, ANN202
+        calls.append(cmd)
+        out = f"SchedulerType           = sched/backfill\nSchedulerParameters     = {running}\n"
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+
+    monkeypatch.setattr(dc, "run", fake_run)
+    for running, reconfigured in (("(null)", True), (dc.SCHEDULER_PARAMETERS, False)):
+        calls.clear()
+        dc.apply_scheduler_parameters()
+        assert (["scontrol", "reconfigure"] in calls) is reconfigured, (running, calls)
+
+
 def test_kill_tasks_kills_only_that_nodes_job_processes(dc) -> None:
     """`fail --hard` finds a node's job processes by the SLURMD_NODENAME + SLURM_JOB_ID that
     slurmstepd gives every task (and its children inherit); other nodes' tasks and daemons live on."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, SlurmCluster, reference_hash, run_ranks
+from tests.conftest import ROOT, SlurmCluster, reference_hash, reference_run
 
 FAKE_SBATCH = """#!/bin/sh
 n=$(ls "{rec}" | wc -l)
@@ -78,8 +78,8 @@ PEER_STEPS, PEER_EVERY, PEER_SEED = 240, 1000, 5
 def peer_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The final hash of the lost-peer runs' training, uninterrupted (mpiexec -n 2)."""
     wd = tmp_path_factory.mktemp("peer-ref")
-    ref = run_ranks(2, "-m", "mpi4py", str(TRAIN), "--steps", str(PEER_STEPS), "--seed", str(PEER_SEED),
-                    "--policy", f"fixed:{PEER_EVERY}", "--ckpt-dir", str(wd / "ref"), timeout=300)
+    ref = reference_run(2, "-m", "mpi4py", str(TRAIN), "--steps", str(PEER_STEPS), "--seed", str(PEER_SEED),
+                        "--policy", f"fixed:{PEER_EVERY}", ckpt_dir=wd / "ref", timeout=300)
     return reference_hash(ref.stdout)
 
 
@@ -174,8 +174,8 @@ def reference_then_submit_with_a_spare(cluster: SlurmCluster, wd: Path, steps: i
     nodes with 1 spare: (reference hash, checkpoint dir, job id)."""
     wd.mkdir()
     train_args = ["--steps", str(steps), "--seed", str(SPARE_SEED)]
-    ref = run_ranks(2, "-m", "mpi4py", str(TRAIN), *train_args, "--policy", f"fixed:{SPARE_EVERY}",
-                    "--ckpt-dir", str(wd / "ref"), timeout=300)
+    ref = reference_run(2, "-m", "mpi4py", str(TRAIN), *train_args, "--policy", f"fixed:{SPARE_EVERY}",
+                        ckpt_dir=wd / "ref", timeout=300)
     ckpt = wd / "ckpt"
     job = submit_in(cluster, wd, "--nodes", "2", "--spare-nodes", "1", "--ckpt-dir", str(ckpt),
                     "--policy", f"fixed:{SPARE_EVERY}", str(TRAIN), *train_args, "--step-time", "0.05")

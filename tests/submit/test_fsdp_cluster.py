@@ -12,7 +12,7 @@ import pytest
 
 from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.runtime.events import read_events
-from tests.conftest import FINAL_HASH_RE, ROOT, SlurmCluster, run_ranks, wait_for
+from tests.conftest import FINAL_HASH_RE, ROOT, SlurmCluster, reference_run, wait_for
 
 pytestmark = pytest.mark.slurm
 
@@ -27,8 +27,8 @@ def test_coci_submit_fsdp2_preempted_once_resumes_bit_exactly(slurm_cluster: Slu
     wd = slurm_cluster.workdir / "submit-fsdp"
     wd.mkdir()
     train_args = ["--steps", str(STEPS), "--seed", str(SEED)]
-    ref = run_ranks(2, "-m", "mpi4py", str(TRAIN), *train_args, "--policy", f"fixed:{EVERY}",
-                    "--ckpt-dir", str(wd / "ref"), timeout=300)
+    ref = reference_run(2, "-m", "mpi4py", str(TRAIN), *train_args, "--policy", f"fixed:{EVERY}",
+                        ckpt_dir=wd / "ref", timeout=300)
     ref_hash = FINAL_HASH_RE.findall(ref.stdout)[-1]
 
     ckpt = wd / "ckpt"

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import FINAL_HASH_RE, ROOT, SlurmCluster, run_ranks
+from tests.conftest import FINAL_HASH_RE, ROOT, SlurmCluster, reference_run
 from tests.submit.conftest import wait_step
 
 pytestmark = pytest.mark.slurm
@@ -44,8 +44,8 @@ def _submit(cluster: SlurmCluster, wd: Path, *args: str) -> str:
 
 
 def _reference(wd: Path, ranks: int) -> str:
-    ref = run_ranks(ranks, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--seed", str(SEED),
-                    "--policy", f"fixed:{DISK_EVERY}", "--ckpt-dir", str(wd / "ref"), timeout=600)
+    ref = reference_run(ranks, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--seed", str(SEED),
+                        "--policy", f"fixed:{DISK_EVERY}", ckpt_dir=wd / "ref", timeout=600)
     return FINAL_HASH_RE.findall(ref.stdout)[-1]
 
 

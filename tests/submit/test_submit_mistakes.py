@@ -25,15 +25,40 @@ def _refused(fake_slurm, capsys, code: int, pattern: str, *argv: str) -> str:
     return err
 
 
-# -- 1: an option of coci-submit's after the script --------------------------------------------------
-@pytest.mark.parametrize("args", [["--dry-run"], ["--lr", "1", "--partition=gpu"], ["--ckpt-dir", "x"],
-                                  ["--time", "10"]])
-def test_own_option_after_the_script_is_refused_not_submitted(fake_slurm, capsys, args) -> None:
+# -- 1: what follows the script is the script's; only --dry-run there is refused ----------------------
+@pytest.mark.parametrize("args", [["--dry-run"], ["--lr", "1", "--dry-run"], ["--dry-run=1"],
+                                  ["--policy", "fixed:5", "--dry-run"]])
+def test_dry_run_after_the_script_is_refused_not_submitted(fake_slurm, capsys, args) -> None:
     """`coci-submit train.py --dry-run` submitted the job for real (the flag went to the script)."""
-    name = next(a for a in args if a.split("=")[0] in ("--dry-run", "--partition", "--ckpt-dir", "--time"))
-    err = _refused(fake_slurm, capsys, 2, rf"{re.escape(name.split('=')[0])} comes after the script train\.py",
-                   "train.py", *args)
+    err = _refused(fake_slurm, capsys, 2, r"--dry-run comes after the script train\.py, so it would go to the "
+                   r"script and the job would be submitted for real", "train.py", *args)
     assert "put it before the script" in err and "train.py -- " in err, err
+
+
+@pytest.mark.parametrize("dry", [(), ("--dry-run",)])
+def test_script_options_sharing_a_name_with_ours_go_to_the_script(fake_slurm, capsys, dry) -> None:
+    """The issue's command: examples/train.py has --policy and --ckpt-dir of its own, and they follow
+    it, as with sbatch, srun, mpiexec, torchrun and python. One line on stderr names them."""
+    rc, out, err = _run(capsys, *dry, "--partition", "gpu", "--nodes", "2", "--ckpt-dir", "D", "train.py",
+                        "--steps", "1500", "--policy", "fixed:50", "--ckpt-dir=E", "--time", "10")
+    assert rc == 0, err
+    notes = [ln for ln in err.splitlines() if "note:" in ln]
+    assert notes == ["coci-submit: note: --policy, --ckpt-dir, --time after train.py go to the script, "
+                     "not to coci-submit (coci-submit's options go before the script)"], err
+    script = out if dry else fake_slurm.sbatch_calls()[0]
+    assert fake_slurm.sbatch_calls() == ([] if dry else [script])
+    assert "train.py --steps 1500 --policy fixed:50 --ckpt-dir=E --time 10" in script, script
+    lines = script.splitlines()
+    assert "export COCI_POLICY=coci" in lines, script                 # coci-submit's own stay the defaults
+    assert f"export COCI_CKPT_DIR={Path.cwd() / 'D'}" in lines, script  # the --ckpt-dir before the script
+    assert not any(ln.startswith("#SBATCH --time") for ln in lines), script
+
+
+def test_no_note_when_no_script_argument_shares_a_name(fake_slurm, capsys) -> None:
+    rc, out, err = _run(capsys, "--dry-run", "train.py", "--lr", "1", "-p", "x", "--policyx", "--", "--policy")
+    assert rc == 0, err
+    assert "note:" not in err, err     # short options, other names and what follows a `--` are not named
+    assert "train.py --lr 1 -p x --policyx -- --policy" in out, out
 
 
 def test_double_dash_passes_own_options_to_the_script_on_purpose(fake_slurm, capsys) -> None:
@@ -41,6 +66,7 @@ def test_double_dash_passes_own_options_to_the_script_on_purpose(fake_slurm, cap
     assert rc == 0, err
     assert fake_slurm.sbatch_calls() == []          # coci-submit's own --dry-run still holds
     assert "train.py --dry-run --policy fixed:5" in out, out
+    assert "note:" not in err, err                  # `--` says they are meant for the script
     rc, out, err = _run(capsys, "--dry-run", "--", "train.py", "--time", "3")
     assert rc == 0, err
     assert "train.py --time 3" in out, out
