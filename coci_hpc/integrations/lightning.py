@@ -36,7 +36,6 @@ stop (boundaries are optimizer steps only, so nothing accumulated is ever lost).
 """
 from __future__ import annotations
 
-import copy
 import math
 import signal
 import time
@@ -260,7 +259,6 @@ class CociCallback(Callback):
         self._t = 0.0
         self._rng: dict[str, Any] | None = None
         self._rng_epoch_done = False
-        self._loader_states: list[Any] | None = None
         self._closed = False
         self._patched: Any = None
 
@@ -318,7 +316,6 @@ class CociCallback(Callback):
             self._state.loading = False
         if self.plugin._loaded is not None:
             self.resumed_step = step
-            self._loader_states = _loader_states(self.plugin._loaded)
             # The RNG the session restored: given back again where the uninterrupted run stood
             # (Lightning draws from it between here and the first batch: a loader's base seed).
             self._rng = capture_rng()
@@ -403,25 +400,9 @@ class CociCallback(Callback):
                              f"resume at the epoch's first batch", hint=LOADER_HINT)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._loader_states is not None:
-            self._restart_loader(trainer, self._loader_states)
-            self._loader_states = None
         if self._rng is not None and not self._rng_epoch_done:
             restore_rng(self._rng)       # a resume at an epoch's end: the next epoch starts from here
             self._rng_epoch_done = True
-
-    @staticmethod
-    def _restart_loader(trainer: pl.Trainer, states: list[Any]) -> None:
-        """Lightning 2.6 loads a resumed loader's state and creates its iterator in ``setup_data``,
-        before it sets the sampler's epoch (``on_advance_start``): a ``DistributedSampler`` then
-        deals epoch 0's order again (a StatefulDataLoader fast-forwards through its sampler when the
-        iterator is made). Here, with the epoch set, the state goes in again and the iterator is
-        made anew."""
-        combined, fetcher = trainer.fit_loop._combined_loader, trainer.fit_loop._data_fetcher
-        if combined is None or fetcher is None or not states:
-            return
-        combined._load_state_dicts(copy.deepcopy(states))
-        iter(fetcher)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -484,15 +465,6 @@ class CociCallback(Callback):
         if self.session is not None and not self._closed:
             self._closed = True
             self.session.close(completed)
-
-
-def _loader_states(checkpoint: Mapping[str, Any]) -> list[Any] | None:
-    """The train loaders' states in a Lightning checkpoint dict (the fit loop's ``combined_loader``)."""
-    loops = checkpoint.get("loops")
-    fit = loops.get("fit_loop") if isinstance(loops, Mapping) else None
-    state = fit.get("state_dict") if isinstance(fit, Mapping) else None
-    found = state.get("combined_loader") if isinstance(state, Mapping) else None
-    return list(found) if isinstance(found, list) and found else None
 
 
 def _loss_of(outputs: Any) -> float:
