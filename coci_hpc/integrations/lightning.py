@@ -1,0 +1,509 @@
+"""PyTorch Lightning with coci_hpc: the Session's guarantees for a ``Trainer`` that owns the loop.
+
+Two lines in the user's script::
+
+    from coci_hpc.integrations.lightning import CociCallback, CociCheckpointIO
+
+    trainer = L.Trainer(max_steps=N, ..., plugins=[CociCheckpointIO()], callbacks=[CociCallback()])
+    trainer.fit(model, datamodule)          # no ckpt_path: resumes from coci's store by itself
+
+What each part owns:
+
+- :class:`CociCallback` runs a :class:`~coci_hpc.session.Session` from Lightning's hooks instead of
+  a ``for`` loop (:class:`_HookSession`: the body of ``Session.steps()`` split at the hooks). At
+  ``setup`` it starts the session (signals recorded from then on, the newest committed checkpoint
+  read); at ``on_train_start`` it takes SIGTERM back from Lightning (whose handler runs a collective
+  inside the handler) and learns the number of optimizer steps; after every optimizer step
+  (``on_train_batch_end`` once ``global_step`` moved) every rank agrees, saves when the planner says
+  (two-phase) and, on a recorded signal, saves synchronously, requeues and ends the process with
+  status 0 (``SystemExit(0)``, as the Session does).
+- :class:`CociCheckpointIO` is the bridge between Lightning's checkpoint dict and the store: the
+  whole dict (model, optimizers, schedulers, loop progress, callbacks' state, the datamodule's and
+  the train loader's state) goes into the store as one state entry, never pickled; Lightning
+  restores it through its own path (``strategy.load_checkpoint``), fed from the store. Files that
+  Lightning itself writes (the user's ``ModelCheckpoint``, ``trainer.save_checkpoint(path)``) still
+  go to ordinary files through the wrapped ``TorchCheckpointIO``.
+
+Why not ``trainer.should_stop`` at a stop: Lightning would then run the epoch's end (validation, the
+user's ``ModelCheckpoint`` saving inside Slurm's grace time) and return from ``fit()`` into code
+written for a finished run. Ending the process at the boundary after the save is what the Session
+does.
+
+Not covered (see docs/how-to/lightning.md): strategies other than single-device and DDP
+(``ModelParallelStrategy``/FSDP2, FSDP1, DeepSpeed are refused), the survivors' save and the memory
+tier (off: a lost rank falls back to the last committed checkpoint), gradient accumulation across a
+stop (boundaries are optimizer steps only, so nothing accumulated is ever lost).
+"""
+from __future__ import annotations
+
+import math
+import signal
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+try:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.fabric.utilities.types import _PATH
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+except ImportError as exc:          # an optional dependency: say how to get it
+    raise ImportError(f"coci_hpc.integrations.lightning needs PyTorch Lightning ({exc}); "
+                      f"install it with: pip install 'coci_hpc[lightning]'") from exc
+
+from coci_hpc.checkpoint.state import PerRank, capture_rng, collect, restore_rng
+from coci_hpc.errors import CheckpointError, UsageError
+from coci_hpc.runtime import errorexit, signals
+from coci_hpc.runtime.data import LOADER_HINT
+from coci_hpc.session import Session
+
+STATE_ENTRY = "lightning"           # the state entries: Lightning's checkpoint dict (and its per-rank part)
+STORE_SCHEME = "coci://"            # the "path" Lightning is given for the store's checkpoint
+TESTED = ("2.6",)                   # Lightning versions this module was tested with (private hooks below)
+FIX_PAIR = ("Trainer(plugins=[CociCheckpointIO()], callbacks=[CociCallback()]): the callback saves and "
+            "stops, the plugin restores; one without the other does neither")
+
+
+def _say(msg: str) -> None:
+    import sys
+    print(f"coci: {msg}", file=sys.stderr, flush=True)
+
+
+def store_path(ckpt_dir: Path, step: int) -> str:
+    """The path Lightning is told it restores from (it is only ever logged and handed back to us)."""
+    return f"{STORE_SCHEME}{ckpt_dir}#step={step}"
+
+
+def _is_store_path(path: Any) -> bool:
+    return isinstance(path, str) and path.startswith(STORE_SCHEME)
+
+
+# ------------------------------------------------------------------------------------ the plugin
+class CociCheckpointIO(CheckpointIO):
+    """Lightning's checkpoint I/O: the store's checkpoint for a resume, ordinary files for the rest.
+
+    ``load_checkpoint`` of the store's path (``coci://...``, set by :class:`CociCallback`) returns the
+    dict the callback read from the newest committed checkpoint; any other path (a
+    ``ModelCheckpoint`` file) goes to ``files``. ``save_checkpoint`` and ``remove_checkpoint`` always
+    go to ``files``: the store is written by the callback at agreed step boundaries, never from a
+    Lightning hook on one rank.
+
+    Args:
+        files: Where Lightning's own files go (default ``TorchCheckpointIO``).
+    """
+
+    def __init__(self, files: CheckpointIO | None = None) -> None:
+        self.files = files if files is not None else TorchCheckpointIO()
+        self.callback: CociCallback | None = None
+        self._loaded: dict[str, Any] | None = None
+
+    def _require_callback(self, what: str) -> None:
+        if self.callback is None:
+            raise UsageError(f"CociCheckpointIO was asked to {what} but no CociCallback is in the Trainer",
+                             hint=FIX_PAIR)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if _is_store_path(path):
+            raise UsageError(f"trainer.save_checkpoint({str(path)!r}): coci's store is written by CociCallback "
+                             f"at step boundaries all ranks agreed on", hint="save to a file path instead")
+        self._require_callback("save a checkpoint")
+        self.files.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def load_checkpoint(self, path: _PATH, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        if not _is_store_path(path):
+            self._require_callback("load a checkpoint")
+            return self.files.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        if self._loaded is None:
+            raise UsageError(f"{path} was not read from the store by CociCallback",
+                             hint="let fit() resume by itself: do not pass ckpt_path")
+        checkpoint, self._loaded = self._loaded, None
+        return checkpoint
+
+    def remove_checkpoint(self, path: _PATH) -> None:
+        if _is_store_path(path):
+            raise UsageError(f"cannot remove {path}: the store keeps its own checkpoints (Session keep=)",
+                             hint="remove files only")
+        self.files.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        if self.callback is None:
+            _say("warning: CociCheckpointIO ran without CociCallback: nothing was saved to coci's store; "
+                 + FIX_PAIR)
+        self.files.teardown()
+
+
+# ------------------------------------------------------------------ Lightning's dict as coci state
+class _LightningState:
+    """The Session's state entries for Lightning's checkpoint dict (``dump_checkpoint``, taken once
+    per save on every rank, at the boundary, so a collective one stays collective): :attr:`shared`,
+    the replicated part (model, optimizers, schedulers, callbacks, datamodule), and :attr:`rank`, the
+    per-rank part (``"loops"``: loop progress, each rank's train-loader position and logged
+    metrics, which differ across ranks). Loading hands the merged dict to the plugin; Lightning
+    restores it later through its own path. While the session loads (``loading``) the current trees
+    are empty: the loaded tensors are fresh buffers, nothing is written into the live model behind
+    Lightning's back."""
+
+    PER_RANK = ("loops",)
+
+    def __init__(self, trainer: pl.Trainer, plugin: CociCheckpointIO) -> None:
+        self.trainer, self.plugin = trainer, plugin
+        self.loading = False
+        self._rank_part: dict[str, Any] | None = None
+        self._loaded: dict[str, dict[str, Any]] = {}
+        self.shared, self.rank = _Part(self, "shared"), _Part(self, "rank")
+
+    def dump(self) -> dict[str, Any]:
+        return self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+    def tree(self, part: str) -> dict[str, Any]:
+        if self.loading:
+            return {}
+        if part == "shared":          # first in the state's order: one dump serves both parts
+            checkpoint = self.dump()
+            self._rank_part = {k: checkpoint.pop(k) for k in self.PER_RANK if k in checkpoint}
+            return checkpoint
+        rank_part, self._rank_part = self._rank_part, None
+        if rank_part is None:
+            raise AssertionError("the per-rank part of Lightning's checkpoint was asked for before the shared one")
+        return rank_part
+
+    def loaded(self, part: str, tree: Mapping[str, Any]) -> None:
+        self._loaded[part] = dict(tree)
+        if len(self._loaded) == 2:
+            self.plugin._loaded = {**self._loaded.pop("shared"), **self._loaded.pop("rank")}
+
+
+class _Part:
+    def __init__(self, owner: _LightningState, part: str) -> None:
+        self.owner, self.part = owner, part
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.owner.tree(self.part)
+
+    def load_state_dict(self, tree: Mapping[str, Any]) -> None:
+        self.owner.loaded(self.part, tree)
+
+
+def check_encodable(checkpoint: Mapping[str, Any]) -> None:
+    """Refuse, naming where, a checkpoint dict the store cannot hold without pickle."""
+    try:
+        collect({STATE_ENTRY: dict(checkpoint)}, rng=False, defer_device=True)
+    except CheckpointError as exc:
+        raise UsageError(f"Lightning's checkpoint cannot go into coci's store: {exc.message}",
+                         hint="the store holds tensors, numpy arrays and JSON values (never pickle): keep "
+                              "hyper-parameters (save_hyperparameters) and the state_dict() of callbacks, "
+                              "the datamodule and loaders to those, e.g. vars(namespace), str(path)") from exc
+
+
+# --------------------------------------------------------------------- the Session, from the hooks
+class _HookSession(Session):
+    """``Session.steps()`` split at Lightning's hooks: :meth:`begin` (the restore, before Lightning's
+    own restore reads it), :meth:`boundary` after each optimizer step, :meth:`finish` at the end,
+    :meth:`close` as the ``finally`` of the loop."""
+
+    def begin(self) -> int:
+        self._started = True
+        return self._begin()
+
+    def boundary(self, step: int, dt: float, total: int) -> None:
+        self._after_step(step, dt, total)
+
+    def finish(self, total: int) -> None:
+        self._finish(total)
+
+    def close(self, completed: bool) -> None:
+        self._watch.close()
+        self._op_timeout.restore()
+        self.recorder.uninstall()
+        self.survival.remove_hooks()
+        signals.after_session(completed)
+
+
+# ------------------------------------------------------------------------------------ the callback
+class CociCallback(Callback):
+    """Preemption-safe Lightning training: planned checkpoints, stop on Slurm's signals, requeue, resume.
+
+    Every rank, same arguments; pair it with :class:`CociCheckpointIO`. The arguments are the
+    :class:`~coci_hpc.session.Session`'s (``None``: from coci-submit's ``COCI_*`` environment, else the
+    defaults). The run's length is Lightning's (``max_steps``, or ``max_epochs`` with a sized train
+    loader: ``trainer.estimated_stepping_batches``); a step is an optimizer step (``global_step``).
+
+    Refused with a clear error: the callback without the plugin (or the reverse, at its first use),
+    ``fit(ckpt_path=...)`` (coci resumes from its store), a strategy other than single-device or DDP,
+    a train loader without ``state_dict()`` (a mid-epoch resume would replay the epoch), a
+    ``SLURMEnvironment(auto_requeue=True)`` passed explicitly (Lightning's own requeue; one that
+    Lightning chose by itself is switched off with a note), a checkpoint dict the store cannot hold
+    without pickle.
+    """
+
+    def __init__(self, ckpt_dir: str | Path | None = None, *, policy: str | None = None,
+                 max_requeues: int | None = None, no_progress_limit: int | None = None,
+                 signal_lead_s: float | None = None, keep: int = 2, async_save: bool = True,
+                 horizon_s: float = 24 * 3600.0, resume_from_other_run: bool | None = None,
+                 peer_timeout_s: float | None = None, **session_kwargs: Any) -> None:
+        errorexit.install()    # a refusal ends the script with one line and its exit code
+        self._kwargs: dict[str, Any] = dict(
+            ckpt_dir=ckpt_dir, policy=policy, max_requeues=max_requeues, no_progress_limit=no_progress_limit,
+            signal_lead_s=signal_lead_s, keep=keep, async_save=async_save, horizon_s=horizon_s,
+            resume_from_other_run=resume_from_other_run, peer_timeout_s=peer_timeout_s, **session_kwargs)
+        self.session: _HookSession | None = None
+        self.plugin: CociCheckpointIO | None = None
+        self.total: int | None = None
+        self.resumed_step: int | None = None
+        self._state: _LightningState | None = None
+        self._last_global_step = 0
+        self._t = 0.0
+        self._rng: dict[str, Any] | None = None
+        self._rng_epoch_done = False
+        self._closed = False
+        self._patched: Any = None
+
+    # -- checks -----------------------------------------------------------------------------------
+    @staticmethod
+    def _plugin_of(trainer: pl.Trainer) -> CociCheckpointIO:
+        io = trainer.strategy.checkpoint_io
+        if not isinstance(io, CociCheckpointIO):
+            raise UsageError(f"CociCallback needs CociCheckpointIO as the Trainer's checkpoint I/O "
+                             f"(it has {type(io).__name__})", hint=FIX_PAIR)
+        return io
+
+    @staticmethod
+    def _check_strategy(trainer: pl.Trainer) -> None:
+        strategy = trainer.strategy
+        if type(strategy) not in (DDPStrategy, SingleDeviceStrategy):
+            raise UsageError(f"CociCallback supports single-device and DDP training; this Trainer uses "
+                             f"{type(strategy).__name__}",
+                             hint="use strategy='ddp' (or one device); for FSDP2 use coci_hpc.Session in your "
+                                  "own loop (docs/how-to/fsdp.md)")
+
+    @staticmethod
+    def _check_auto_requeue(trainer: pl.Trainer, rank: int) -> None:
+        connector = trainer._accelerator_connector
+        env = connector.cluster_environment
+        if not isinstance(env, SLURMEnvironment) or not env.auto_requeue:
+            return
+        fix = "Trainer(plugins=[SLURMEnvironment(auto_requeue=False), CociCheckpointIO()], ...)"
+        if connector._cluster_environment_flag is env:     # the user passed it: their explicit choice
+            raise UsageError("SLURMEnvironment(auto_requeue=True) makes Lightning save and requeue inside its "
+                             "signal handler, beside coci's stop", hint=f"pass {fix}")
+        env.auto_requeue = False   # Lightning chose it by itself: coci owns the stop and the requeue
+        if rank == 0:
+            _say(f"Lightning's SLURM auto-requeue switched off (coci saves and requeues); {fix} says so explicitly")
+
+    # -- Lightning's hooks ------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.session is not None:
+            return
+        self.plugin = self._plugin_of(trainer)
+        self.plugin.callback = self
+        self._check_strategy(trainer)
+        self._check_auto_requeue(trainer, trainer.global_rank)
+        self._state = _LightningState(trainer, self.plugin)
+        check_encodable(self._state.dump())
+        state = {STATE_ENTRY: self._state.shared, f"{STATE_ENTRY}_rank": PerRank(self._state.rank)}
+        self.session = _HookSession(state, survivors=False, **self._kwargs)
+        self._state.loading = True
+        try:
+            step = self.session.begin()
+        except BaseException:
+            self._close(False)
+            raise
+        finally:
+            self._state.loading = False
+        if self.plugin._loaded is not None:
+            self.resumed_step = step
+            # The RNG the session restored: given back again where the uninterrupted run stood
+            # (Lightning draws from it between here and the first batch: a loader's base seed).
+            self._rng = capture_rng()
+        self._patch_restore(trainer)
+
+    def _patch_restore(self, trainer: pl.Trainer) -> None:
+        """Lightning restores from the path ``fit()`` was given; with none it would start fresh. The
+        connector's ``resume_start`` is given the store's path when the store had a checkpoint, and
+        refuses a ``ckpt_path`` of the user's (it would disagree with the store)."""
+        connector = trainer._checkpoint_connector
+        original = connector.resume_start
+        session = self.session
+        assert session is not None
+        ckpt_dir, resumed = session.config.ckpt_dir, self.resumed_step
+
+        def resume_start(checkpoint_path: _PATH | None = None, weights_only: bool | None = None) -> None:
+            if checkpoint_path is not None and not _is_store_path(checkpoint_path):
+                where = f"the store's newest checkpoint is step {resumed}" if resumed is not None \
+                    else "the store is empty: a fresh start"
+                raise UsageError(f"fit(ckpt_path={str(checkpoint_path)!r}) disagrees with coci's store in "
+                                 f"{ckpt_dir} ({where})",
+                                 hint="drop ckpt_path: CociCallback resumes from its store by itself; to start "
+                                      "from a Lightning checkpoint's weights, load them into the module before "
+                                      "fit(), or use another --ckpt-dir")
+            if checkpoint_path is None and resumed is not None:
+                checkpoint_path = store_path(ckpt_dir, resumed)
+            original(checkpoint_path, weights_only)
+
+        connector.resume_start = resume_start  # type: ignore[method-assign]  # this trainer only
+        self._patched = (connector, original)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        session = self.session
+        if session is None:
+            return
+        try:
+            self._take_signals(trainer)
+            total = trainer.estimated_stepping_batches
+            if not math.isfinite(total) or total <= 0:
+                raise UsageError("CociCallback needs a finite run: Lightning cannot tell how many optimizer "
+                                 "steps this fit makes", hint="set Trainer(max_steps=N), or max_epochs with a "
+                                                              "train loader that has a len()")
+            self.total = int(total)
+            if trainer.global_step != session.step:
+                raise CheckpointError(f"Lightning restored global_step {trainer.global_step}, coci's store "
+                                      f"step {session.step}", hint="the checkpoint dict was changed by an "
+                                      "on_load_checkpoint hook; report it")
+            if session.step > self.total:
+                session.mgr.close()
+                session.book.refuse_total(session.step, self.total)
+            self._check_loaders(trainer)
+        except BaseException:
+            self._close(False)
+            raise
+        self._last_global_step = trainer.global_step
+        self._t = time.perf_counter()
+
+    def _take_signals(self, trainer: pl.Trainer) -> None:
+        """Lightning installed its SIGTERM handler after ours (it broadcasts inside the handler and
+        raises at the next batch): ours goes back on top, and Lightning's teardown will restore what
+        was there before coci (not our recorder)."""
+        assert self.session is not None
+        recorder = self.session.recorder
+        before = dict(recorder._previous)
+        for s in recorder.signals:
+            if signal.getsignal(s) != recorder._handle:
+                signal.signal(s, recorder._handle)
+        originals = trainer._signal_connector._original_handlers
+        for s, prev in before.items():
+            if s in originals:
+                originals[s] = prev
+
+    @staticmethod
+    def _check_loaders(trainer: pl.Trainer) -> None:
+        from lightning.fabric.utilities.types import _Stateful
+
+        combined = trainer.fit_loop._combined_loader
+        loaders = list(combined.flattened) if combined is not None else []
+        plain = [type(dl).__name__ for dl in loaders if not isinstance(dl, _Stateful)]
+        if plain:
+            raise UsageError(f"the train loader ({', '.join(plain)}) has no state_dict(): a stop mid-epoch would "
+                             f"resume at the epoch's first batch", hint=LOADER_HINT)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._rng is not None and not self._rng_epoch_done:
+            restore_rng(self._rng)       # a resume at an epoch's end: the next epoch starts from here
+            self._rng_epoch_done = True
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._rng is not None:
+            if batch_idx > 0:            # a resume mid-epoch: the uninterrupted run was here
+                restore_rng(self._rng)
+            self._rng = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        session, total = self.session, self.total
+        step = trainer.global_step
+        if session is None or total is None or self._closed or step == self._last_global_step:
+            return                       # accumulating gradients: not a step boundary
+        self._last_global_step = step
+        session.observe(_loss_of(outputs))
+        now = time.perf_counter()
+        dt, self._t = now - self._t, now
+        completed = False
+        try:
+            session.boundary(step, dt, total)   # a stop saves, requeues and raises SystemExit(0)
+            if step >= total:
+                session.finish(total)
+                completed = True
+        except BaseException:
+            self._close(False)
+            raise
+        if completed:
+            self._close(True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        session = self.session
+        if session is None or self._closed:
+            return
+        # Lightning ended before the planned steps (EarlyStopping, should_stop): the run is done here.
+        try:
+            session.finish(trainer.global_step)
+        finally:
+            self._close(True)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        session = self.session
+        if session is None or self._closed:
+            return
+        try:
+            if not isinstance(exception, (SystemExit, KeyboardInterrupt)):
+                session.peer_loss.after_exception(session.step, session.sync)   # a lost peer, or not
+        finally:
+            self._close(False)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._close(False)
+
+    def _close(self, completed: bool) -> None:
+        if self._patched is not None:
+            connector, original = self._patched
+            connector.resume_start = original
+            self._patched = None
+        if self.session is not None and not self._closed:
+            self._closed = True
+            self.session.close(completed)
+
+
+def _loss_of(outputs: Any) -> float:
+    """The step's loss from what ``training_step`` returned (a tensor or a dict with ``"loss"``)."""
+    value = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    try:
+        return float(value) if value is not None else math.nan
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def cluster_layout(environ: Mapping[str, str] | None = None) -> dict[str, int]:
+    """``num_nodes`` and ``devices`` for ``Trainer`` from how the ranks were launched (srun,
+    coci-submit, mpiexec, plain python), so the script runs unchanged under each.
+
+    Under an MPI launch inside Slurm (coci-submit's ``srun --mpi=pmix``) Lightning picks its
+    ``SLURMEnvironment``, which would take the first node's name from ``SLURM_NODELIST`` as the
+    rendezvous address; here rank 0's host name and a free port are sent over MPI instead (as
+    :func:`coci_hpc.init_distributed` does) and set as ``MASTER_ADDR`` / ``MASTER_PORT`` unless
+    they are set already. Collective under MPI."""
+    import os
+    import socket
+
+    from coci_hpc.comm import Comm
+    from coci_hpc.runtime.distributed import rendezvous
+    from coci_hpc.slurm.env import JobEnvironment
+
+    env = os.environ if environ is None else environ
+    job = JobEnvironment.from_env(env)
+    world = Comm.world()
+    if world.is_mpi and world.size > 1:
+        if job.in_slurm_job and environ is None:
+            values, _ = rendezvous(world, job)
+            for key in ("MASTER_ADDR", "MASTER_PORT"):
+                os.environ.setdefault(key, values[key])
+        hosts = world.allgather(socket.gethostname())
+        nodes = job.step_num_nodes or job.num_nodes or len(set(hosts))
+        return {"num_nodes": nodes, "devices": world.size // nodes}
+    if job.in_slurm_job and job.ntasks:
+        nodes = job.step_num_nodes or job.num_nodes or 1
+        return {"num_nodes": nodes, "devices": job.ranks_per_node}
+    return {"num_nodes": 1, "devices": 1}

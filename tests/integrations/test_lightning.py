@@ -1,0 +1,178 @@
+"""coci_hpc.integrations.lightning in one process: a stop on a recorded signal at a step boundary,
+the restart resumes (mid-epoch) and ends bit-identical to an uninterrupted run; the user's
+ModelCheckpoint keeps writing its files beside it; the bad inputs are refused with the fix named.
+The 2-node acceptance through coci-submit is tests/integrations/test_lightning_cluster.py."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+L = pytest.importorskip("lightning.pytorch")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
+
+from coci_hpc.errors import UsageError  # noqa: E402
+from coci_hpc.integrations.lightning import CociCallback, CociCheckpointIO  # noqa: E402
+from coci_hpc.runtime.events import read_events  # noqa: E402
+from tests.conftest import ROOT  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "examples"))
+from toy_task import make_data, params_sha256  # noqa: E402
+
+STEPS = 50                 # 24 batches per epoch: the stop (~step 17) is mid-epoch, the end in epoch 3
+
+
+class Tiny(L.LightningModule):
+    """A small regression model with dropout (the RNG must come back too); sends itself SIGUSR1
+    inside the step ``signal_at`` (a handler that only records: the stop comes at a boundary)."""
+
+    def __init__(self, signal_at: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                       torch.nn.Linear(32, 1))
+        self.signal_at = signal_at
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.signal_at is not None and self.trainer.global_step == self.signal_at:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=3e-3)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _loader(stateful: bool = True) -> Any:
+    x, y = make_data(384, 8)
+    cls = StatefulDataLoader if stateful else DataLoader
+    return cls(TensorDataset(x, y), batch_size=16, shuffle=True)
+
+
+def _trainer(ckpt: Path | None, *, plugins: list | None = None, callbacks: list | None = None,
+             **kw: Any) -> Any:
+    plugins = [CociCheckpointIO()] if plugins is None else plugins
+    callbacks = [CociCallback(ckpt_dir=ckpt, policy="fixed:10")] if callbacks is None else callbacks
+    kw = {"enable_checkpointing": False, **kw}
+    return L.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, num_sanity_val_steps=0, plugins=plugins, callbacks=callbacks,
+                     **kw)
+
+
+def _fit(trainer: Any, model: Any, loader: Any = None, **kw: Any) -> str:
+    torch.manual_seed(1)                       # the global RNG: shuffle order and dropout
+    trainer.fit(model, loader if loader is not None else _loader(), **kw)
+    return params_sha256(model)
+
+
+def test_stop_on_a_signal_then_resume_mid_epoch_is_bit_identical(tmp_path: Path) -> None:
+    reference = _fit(_trainer(tmp_path / "ref"), Tiny())
+
+    ckpt, files = tmp_path / "run", tmp_path / "mc"
+    def user_checkpoint() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=files, every_n_train_steps=20, save_top_k=-1, filename="{step}")
+    with pytest.raises(SystemExit) as stop:
+        _fit(_trainer(ckpt, callbacks=[CociCallback(ckpt_dir=ckpt, policy="fixed:10"), user_checkpoint()],
+                      enable_checkpointing=True), Tiny(signal_at=15))
+    assert stop.value.code == 0
+    events = read_events(ckpt)
+    stops = [e for e in events if e["event"] == "stop"]
+    assert len(stops) == 1 and stops[0]["saved"] and stops[0]["signal"] == "SIGUSR1", stops
+    stopped = stops[0]["step"]
+    assert 16 <= stopped <= 18 and stopped % 24 != 0       # at a boundary after the signal, mid-epoch
+    assert signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, signal.SIG_IGN)   # handed back
+
+    trainer = _trainer(ckpt, callbacks=[CociCallback(ckpt_dir=ckpt, policy="fixed:10"), user_checkpoint()],
+                       enable_checkpointing=True)
+    resumed = _fit(trainer, Tiny())            # no ckpt_path: the store's newest checkpoint
+    assert trainer.callbacks[0].resumed_step == stopped
+    assert resumed == reference
+    events = read_events(ckpt)
+    assert [e["event"] for e in events if e["event"] in ("stop", "end")][-1] == "end"
+    assert [e for e in events if e["event"] == "end"][-1]["status"] == "completed"
+    planned = sorted(e["step"] for e in events if e["event"] == "checkpoint" and e["kind"] == "planned")
+    assert planned and all(s % 10 == 0 for s in planned)
+    # The user's ModelCheckpoint wrote its ordinary files, before and after the stop.
+    assert sorted(p.name for p in files.iterdir()) == ["step=20.ckpt", "step=40.ckpt"]
+    saved = torch.load(files / "step=40.ckpt", weights_only=False)
+    assert saved["global_step"] == 40 and "optimizer_states" in saved
+
+
+def test_a_finished_run_started_again_does_no_more_steps(tmp_path: Path) -> None:
+    first = _fit(_trainer(tmp_path / "run"), Tiny())
+    trainer = _trainer(tmp_path / "run")
+    again = _fit(trainer, Tiny())
+    assert trainer.global_step == STEPS and again == first
+
+
+def test_callback_without_plugin_and_plugin_without_callback_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="CociCallback needs CociCheckpointIO") as err:
+        _fit(_trainer(tmp_path / "a", plugins=[]), Tiny())
+    assert "plugins=[CociCheckpointIO()]" in (err.value.hint or "")
+    files = ModelCheckpoint(dirpath=tmp_path / "mc", every_n_train_steps=5)
+    with pytest.raises(UsageError, match="no CociCallback is in the Trainer"):
+        _fit(_trainer(None, callbacks=[files], enable_checkpointing=True), Tiny())
+
+
+def test_ckpt_path_that_disagrees_with_the_store_is_refused(tmp_path: Path) -> None:
+    ckpt = tmp_path / "run"
+    other = tmp_path / "other.ckpt"
+    trainer = _trainer(ckpt)
+    _fit(trainer, Tiny())
+    trainer.save_checkpoint(other)
+    with pytest.raises(UsageError, match=r"disagrees with coci's store .*newest checkpoint is step 50") as err:
+        _fit(_trainer(ckpt), Tiny(), ckpt_path=str(other))
+    assert "drop ckpt_path" in (err.value.hint or "")
+    with pytest.raises(UsageError, match=r"store is empty"):
+        _fit(_trainer(tmp_path / "fresh"), Tiny(), ckpt_path=str(other))
+
+
+def test_plain_dataloader_and_unencodable_hyperparameters_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="has no state_dict") as err:
+        _fit(_trainer(tmp_path / "a"), Tiny(), _loader(stateful=False))
+    assert "StatefulDataLoader" in (err.value.hint or "")
+
+    class WithHparams(Tiny):
+        def __init__(self) -> None:
+            super().__init__()
+            self.save_hyperparameters({"lr": 1e-3, "where": Path("/data")})
+    with pytest.raises(UsageError, match=r"cannot go into coci's store.*PosixPath.*hyper_parameters") as err:
+        _fit(_trainer(tmp_path / "b"), WithHparams())
+    assert "never pickle" in (err.value.hint or "")
+
+
+def test_auto_requeue_explicit_is_refused_and_lightnings_own_choice_is_switched_off(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(UsageError, match=r"auto_requeue=True") as err:
+        _fit(_trainer(tmp_path / "a", plugins=[SLURMEnvironment(auto_requeue=True), CociCheckpointIO()]), Tiny())
+    assert "SLURMEnvironment(auto_requeue=False)" in (err.value.hint or "")
+    # Inside an srun step Lightning picks SLURMEnvironment(auto_requeue=True) by itself.
+    for k, v in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "t", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                 "SLURM_NODEID": "0", "SLURM_JOB_ID": "77", "SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "1"}.items():
+        monkeypatch.setenv(k, v)
+    trainer = _trainer(tmp_path / "b")
+    env = trainer._accelerator_connector.cluster_environment
+    assert isinstance(env, SLURMEnvironment) and env.auto_requeue
+    CociCallback._check_auto_requeue(trainer, 0)
+    assert not env.auto_requeue and "auto-requeue switched off" in capsys.readouterr().err
+
+
+def test_import_coci_hpc_does_not_import_lightning() -> None:
+    code = ("import sys, coci_hpc, coci_hpc.session, coci_hpc.integrations; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    assert out.strip() == "[]"
