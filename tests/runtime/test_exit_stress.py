@@ -18,7 +18,6 @@ aborted on this machine.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from tests.conftest import ROOT, clean_env
 
 pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec")
 
-RUNS = int(os.environ.get("COCI_EXIT_STRESS_RUNS", "30"))   # process launches (each one exit per rank)
+RUNS = 30                                                    # process launches (each one exit per rank)
 PARALLEL = 2                                                 # launches at a time
 BOX_JOB = str(ROOT / "tests" / "checkpoint" / "scripts" / "box_job.py")
 TRAIN = str(ROOT / "examples" / "train_fsdp.py")
