@@ -13,7 +13,7 @@ run that ends, with FSDP2 collectives up to its last line, no ``destroy_process_
 own). Before the fix about 1 launch in 14 aborted on this machine.
 
 A second test needs no MPI: one process whose last collective is still running in a gloo worker
-when the script ends (an ``async_op=True`` never waited), 32 launches; before the fix 5 in 32
+when the script ends (an ``async_op=True`` never waited), 32 launches; before the fix 11 in 96
 aborted on this machine.
 """
 from __future__ import annotations
