@@ -21,7 +21,7 @@ import torch.distributed as dist
 from coci_hpc import settings
 from coci_hpc.comm import Comm
 from coci_hpc.errors import UsageError
-from coci_hpc.runtime import errorexit
+from coci_hpc.runtime import errorexit, teardown
 from coci_hpc.slurm.env import JobEnvironment
 from coci_hpc.slurm.hostlist import expand_hostlist
 
@@ -90,11 +90,15 @@ def init_distributed(backend: str | None = None, comm: Comm | None = None,
 
     Returns:
         A ``DistInfo``: rank, world size, local rank, backend and where the rendezvous came from.
+
+    A group this call created is destroyed at exit (no ``destroy_process_group()`` needed), and
+    the exit waits until no gloo thread still releases a collective's tensors (:mod:`.teardown`).
     """
     errorexit.install()            # a CociError out of the script: one line and its exit code
     if timeout_s is None:
         timeout_s = float(settings.DIST_TIMEOUT.raw() or DEFAULT_TIMEOUT_S)
     if dist.is_initialized():
+        teardown.install()         # someone else's group: not ours to destroy, but quiet at exit
         return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
                         dist.get_backend(), "initialized")
     backend = backend or (NCCL_WITH_CPU if torch.cuda.is_available() else "gloo")
@@ -108,6 +112,7 @@ def init_distributed(backend: str | None = None, comm: Comm | None = None,
     else:
         dist.init_process_group(backend, init_method=f"tcp://{values['MASTER_ADDR']}:{values['MASTER_PORT']}",
                                 rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    teardown.install(owns_process_group=True)   # destroyed at exit, no gloo release left in flight
     return DistInfo(rank, world, local, backend, source)
 
 
@@ -129,6 +134,7 @@ def default_comm(environ: Mapping[str, str] | None = None) -> Comm:
     from coci_hpc.comm_torch import TorchComm
     group = TorchComm.if_distributed()
     if group is not None:
+        teardown.install()         # its gloo collectives: none in flight at exit
         return group
     if launcher_size > 1:
         raise UsageError(f"WORLD_SIZE={launcher_size} (torchrun or your launcher) but this process sees a "
