@@ -37,7 +37,6 @@ stop (boundaries are optimizer steps only, so nothing accumulated is ever lost).
 from __future__ import annotations
 
 import math
-import signal
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -378,11 +377,7 @@ class CociCallback(Callback):
         raises at the next batch): ours goes back on top, and Lightning's teardown will restore what
         was there before coci (not our recorder)."""
         assert self.session is not None
-        recorder = self.session.recorder
-        before = dict(recorder._previous)
-        for s in recorder.signals:
-            if signal.getsignal(s) != recorder._handle:
-                signal.signal(s, recorder._handle)
+        before = self.session.recorder.take_back()
         originals = trainer._signal_connector._original_handlers
         for s, prev in before.items():
             if s in originals:

@@ -121,6 +121,15 @@ class SignalRecorder:
                 self._previous[s] = signal.signal(s, self._handle)
         return self
 
+    def take_back(self) -> dict[int, Any]:
+        """Put this recorder's handler back where a later handler replaced it (a framework that
+        installs its own after ours: Lightning's SIGTERM handler); the chained handlers stay those
+        found at :meth:`install`. Returns them ({signal: handler}), for the framework to restore."""
+        for s in self.signals:
+            if s in self._previous and signal.getsignal(s) != self._handle:
+                signal.signal(s, self._handle)
+        return dict(self._previous)
+
     def uninstall(self) -> None:
         for s, prev in self._previous.items():
             signal.signal(s, prev if prev is not None else signal.SIG_DFL)
