@@ -91,30 +91,38 @@ def test_k_from_the_plan_reaches_every_rank_at_the_same_step(tmp_path: Path) -> 
     assert first >= 4 + 10                           # planned at step 4+ (a copy timed), applied >= 10 steps on
 
 
+class _Sched:
+    """The schedule's side of ``memtier.plan_with``: a given 30-day MTBF on 16 nodes, measured
+    costs (``measured=False``: no disk save timed yet)."""
+
+    nodes = 16
+
+    def __init__(self, measured: bool = True) -> None:
+        from coci_hpc.planner.failures import from_mtbf
+
+        self.failure_model = from_mtbf(30 * 24 * 3600.0)
+        self.measured = measured
+
+    def costs(self) -> Any:
+        from coci_hpc.planner.costs import Costs
+
+        return Costs(5.0, 120.0, 0.5)
+
+
 def test_plan_with_uses_the_two_tier_planner_on_measured_costs() -> None:
-    from coci_hpc.planner.costs import Costs
-    from coci_hpc.planner.failures import from_mtbf
     from coci_hpc.runtime import memtier
 
-    class Sched:
-        failure_model = from_mtbf(30 * 24 * 3600.0)
-        measured = True
-        nodes = 16
-
-        def costs(self) -> Costs:
-            return Costs(5.0, 120.0, 0.5)
-
     said: list[str] = []
-    k, disk = memtier.plan_with(Sched(), 24 * 3600.0, said.append)([0.05, 0.05])
+    k, disk = memtier.plan_with(_Sched(), 24 * 3600.0, said.append)([0.05, 0.05])
     from coci_hpc.planner import two_tier
     p = two_tier.plan_two_tier(two_tier.TierCosts(0.05, 5.0, 120.0, 120.0, 0.5),
-                               two_tier.profile_from_model(Sched.failure_model, 16), 24 * 3600.0)
+                               two_tier.profile_from_model(_Sched().failure_model, 16), 24 * 3600.0)
     assert (k, disk) == (p.mem_every_steps, p.disk_every_steps) and k is not None and disk > k
     assert said and f"memory copy every {k} step(s)" in said[0]
     # with no partner loss known (a given MTBF) the disk interval answers the whole-job failures
     assert disk * 0.5 < 24 * 3600.0 and "whole-job failures" in said[0]
-    Sched.measured = False                           # no disk save timed yet: no plan
-    assert memtier.plan_with(Sched(), 24 * 3600.0, said.append)([0.05]) is None
+    # no disk save timed yet: no plan
+    assert memtier.plan_with(_Sched(measured=False), 24 * 3600.0, said.append)([0.05]) is None
 
 
 def test_plan_with_reads_the_settings_and_logs_the_plan(tmp_path: Path) -> None:
@@ -124,26 +132,16 @@ def test_plan_with_reads_the_settings_and_logs_the_plan(tmp_path: Path) -> None:
 
     from coci_hpc import history
     from coci_hpc.errors import UsageError
-    from coci_hpc.planner.costs import Costs
-    from coci_hpc.planner.failures import from_mtbf
     from coci_hpc.runtime import memtier
     from coci_hpc.runtime.events import EventLog, read_records
 
-    class Sched:
-        failure_model = from_mtbf(30 * 24 * 3600.0)
-        measured = True
-        nodes = 16
-
-        def costs(self) -> Costs:
-            return Costs(5.0, 120.0, 0.5)
-
     with pytest.raises(UsageError, match="COCI_WHOLE_JOB_SHARE"):
-        memtier.plan_with(Sched(), 3600.0, print, {"COCI_WHOLE_JOB_SHARE": "1.2"})
+        memtier.plan_with(_Sched(), 3600.0, print, {"COCI_WHOLE_JOB_SHARE": "1.2"})
     path = tmp_path / "events.jsonl"
     log = EventLog(path, attempt=1, job_id=None)
     log.write("attempt_start", nodes=["a", "b"], ranks=2)
-    lo = memtier.plan_with(Sched(), 24 * 3600.0, print, {"COCI_OUTAGE_RATE": "0"}, path, log)([0.05])
-    hi = memtier.plan_with(Sched(), 24 * 3600.0, print, {"COCI_OUTAGE_RATE": "0.02"}, path, log)([0.05])
+    lo = memtier.plan_with(_Sched(), 24 * 3600.0, print, {"COCI_OUTAGE_RATE": "0"}, path, log)([0.05])
+    hi = memtier.plan_with(_Sched(), 24 * 3600.0, print, {"COCI_OUTAGE_RATE": "0.02"}, path, log)([0.05])
     assert lo is not None and hi is not None and hi[1] < lo[1]      # more outages: disk saves closer
     plans = [r for r in read_records(path) if r.EVENT == "two_tier_plan"]
     assert [(p.memory_every, p.disk_every) for p in plans] == [lo, hi]
