@@ -6,7 +6,9 @@
 
 The state is an MLP of ``size_mb / 12`` MB of float32 parameters plus Adam's two moments
 (~``size_mb`` MB in all). The script runs itself under ``mpiexec -n 1`` and ``-n 2`` (``--ranks``)
-and measures, in each world, interleaved over ``--repeats`` rounds (medians reported):
+and measures, in each world, interleaved over one warm-up round and ``--repeats`` (>= 7) timed rounds
+(:mod:`benchmarks.method`: medians of the timed rounds, with ``*_min``, ``*_max`` and the warm-up
+round's ``*_cold`` beside each in ``by_ranks``):
 
 * raw write+fsync: every rank pwrites its 1/N of the same bytes into one file, then fsync
   (measured twice per round, first and right before coci's save; the faster one counts);
@@ -32,7 +34,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.method import MIN_ROUNDS, summary  # noqa: E402
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -229,8 +232,15 @@ def worker(args: argparse.Namespace) -> dict:
     res: dict[str, list[float]] = {}
     cache_method = ""
 
+    cold: dict[str, float] = {}
+    phases: list[dict[str, float]] = []   # per round (the warm-up first): the coci save's phase times
+    warm_round = True   # round 0 warms up; its times are kept apart as the cold figures
+
     def rec(key: str, value: float) -> None:
-        res.setdefault(key, []).append(value)
+        if warm_round:
+            cold[key] = value
+        else:
+            res.setdefault(key, []).append(value)
 
     def clean(p: Path) -> None:
         comm.barrier()
@@ -241,7 +251,8 @@ def worker(args: argparse.Namespace) -> dict:
     for _ in range(2):  # warm up
         train_step()
 
-    for rep in range(args.repeats):
+    for rep in range(args.repeats + 1):
+        warm_round = rep == 0
         # raw write + read
         raw = base / "raw.bin"
         rec("raw_write", timer(lambda: raw_write(comm, raw, tensors))[0])
@@ -302,6 +313,9 @@ def worker(args: argparse.Namespace) -> dict:
         cdir = base / "coci"
         mgr = CheckpointManager(cdir, comm=comm, keep=1, rng=True)
         rec("coci_save", timer(lambda: mgr.save(1 + 10 * rep, state))[0])
+        # where this save spent its time: each phase's slowest rank (issue 33)
+        ranks_stats = comm.allgather(dict(mgr.stats))
+        phases.append({k: round(max(st.get(k, 0.0) for st in ranks_stats), 4) for k in ranks_stats[0]})
         if rank == 0:
             drop_cache([cdir])
         comm.barrier()
@@ -347,9 +361,10 @@ def worker(args: argparse.Namespace) -> dict:
     if rank == 0:
         shutil.rmtree(base, ignore_errors=True)
     res["raw_write"] = [min(a, b) for a, b in zip(res["raw_write"], res.pop("raw_write_b"))]
-    med = {k: statistics.median(v) for k, v in res.items()}
+    cold["raw_write"] = min(cold["raw_write"], cold.pop("raw_write_b"))
+    med = summary(res, cold)
     med.update({"bytes": nbytes, "ranks": W, "cache": cache_method,
-                "threads_per_rank": threads, "samples": res})
+                "threads_per_rank": threads, "samples": res, "coci_save_phases": phases})
     return med
 
 
@@ -394,6 +409,13 @@ def table(results: dict[int, dict]) -> str:
     out.append(f"{'':<28}" + "".join(f"{f'{w} rank(s)':>14}" for w in ws))
     for label, key in rows:
         out.append(f"{label:<28}" + "".join(f"{results[w][key]:>14.3f}" for w in ws))
+    out.append(f"{'spread: coci save min-max':<28}" + "".join(
+        f"{results[w]['coci_save_min']:>7.2f}-{results[w]['coci_save_max']:<6.2f}" for w in ws))
+    out.append(f"{'spread: raw write min-max':<28}" + "".join(
+        f"{results[w]['raw_write_min']:>7.2f}-{results[w]['raw_write_max']:<6.2f}" for w in ws))
+    out.append(f"{'cold: coci save / raw write':<28}" + "".join(
+        f"{results[w].get('coci_save_cold', float('nan')):>7.2f}/{results[w].get('raw_write_cold', float('nan')):<6.2f}"
+        for w in ws))
     out.append(f"{'train steps/s (no ckpt)':<28}" + "".join(f"{results[w]['base_rate']:>14.2f}" for w in ws))
     out.append("")
     out.append(f"{'ratio':<34}" + "".join(f"{f'{w} rank(s)':>12}" for w in ws) + "   goal")
@@ -414,7 +436,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-mb", type=int, default=1200, help="state size (params + Adam moments)")
     ap.add_argument("--ranks", default="1,2", help="world sizes to run, comma separated")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=MIN_ROUNDS,
+                    help=f"timed rounds after the warm-up round (a ratio is their median; >= {MIN_ROUNDS})")
     ap.add_argument("--steps", type=int, default=4, help="training steps for each baseline rate")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
     ap.add_argument("--json", action="store_true")
@@ -465,6 +488,20 @@ def main() -> int:
            "ranks": sorted(results), "state_bytes": results[min(results)]["bytes"],
            "page_cache": results[min(results)]["cache"], "elapsed_s": round(elapsed, 1),
            "by_ranks": per}
+    # next to the goal keys: median, min, max and cold (warm-up round) of each writer and reader
+    doc["spread"] = {str(w): {k: {"median": m[k], "min": m[f"{k}_min"], "max": m[f"{k}_max"],
+                                  "cold": m.get(f"{k}_cold")}
+                              for k in ("raw_write", "coci_save", "dcp_save", "torch_save", "coci_async_persist",
+                                        "raw_read", "coci_load", "dcp_load", "torch_load") if k in m}
+                     for w, m in results.items()}
+    for w, m in results.items():
+        # the per-phase breakdown of the slowest and the fastest timed coci save
+        times, ph = m["samples"]["coci_save"], m.get("coci_save_phases", [])
+        if len(ph) == len(times) + 1:
+            doc["by_ranks"][str(w)]["coci_save_phases_slowest"] = {"save_s": max(times),
+                                                                   **ph[1 + times.index(max(times))]}
+            doc["by_ranks"][str(w)]["coci_save_phases_fastest"] = {"save_s": min(times),
+                                                                   **ph[1 + times.index(min(times))]}
     if args.json:
         print(table(results), file=sys.stderr)
         print(json.dumps(doc))

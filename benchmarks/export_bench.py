@@ -14,7 +14,9 @@ coci under ``mpiexec -n --save-ranks``, in one or both ``--layout``s:
   weight a DTensor sharded on dim 0 (each rank writes its rows); the same state saved as a
   native DCP directory by the same ranks (``dcp.save(model.state_dict())``).
 
-Each measurement then runs in its own
+Method (:mod:`benchmarks.method`): one warm-up round of every measurement, kept apart as the cold
+figure (``seconds_cold``), then ``--repeats`` (>= 7) timed rounds in rotating order; ``seconds`` is
+their median, with ``seconds_min`` / ``seconds_max`` beside it. Each measurement runs in its own
 Python process, with a cold page cache for the files it reads (drop_caches, else
 fadvise DONTNEED), and reports its wall time and its peak resident memory above its resident
 memory once its imports are done (``/proc/self/status`` VmHWM - VmRSS, the peak reset through
@@ -54,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 
 from benchmarks.checkpoint_bench import drop_cache  # noqa: E402  (one page-cache eviction for the benchmarks)
+from benchmarks.method import MIN_ROUNDS, rotate, summary  # noqa: E402
 
 
 def status_kb(field: str) -> int:
@@ -274,11 +277,15 @@ def table(doc: dict) -> str:
     r = doc["runs"]
     size = doc["checkpoint_bytes"]
     lines = [f"[{doc['layout']}] checkpoint {size / 1e9:.2f} GB of fp32 weights, saved by {doc['save_ranks']} rank(s); "
-             f"hf shards {doc['max_shard_size']}; page cache: {doc['page_cache']}",
-             f"{'measurement':<20} {'seconds':>8} {'GB/s':>6} {'peak extra RSS':>15} {'/ ckpt':>7}"]
+             f"hf shards {doc['max_shard_size']}; page cache: {doc['page_cache']}; seconds: median of "
+             f"{doc['repeats']} rounds after a warm-up [min-max] (cold = the warm-up round)",
+             f"{'measurement':<20} {'seconds':>8} {'min-max':>12} {'cold':>6} {'GB/s':>6} {'peak extra RSS':>15} "
+             f"{'/ ckpt':>7}"]
     for name in [n for n in ORDER if n in r]:
         m = r[name]
-        lines.append(f"{name:<20} {m['seconds']:>8.2f} {size / 1e9 / m['seconds']:>6.2f} "
+        lines.append(f"{name:<20} {m['seconds']:>8.2f} {m.get('seconds_min', m['seconds']):>5.2f}-"
+                     f"{m.get('seconds_max', m['seconds']):<6.2f} {m.get('seconds_cold', m['seconds']):>6.2f} "
+                     f"{size / 1e9 / m['seconds']:>6.2f} "
                      f"{m['peak_extra_bytes'] / 2**20:>11.0f} MiB {m['peak_extra_bytes'] / size:>7.2f}")
     lines.append("ratios: " + ", ".join(f"{k} {v}" for k, v in doc.items() if isinstance(v, float)))
     return "\n".join(lines)
@@ -289,6 +296,8 @@ def main() -> int:
     ap.add_argument("--size-mb", type=int, default=1024, help="model weights in MB (float32)")
     ap.add_argument("--tensor-mb", type=int, default=32, help="size of each weight tensor")
     ap.add_argument("--max-shard-size", default="256MB")
+    ap.add_argument("--repeats", type=int, default=MIN_ROUNDS,
+                    help=f"timed rounds after the warm-up round (a ratio is their median; >= {MIN_ROUNDS})")
     ap.add_argument("--save-ranks", type=int, default=2)
     ap.add_argument("--layout", default="ddp", help="ddp, fsdp2 or ddp,fsdp2: the model layout that saves "
                     "the checkpoint (fsdp2: the loads also run on --save-ranks ranks into the FSDP2 model)")
@@ -335,7 +344,18 @@ def bench_layout(layout: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         paths = setup(work, args, layout)
         wanted = ORDER if not args.only else [n for n in ORDER if n in args.only.split(",")]
-        runs = {name: run_one(name, paths, work, args, layout) for name in wanted}
+        # round 0 in ORDER (export_hf before the hf reads: they read its export), kept apart as
+        # the cold figure; then --repeats timed rounds, the order rotating (benchmarks.method)
+        rounds = [{name: run_one(name, paths, work, args, layout) for name in order}
+                  for order in [wanted] + [rotate(wanted, k + 1) for k in range(args.repeats)]]
+        runs = {}
+        for name in wanted:
+            timed = [r[name] for r in rounds[1:]] or [rounds[0][name]]
+            secs = [r["seconds"] for r in timed]
+            runs[name] = {**timed[0],
+                          **summary({"seconds": secs, "peak_extra_bytes": [r["peak_extra_bytes"] for r in timed]},
+                                    {"seconds": rounds[0][name]["seconds"]}),
+                          "samples": [round(x, 4) for x in secs]}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     size = paths["bytes"]
@@ -359,7 +379,7 @@ def bench_layout(layout: str, args: argparse.Namespace) -> dict[str, Any]:
         "export_torch_peak_extra_rss_over_checkpoint": rss("export_torch"),
         "import_hf_peak_extra_rss_over_checkpoint": rss("import_hf"),
         "dcp_to_torch_save_peak_extra_rss_over_checkpoint": rss("dcp_to_torch_save"),
-        "checkpoint_bytes": size, "layout": layout, "save_ranks": args.save_ranks,
+        "checkpoint_bytes": size, "layout": layout, "save_ranks": args.save_ranks, "repeats": args.repeats,
         "max_shard_size": args.max_shard_size,
         "page_cache": next(iter(runs.values()))["cache"], "peak_reset": next(iter(runs.values()))["peak_reset"],
         "elapsed_s": round(time.perf_counter() - t_start, 1), "runs": runs,

@@ -1,6 +1,6 @@
 """Sharded (FSDP2 / DTensor) checkpoint benchmark: coci_hpc vs torch.distributed.checkpoint (DCP).
 
-    python benchmarks/sharded_bench.py                  # ~1 GB FSDP2 state, 2 ranks, 3 repeats
+    python benchmarks/sharded_bench.py                  # ~1 GB FSDP2 state, 2 ranks, 1 + 7 rounds
     python benchmarks/sharded_bench.py --json           # one JSON object on stdout (table on stderr)
     python benchmarks/sharded_bench.py --size-mb 96     # iterate small
 
@@ -8,8 +8,12 @@ The state is an MLP wrapped with ``fully_shard`` (FSDP2) on a CPU device mesh (g
 ``Linear`` its own FSDP unit, after one Adam step: parameters plus the two moments, about
 ``--size-mb`` MB in all, every tensor a ``DTensor`` sharded on dim 0 over the ranks.
 
-Phase 1 (``mpiexec -n 2``), ``--repeats`` rounds, coci and DCP interleaved (their order swapped
-every round):
+Method (:mod:`benchmarks.method`): one warm-up round, kept apart as the *cold* figure (``*_cold``),
+then ``--repeats`` (>= 7) timed rounds; every figure is the median of the timed rounds, with its
+min and max beside it (``*_min``, ``*_max``, and ``spread`` at the top level).
+
+Phase 1 (``mpiexec -n 2``), the rounds with coci, DCP and the raw floor interleaved (their order
+rotating every round):
 
 * save: ``CheckpointManager.save(step, {"model": m, "optimizer": opt})`` against
   ``dcp.save(get_state_dict(m, opt))`` (both fsync their files);
@@ -43,7 +47,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,6 +56,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.method import MIN_ROUNDS, rotate, summary  # noqa: E402
 
 
 def drop_cache(paths: list[Path]) -> str:
@@ -182,8 +187,14 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     model, _mesh, step = build(args.size_mb, world)
     res: dict[str, list[float]] = {}
 
+    cold: dict[str, float] = {}
+    warm_round = True   # the first round of each comparison: kept apart as the cold figure
+
     def rec(key: str, v: float) -> None:
-        res.setdefault(key, []).append(v)
+        if warm_round:
+            cold[key] = v
+        else:
+            res.setdefault(key, []).append(v)
 
     def dcp_load(opt: Any, where: Path) -> None:
         msd, osd = get_state_dict(model, opt)
@@ -203,7 +214,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         rawdir = base / "raw"
         rawdir.mkdir(parents=True, exist_ok=True)
         raw_path = rawdir / f"rank{comm.rank}.bin"
-        for rep in range(args.repeats):
+        for rep in range(args.repeats + 1):   # round 0: the warm-up (cold) round
+            warm_round = rep == 0
             target = ddir / f"s{rep}"
 
             def coci_save() -> None:
@@ -216,7 +228,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             # the raw-disk floor runs in the same rounds, its place in the order rotating
             saves = [("coci_save", coci_save), ("dcp_save", dcp_save),
                      ("raw_save", lambda: raw_write(raw_path, bufs))]
-            for name, fn in saves[rep % 3:] + saves[:rep % 3]:
+            for name, fn in rotate(saves, rep):
                 rec(name, timer(fn))
             # where this round's coci save spent its time, per rank (issue 33: a slow save names its phase)
             phases.append(comm.allgather({k: round(v, 4) for k, v in mgr.stats.items()}))
@@ -226,9 +238,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             loads = [("coci_load", lambda: mgr.load(rep + 1, {"model": model, "optimizer": opt})),
                      ("dcp_load", lambda: dcp_load(opt, target)),
                      ("raw_load", lambda: raw_read(raw_path, bufs))]
-            for name, fn in loads[rep % 3:] + loads[:rep % 3]:
+            for name, fn in rotate(loads, rep):
                 rec(name, timer(fn))
-            if comm.rank == 0 and rep + 1 < args.repeats:
+            if comm.rank == 0 and rep < args.repeats:
                 shutil.rmtree(target, ignore_errors=True)
         if args.async_:
             state = {"model": model, "optimizer": opt}
@@ -237,6 +249,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             mgr.wait()
             msd, osd = get_state_dict(model, opt)
             dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(base / "dcp_async_warm")).result()
+            warm_round = False
             for rep in range(args.repeats):
                 adir = base / f"dcp_async{rep}"
                 # coci: blocked = the save_async call + the optimizer step's wait for the snapshot
@@ -270,12 +283,13 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         if comm.rank == 0:
             data = [p for p in cdir.rglob("data.h5")]
             out["coci_file_bytes"] = sum(p.stat().st_size for p in data) / max(1, len(data))
-            out["dcp_file_bytes"] = sum(p.stat().st_size for p in (ddir / f"s{args.repeats - 1}").rglob("*")
+            out["dcp_file_bytes"] = sum(p.stat().st_size for p in (ddir / f"s{args.repeats}").rglob("*")
                                         if p.is_file())
     else:
-        cdir, ddir = base / "coci", base / "dcp" / f"s{args.repeats - 1}"
+        cdir, ddir = base / "coci", base / "dcp" / f"s{args.repeats}"
         mgr = CheckpointManager(cdir, comm=comm, lock=False)
-        for rep in range(args.repeats):
+        for rep in range(args.repeats + 1):
+            warm_round = rep == 0
             order = [("coci_load", "coci"), ("dcp_load", "dcp")]
             for name, which in (order if rep % 2 == 0 else order[::-1]):
                 opt = torch.optim.Adam(model.parameters(), lr=1e-4)  # fresh: no state yet
@@ -285,7 +299,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                                 if which == "coci" else (lambda o=opt: dcp_load(o, ddir))))
         mgr.close()
     dist.destroy_process_group()
-    out.update({k: statistics.median(v) for k, v in res.items()})
+    out.update(summary(res, cold))
     out["samples"] = res
     if phases:
         out["coci_save_phases"] = phases
@@ -326,6 +340,16 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(f"raw-disk floor (each rank's own bytes, pwrite + fsync / pread): save "
                      f"{s['raw_save']:.3f} s = {doc['save_floor_vs_dcp']:.2f} of DCP, load "
                      f"{s['raw_load']:.3f} s = {doc['load_floor_vs_dcp']:.2f} of DCP")
+    if doc.get("spread"):
+        lines.append(f"spread over the rounds (s): {'median':>8s} {'min':>7s} {'max':>7s} {'cold':>7s}")
+        for k, v in doc["spread"].items():
+            cold = "-" if v["cold"] is None else f"{v['cold']:.3f}"
+            lines.append(f"  {k:24s} {v['median']:8.3f} {v['min']:7.3f} {v['max']:7.3f} {cold:>7s}")
+    for which in ("slowest", "fastest"):
+        ph = doc.get(f"coci_save_phases_{which}")
+        if ph:
+            lines.append(f"coci's {which} save, {ph['save_s']:.3f} s: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in ph.items() if k != "save_s" and v >= 0.005))
     lines.append(f"file bytes / unique state bytes: coci {doc['bytes_written_ratio']:.4f}, "
                  f"DCP {doc['dcp_bytes_ratio']:.4f}")
     return "\n".join(lines)
@@ -334,7 +358,8 @@ def table(doc: dict[str, Any]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-mb", type=int, default=1000, help="state size (params + Adam moments)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=MIN_ROUNDS,
+                    help=f"timed rounds after the warm-up round (a ratio is their median; >= {MIN_ROUNDS})")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
     ap.add_argument("--async", dest="async_", action="store_true", default=True)
     ap.add_argument("--no-async", dest="async_", action="store_false",
@@ -379,6 +404,19 @@ def main() -> int:
         doc["load_floor_vs_dcp"] = save["raw_load"] / save["dcp_load"]
         doc["sharded_save_vs_floor"] = save["coci_save"] / save["raw_save"]
         doc["sharded_load_vs_floor"] = save["coci_load"] / save["raw_load"]
+    # next to the goal keys: each writer's median, min, max and cold (warm-up round) time
+    doc["spread"] = {k: {"median": save[k], "min": save[f"{k}_min"], "max": save[f"{k}_max"],
+                         "cold": save.get(f"{k}_cold")}
+                     for k in ("coci_save", "dcp_save", "raw_save", "coci_load", "dcp_load", "raw_load")
+                     if k in save}
+    phases = save.get("coci_save_phases")
+    if phases and len(phases) == len(save["samples"]["coci_save"]) + 1:
+        # the per-phase breakdown (slowest rank per phase) of the slowest and the fastest timed save
+        times = save["samples"]["coci_save"]
+        worst = lambda rnd: {k: max(r.get(k, 0.0) for r in rnd) for k in rnd[0]}  # noqa: E731
+        doc["coci_save_phases_slowest"] = {"save_s": max(times), **worst(phases[1 + times.index(max(times))])}
+        doc["coci_save_phases_fastest"] = {"save_s": min(times), **worst(phases[1 + times.index(min(times))])}
+        doc["coci_save_phases_cold"] = worst(phases[0])
     if args.json:
         print(table(doc), file=sys.stderr)
         print(json.dumps(doc))

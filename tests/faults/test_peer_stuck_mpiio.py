@@ -18,6 +18,9 @@ from coci_hpc.runtime.events import read_events
 from tests.conftest import ROOT, clean_env
 
 FAULTY = ("-m", "tests.faults.faulty")   # installs the faulty writer the environment asks for
+# The data write is collective MPI-IO on Lustre only (off Lustre each rank pwrites its own bytes:
+# issue 33), so these runs make coci take the directory for Lustre (test-only COCI_FORCE_FSTYPE).
+ON_LUSTRE = {"COCI_FORCE_FSTYPE": "lustre"}
 
 SCRIPT = r'''
 import sys, torch
@@ -49,7 +52,7 @@ def test_a_peer_lost_inside_mpiio_is_noticed_by_the_guard_and_the_survivor_saves
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     ckpt = tmp_path / "ckpt"
-    env = clean_env(COCI_FAULT_SAVE_PAUSE_S="10", COCI_FAULT_SAVE_PAUSE_AT="mpiio")
+    env = clean_env(COCI_FAULT_SAVE_PAUSE_S="10", COCI_FAULT_SAVE_PAUSE_AT="mpiio", **ON_LUSTRE)
     t0 = time.monotonic()
     # The survivor leaves with os._exit (no MPI_Finalize with a lost peer): mpiexec reports it.
     p = subprocess.run(["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, *FAULTY,
@@ -79,7 +82,7 @@ def test_a_process_left_behind_by_a_newer_attempt_neither_saves_nor_records(tmp_
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     ckpt = tmp_path / "ckpt"
-    env = clean_env(COCI_FAULT_SAVE_PAUSE_S="10", COCI_FAULT_SAVE_PAUSE_AT="mpiio")
+    env = clean_env(COCI_FAULT_SAVE_PAUSE_S="10", COCI_FAULT_SAVE_PAUSE_AT="mpiio", **ON_LUSTRE)
     p = subprocess.Popen(["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, *FAULTY,
                           str(script), str(ckpt)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=env, cwd=ROOT)
@@ -170,7 +173,7 @@ def test_fsdp2_state_the_survivor_saves_the_memory_tiers_newest_whole_step(tmp_p
     script = tmp_path / "job.py"
     script.write_text(FSDP_SCRIPT)
     ckpt = tmp_path / "ckpt"
-    env = clean_env(COCI_FAULT_SAVE_PAUSE_S="10", COCI_FAULT_SAVE_PAUSE_AT="mpiio")
+    env = clean_env(COCI_FAULT_SAVE_PAUSE_S="10", COCI_FAULT_SAVE_PAUSE_AT="mpiio", **ON_LUSTRE)
     p = subprocess.run(["mpiexec", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, *FAULTY,
                         str(script), "train", str(ckpt)], capture_output=True, text=True, timeout=180, env=env,
                        cwd=ROOT)

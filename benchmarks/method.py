@@ -1,0 +1,41 @@
+"""The measuring method the disk benchmarks share (issue 33): one that survives a noisy machine.
+
+Every writer (and reader) runs one untimed-for-the-median warm-up round first, whose time is kept
+on its own as the *cold* figure (fresh files, fresh buffers, first imports); then at least
+:data:`MIN_ROUNDS` rounds in which every writer and its baseline (the raw-disk floor) run side by
+side, their order rotating. A ratio is the ratio of two medians of the same rounds; the JSON also
+carries each writer's min and max, so the spread shows next to the figure.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+MIN_ROUNDS = 7  # rounds after the warm-up that a ratio is the median of
+
+
+def summary(samples: Mapping[str, Sequence[float]], cold: Mapping[str, float] | None = None
+            ) -> dict[str, Any]:
+    """``{key: median, key_min, key_max, key_cold}`` for every sampled key (cold where given)."""
+    out: dict[str, Any] = {}
+    for key, vals in samples.items():
+        if not vals:
+            continue
+        out[key] = statistics.median(vals)
+        out[f"{key}_min"] = min(vals)
+        out[f"{key}_max"] = max(vals)
+    for key, v in (cold or {}).items():
+        out[f"{key}_cold"] = v
+    return out
+
+
+def rotate(items: Sequence[Any], k: int) -> list[Any]:
+    """``items`` started at position ``k`` (mod len): each writer takes every place in the order."""
+    n = len(items)
+    return list(items[k % n:]) + list(items[:k % n]) if n else []
+
+
+def spread(samples: Sequence[float]) -> str:
+    """``median [min-max]`` for a table cell."""
+    return f"{statistics.median(samples):.3f} [{min(samples):.2f}-{max(samples):.2f}]"

@@ -1,0 +1,28 @@
+"""The disk benchmarks' measuring method (issue 33): medians of the timed rounds, the warm-up
+round apart as the cold figure, the spread beside each median, every writer in every place."""
+from __future__ import annotations
+
+from benchmarks.method import MIN_ROUNDS, rotate, summary
+
+
+def test_summary_keeps_the_cold_round_out_of_the_median_and_gives_the_spread() -> None:
+    got = summary({"coci_save": [3.0, 1.0, 2.0, 9.0, 1.5, 2.5, 2.2]}, {"coci_save": 40.0})
+    assert got["coci_save"] == 2.2          # the median of the timed rounds only
+    assert (got["coci_save_min"], got["coci_save_max"]) == (1.0, 9.0)
+    assert got["coci_save_cold"] == 40.0
+
+
+def test_summary_skips_keys_without_samples() -> None:
+    assert summary({"dcp_save": []}) == {}
+
+
+def test_rotate_puts_every_writer_in_every_place() -> None:
+    writers = ["coci", "dcp", "raw"]
+    orders = [rotate(writers, k) for k in range(MIN_ROUNDS)]
+    for place in range(len(writers)):
+        assert {o[place] for o in orders} == set(writers)
+    assert all(sorted(o) == sorted(writers) for o in orders)
+
+
+def test_at_least_seven_rounds() -> None:
+    assert MIN_ROUNDS >= 7
