@@ -24,6 +24,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,19 +173,27 @@ def _export_hf(source: CheckpointSource, model_key: str, plan: list[tuple[str, E
     tmp.mkdir()
     weight_map: dict[str, str] = {}
     done, total = 0, sum(sizes)
-    for fname, members in zip(files, shards):
-        tensors: dict[str, torch.Tensor] = {}
-        for i in members:
-            name, e = plan[i]
-            t = source.read(e)   # checked against its shards' CRCs before it is written
-            tensors[name] = _cast(t, e, cast if e.key == model_key else None).contiguous()
-            weight_map[name] = fname
-        _write_safetensors(tensors, tmp / fname)
-        fsync_file(tmp / fname)
-        done += sum(sizes[i] for i in members)
-        del tensors
-        if progress is not None:
-            progress(done, total)
+    # Each file's fsync runs in a helper thread (fsync releases the GIL) while the next shard is
+    # read and checked: the disk writes one file back as the next is read, instead of the export
+    # waiting on each (issue 33: read, write, fsync one after another took 4x a raw read). Every
+    # fsync has returned before the index is written and the directory is fsynced.
+    with ThreadPoolExecutor(1, thread_name_prefix="coci-export-fsync") as flusher:
+        flushed = []
+        for fname, members in zip(files, shards):
+            tensors: dict[str, torch.Tensor] = {}
+            for i in members:
+                name, e = plan[i]
+                t = source.read(e)   # checked against its shards' CRCs before it is written
+                tensors[name] = _cast(t, e, cast if e.key == model_key else None).contiguous()
+                weight_map[name] = fname
+            _write_safetensors(tensors, tmp / fname)
+            del tensors
+            flushed.append(flusher.submit(fsync_file, tmp / fname))
+            done += sum(sizes[i] for i in members)
+            if progress is not None:
+                progress(done, total)
+        for f in flushed:
+            f.result()   # an fsync's error (EIO, ENOSPC on writeback) fails the export here
     if k > 1:   # the index last: a reader that finds it finds every file it lists
         index = {"metadata": {"total_size": total, "format": "pt", "coci_step": source.step},
                  "weight_map": dict(sorted(weight_map.items()))}

@@ -219,6 +219,28 @@ def test_full_disk_midway_leaves_nothing_that_looks_complete(ck: Path, tmp_path:
     assert not list(tmp_path.rglob("*.safetensors*"))
 
 
+def test_a_failed_background_fsync_fails_the_export_and_leaves_nothing(ck: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shards' fsyncs run in a helper thread beside the next shard's read: an I/O error
+    there (writeback after the write call returned) still fails the export, with no index."""
+    real = export_mod.fsync_file
+    synced: list[str] = []
+
+    def failing(path: Path) -> None:
+        synced.append(Path(path).name)
+        if len(synced) == 1:
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        real(path)
+
+    monkeypatch.setattr(export_mod, "fsync_file", failing)
+    out = tmp_path / "hf"
+    with pytest.raises(CheckpointError, match="Input/output error"):
+        export(ck, out, to="hf", max_shard_size=1000)
+    assert synced and synced[0].startswith("model-00001-of-")
+    assert not out.exists() and _leftovers(tmp_path) == []
+    assert not list(tmp_path.rglob("model.safetensors.index.json"))
+
+
 def test_large_tensors_read_into_their_own_mapping_are_bit_identical(tmp_path: Path) -> None:
     from coci_hpc.interop.source import CheckpointSource
 
