@@ -165,12 +165,24 @@ def local_of(t: Any) -> torch.Tensor:
     return t._local_tensor  # to_local() is an autograd op; the storage is what is loaded into
 
 
-def wrap_like(target: Any, local: torch.Tensor) -> Any:
-    """A DTensor with ``target``'s mesh, placements and global shape around ``local``."""
+def wrap_like(target: Any, local: torch.Tensor, name: str = "") -> Any:
+    """A DTensor with ``target``'s mesh, placements and global shape around ``local``.
+
+    Onto a mesh of another device (a host buffer onto CUDA) ``from_local`` copies ``local`` to
+    that device now: where the device has too little free memory for it, a CheckpointError
+    names the tensor (``name``) and its bytes. Callers wrap before anything of the state changes.
+    """
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
-                              shape=target.shape, stride=target.stride())
+    try:
+        return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
+                                  shape=target.shape, stride=target.stride())
+    except torch.OutOfMemoryError as exc:
+        raise CheckpointError(
+            f"not enough memory on the device {target.device_mesh.device_type!r} for the loaded shard of "
+            f"{name or 'a DTensor'!r} ({local.untyped_storage().nbytes()} bytes): {exc}",
+            hint="free device memory before loading (load before the first training step, "
+                 "torch.cuda.empty_cache()) or load on more ranks; nothing of the state was changed") from None
 
 
 def optimizer_targets(state: Mapping[str, Any], tensors: Sequence[Mapping[str, Any]],
@@ -216,4 +228,4 @@ def optimizer_targets(state: Mapping[str, Any], tensors: Sequence[Mapping[str, A
                 if isinstance(dtype, torch.dtype):
                     # on the parameter's own device: from_local shares it (no copy); never read
                     # into in place (a device tensor): the load fills a host buffer and wraps that
-                    targets[name] = wrap_like(p, torch.empty_like(local_of(p), dtype=dtype))
+                    targets[name] = wrap_like(p, torch.empty_like(local_of(p), dtype=dtype), name)

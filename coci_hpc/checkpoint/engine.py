@@ -861,7 +861,7 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
     for name, tgt, obj in wrap:
         # Only now: from_local onto a mesh of another device (CUDA) copies the buffer at once, so
         # wrapping it before the fill handed the state uninitialised memory (issue 32).
-        tensors[name] = wrap_like(tgt, obj)
+        tensors[name] = wrap_like(tgt, obj, name)   # too little device memory: a CheckpointError
 
     def fill() -> None:
         """Called once every refusable object accepted its state: from here on nothing refuses."""

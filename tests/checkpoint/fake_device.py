@@ -15,6 +15,8 @@ and correct on the CPU. :class:`DeviceBoundary` makes a CPU process behave as th
   ``Tensor.cpu()`` of a device tensor copies it to new host memory;
 * ``copy_(src, non_blocking=True)`` poisons its destination (every byte 0xFF: NaN in floats) and
   copies only at the next :func:`~coci_hpc.checkpoint.devices.wait_copies`, reading ``src`` then;
+* with :attr:`DeviceBoundary.device_budget` set, a copy to the device past that many bytes raises
+  ``torch.OutOfMemoryError`` (a device with too little free memory);
 * the async snapshot's pinned buffers (:func:`~coci_hpc.checkpoint.devices.pinned_empty`, here
   plain memory) are poisoned when :class:`~coci_hpc.checkpoint.twophase.HostBuffers` hands one
   out again or drops it.
@@ -58,6 +60,9 @@ class DeviceBoundary:
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._lock = threading.Lock()
         self.crossings = {"from_local": 0, "to": 0, "cpu": 0, "non_blocking": 0, "poisoned_buffers": 0}
+        # bytes the crossings to the device may still allocate (None: no limit); past it a copy
+        # to the device raises torch.OutOfMemoryError, as CUDA's caching allocator does
+        self.device_budget: int | None = None
 
     # -- which memory is the device's ----------------------------------------------------------
     @staticmethod
@@ -87,6 +92,12 @@ class DeviceBoundary:
                 self.tag(obj.detach())
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device_budget is not None:
+            need = _local(t).untyped_storage().nbytes()
+            if need > self.device_budget:
+                raise torch.OutOfMemoryError(f"FAKE device out of memory: tried to allocate {need} bytes, "
+                                             f"{self.device_budget} free")
+            self.device_budget -= need
         with torch.no_grad() if not t.requires_grad else contextlib.nullcontext():
             out = t.clone()
         return self.tag(out)

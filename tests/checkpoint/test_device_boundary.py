@@ -66,3 +66,16 @@ def test_shards_on_another_device_than_their_mesh_are_refused(tmp_path: Path) ->
         assert "'replicated/extras/w'" in errors[what] and "device mesh" in errors[what], errors[what]
     assert errors["latest_after_save"] is None      # nothing written
     assert errors["unchanged"]                      # nothing loaded
+
+
+def test_too_little_device_memory_is_refused_naming_the_tensor_and_nothing_changes(tmp_path: Path) -> None:
+    """The loaded shards of a DTensor state are copied to the mesh's device (``from_local``);
+    where the device has too little free memory the load stops with a CheckpointError naming the
+    tensor and how many bytes it needed, before anything of the state changed."""
+    cases = job(1, "oom", tmp_path)["errors"]
+    for case, where in (("check", "'replicated/optimizer/state/"), ("install", "'replicated/model/")):
+        got = cases[case]
+        assert got["error"] is not None, (case, got)
+        assert "not enough memory on the device" in got["error"] and where in got["error"], (case, got)
+        assert "bytes" in got["error"] and got["hint"] and "free device memory" in got["hint"], (case, got)
+        assert got["unchanged"] and not got["has_optimizer_state"], (case, got)

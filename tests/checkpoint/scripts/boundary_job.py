@@ -258,6 +258,38 @@ def mixed(job: Job) -> dict[str, Any]:
     return out
 
 
+def oom(job: Job) -> dict[str, Any]:
+    """Load an FSDP2 checkpoint into a fresh FSDP2 model and optimizer on a device with too
+    little free memory: refused, naming a tensor, nothing changed. Two budgets: none at all (the
+    fresh optimizer's moment targets, made while checking, do not fit) and exactly those targets
+    (the loaded shards, copied to the device when installed, do not fit)."""
+    from coci_hpc.checkpoint.dtensor import local_of
+    from coci_hpc.errors import CheckpointError
+
+    assert job.fake is not None, "the oom case needs the fake device"
+    model, opt = job.trained("fsdp")
+    mgr = job.mgr("oom")
+    mgr.save(2, {"model": model, "optimizer": opt})
+    out: dict[str, Any] = {}
+    for case in ("check", "install"):
+        fresh, fresh_opt = job.fresh("fsdp")
+        before = hashes(fresh, fresh_opt)
+        targets = 2 * sum(local_of(p).untyped_storage().nbytes() for p in fresh.parameters())  # Adam's moments
+        job.fake.device_budget = 64 if case == "check" else targets
+        got: dict[str, Any] = {}
+        try:
+            mgr.load(2, {"model": fresh, "optimizer": fresh_opt})
+            got["error"] = None
+        except CheckpointError as exc:
+            got["error"], got["hint"] = str(exc), exc.hint
+        job.fake.device_budget = None
+        got["unchanged"] = hashes(fresh, fresh_opt) == before
+        got["has_optimizer_state"] = bool(fresh_opt.state)
+        out[case] = got
+    mgr.close()
+    return out
+
+
 def layouts(world: int) -> list[str]:
     return ["plain", "fsdp", "tp"] + (["hsdp"] if world >= 2 and world % 2 == 0 else [])
 
@@ -295,6 +327,8 @@ def main() -> int:
             res = mgr.load_latest({"model": model, "optimizer": opt})
             mgr.close()
             result["step"], result["hashes"] = res.step, hashes(model, opt)
+        elif mode == "oom":   # too little device memory for the loaded shards: refused, nothing changed
+            result["errors"] = oom(job)
         elif mode == "mixed":   # one tensor's shards on another device than its mesh: refused, nothing changed
             result["errors"] = mixed(job)
         if fake is not None:
