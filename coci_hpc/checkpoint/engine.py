@@ -835,6 +835,7 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
     after: list[tuple[dict[str, Any], Runs, tuple[int, ...], Any]] = []
     fresh: list[tuple[np.ndarray, int]] = []
     wrap: list[tuple[str, Any, torch.Tensor]] = []  # (leaf, DTensor target, its fresh local) after the fill
+    to_device: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a module's live device shard, its checked host copy)
     in_place: set[int] = set()  # ids of the state's own tensors the checked bytes go into
     for meta, start, shape, _ in ranges:
         name = meta["name"]
@@ -846,6 +847,15 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
             # it while loading, must see the checkpoint's bytes and leave the state as it was.
             obj, dest = empty_like_leaf(meta["dtype"], shape)
             _plan(reader, fresh, meta, dest, start)
+            if how == "direct" and is_dtensor(tgt) and local_of(tgt).dtype == obj.dtype \
+                    and tuple(local_of(tgt).shape) == tuple(obj.shape):
+                # A module's own shard on its device (FSDP2 on CUDA): the checked host copy goes
+                # into it in fill(), once nothing can refuse, as a CPU shard's bytes do. Wrapping
+                # the host copy instead would allocate the whole shard again on the device.
+                tensors[name] = tgt
+                to_device.append((local_of(tgt), obj))
+                in_place.add(id(tgt))
+                continue
             if is_dtensor(tgt):
                 wrap.append((name, tgt, obj))  # wrapped once filled: see below
             else:
@@ -889,6 +899,9 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
             cast.append((local_of(live) if is_dtensor(live) else live, obj))
         reader.copy_verified(pieces, threads)
         with torch.no_grad():
+            for live, obj in to_device:
+                # blocking: obj is pageable and dropped after the load; filled before apply began
+                live.copy_(obj)
             for live, obj in cast:
                 # the optimizer cast it (dtype/device): copy with the same cast; blocking (obj is
                 # pageable and dropped right after), obj was filled just above

@@ -260,9 +260,10 @@ def mixed(job: Job) -> dict[str, Any]:
 
 def oom(job: Job) -> dict[str, Any]:
     """Load an FSDP2 checkpoint into a fresh FSDP2 model and optimizer on a device with too
-    little free memory: refused, naming a tensor, nothing changed. Two budgets: none at all (the
-    fresh optimizer's moment targets, made while checking, do not fit) and exactly those targets
-    (the loaded shards, copied to the device when installed, do not fit)."""
+    little free memory: refused, naming a tensor, nothing changed. Budgets: almost none (the
+    fresh optimizer's moment targets, made while checking, do not fit), exactly those targets
+    (the loaded moments, copied to the device when installed, do not fit), and none at all for
+    the model alone (loaded into its own shards: it needs no device memory)."""
     from coci_hpc.checkpoint.dtensor import local_of
     from coci_hpc.errors import CheckpointError
 
@@ -270,16 +271,19 @@ def oom(job: Job) -> dict[str, Any]:
     model, opt = job.trained("fsdp")
     mgr = job.mgr("oom")
     mgr.save(2, {"model": model, "optimizer": opt})
+    want = hashes(model, opt)
     out: dict[str, Any] = {}
-    for case in ("check", "install"):
+    for case in ("check", "install", "model-only"):
         fresh, fresh_opt = job.fresh("fsdp")
         before = hashes(fresh, fresh_opt)
         targets = 2 * sum(local_of(p).untyped_storage().nbytes() for p in fresh.parameters())  # Adam's moments
-        job.fake.device_budget = 64 if case == "check" else targets
+        # model-only: no device memory at all; a module's own shards are loaded into themselves
+        job.fake.device_budget = {"check": 64, "install": targets, "model-only": 0}[case]
         got: dict[str, Any] = {}
         try:
-            mgr.load(2, {"model": fresh, "optimizer": fresh_opt})
+            mgr.load(2, {"model": fresh} if case == "model-only" else {"model": fresh, "optimizer": fresh_opt})
             got["error"] = None
+            got["model_loaded"] = hashes(fresh, None) == {k: v for k, v in want.items() if k.startswith("model/")}
         except CheckpointError as exc:
             got["error"], got["hint"] = str(exc), exc.hint
         job.fake.device_budget = None
