@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -185,6 +186,27 @@ def wrap_like(target: Any, local: torch.Tensor, name: str = "") -> Any:
                  "torch.cuda.empty_cache()) or load on more ranks; nothing of the state was changed") from None
 
 
+# The optimizer targets made by optimizer_targets: no part of the user's state until the load
+# hands them over, so the load may fill their (device) memory before then (made_for_load). Kept
+# by id with a weak reference (a WeakSet would compare tensors with ==, elementwise).
+_MADE_FOR_LOAD: dict[int, weakref.ref[Any]] = {}
+
+
+def _made_for_load(t: Any) -> None:
+    key = id(t)
+
+    def forget(_ref: weakref.ref[Any]) -> None:
+        _MADE_FOR_LOAD.pop(key, None)
+
+    _MADE_FOR_LOAD[key] = weakref.ref(t, forget)
+
+
+def made_for_load(t: Any) -> bool:
+    """``t`` is a target :func:`optimizer_targets` made (filling it changes nothing of the state)."""
+    ref = _MADE_FOR_LOAD.get(id(t))
+    return ref is not None and ref() is t
+
+
 def optimizer_targets(state: Mapping[str, Any], tensors: Sequence[Mapping[str, Any]],
                       targets: dict[str, Any]) -> None:
     """Give a fresh optimizer (no state tensors yet) a DTensor target, with its parameter's
@@ -229,3 +251,4 @@ def optimizer_targets(state: Mapping[str, Any], tensors: Sequence[Mapping[str, A
                     # on the parameter's own device: from_local shares it (no copy); never read
                     # into in place (a device tensor): the load fills a host buffer and wraps that
                     targets[name] = wrap_like(p, torch.empty_like(local_of(p), dtype=dtype), name)
+                    _made_for_load(targets[name])

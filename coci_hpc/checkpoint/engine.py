@@ -36,7 +36,15 @@ from coci_hpc.checkpoint import integrity
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.checkpoint.coordinator import LayoutCache, agree
-from coci_hpc.checkpoint.dtensor import is_dtensor, local_of, optimizer_targets, runs, target_box, wrap_like
+from coci_hpc.checkpoint.dtensor import (
+    is_dtensor,
+    local_of,
+    made_for_load,
+    optimizer_targets,
+    runs,
+    target_box,
+    wrap_like,
+)
 from coci_hpc.checkpoint.h5file import DatasetReader
 from coci_hpc.checkpoint.layout import Layout, LeafDesc, Piece, RankLayout, make_layout, shard_entries
 from coci_hpc.checkpoint.lustre import IOTuning
@@ -871,7 +879,15 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
     for name, tgt, obj in wrap:
         # Only now: from_local onto a mesh of another device (CUDA) copies the buffer at once, so
         # wrapping it before the fill handed the state uninitialised memory (issue 32).
-        tensors[name] = wrap_like(tgt, obj, name)   # too little device memory: a CheckpointError
+        live = local_of(tgt)
+        if made_for_load(tgt) and live.dtype == obj.dtype and live.shape == obj.shape:
+            # a fresh optimizer's moment target (already on the device, not yet the state's):
+            # filled in place, so the moments take their device memory once, not twice
+            with torch.no_grad():
+                live.copy_(obj)
+            tensors[name] = tgt
+        else:
+            tensors[name] = wrap_like(tgt, obj, name)   # too little device memory: a CheckpointError
 
     def fill() -> None:
         """Called once every refusable object accepted its state: from here on nothing refuses."""
