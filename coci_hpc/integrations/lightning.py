@@ -29,10 +29,15 @@ user's ``ModelCheckpoint`` saving inside Slurm's grace time) and return from ``f
 written for a finished run. Ending the process at the boundary after the save is what the Session
 does.
 
+- Under DDP the callback has Lightning inject :class:`ResumableDistributedSampler` into a
+  ``StatefulDataLoader`` (:func:`resumable_sampler`): its state holds the epoch, which Lightning's
+  own sampler lacks (Lightning builds a resumed loader's iterator before ``set_epoch``).
+
 Not covered (see docs/how-to/lightning.md): strategies other than single-device and DDP
-(``ModelParallelStrategy``/FSDP2, FSDP1, DeepSpeed are refused), the survivors' save and the memory
-tier (off: a lost rank falls back to the last committed checkpoint), gradient accumulation across a
-stop (boundaries are optimizer steps only, so nothing accumulated is ever lost).
+(``ModelParallelStrategy``/FSDP2 keeps its checkpoint away from the CheckpointIO; FSDP1 and
+DeepSpeed: refused), the survivors' save and the memory tier (off: a lost rank falls back to the
+last committed checkpoint), gradient accumulation across a stop (boundaries are optimizer steps
+only, so nothing accumulated is ever lost).
 """
 from __future__ import annotations
 
@@ -360,11 +365,19 @@ class CociCallback(Callback):
     @staticmethod
     def _check_strategy(trainer: pl.Trainer) -> None:
         strategy = trainer.strategy
-        if type(strategy) not in (DDPStrategy, SingleDeviceStrategy):
-            raise UsageError(f"CociCallback supports single-device and DDP training; this Trainer uses "
-                             f"{type(strategy).__name__}",
-                             hint="use strategy='ddp' (or one device); for FSDP2 use coci_hpc.Session in your "
-                                  "own loop (docs/how-to/fsdp.md)")
+        if type(strategy) in (DDPStrategy, SingleDeviceStrategy):
+            return
+        fsdp2 = "; for FSDP2 use coci_hpc.Session in your own loop (docs/how-to/fsdp.md)"
+        if type(strategy).__name__ == "ModelParallelStrategy":
+            # Lightning 2.6: ModelParallelStrategy.save_checkpoint/load_checkpoint write and read
+            # torch.distributed.checkpoint files at a path themselves ("does not use the
+            # CheckpointIO"), loading straight into the sharded model and optimizers.
+            raise UsageError("CociCallback cannot resume Lightning's ModelParallelStrategy (FSDP2): it saves and "
+                             "loads its checkpoint itself (torch.distributed.checkpoint files), never through the "
+                             "CheckpointIO, so coci's store has no way into its restore",
+                             hint="use strategy='ddp' with CociCallback" + fsdp2)
+        raise UsageError(f"CociCallback supports single-device and DDP training; this Trainer uses "
+                         f"{type(strategy).__name__}", hint="use strategy='ddp' (or one device)" + fsdp2)
 
     @staticmethod
     def _check_auto_requeue(trainer: pl.Trainer, rank: int) -> None:
