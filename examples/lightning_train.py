@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     model = Regressor(args.step_time)
     x, y = make_data(SAMPLES, D_IN)
     # StatefulDataLoader: Lightning saves its position with the loop, so a stop mid-epoch resumes
-    # at the next batch (Lightning swaps in a DistributedSampler under DDP). No generator= of its
-    # own: torchdata 0.11 does not carry one into the next epoch; the global RNG coci restores does.
+    # at the next batch. Under DDP CociCallback has Lightning inject a DistributedSampler that saves
+    # its epoch (the order comes from the epoch, not from this loader's own generator).
     loader = StatefulDataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
     world = layout["num_nodes"] * layout["devices"]
     trainer = L.Trainer(max_steps=args.steps, accelerator="cpu", strategy="ddp" if world > 1 else "auto",

@@ -29,10 +29,15 @@ user's ``ModelCheckpoint`` saving inside Slurm's grace time) and return from ``f
 written for a finished run. Ending the process at the boundary after the save is what the Session
 does.
 
+- Under DDP the callback has Lightning inject :class:`ResumableDistributedSampler` into a
+  ``StatefulDataLoader`` (:func:`resumable_sampler`): its state holds the epoch, which Lightning's
+  own sampler lacks (Lightning builds a resumed loader's iterator before ``set_epoch``).
+
 Not covered (see docs/how-to/lightning.md): strategies other than single-device and DDP
-(``ModelParallelStrategy``/FSDP2, FSDP1, DeepSpeed are refused), the survivors' save and the memory
-tier (off: a lost rank falls back to the last committed checkpoint), gradient accumulation across a
-stop (boundaries are optimizer steps only, so nothing accumulated is ever lost).
+(``ModelParallelStrategy``/FSDP2 keeps its checkpoint away from the CheckpointIO; FSDP1 and
+DeepSpeed: refused), the survivors' save and the memory tier (off: a lost rank falls back to the
+last committed checkpoint), gradient accumulation across a stop (boundaries are optimizer steps
+only, so nothing accumulated is ever lost).
 """
 from __future__ import annotations
 
@@ -42,9 +47,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from torch.utils.data import DistributedSampler
+
 try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
     from lightning.fabric.utilities.types import _PATH
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
@@ -56,7 +64,7 @@ except ImportError as exc:          # an optional dependency: say how to get it
 from coci_hpc.checkpoint.state import PerRank, capture_rng, collect, restore_rng
 from coci_hpc.errors import CheckpointError, UsageError
 from coci_hpc.runtime import errorexit, signals
-from coci_hpc.runtime.data import LOADER_HINT
+from coci_hpc.runtime.data import LOADER_HINT, is_stateful_dataloader
 from coci_hpc.session import Session
 
 STATE_ENTRY = "lightning"           # the state entries: Lightning's checkpoint dict (and its per-rank part)
@@ -78,6 +86,90 @@ def store_path(ckpt_dir: Path, step: int) -> str:
 
 def _is_store_path(path: Any) -> bool:
     return isinstance(path, str) and path.startswith(STORE_SCHEME)
+
+
+# ------------------------------------------------------------------- the train loader's sampler
+class _ResumableMixin:
+    """A ``DistributedSampler`` whose state is ``(epoch, yielded)``: the epoch comes back with it.
+
+    Why: on a resume Lightning builds the train loader's iterator (``FitLoop.setup_data``) *before*
+    it calls ``set_epoch`` (``FitLoop.on_advance_start``) and never builds it again for that epoch;
+    a sampler whose state lacks the epoch resumes in epoch 0's order. The iteration is lazy (the
+    order is computed at the first index, not at ``iter()``), so a ``set_epoch`` between the two
+    is honoured as well. torchdata's ``BatchSampler`` saves this state through the
+    ``StatefulDataLoader`` (at the batch the loop consumed, also with workers)."""
+
+    epoch: int
+
+    def _resumable_init(self) -> None:
+        self.yielded = 0
+        self._resume_at: int | None = None
+
+    def __iter__(self) -> Any:
+        skip, self._resume_at = self._resume_at or 0, None
+        return self._indices(skip)
+
+    def _indices(self, skip: int) -> Any:
+        self.yielded = skip
+        for i, index in enumerate(super().__iter__()):  # type: ignore[misc]
+            if i >= skip:
+                self.yielded += 1
+                yield index
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": int(self.epoch), "yielded": int(self.yielded)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.set_epoch(int(state["epoch"]))  # type: ignore[attr-defined]
+        self._resume_at = self.yielded = int(state["yielded"])
+
+
+class ResumableDistributedSampler(_ResumableMixin, DistributedSampler):
+    """Lightning's ``DistributedSampler`` (order from ``seed`` and the epoch only) that resumes in
+    the epoch it stopped in. Injected by :class:`CociCallback` under DDP in place of the one
+    Lightning would inject for a ``StatefulDataLoader`` with ``shuffle=True`` or ``False``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._resumable_init()
+
+
+class ResumableDistributedSamplerWrapper(_ResumableMixin, DistributedSamplerWrapper):
+    """Lightning's wrapper around a sampler of the user's, resumable in the same way: the user's
+    sampler is told the epoch (``set_epoch``) before it is iterated; its order must follow from it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._resumable_init()
+
+
+def _is_torchdata_random(sampler: Any) -> bool:
+    return any(c.__name__ == "RandomSampler" and c.__module__.startswith("torchdata.")
+               for c in type(sampler).__mro__)
+
+
+def resumable_sampler(original: Any, loader: Any) -> Any:
+    """The resumable sampler for the one Lightning chose (``original``) for ``loader``.
+
+    torchdata's ``RandomSampler`` (a ``StatefulDataLoader(shuffle=True)``) is not torch's, so
+    Lightning would wrap it (``DistributedSamplerWrapper``): each epoch's order would then also
+    come from that sampler's own generator, which is advanced by every ``iter()`` (three times while
+    a resumed iterator is built) and saved nowhere. It is replaced by the ``DistributedSampler``
+    Lightning gives torch's ``RandomSampler``: the order is the shuffle of ``(seed, epoch)``."""
+    if type(original) is DistributedSampler:
+        return ResumableDistributedSampler(original.dataset, num_replicas=original.num_replicas,
+                                           rank=original.rank, shuffle=original.shuffle, seed=original.seed,
+                                           drop_last=original.drop_last)
+    if type(original) is DistributedSamplerWrapper:
+        inner = original.dataset._sampler  # type: ignore[attr-defined]  # Lightning's _DatasetSamplerWrapper
+        if _is_torchdata_random(inner):
+            return ResumableDistributedSampler(loader.dataset, num_replicas=original.num_replicas,
+                                               rank=original.rank, shuffle=True, seed=original.seed,
+                                               drop_last=original.drop_last)
+        return ResumableDistributedSamplerWrapper(inner, num_replicas=original.num_replicas, rank=original.rank,
+                                                  shuffle=original.shuffle, seed=original.seed,
+                                                  drop_last=original.drop_last)
+    return original
 
 
 # ------------------------------------------------------------------------------------ the plugin
@@ -259,7 +351,7 @@ class CociCallback(Callback):
         self._rng: dict[str, Any] | None = None
         self._rng_epoch_done = False
         self._closed = False
-        self._patched: Any = None
+        self._patched: list[tuple[Any, str]] = []
 
     # -- checks -----------------------------------------------------------------------------------
     @staticmethod
@@ -273,11 +365,19 @@ class CociCallback(Callback):
     @staticmethod
     def _check_strategy(trainer: pl.Trainer) -> None:
         strategy = trainer.strategy
-        if type(strategy) not in (DDPStrategy, SingleDeviceStrategy):
-            raise UsageError(f"CociCallback supports single-device and DDP training; this Trainer uses "
-                             f"{type(strategy).__name__}",
-                             hint="use strategy='ddp' (or one device); for FSDP2 use coci_hpc.Session in your "
-                                  "own loop (docs/how-to/fsdp.md)")
+        if type(strategy) in (DDPStrategy, SingleDeviceStrategy):
+            return
+        fsdp2 = "; for FSDP2 use coci_hpc.Session in your own loop (docs/how-to/fsdp.md)"
+        if type(strategy).__name__ == "ModelParallelStrategy":
+            # Lightning 2.6: ModelParallelStrategy.save_checkpoint/load_checkpoint write and read
+            # torch.distributed.checkpoint files at a path themselves ("does not use the
+            # CheckpointIO"), loading straight into the sharded model and optimizers.
+            raise UsageError("CociCallback cannot resume Lightning's ModelParallelStrategy (FSDP2): it saves and "
+                             "loads its checkpoint itself (torch.distributed.checkpoint files), never through the "
+                             "CheckpointIO, so coci's store has no way into its restore",
+                             hint="use strategy='ddp' with CociCallback" + fsdp2)
+        raise UsageError(f"CociCallback supports single-device and DDP training; this Trainer uses "
+                         f"{type(strategy).__name__}", hint="use strategy='ddp' (or one device)" + fsdp2)
 
     @staticmethod
     def _check_auto_requeue(trainer: pl.Trainer, rank: int) -> None:
@@ -319,6 +419,31 @@ class CociCallback(Callback):
             # (Lightning draws from it between here and the first batch: a loader's base seed).
             self._rng = capture_rng()
         self._patch_restore(trainer)
+        self._patch_sampler(trainer)
+
+    def _patch(self, obj: Any, name: str, replacement: Any) -> None:
+        """Set ``obj.name`` on this trainer's object only; :meth:`_close` puts the original back."""
+        if name in vars(obj):
+            raise AssertionError(f"{type(obj).__name__}.{name} is patched already")
+        self._patched.append((obj, name))
+        setattr(obj, name, replacement)
+
+    def _patch_sampler(self, trainer: pl.Trainer) -> None:
+        """Under DDP Lightning injects a distributed sampler into the train loader; for a
+        ``StatefulDataLoader`` it gets a resumable one instead (:func:`resumable_sampler`: the epoch
+        is in its state, so a resume mid-epoch continues that epoch's order)."""
+        from lightning.pytorch.trainer.states import RunningStage
+
+        connector = trainer._data_connector
+        original = connector._resolve_sampler
+
+        def _resolve_sampler(dataloader: Any, shuffle: bool, mode: RunningStage | None = None) -> Any:
+            sampler = original(dataloader, shuffle, mode=mode)
+            if mode == RunningStage.TRAINING and is_stateful_dataloader(dataloader):
+                return resumable_sampler(sampler, dataloader)
+            return sampler
+
+        self._patch(connector, "_resolve_sampler", _resolve_sampler)
 
     def _patch_restore(self, trainer: pl.Trainer) -> None:
         """Lightning restores from the path ``fit()`` was given; with none it would start fresh. The
@@ -343,8 +468,7 @@ class CociCallback(Callback):
                 checkpoint_path = store_path(ckpt_dir, resumed)
             original(checkpoint_path, weights_only)
 
-        connector.resume_start = resume_start  # type: ignore[method-assign]  # this trainer only
-        self._patched = (connector, original)
+        self._patch(connector, "resume_start", resume_start)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         session = self.session
@@ -393,6 +517,16 @@ class CociCallback(Callback):
         if plain:
             raise UsageError(f"the train loader ({', '.join(plain)}) has no state_dict(): a stop mid-epoch would "
                              f"resume at the epoch's first batch", hint=LOADER_HINT)
+        for sampler in (s for dl in loaders for s in (getattr(dl, "sampler", None),
+                                                      getattr(getattr(dl, "batch_sampler", None), "sampler", None))):
+            if isinstance(sampler, DistributedSampler) and not isinstance(sampler, _ResumableMixin) \
+                    and "epoch" not in _state_of(sampler):
+                raise UsageError(f"the train loader's {type(sampler).__name__} does not save its epoch: Lightning "
+                                 f"builds a resumed loader's iterator before it calls set_epoch(), so a resume "
+                                 f"after the first epoch would draw epoch 0's order",
+                                 hint="leave the distributed sampler to Lightning (CociCallback then injects a "
+                                      "resumable one), or give yours a state_dict() with its 'epoch' and a "
+                                      "load_state_dict() that sets it")
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._rng is not None and not self._rng_epoch_done:
@@ -453,13 +587,17 @@ class CociCallback(Callback):
             self._close(False)
 
     def _close(self, completed: bool) -> None:
-        if self._patched is not None:
-            connector, original = self._patched
-            connector.resume_start = original
-            self._patched = None
+        while self._patched:
+            obj, name = self._patched.pop()
+            delattr(obj, name)       # the class's method shows through again
         if self.session is not None and not self._closed:
             self._closed = True
             self.session.close(completed)
+
+
+def _state_of(obj: Any) -> Mapping[str, Any]:
+    state = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else {}
+    return state if isinstance(state, Mapping) else {}
 
 
 def _loss_of(outputs: Any) -> float:

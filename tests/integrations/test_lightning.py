@@ -176,3 +176,91 @@ def test_import_coci_hpc_does_not_import_lightning() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
     assert out.strip() == "[]"
+
+
+def _ddp_loader(rank: int, *, coci: bool = True) -> Any:
+    """Rank ``rank`` of 2's train loader as Lightning builds it under DDP (``_prepare_dataloader``:
+    its distributed sampler injected), with CociCallback's replacement or Lightning's own."""
+    from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    from coci_hpc.integrations.lightning import resumable_sampler
+
+    torch.manual_seed(3)           # the loader's own RandomSampler draws its generator's seed here
+    dl = StatefulDataLoader(TensorDataset(torch.arange(40)), batch_size=4, shuffle=True)
+    sampler = _get_distributed_sampler(dl, shuffle=True, overfit_batches=0, num_replicas=2, rank=rank)
+    if coci:
+        sampler = resumable_sampler(sampler, dl)
+    return _update_dataloader(dl, sampler, mode=RunningStage.TRAINING)
+
+
+def _set_epoch(loader: Any, epoch: int) -> None:
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+    _set_sampler_epoch(loader, epoch)              # what FitLoop.on_advance_start calls
+
+
+def _batches(it: Any, n: int | None = None) -> list[list[int]]:
+    return [b[0].tolist() for _, b in zip(range(n) if n is not None else iter(int, 1), it)]
+
+
+@pytest.mark.parametrize("coci", [True, False])
+def test_ddp_train_loader_resumes_in_the_epoch_it_stopped_in(coci: bool) -> None:
+    """Lightning builds a resumed loader's iterator before it calls set_epoch (FitLoop.setup_data,
+    then on_advance_start), and never again for that epoch. With the sampler CociCallback injects,
+    the rest of epoch 1 and epoch 2 are the uninterrupted run's batches on each rank; with the one
+    Lightning injects for a StatefulDataLoader(shuffle=True) they are not (the cause of the 2-rank
+    divergence: its order also comes from the loader's own generator, advanced per iter() and saved
+    nowhere, and the epoch is not in its state)."""
+    for rank in (0, 1):
+        run = _ddp_loader(rank, coci=coci)
+        epochs, state = [], None
+        for epoch in range(3):
+            _set_epoch(run, epoch)
+            it = iter(run)
+            epochs.append(_batches(it, 2))
+            if epoch == 1:
+                state = run.state_dict()            # stopped after 2 batches of epoch 1
+            epochs[-1] += _batches(it)
+        assert len(epochs[1]) == 5 and epochs[1] != epochs[2]
+
+        resumed = _ddp_loader(rank, coci=coci)
+        resumed.load_state_dict(state)
+        it = iter(resumed)                          # Lightning's order: iter() first ...
+        _set_epoch(resumed, 1)             # ... then set_epoch
+        rest = _batches(it)
+        _set_epoch(resumed, 2)
+        after = _batches(iter(resumed))
+        same = rest == epochs[1][2:] and after == epochs[2]
+        assert same is coci, (rank, rest, epochs[1][2:])
+
+
+def test_a_distributed_sampler_of_the_users_without_its_epoch_in_its_state_is_refused() -> None:
+    from types import SimpleNamespace
+
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    data = TensorDataset(torch.arange(40))
+    def trainer_with(sampler: Any) -> Any:       # only what _check_loaders reads of a Trainer
+        loader = StatefulDataLoader(data, batch_size=4, sampler=sampler)
+        return SimpleNamespace(fit_loop=SimpleNamespace(_combined_loader=SimpleNamespace(flattened=[loader])))
+    theirs = StatefulDistributedSampler(data, num_replicas=2, rank=0)      # its state: {"yielded": n}
+    with pytest.raises(UsageError, match=r"StatefulDistributedSampler does not save its epoch") as err:
+        CociCallback._check_loaders(trainer_with(theirs))
+    assert "leave the distributed sampler to Lightning" in (err.value.hint or "")
+    CociCallback._check_loaders(trainer_with(_ddp_loader(0).batch_sampler.sampler))     # the injected one
+
+
+def test_model_parallel_strategy_is_refused_naming_why() -> None:
+    """Lightning's ModelParallelStrategy (FSDP2) runs on the CPU with gloo, but saves and loads its
+    checkpoint itself, never through the CheckpointIO: the callback refuses it at setup."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy()
+    with pytest.raises(TypeError, match="does not use the `CheckpointIO`"):     # Lightning's own refusal
+        strategy.save_checkpoint({}, "unused", storage_options=object())
+    with pytest.raises(UsageError, match=r"ModelParallelStrategy \(FSDP2\).*never through the CheckpointIO") as err:
+        CociCallback._check_strategy(SimpleNamespace(strategy=strategy))
+    assert "coci_hpc.Session" in (err.value.hint or "")
