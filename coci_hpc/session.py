@@ -24,7 +24,7 @@ from coci_hpc.runtime.config import resolve
 from coci_hpc.runtime.data import check_saveable, session_state
 from coci_hpc.runtime.distributed import default_comm
 from coci_hpc.runtime.errorexit import record_uncaught  # noqa: F401 - coci-submit's runner calls it here
-from coci_hpc.runtime.events import FILENAME, EventLog
+from coci_hpc.runtime.events import FILENAME, Checkpoint, CheckpointKind, End, EndStatus, EventLog
 from coci_hpc.runtime.failurehistory import PartitionHistory
 from coci_hpc.runtime.losses import LossBuffer
 from coci_hpc.runtime.optimeout import OpTimeout
@@ -336,7 +336,7 @@ class Session:
             if level >= STOP and step < total:      # a stop at the very end is just the end (never returns)
                 self.stopper.stop(step, comm=self.comm, mgr=self.mgr, schedule=self.schedule, log=self.log,
                                   losses=self.losses, settle=self._settle, wait_s=max(60.0, self.sync.deadline_s),
-                                  save=lambda st: self._save(st, kind="stop"))
+                                  save=lambda st: self._save(st, kind=CheckpointKind.STOP))
             if save and step < total:               # the last step gets the final save instead
                 self._save(step)
                 self._recheck_at = step
@@ -354,17 +354,17 @@ class Session:
     def _busy(self) -> bool:
         return self.mgr.persist_in_flight and not self.mgr.persist_done
 
-    def _save(self, step: int, kind: str = "planned") -> None:
+    def _save(self, step: int, kind: CheckpointKind = CheckpointKind.PLANNED) -> None:
         self._settle()
         t0 = time.perf_counter()
-        two_phase = self.async_save and kind == "planned"
+        two_phase = self.async_save and kind == CheckpointKind.PLANNED
         (self.mgr.save_async if two_phase else self.mgr.save)(step, self._state)
         blocking = time.perf_counter() - t0
         if two_phase:
             self._pending_ckpt = (step, blocking)
         else:
             self.losses.flush()
-            self.log.write("checkpoint", step=step, kind=kind, blocking_s=blocking, persist_s=None)
+            self.log.write(Checkpoint(step=step, kind=kind, blocking_s=blocking, persist_s=None))
         self.schedule.saved(step, blocking)
 
     def _settle(self) -> None:
@@ -385,7 +385,7 @@ class Session:
         persist = self.mgr.async_stats.get("persist_s")
         self.schedule.persisted(persist)
         self.losses.flush()
-        self.log.write("checkpoint", step=step, kind="planned", blocking_s=blocking, persist_s=persist)
+        self.log.write(Checkpoint(step=step, kind=CheckpointKind.PLANNED, blocking_s=blocking, persist_s=persist))
 
     def _finish(self, total: int) -> None:
         t_wait = time.time()
@@ -396,10 +396,10 @@ class Session:
         try:
             self._settle()
             if self.mgr.latest_step() != total:
-                self._save(total, kind="final")
+                self._save(total, kind=CheckpointKind.FINAL)
             self.losses.flush()
             self.mgr.close()
         except PeerLost as exc:
             self.peer_loss.collective_lost(total, exc)
         self._watch.close()                # the comm's deadline, stuck handler and notice as before
-        self.log.write("end", step=total, status="completed", message="")
+        self.log.write(End(step=total, status=EndStatus.COMPLETED, message=""))

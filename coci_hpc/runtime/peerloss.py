@@ -17,10 +17,11 @@ from coci_hpc import settings
 from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.comm import Comm
 from coci_hpc.errors import PeerLost, SlurmError
+from coci_hpc.runtime import events as ev
 from coci_hpc.runtime import memtier
 from coci_hpc.runtime import survivors as sv
 from coci_hpc.runtime.attemptbook import AttemptBook
-from coci_hpc.runtime.events import EventLog
+from coci_hpc.runtime.events import EventLog, Tier
 from coci_hpc.runtime.losses import LossBuffer
 from coci_hpc.runtime.peernotice import PeerNotice
 from coci_hpc.runtime.preemption import requeue_with_retries
@@ -177,12 +178,13 @@ class PeerLoss:
                 if self.rank == 0:
                     self.losses.flush()
                 # Which tier served: "survivors" (the last step), "memory" (the memory tier's), "disk".
-                tier = getattr(out, "tier", "survivors" if out.committed else "disk")
+                tier = Tier(getattr(out, "tier", Tier.SURVIVORS if out.committed else Tier.DISK))
                 step_of = out.step if isinstance(out, memtier.TierOutcome) and out.step is not None else boundary
-                log.write("peer_lost", step=step_of, tier=tier, how=how, survivor=self.rank,
-                          committed=out.committed, lost_ranks=out.ranks_from_partner, lost=out.lost or None, reason=out.reason, failure_wall=t_fail,
-                          detect_wall=t_detect, commit_wall=time.time() if out.committed else None,
-                          save_s=out.write_s, fallback_step=None if out.committed else latest)
+                log.write(ev.PeerLost(step=step_of, tier=tier, how=how, survivor=self.rank, committed=out.committed,
+                                      lost_ranks=out.ranks_from_partner, lost=out.lost or None, reason=out.reason,
+                                      failure_wall=t_fail, detect_wall=t_detect,
+                                      commit_wall=time.time() if out.committed else None,
+                                      save_s=out.write_s, fallback_step=None if out.committed else latest))
                 if in_place and self.notice is not None:
                     self.notice.mark_left()    # the loop may end a silent peer's task now
                 if out.committed:
