@@ -19,11 +19,15 @@ from coci_hpc.runtime.events import (
     FILENAME,
     AttemptStart,
     Checkpoint,
+    CheckpointKind,
     End,
+    EndStatus,
     Losses,
     PeerLost,
+    PrevEndReason,
     Record,
     Relaunch,
+    RelaunchAction,
     Resumed,
     Stop,
     TwoTierPlan,
@@ -97,8 +101,8 @@ class RunHistory:
 
 def _refused(e: End) -> bool:
     """An attempt that refused to start (nothing was trained or changed): not how the run ended.
-    Older logs wrote these as status "error" with the refusal's message."""
-    return e.status == "refused" or (e.status == "error" and "nothing was changed" in str(e.message or ""))
+    (An older log's refusal, status "error", is typed ``refused`` when read: events.parse.)"""
+    return e.status == EndStatus.REFUSED
 
 
 def build(events: Iterable[Record | Mapping[str, Any]], ckpt_dir: str,
@@ -196,11 +200,11 @@ def build(events: Iterable[Record | Mapping[str, Any]], ckpt_dir: str,
     for prev, nxt in zip(ordered, ordered[1:]):
         reason = nxt.prev_end.get("reason")
         # "none": the next attempt found this one ended (completed, refused, ...): its own record says how.
-        if reason and reason != "none":
+        if reason and reason != PrevEndReason.NONE:
             prev.ended, prev.ended_source = str(reason), str(nxt.prev_end.get("source") or "")
     for prev, nxt in zip(ordered, ordered[1:]):
         r = relaunches.get(prev.attempt)
-        if r is None or r.action != "relaunch":
+        if r is None or r.action != RelaunchAction.RELAUNCH:
             continue
         # The relaunch record's typed cause, the same rule the next attempt's prev_end used
         # (runtime/attempts.py); its reason is prose ("not n2: lost a task" after a crash).
@@ -277,7 +281,7 @@ def in_place_split(relaunch: Relaunch, peer_losses: Sequence[dict[str, Any]],
 
 
 # How an attempt that nothing interrupted ends (the next attempt, if any, is a new start).
-NOT_INTERRUPTED = ("completed", "refused", "none", "gave_up")
+NOT_INTERRUPTED = (EndStatus.COMPLETED, EndStatus.REFUSED, PrevEndReason.NONE, EndStatus.GAVE_UP)
 
 # Slurm states after which the run does not come back by itself (REQUEUED and PREEMPTED do).
 SLURM_ENDED = states.RUN_OVER
@@ -400,9 +404,14 @@ def render_text(h: RunHistory) -> str:
 # Attempts in cool colours, interruptions in warm ones, so the two never look alike.
 _ATTEMPT_COLOURS = ("tab:blue", "tab:cyan", "tab:green", "tab:olive", "tab:gray", "navy", "teal")
 # Colours for why an attempt ended (interruptions on the plot).
-_REASON_COLOURS = {"preemption": "tab:red", "time_limit": "tab:orange", "node_failure": "tab:purple",
-                   "requeue_by_hand": "tab:brown", "crash": "black",
-                   "rank_failure": "tab:pink"}
+_REASON_COLOURS: dict[str, str] = {PrevEndReason.PREEMPTION: "tab:red", PrevEndReason.TIME_LIMIT: "tab:orange",
+                   PrevEndReason.NODE_FAILURE: "tab:purple", PrevEndReason.REQUEUE_BY_HAND: "tab:brown",
+                   PrevEndReason.CRASH: "black", PrevEndReason.RANK_FAILURE: "tab:pink"}
+
+# Checkpoint markers by kind (a survivors' checkpoint: the default).
+_CHECKPOINT_MARKERS: dict[str, tuple[str, int, str]] = {
+    CheckpointKind.PLANNED: ("^", 6, "none"), CheckpointKind.STOP: ("^", 8, "black"),
+    CheckpointKind.FINAL: ("*", 12, "gold")}
 
 
 @dataclass(frozen=True)
@@ -475,8 +484,7 @@ def figure(h: RunHistory) -> Any:
         if c.get("step") is not None:
             ck.setdefault(str(c["kind"]), []).append(int(c["step"]))
     for kind, xs in ck.items():
-        marker, size, face = {"planned": ("^", 6, "none"), "stop": ("^", 8, "black"),
-                              "final": ("*", 12, "gold")}.get(kind, ("^", 6, "none"))
+        marker, size, face = _CHECKPOINT_MARKERS.get(kind, ("^", 6, "none"))
         ax.plot(xs, [ymin] * len(xs), marker, ms=size, mfc=face, mec="black", ls="none",
                 clip_on=False, zorder=5, label=f"checkpoint ({kind})")
     seen: set[str] = set()

@@ -24,17 +24,17 @@ from coci_hpc.runtime.config import resolve
 from coci_hpc.runtime.data import check_saveable, session_state
 from coci_hpc.runtime.distributed import default_comm
 from coci_hpc.runtime.errorexit import record_uncaught  # noqa: F401 - coci-submit's runner calls it here
-from coci_hpc.runtime.events import FILENAME, EventLog
+from coci_hpc.runtime.events import FILENAME, Checkpoint, CheckpointKind, End, EndStatus, EventLog
 from coci_hpc.runtime.failurehistory import PartitionHistory
 from coci_hpc.runtime.losses import LossBuffer
 from coci_hpc.runtime.optimeout import OpTimeout
-from coci_hpc.runtime.peerloss import PeerLoss, peer_settings
+from coci_hpc.runtime.peerloss import PeerLoss, SessionParts, peer_settings
 from coci_hpc.runtime.peernotice import PeerNotice
 from coci_hpc.runtime.preemption import DEFAULT_SIGNALS, SignalRecorder, StopController
 from coci_hpc.runtime.procinfo import process_start_wall
 from coci_hpc.runtime.schedule import Schedule, ScheduleState, make_schedule
 from coci_hpc.runtime.stepsync import StepSync
-from coci_hpc.runtime.survivors import Survival, held_in_parts
+from coci_hpc.runtime.survivors import held_in_parts
 from coci_hpc.slurm import commands
 from coci_hpc.slurm.env import JobEnvironment
 
@@ -103,8 +103,7 @@ class Session:
         resume_from_other_run: Accept a checkpoint directory recorded for another command and make
             this command its run; ``COCI_RESUME_FROM_OTHER_RUN``; default off.
         peer_timeout_s: Least time a peer may keep the per-step agreement waiting before it counts
-            as lost (the deadline is at least this and 10 typical steps); ``COCI_PEER_TIMEOUT_S``;
-            default 5 s.
+            as lost (the deadline: at least this and 10 typical steps); ``COCI_PEER_TIMEOUT_S``, default 5 s.
         survivors: On a lost rank, let the survivors save the last finished step and keep the
             partner copies that make it possible; ``COCI_SURVIVORS`` (``0`` turns it off);
             default on.
@@ -181,22 +180,18 @@ class Session:
         # Under the relaunch loop, its notice that srun saw a rank of this step end (runtime/peernotice.py).
         self.sync = StepSync(self.comm, self._min_deadline, PeerNotice.from_env(self._environ), self.recorder.sigterm_at)
         self._op_timeout = OpTimeout()     # gloo's per-op timeout follows the peer deadline (a silent host)
-        self.survival = Survival(self._state, self.comm, ranks_per_node=self.job.ranks_per_node, enabled=self._survivors,
-                                 skip=frozenset({STATE_KEY}))
         self.log = EventLog(self.events_path, attempt=1, job_id=self.job.job_id, enabled=self.rank == 0)
         self.losses = LossBuffer(self.log, enabled=self.rank == 0)
         self.book = AttemptBook(self.log, self.job, self._runner, self.config.ckpt_dir, in_place=self._in_place,
                                 process_wall=self._process_wall, init_wall=self._init_wall, progress=self.progress)
         self.stopper = StopController(self.job, self.recorder, self.config.signal_lead_s, self._runner, say=_say)
-        self.peer_loss = PeerLoss(comm=self.comm, mgr=self.mgr, survival=self.survival, state=self._state,
-                                  session_key=STATE_KEY, local_session_state=self._state[STATE_KEY].local_state_dict,
-                                  parts=self._parts, root=self.config.ckpt_dir, log=self.log, book=self.book,
-                                  losses=self.losses, job=self.job, runner=self._runner, notice=self.sync.notice,
-                                  in_place=self._in_place)
-        self.survival.memtier = memtier.for_session(   # state held in parts: to a partner every k steps
-            self.peer_loss.local_state, self.comm, self.job.ranks_per_node, self._parts, self.survival.enabled,
-            self._environ, _say, self.schedule.following(memtier.plan_with(
-                self.schedule, horizon_s, _say, self._environ, self.events_path, self.log)))
+        self.peer_loss = PeerLoss.for_session(   # with the survivors' copy and the memory tier (state held in parts)
+            SessionParts(self.comm, self.mgr, self._state, STATE_KEY, self._state[STATE_KEY].local_state_dict,
+                         self._parts, self.config.ckpt_dir, self.log, self.book, self.losses, self.job, self._runner,
+                         self.sync.notice, self._in_place), enabled=self._survivors, environ=self._environ, say=_say,
+            plan_fn=self.schedule.following(memtier.plan_with(self.schedule, horizon_s, _say, self._environ,
+                                                              self.events_path, self.log)), skip=frozenset({STATE_KEY}))
+        self.survival = self.peer_loss.survival
         self._watch = contextlib.ExitStack()   # the comm's watch on its peers while the loop runs
         self.step, self._loss, self._started = 0, math.nan, False   # steps completed, rank 0's loss, steps() ran
         self._pending_ckpt: tuple[int, float] | None = None   # async save in flight: (step, blocking_s)
@@ -336,7 +331,7 @@ class Session:
             if level >= STOP and step < total:      # a stop at the very end is just the end (never returns)
                 self.stopper.stop(step, comm=self.comm, mgr=self.mgr, schedule=self.schedule, log=self.log,
                                   losses=self.losses, settle=self._settle, wait_s=max(60.0, self.sync.deadline_s),
-                                  save=lambda st: self._save(st, kind="stop"))
+                                  save=lambda st: self._save(st, kind=CheckpointKind.STOP))
             if save and step < total:               # the last step gets the final save instead
                 self._save(step)
                 self._recheck_at = step
@@ -354,17 +349,17 @@ class Session:
     def _busy(self) -> bool:
         return self.mgr.persist_in_flight and not self.mgr.persist_done
 
-    def _save(self, step: int, kind: str = "planned") -> None:
+    def _save(self, step: int, kind: CheckpointKind = CheckpointKind.PLANNED) -> None:
         self._settle()
         t0 = time.perf_counter()
-        two_phase = self.async_save and kind == "planned"
+        two_phase = self.async_save and kind == CheckpointKind.PLANNED
         (self.mgr.save_async if two_phase else self.mgr.save)(step, self._state)
         blocking = time.perf_counter() - t0
         if two_phase:
             self._pending_ckpt = (step, blocking)
         else:
             self.losses.flush()
-            self.log.write("checkpoint", step=step, kind=kind, blocking_s=blocking, persist_s=None)
+            self.log.write(Checkpoint(step=step, kind=kind, blocking_s=blocking, persist_s=None))
         self.schedule.saved(step, blocking)
 
     def _settle(self) -> None:
@@ -385,7 +380,7 @@ class Session:
         persist = self.mgr.async_stats.get("persist_s")
         self.schedule.persisted(persist)
         self.losses.flush()
-        self.log.write("checkpoint", step=step, kind="planned", blocking_s=blocking, persist_s=persist)
+        self.log.write(Checkpoint(step=step, kind=CheckpointKind.PLANNED, blocking_s=blocking, persist_s=persist))
 
     def _finish(self, total: int) -> None:
         t_wait = time.time()
@@ -396,10 +391,10 @@ class Session:
         try:
             self._settle()
             if self.mgr.latest_step() != total:
-                self._save(total, kind="final")
+                self._save(total, kind=CheckpointKind.FINAL)
             self.losses.flush()
             self.mgr.close()
         except PeerLost as exc:
             self.peer_loss.collective_lost(total, exc)
         self._watch.close()                # the comm's deadline, stuck handler and notice as before
-        self.log.write("end", step=total, status="completed", message="")
+        self.log.write(End(step=total, status=EndStatus.COMPLETED, message=""))

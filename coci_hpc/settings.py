@@ -3,8 +3,9 @@
 Everything that reads or sets one goes through :data:`VARS` (by its constant, e.g.
 :data:`CKPT_DIR`), so a name, a type or a default is spelled once; docs/reference/configuration.md's
 table is :func:`markdown_table` (a test checks that they match, and that no module spells a
-``COCI_*`` name the table lacks). The defaults that several layers share (the signal lead, the
-in-place restarts) are here too. ``SLURM_*`` variables have their own table,
+``COCI_*`` name the table lacks). Each default a variable falls back to is a value here (the signal
+lead, the peer deadline, the memory tier's first interval, ...), stated once: the modules that use it
+import it, and the table's and the options' help text are formatted from it. ``SLURM_*`` variables have their own table,
 :mod:`coci_hpc.slurm.env`. Variables only the shell scripts read (slurm/setup, the local cluster,
 the demo) and the test-only fault-injection knobs are listed in the doc by hand.
 """
@@ -15,11 +16,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Defaults more than one layer uses (coci-submit's options, the Session, the relaunch loop).
+# The defaults, each stated once (coci-submit's options, the Session, the relaunch loop, the planner).
 SIGNAL_LEAD_S = 90              # seconds of warning before the time limit (--signal=USR2@90)
 MAX_RESTARTS = 3                # in-place restarts (--spare-nodes) before the requeue / giving up
 MAX_REQUEUES_SUBMIT = 10        # coci-submit's --max-requeues (the Session alone: no limit)
 NO_PROGRESS_LIMIT = 3           # restarts in a row from the same checkpoint before giving up
+POLICY_DEFAULT = "coci"         # the checkpoint policy
+PEER_TIMEOUT_S = 5.0            # what a peer gets to reach the step boundary before it counts as lost ...
+PEER_TIMEOUT_STEPS = 10.0       # ... and at least this many typical steps (runtime/stepsync.py)
+MEMTIER_EVERY = 10              # the memory tier's copy interval until the two-tier planner sets one
+DIST_TIMEOUT_S = 120.0          # bound on every gloo/NCCL collective (init_distributed)
+WHOLE_JOB_SHARE_PRIOR = 0.15    # SCR: 85 % of failures served by the node-local/partner levels
+OUTAGE_HOURS_PRIOR = 160.0      # Blue Waters: 39 system-wide outages in 261 days (one per this many hours)
 
 
 def pos_int(text: str) -> int:
@@ -72,8 +80,8 @@ class Var:
 
 CKPT_DIR = Var("COCI_CKPT_DIR", str, None, "checkpoint directory (checkpoints and `events.jsonl`); set by "
                "coci-submit", "Session (`ckpt_dir`), the relaunch loop", "required (a `UsageError` says how to give it)")
-POLICY = Var("COCI_POLICY", str, "coci", "checkpoint policy: `coci`, `young`, `daly`, `checkfreq[:P]`, `fixed:N`, "
-             "`coci-paper[:capped]`", "Session (`policy`)", "`coci`")
+POLICY = Var("COCI_POLICY", str, POLICY_DEFAULT, "checkpoint policy: `coci`, `young`, `daly`, `checkfreq[:P]`, "
+             "`fixed:N`, `coci-paper[:capped]`", "Session (`policy`)", f"`{POLICY_DEFAULT}`")
 MAX_REQUEUES = Var("COCI_MAX_REQUEUES", pos_int, None, "give up after this many restarts after unannounced ends",
                    "Session (`max_requeues`)", f"no limit in the Session (coci-submit sets {MAX_REQUEUES_SUBMIT})")
 NO_PROGRESS = Var("COCI_NO_PROGRESS_LIMIT", pos_int, NO_PROGRESS_LIMIT, "give up after this many restarts in a "
@@ -85,14 +93,15 @@ RESUME_OTHER_RUN = Var("COCI_RESUME_FROM_OTHER_RUN", flag, False, "`1`: accept a
                        "directory and make this command its run", "Session (`resume_from_other_run`)",
                        "`0` (refused)")
 PEER_TIMEOUT = Var("COCI_PEER_TIMEOUT_S", non_negative, None, "least time a peer may keep the per-step agreement "
-                   "waiting before it counts as lost", "Session (`peer_timeout_s`)", "5 s (and at least 10 typical steps)")
+                   "waiting before it counts as lost", "Session (`peer_timeout_s`)",
+                   f"{PEER_TIMEOUT_S:g} s (and at least {PEER_TIMEOUT_STEPS:g} typical steps)")
 SURVIVORS = Var("COCI_SURVIVORS", str, "1", "`0` turns the survivors' save and the partner copy off (detection "
                 "and requeue stay)", "Session (`survivors`)", "`1`")
 MEMTIER_K = Var("COCI_MEMTIER_K", pos_int, None, "memory tier (state held in parts, e.g. FSDP2): copy each rank's "
-                "state to its partner every k steps; `0` turns it off; unset: 10 until the two-tier planner "
-                "sets k", "Session", "10, then planned")
-DIST_TIMEOUT = Var("COCI_DIST_TIMEOUT_S", float, 120.0, "bound on every gloo/NCCL collective",
-                   "`init_distributed`", "120 s")
+                f"state to its partner every k steps; `0` turns it off; unset: {MEMTIER_EVERY} until the two-tier "
+                "planner sets k", "Session", f"{MEMTIER_EVERY}, then planned")
+DIST_TIMEOUT = Var("COCI_DIST_TIMEOUT_S", float, DIST_TIMEOUT_S, "bound on every gloo/NCCL collective",
+                   "`init_distributed`", f"{DIST_TIMEOUT_S:g} s")
 SHIELD_SIGNALS = Var("COCI_SHIELD_SIGNALS", str, None, "`0`: do not shield DataLoader workers from "
                      "USR1/USR2/SIGTERM; `1`: shield outside a Slurm step too", "`import coci_hpc`",
                      "on inside a Slurm step")
@@ -105,11 +114,11 @@ INPLACE_RESTARTS = Var("COCI_INPLACE_RESTARTS", pos_int, None, "the relaunch loo
 WHOLE_JOB_SHARE = Var("COCI_WHOLE_JOB_SHARE", float, None, "share of the incidents hitting a job that end the "
                       "whole job (no survivor: the memory tier cannot serve them), strictly between 0 and 1; "
                       "the two-tier plan's disk interval answers them", "the two-tier planner (Session, coci-plan)",
-                      "0.15 (SCR), or learned from the event logs")
+                      f"{WHOLE_JOB_SHARE_PRIOR:g} (SCR), or learned from the event logs")
 OUTAGE_RATE = Var("COCI_OUTAGE_RATE", float, None, "outages per hour that end every job (file system, scheduler, "
                   "fabric), >= 0; the two-tier plan's disk interval answers them",
                   "the two-tier planner (Session, coci-plan)",
-                  "1/160 (Blue Waters), or learned from the Slurm history")
+                  f"1/{OUTAGE_HOURS_PRIOR:g} (Blue Waters), or learned from the Slurm history")
 DEBUG = Var("COCI_DEBUG", str, None, "any value: print the traceback of a failed collective step",
             "`coci_hpc.comm`", "unset")
 

@@ -59,3 +59,28 @@ def test_shared_defaults_are_spelled_once() -> None:
         text = f.read_text()
         assert not re.search(r"(signal_lead|SIGNAL_LEAD\w*)\s*(:\s*\w+\s*)?=\s*90\b", text), f
         assert not re.search(r"(max_restarts|MAX_RESTARTS)\s*(:\s*\w+\s*)?=\s*3\b", text), f
+
+
+def test_each_default_is_one_value_and_the_text_is_formatted_from_it() -> None:
+    """The defaults the table states (peer deadline, memory tier interval, collective timeout, the
+    whole-job priors, the policy) are settings' values: the modules that use them hold the same
+    object, and the table's and the options' text changes with the value."""
+    from coci_hpc.cli import plan as cli_plan
+    from coci_hpc.cli import submit as cli_submit
+    from coci_hpc.planner import whole_job
+    from coci_hpc.runtime import distributed, memtier, stepsync
+
+    assert stepsync.MIN_DEADLINE_S == settings.PEER_TIMEOUT_S and stepsync.DEADLINE_STEPS == settings.PEER_TIMEOUT_STEPS
+    assert memtier.DEFAULT_EVERY == settings.MEMTIER_EVERY
+    assert distributed.DEFAULT_TIMEOUT_S == settings.DIST_TIMEOUT.default == settings.DIST_TIMEOUT_S
+    assert whole_job.DEFAULT_SHARE == settings.WHOLE_JOB_SHARE_PRIOR
+    assert whole_job.DEFAULT_OUTAGE_HOURS == settings.OUTAGE_HOURS_PRIOR
+    assert settings.POLICY.default == settings.POLICY_DEFAULT
+    table = settings.markdown_table()
+    assert f"| {settings.PEER_TIMEOUT_S:g} s (and at least {settings.PEER_TIMEOUT_STEPS:g} typical steps) |" in table
+    assert f"| {settings.MEMTIER_EVERY}, then planned |" in table and f"| {settings.DIST_TIMEOUT_S:g} s |" in table
+    sub = cli_submit._parser().parse_args([])
+    assert (sub.policy, sub.max_requeues, sub.no_progress_limit) == \
+        (settings.POLICY_DEFAULT, settings.MAX_REQUEUES_SUBMIT, settings.NO_PROGRESS_LIMIT)
+    helps = " ".join(a.help or "" for a in cli_plan._parser()._actions)
+    assert f"{settings.WHOLE_JOB_SHARE_PRIOR:g}, SCR's" in helps and f"1/{settings.OUTAGE_HOURS_PRIOR:g}" in helps

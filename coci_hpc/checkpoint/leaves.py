@@ -3,27 +3,27 @@ wrappers a user puts around values (:class:`PerRank`, :class:`Sharded`), the kin
 (:class:`LeafKind`), how a tensor's dtype is stored (:func:`storage_dtype`) and how a key becomes
 an HDF5 name (:func:`escape_key`).
 
-It imports nothing of the package but the errors, so that ``state`` (which collects a state) and
+It imports nothing of the package but the errors and the enum base, so that ``state`` (which collects a state) and
 the modules it uses (``dtensor``, ``layout``, ``optim_names``) can all import it without importing
 each other back. torch is imported only when a dtype is looked up.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from coci_hpc.errors import CheckpointError
+from coci_hpc.strenum import StrEnum
 
 if TYPE_CHECKING:
     import torch
 
 
-class LeafKind(str, Enum):
-    """How a leaf is held across ranks. A ``str`` enum: a kind compares equal to (and is written to
+class LeafKind(StrEnum):
+    """How a leaf is held across ranks. A string enum: a kind compares equal to (and is written to
     manifests as) its value, so ``"per_rank"`` in an existing manifest or in code is the same kind."""
 
     REPLICATED = "replicated"   # identical on every rank, written once
@@ -31,13 +31,7 @@ class LeafKind(str, Enum):
     PER_RANK = "per_rank"       # each rank's own (PerRank values, RNG states)
     SHARDED = "sharded"         # split along dim 0 across ranks (Sharded)
     DTENSOR = "dtensor"         # a box of one global tensor per rank (FSDP2, tensor parallel)
-
-    # Formatted as the value ("per_rank"), not "LeafKind.PER_RANK": names are built with f-strings.
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
+    # Formatted as the value ("per_rank"), not "LeafKind.PER_RANK" (StrEnum): names are built with f-strings.
 
 
 @dataclass(frozen=True)

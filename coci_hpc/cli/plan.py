@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from coci_hpc import settings
 from coci_hpc.cli.common import (
     UsageArgumentParser,
     add_json,
@@ -142,10 +143,12 @@ def _parser() -> argparse.ArgumentParser:
                         "tier: survivors' save + restart + restore (default: --restart-cost)")
     tt_grp.add_argument("--whole-job-share", type=float, metavar="F",
                         help="share of the incidents that end the whole job (no survivor), strictly between "
-                        "0 and 1 (default: COCI_WHOLE_JOB_SHARE, else learned from --event-log, else 0.15, SCR's)")
+                        "0 and 1 (default: COCI_WHOLE_JOB_SHARE, else learned from --event-log, else "
+                        f"{settings.WHOLE_JOB_SHARE_PRIOR:g}, SCR's)")
     tt_grp.add_argument("--outage-rate", type=float, metavar="PER_HOUR",
                         help="outages per hour that end every job, >= 0 (default: COCI_OUTAGE_RATE, else "
-                        "learned from the history's partition-wide outages, else 1/160, Blue Waters')")
+                        "learned from the history's partition-wide outages, else "
+                        f"1/{settings.OUTAGE_HOURS_PRIOR:g}, Blue Waters')")
     tt_grp.add_argument("--event-log", action="append", default=None, metavar="PATH",
                         help="a run's events.jsonl (or its checkpoint directory), repeatable: its attempts "
                         "that ended whole (no stop, no survivors' save) teach the whole-job share")

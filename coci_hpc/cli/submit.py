@@ -73,15 +73,17 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--resume-from-other-run", action="store_true",
                    help="let this command continue from the checkpoint of another command's run in --ckpt-dir "
                         "(refused otherwise: one run, one directory)")
-    c.add_argument("--policy", default="coci", help="checkpoint policy: " + ", ".join(POLICY_NAMES))
+    c.add_argument("--policy", default=settings.POLICY_DEFAULT, help="checkpoint policy: " + ", ".join(POLICY_NAMES))
     c.add_argument("--signal-lead", type=int, default=None,
-                   help="seconds of warning before the time limit (--signal=USR2@N; default 90)")
+                   help=f"seconds of warning before the time limit (--signal=USR2@N; default {settings.SIGNAL_LEAD_S})")
     c.add_argument("--lead-from-profile", metavar="PROFILE.json",
                    help="derive --signal-lead from a profile's step time and save cost (two steps + a save + "
                         "the requeue + 30 s: what a stop at the time limit's warning needs)")
-    c.add_argument("--max-requeues", type=int, default=10, help="give up after this many requeues (default 10)")
-    c.add_argument("--no-progress-limit", type=int, default=3,
-                   help="give up after this many restarts in a row from the same checkpoint (default 3)")
+    c.add_argument("--max-requeues", type=int, default=settings.MAX_REQUEUES_SUBMIT,
+                   help=f"give up after this many requeues (default {settings.MAX_REQUEUES_SUBMIT})")
+    c.add_argument("--no-progress-limit", type=int, default=settings.NO_PROGRESS_LIMIT,
+                   help=f"give up after this many restarts in a row from the same checkpoint "
+                        f"(default {settings.NO_PROGRESS_LIMIT})")
     c.add_argument("--spare-nodes", type=int, default=0, metavar="K",
                    help="ask for --nodes + K nodes (--no-kill) and restart in place on the healthy ones when a node "
                         "is lost or the ranks crash, instead of going back to the queue (default 0)")

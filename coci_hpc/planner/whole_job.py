@@ -22,10 +22,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from coci_hpc import settings
 from coci_hpc.errors import UsageError
 
-DEFAULT_SHARE = 0.15                 # SCR: 85 % of failures served by the node-local/partner levels
-DEFAULT_OUTAGE_HOURS = 160.0         # Blue Waters: 39 system-wide outages in 261 days
+DEFAULT_SHARE = settings.WHOLE_JOB_SHARE_PRIOR       # SCR's (the value and its source: settings.py)
+DEFAULT_OUTAGE_HOURS = settings.OUTAGE_HOURS_PRIOR   # Blue Waters
 SHARE_PRIOR_WEIGHT = 2.0             # the prior share counts as this many observed ends
 OUTAGE_NODE_SHARE = 0.5              # an incident on at least this share of the watched nodes: an outage
 
@@ -136,7 +137,6 @@ def given_from_settings(environ=None) -> dict:
     """``resolve``'s keyword arguments from ``COCI_WHOLE_JOB_SHARE`` and ``COCI_OUTAGE_RATE``
     (unset: None, the learned value or the prior). A bad value is a :class:`UsageError` naming
     the variable."""
-    from coci_hpc import settings
     out: dict = {"share_name": settings.WHOLE_JOB_SHARE.name, "outage_name": settings.OUTAGE_RATE.name}
     for var, key, check in ((settings.WHOLE_JOB_SHARE, "share", check_share),
                             (settings.OUTAGE_RATE, "outage_per_hour", check_outage_rate)):

@@ -14,7 +14,18 @@ from coci_hpc.errors import GaveUpError, SlurmError, UsageError
 from coci_hpc.runtime import attempts as att
 from coci_hpc.runtime import survivors as sv
 from coci_hpc.runtime.config import SessionConfig
-from coci_hpc.runtime.events import EventLog, PeerLost, last_attempt, read_records, records
+from coci_hpc.runtime.events import (
+    AttemptStart,
+    End,
+    EndStatus,
+    EventLog,
+    PeerLost,
+    PrevEndReason,
+    Resumed,
+    last_attempt,
+    read_records,
+    records,
+)
 from coci_hpc.runtime.progress import ProgressRecord
 from coci_hpc.runtime.schedule import Schedule
 from coci_hpc.slurm import commands, sacct
@@ -81,7 +92,7 @@ class AttemptBook:
         if rc > 0 and len(rows) < 2 and info["sacct_error"] is None:
             info["sacct_error"] = f"sacct lists {len(rows)} attempt(s) of job {self.job.requeue_id}"
         prev_end = att.classify_previous(prev, prev_slurm, restart_count=rc, sacct_error=info["sacct_error"])
-        ended = prev_end.reason != "none"
+        ended = prev_end.reason != PrevEndReason.NONE
         # The previous attempt's last finished step, from its ranks' progress records (exact, with
         # when it finished); None when none survived (a power loss, an older version): the log's.
         mark = self.progress.last_finished(self.log.attempt - 1) if ended and self.progress else None
@@ -91,7 +102,8 @@ class AttemptBook:
             lost = max(lost or 0, max(info["torn"]) - (resumed or 0))
         last_wall = mark.wall if mark is not None and mark.step == last_step else None   # when it finished
         failed_wall = max((w for w in (prev_end.end_wall, last_wall) if w), default=None)
-        if prev_end.reason in ("node_failure", "crash", "rank_failure") and failed_wall:
+        if prev_end.reason in (PrevEndReason.NODE_FAILURE, PrevEndReason.CRASH, PrevEndReason.RANK_FAILURE) \
+                and failed_wall:
             schedule.after_failure(time.time() - failed_wall)
         # The share of failures the planner may count as ~one step lost (survivors' saves).
         covered = not parts or memory_every is not None     # state held in parts: by the memory tier
@@ -103,17 +115,17 @@ class AttemptBook:
                                      in_place_restart=self._in_place or 0)
         nodes = expand_hostlist(self.job.step_nodelist or self.job.nodelist or "") \
             if (self.job.step_nodelist or self.job.nodelist) else []
-        self.log.write("attempt_start", nodes=nodes, ranks=ranks, run=run_record,
-                       policy=config.policy,
-                       restart_count=rc, prev_end=prev_end.to_dict(), resumed_step=resumed, steps_lost=lost,
-                       steps_lost_exact=exact if lost is not None else None, prev_last_step=last_step,
-                       torn_survivors_saves=info.get("torn") or [],
-                       config_sources=dict(config.sources), slurm_id=self.job.requeue_id,
-                       survivor_coverage=coverage,
-                       survivors_off=None if covered else sv.parts_reason(parts),
-                       memory_tier_every=memory_every,
-                       in_place_restart=self._in_place, process_wall=self._process_wall,
-                       session_wall=self._init_wall)
+        self.log.write(AttemptStart(
+            nodes=nodes, ranks=ranks, run=run_record, policy=config.policy,
+            restart_count=rc, prev_end=prev_end.to_dict(), resumed_step=resumed, steps_lost=lost,
+            steps_lost_exact=exact if lost is not None else None, prev_last_step=last_step,
+            torn_survivors_saves=info.get("torn") or [],
+            config_sources=dict(config.sources), slurm_id=self.job.requeue_id,
+            survivor_coverage=coverage,
+            survivors_off=None if covered else sv.parts_reason(parts),
+            memory_tier_every=memory_every,
+            in_place_restart=self._in_place, process_wall=self._process_wall,
+            session_wall=self._init_wall))
         sv.sweep_torn(self.catalog)      # only now that attempt_start is written: see sweep_torn (the
                                          # memory tier's staging too: catalog.TierStaging)
         _say(att.describe_start(self.log.attempt, self.job.job_id, rc, nodes, ranks, prev_end.reason,
@@ -121,7 +133,7 @@ class AttemptBook:
         if not covered and survivors_enabled:
             _say(f"on a lost rank: no survivors' save, back to the last checkpoint: {sv.parts_reason(parts)}")
         if verdict is not None:
-            self.log.write("end", step=resumed, status="gave_up", message=verdict)
+            self.log.write(End(step=resumed, status=EndStatus.GAVE_UP, message=verdict))
             _say(f"giving up: {verdict}")
             return verdict
         if resumed is not None:
@@ -131,9 +143,9 @@ class AttemptBook:
             began = self._process_wall if self._in_place else (cur.start if cur else None)
             lat = att.latency_split(prev_end.end_wall, began, self._init_wall, time.time(), restore_s,
                                     last_step_wall=last_wall if ended else None)
-            if self._in_place and prev_end.reason != "none" and lat["total"] is not None:
+            if self._in_place and prev_end.reason != PrevEndReason.NONE and lat["total"] is not None:
                 schedule.restarted_in_place(float(lat["total"]))
-            self.log.write("resumed", step=resumed, restart_latency_s=lat)
+            self.log.write(Resumed(step=resumed, restart_latency_s=lat))
             _say(f"resumed from step {resumed}: {att.describe_latency(lat)}")
         return None
 
@@ -146,8 +158,8 @@ class AttemptBook:
     def refuse_total(self, step: int, total: int) -> None:
         """``total_steps`` below the latest checkpoint's step: record the refusal, raise ``UsageError``."""
         # A refusal, not the run's end: coci-status keeps showing how the run ended.
-        self.log.write("end", step=step, status="refused", message="total_steps lower than the "
-                       f"latest checkpoint's step ({total} < {step}); nothing was changed")
+        self.log.write(End(step=step, status=EndStatus.REFUSED, message="total_steps lower than the "
+                           f"latest checkpoint's step ({total} < {step}); nothing was changed"))
         raise UsageError(f"total_steps={total} is lower than the step of the latest checkpoint in "
                          f"{self.ckpt_dir} ({step}): this run already went further, there "
                          f"is nothing to train and nothing was changed",

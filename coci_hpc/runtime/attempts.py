@@ -17,13 +17,18 @@ from coci_hpc.runtime.events import (
     AttemptStart,
     Checkpoint,
     End,
+    EndStatus,
     Lines,
     Losses,
     PeerLost,
+    PrevEndReason,
+    PrevEndSource,
     Record,
     Relaunch,
+    RelaunchAction,
     Resumed,
     Stop,
+    StopReason,
     last_attempt,
     records,
     relaunch_cause,
@@ -36,12 +41,12 @@ R = TypeVar("R", bound=Record)
 
 # Slurm's end state of an attempt -> the contract's reason (when the session wrote no stop record).
 _STATE_REASON = {
-    "PREEMPTED": "preemption",
-    "TIMEOUT": "time_limit",
-    "DEADLINE": "time_limit",
-    "NODE_FAIL": "node_failure",
-    "BOOT_FAIL": "node_failure",
-    "REQUEUED": "requeue_by_hand",   # requeued, and the session did not ask for it
+    "PREEMPTED": PrevEndReason.PREEMPTION,
+    "TIMEOUT": PrevEndReason.TIME_LIMIT,
+    "DEADLINE": PrevEndReason.TIME_LIMIT,
+    "NODE_FAIL": PrevEndReason.NODE_FAILURE,
+    "BOOT_FAIL": PrevEndReason.NODE_FAILURE,
+    "REQUEUED": PrevEndReason.REQUEUE_BY_HAND,   # requeued, and the session did not ask for it
 }
 
 # The time-limit warning arrives at most ``lead`` seconds before the limit, but Slurm checks
@@ -52,13 +57,13 @@ TIME_LIMIT_MARGIN_S = 65.0
 
 @dataclass(frozen=True)
 class PrevEnd:
-    reason: str            # time_limit|preemption|node_failure|rank_failure|requeue_by_hand|crash|none
-    source: str            # session|sacct|scontrol|none
+    reason: PrevEndReason
+    source: PrevEndSource
     detail: str
     end_wall: float | None  # when the previous attempt stopped (stop record) or ended (Slurm)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"reason": self.reason, "source": self.source, "detail": self.detail}
+        return {"reason": str(self.reason), "source": str(self.source), "detail": self.detail}
 
 
 def previous_records(events: Lines) -> list[Record]:
@@ -86,12 +91,12 @@ def classify_previous(prev_records: Lines, prev_slurm: SlurmAttempt | None,
     stop, end = _newest(recs, Stop), _newest(recs, End)
     in_same_job = restart_count > 0
     lost, relaunch = _newest(recs, PeerLost), _newest(recs, Relaunch)
-    if relaunch is not None and relaunch.action in ("relaunch", "requeue") and end is None:
+    if relaunch is not None and relaunch.action in (RelaunchAction.RELAUNCH, RelaunchAction.REQUEUE) and end is None:
         # coci-submit's relaunch loop (--spare-nodes) saw the step fail and asked Slurm about the
         # nodes, then restarted the ranks inside the allocation (Slurm's attempt row is still this
         # one) or requeued the job (Slurm's row then says REQUEUED, not why).
         when = (lost.failure_wall or lost.wall) if lost is not None else relaunch.step_ended_wall
-        return PrevEnd(relaunch_cause(relaunch), "relaunch",
+        return PrevEnd(PrevEndReason(relaunch_cause(relaunch)), PrevEndSource.RELAUNCH,
                        f"{relaunch.reason}" + ("" if lost is None else f"; rank(s) {lost.ranks_lost or '?'} "
                                                f"lost after step {lost.step}"),
                        None if when is None else float(when))
@@ -101,30 +106,36 @@ def classify_previous(prev_records: Lines, prev_slurm: SlurmAttempt | None,
         state = prev_slurm.state if in_same_job and prev_slurm is not None else ""
         saved = (f"survivors' checkpoint of step {lost.step}" if lost.committed
                  else f"no survivors' checkpoint ({lost.reason})")
-        return PrevEnd("node_failure" if state == "NODE_FAIL" else "rank_failure", "session",
+        return PrevEnd(PrevEndReason.NODE_FAILURE if state == "NODE_FAIL" else PrevEndReason.RANK_FAILURE,
+                       PrevEndSource.SESSION,
                        f"rank(s) {lost.ranks_lost or '?'} lost after step {lost.step}; {saved}"
                        + (f"; Slurm: {state}" if state else ""), _wall(lost.failure_wall or lost.wall))
     if in_same_job and prev_slurm is not None:
         state = prev_slurm.state
         if stop is not None and state in states.AFTER_A_STOP:
-            return PrevEnd(str(stop.reason), "session",
+            return PrevEnd(_stop_reason(stop), PrevEndSource.SESSION,
                            f"stopped at step {stop.step} on {stop.signal}; Slurm: {state}", _wall(stop.wall))
-        reason = _STATE_REASON.get(state, "crash")
-        return PrevEnd(reason, "sacct", f"Slurm recorded the previous attempt as {state or 'unknown'}"
+        reason = _STATE_REASON.get(state, PrevEndReason.CRASH)
+        return PrevEnd(reason, PrevEndSource.SACCT, f"Slurm recorded the previous attempt as {state or 'unknown'}"
                        + ("" if stop is None else " (after a stop record)"), prev_slurm.end)
     if stop is not None:
-        return PrevEnd(str(stop.reason), "session",
+        return PrevEnd(_stop_reason(stop), PrevEndSource.SESSION,
                        f"stopped at step {stop.step} on {stop.signal}"
                        + (f"; sacct unavailable: {sacct_error}" if in_same_job and sacct_error else ""),
                        _wall(stop.wall))
     if end is not None or not recs:
-        return PrevEnd("none", "none", "first attempt" if not recs else
+        return PrevEnd(PrevEndReason.NONE, PrevEndSource.NONE, "first attempt" if not recs else
                        f"previous run ended {end.status}", None)   # type: ignore[union-attr]
     last_wall = max(_wall(e.wall) for e in recs)
     why = "no stop or end record"
     if in_same_job:
         why += f"; sacct unavailable: {sacct_error}" if sacct_error else "; Slurm has no previous attempt"
-    return PrevEnd("crash", "session", why, last_wall)
+    return PrevEnd(PrevEndReason.CRASH, PrevEndSource.SESSION, why, last_wall)
+
+
+def _stop_reason(stop: Stop) -> PrevEndReason:
+    # Every stop reason is an end reason; a value this version does not know reads as a crash's.
+    return PrevEndReason(stop.reason) if stop.reason in tuple(PrevEndReason) else PrevEndReason.CRASH
 
 
 def _wall(w: float | None) -> float:
@@ -191,9 +202,9 @@ def ledger(prev_records: Lines, resumed_step: int | None, last_finished: int | N
 
 # Restarts that follow the session's own announced stop (the --signal warning of a time limit, a
 # preemption) are the job working as intended; these are the ones --max-requeues counts.
-UNANNOUNCED = ("node_failure", "crash", "requeue_by_hand")
+UNANNOUNCED = (PrevEndReason.NODE_FAILURE, PrevEndReason.CRASH, PrevEndReason.REQUEUE_BY_HAND)
 # Stops that Slurm itself follows with a requeue (of a --requeue job): the session must not add one.
-SLURM_REQUEUES = ("requeue_by_hand", "node_failure")
+SLURM_REQUEUES = (StopReason.REQUEUE_BY_HAND, StopReason.NODE_FAILURE)
 # Time a stop keeps back for `scontrol requeue` (with its retries' first wait) and the exit.
 REQUEUE_ALLOWANCE_S = 3.0
 # The lead of coci-submit's and the templates' --signal (USR2@90) when the session is not told one.
@@ -245,7 +256,7 @@ def lead_check(lead_s: float, step_s: float | None, save_s: float | None,
 class StopPlan:
     """Why the loop is stopping, from Slurm's record, and what to do: save if it fits, requeue or not."""
 
-    reason: str                  # preemption|time_limit|cancelled|requeue_by_hand|node_failure|terminated
+    reason: StopReason
     detail: str
     requeue: bool
     deadline_wall: float | None  # when Slurm kills the job (unix seconds); None: not known
@@ -279,38 +290,38 @@ def stop_reason(signal_name: str, job: JobState | None, *, now_wall: float, sign
     lead = DEFAULT_SIGNAL_LEAD_S if signal_lead_s is None else float(signal_lead_s)
     is_term = signal_name == "SIGTERM"
     if not in_slurm_job:
-        return StopPlan("terminated" if is_term else "preemption", f"{signal_name} outside a Slurm job",
+        return StopPlan(StopReason.TERMINATED if is_term else StopReason.PREEMPTION, f"{signal_name} outside a Slurm job",
                         False, None)
     if job is None:
         if is_term:
-            return StopPlan("terminated", f"{signal_name}; Slurm's record unavailable: not requeued", False,
+            return StopPlan(StopReason.TERMINATED, f"{signal_name}; Slurm's record unavailable: not requeued", False,
                             None if kill_wait_s is None else signal_wall + kill_wait_s)
-        return StopPlan("preemption", f"{signal_name}; Slurm's record unavailable: assumed preemption", True, None)
+        return StopPlan(StopReason.PREEMPTION, f"{signal_name}; Slurm's record unavailable: assumed preemption", True, None)
     if job.preempted:
         assert job.preempt_time is not None
         end = job.preempt_time + grace_time_s if grace_time_s is not None else job.end_time
         if is_term and grace_time_s == 0 and kill_wait_s is not None:
             end = signal_wall + kill_wait_s      # no grace time: SIGTERM, then SIGKILL after KillWait
-        return StopPlan("preemption", f"{signal_name}; Slurm: PreemptTime set, JobState={job.state}"
+        return StopPlan(StopReason.PREEMPTION, f"{signal_name}; Slurm: PreemptTime set, JobState={job.state}"
                         + ("" if grace_time_s is None else f", GraceTime {grace_time_s:.0f}s"), True, end)
     if not is_term:
         left = None if job.end_time is None else job.end_time - now_wall
         if left is None:
-            return StopPlan("preemption", f"{signal_name} with no time limit and no PreemptTime: sent by hand",
+            return StopPlan(StopReason.PREEMPTION, f"{signal_name} with no time limit and no PreemptTime: sent by hand",
                             True, None)
         if left > lead + TIME_LIMIT_MARGIN_S:
-            return StopPlan("preemption", f"{signal_name} with {left:.0f}s left (> lead {lead:.0f}s + "
+            return StopPlan(StopReason.PREEMPTION, f"{signal_name} with {left:.0f}s left (> lead {lead:.0f}s + "
                             f"{TIME_LIMIT_MARGIN_S:.0f}s) and no PreemptTime: sent by hand", True, job.end_time)
-        return StopPlan("time_limit", f"{signal_name} with {left:.0f}s left (lead {lead:.0f}s)", True, job.end_time)
+        return StopPlan(StopReason.TIME_LIMIT, f"{signal_name} with {left:.0f}s left (lead {lead:.0f}s)", True, job.end_time)
     end = None if kill_wait_s is None else signal_wall + kill_wait_s
     if job.state == "NODE_FAIL" or job.reason in ("NodeDown", "NodeFail"):
-        return StopPlan("node_failure", f"SIGTERM; Slurm: JobState={job.state}, Reason={job.reason} (a node of "
+        return StopPlan(StopReason.NODE_FAILURE, f"SIGTERM; Slurm: JobState={job.state}, Reason={job.reason} (a node of "
                         f"the job is down; Slurm requeues a --requeue job)", False, end)
     if job.restarts > restart_count:
-        return StopPlan("requeue_by_hand", f"SIGTERM; Slurm: Restarts={job.restarts} > this attempt's "
+        return StopPlan(StopReason.REQUEUE_BY_HAND, f"SIGTERM; Slurm: Restarts={job.restarts} > this attempt's "
                         f"{restart_count} (requeued from outside: scontrol requeue, or a node failure Slurm requeues)",
                         False, end)
-    return StopPlan("cancelled", f"SIGTERM; Slurm: JobState={job.state}, PreemptTime=None (scancel or "
+    return StopPlan(StopReason.CANCELLED, f"SIGTERM; Slurm: JobState={job.state}, PreemptTime=None (scancel or "
                     f"ended by Slurm): not requeued", False, end)
 
 
@@ -319,7 +330,7 @@ def _this_jobs_starts(events: Sequence[Record], job_id: str | None) -> list[Atte
     hand and other jobs on the same directory are not this job's restarts)."""
     out: list[AttemptStart] = []
     for e in events:
-        if isinstance(e, End) and e.status == "gave_up":
+        if isinstance(e, End) and e.status == EndStatus.GAVE_UP:
             out = []
         elif isinstance(e, AttemptStart) and job_id is not None and e.job_id == job_id:
             out.append(e)
@@ -392,7 +403,7 @@ def describe_start(attempt: int, job_id: str | None, restart_count: int, nodes: 
     where = ",".join(nodes) if nodes else "this host"
     head = f"attempt {attempt}" + (f" (job {job_id}, restart {restart_count})" if job_id else "")
     text = f"{head} on {where}, {ranks} rank(s)"
-    if prev_reason != "none":
+    if prev_reason != PrevEndReason.NONE:
         text += f"; previous attempt ended: {prev_reason} ({prev_detail})"
     elif attempt > 1 and prev_detail:
         text += f"; {prev_detail}"

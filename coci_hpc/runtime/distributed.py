@@ -66,7 +66,7 @@ def rendezvous(comm: Comm | None = None, job: JobEnvironment | None = None,
     return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, "single"
 
 
-DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_TIMEOUT_S = settings.DIST_TIMEOUT_S
 # NCCL for CUDA tensors, gloo beside it for CPU ones: DCP's async save refuses a group without a
 # CPU backend, and control paths on host tensors then never wait behind a hung NCCL collective.
 NCCL_WITH_CPU = "cpu:gloo,cuda:nccl"

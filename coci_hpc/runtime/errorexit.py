@@ -109,7 +109,7 @@ def watch_uncaught(session: Any) -> None:
 
 def record_uncaught(exc: BaseException) -> None:
     """Write ``end`` status "error" for the session of this process whose loop did not end."""
-    from coci_hpc.runtime.events import End, Stop, read_records
+    from coci_hpc.runtime.events import End, EndStatus, Stop, read_records
 
     session = _active[0]() if _active else None
     if session is None or isinstance(exc, SystemExit) or session.rank != 0 or not hasattr(session, "log"):
@@ -118,7 +118,7 @@ def record_uncaught(exc: BaseException) -> None:
         mine = [e for e in read_records(session.events_path) if e.attempt == session.log.attempt]
         if mine and isinstance(mine[-1], (End, Stop)):
             return                          # the session recorded how it ended (gave up, stopped, ...)
-        session.log.write("end", step=session.step, status="error",
-                          message=f"{type(exc).__name__}: {exc}"[:2000])
+        session.log.write(End(step=session.step, status=EndStatus.ERROR,
+                              message=f"{type(exc).__name__}: {exc}"[:2000]))
     except OSError:                         # the log's directory is gone: nothing to record into
         pass

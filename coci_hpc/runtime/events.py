@@ -30,19 +30,99 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from coci_hpc.strenum import StrEnum
+
 VERSION = 1
 FILENAME = "events.jsonl"
-PREV_END_REASONS = ("time_limit", "preemption", "node_failure", "rank_failure", "requeue_by_hand", "cancelled",
-                    "terminated", "crash", "none")
-# Why the relaunch loop's rank step failed, its typed ``cause`` (the reason is prose).
-RELAUNCH_CAUSES = ("node_failure", "crash")
 
 
-def _f(doc: str, default: Any = None) -> Any:
-    """A record field: optional when read (older logs may lack it), documented in the table."""
+# The values a record's fields take. StrEnum members are their strings: a line is written exactly as
+# the plain strings were (json writes the value), and a member compares equal to its string, so
+# readers of the dicts (tests, the run record) see no difference.
+class CheckpointKind(StrEnum):
+    """``checkpoint.kind``: which save wrote it."""
+    PLANNED = "planned"
+    STOP = "stop"
+    FINAL = "final"
+
+
+class StopReason(StrEnum):
+    """``stop.reason``: why the Session stopped (runtime/attempts.py's ``stop_reason``)."""
+    TIME_LIMIT = "time_limit"
+    PREEMPTION = "preemption"
+    CANCELLED = "cancelled"
+    REQUEUE_BY_HAND = "requeue_by_hand"
+    NODE_FAILURE = "node_failure"
+    TERMINATED = "terminated"
+
+
+class PrevEndReason(StrEnum):
+    """``attempt_start.prev_end.reason``: how the attempt before this one ended (a stop's reason,
+    or what the next attempt read from Slurm, a survivor's record or the relaunch loop)."""
+    TIME_LIMIT = "time_limit"
+    PREEMPTION = "preemption"
+    NODE_FAILURE = "node_failure"
+    RANK_FAILURE = "rank_failure"
+    REQUEUE_BY_HAND = "requeue_by_hand"
+    CANCELLED = "cancelled"
+    TERMINATED = "terminated"
+    CRASH = "crash"
+    NONE = "none"
+
+
+class PrevEndSource(StrEnum):
+    """``attempt_start.prev_end.source``: who said how the previous attempt ended."""
+    SESSION = "session"
+    SACCT = "sacct"
+    SCONTROL = "scontrol"
+    RELAUNCH = "relaunch"
+    NONE = "none"
+
+
+class EndStatus(StrEnum):
+    """``end.status``: how the attempt ended (``refused``: it refused to start, not the run's end)."""
+    COMPLETED = "completed"
+    GAVE_UP = "gave_up"
+    ERROR = "error"
+    REFUSED = "refused"
+
+
+class Tier(StrEnum):
+    """``peer_lost.tier``: which tier served after a lost peer."""
+    SURVIVORS = "survivors"
+    MEMORY = "memory"
+    DISK = "disk"
+
+
+class RelaunchAction(StrEnum):
+    """``relaunch.action``: the relaunch loop's decision."""
+    RELAUNCH = "relaunch"
+    REQUEUE = "requeue"
+    GIVE_UP = "give_up"
+
+
+class RelaunchCause(StrEnum):
+    """``relaunch.cause``: why the relaunch loop's rank step failed (its ``reason`` is prose)."""
+    NODE_FAILURE = "node_failure"
+    CRASH = "crash"
+
+
+PREV_END_REASONS = tuple(PrevEndReason)
+RELAUNCH_CAUSES = tuple(RelaunchCause)
+
+
+def _alts(values: type[StrEnum]) -> str:
+    """The values of an enum as the table writes them: `a`\\|`b`."""
+    return "\\|".join(f"`{v}`" for v in values)
+
+
+def _f(doc: str, default: Any = None, *, values: type[StrEnum] | None = None) -> Any:
+    """A record field: optional when read (older logs may lack it), documented in the table;
+    ``values``: the enum its value is one of (:func:`parse` turns the read string into it)."""
+    meta: dict[str, Any] = {"doc": doc, "values": values}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(), metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
+        return field(default_factory=lambda: type(default)(), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -73,9 +153,8 @@ class AttemptStart(Record):
     run: dict[str, Any] | None = _f("{`script`, `args`, `world_size`}")
     policy: str | None = _f("the checkpoint policy")
     restart_count: int | None = _f("Slurm's SLURM_RESTART_COUNT")
-    prev_end: dict[str, Any] = _f("how the attempt before this one ended: {`reason`: " + "\\|".join(
-        f"`{r}`" for r in PREV_END_REASONS) + ", `source`: `session`\\|`sacct`\\|`scontrol`\\|`relaunch`\\|`none`, "
-        "`detail`}", {})
+    prev_end: dict[str, Any] = _f("how the attempt before this one ended: {`reason`: " + _alts(PrevEndReason)
+                                  + ", `source`: " + _alts(PrevEndSource) + ", `detail`}", {})
     resumed_step: int | None = _f("the checkpoint step resumed from (null: from scratch)")
     steps_lost: int | None = _f("steps of the previous attempt done again: its last finished step minus "
                                 "`resumed_step`")
@@ -110,7 +189,7 @@ class Resumed(Record):
 class Checkpoint(Record):
     EVENT: ClassVar[str] = "checkpoint"
     step: int | None = _f("the step saved")
-    kind: str | None = _f("`planned`\\|`stop`\\|`final`")
+    kind: CheckpointKind | None = _f(_alts(CheckpointKind), values=CheckpointKind)
     blocking_s: float | None = _f("seconds training waited")
     persist_s: float | None = _f("two-phase saves' background seconds; null for synchronous ones")
 
@@ -127,8 +206,7 @@ class Losses(Record):
 class Stop(Record):
     EVENT: ClassVar[str] = "stop"
     step: int | None = _f("the step the session stopped at")
-    reason: str | None = _f("`time_limit`\\|`preemption`\\|`cancelled`\\|`requeue_by_hand`\\|`node_failure`"
-                            "\\|`terminated`")
+    reason: StopReason | None = _f(_alts(StopReason), values=StopReason)
     signal: str | None = _f("the signal's name")
     requeued: bool | None = _f("whether the session asked Slurm to requeue the job")
     detail: str | None = _f("Slurm's record of why")
@@ -151,8 +229,8 @@ class PeerLost(Record):
     WRITER: ClassVar[str] = "the survivor that wrote (or tried to write) the survivors' checkpoint"
     step: int | None = _f("the step the survivors' checkpoint is of: the last step every rank finished, or the "
                           "memory tier's newest whole step")
-    tier: str | None = _f("which tier served: `survivors` (the last step), `memory` (the memory tier's newest "
-                          "whole step), `disk` (nothing committed: the last disk checkpoint)")
+    tier: Tier | None = _f("which tier served: `survivors` (the last step), `memory` (the memory tier's newest "
+                          "whole step), `disk` (nothing committed: the last disk checkpoint)", values=Tier)
     how: str | None = _f("agreement timeout, the relaunch loop's peer notice, an exception inside the step, a "
                          "checkpoint collective that did not complete, or a checkpoint write stuck in MPI-IO")
     survivor: int | None = _f("the writing survivor's rank")
@@ -178,8 +256,8 @@ class PeerLost(Record):
 class End(Record):
     EVENT: ClassVar[str] = "end"
     step: int | None = _f("the last step")
-    status: str | None = _f("`completed`\\|`gave_up`\\|`error`\\|`refused` (the attempt refused to start and "
-                            "changed nothing: not the run's end)")
+    status: EndStatus | None = _f(_alts(EndStatus) + " (the attempt refused to start and changed nothing: not the "
+                                  "run's end)", values=EndStatus)
     message: str | None = _f("why, for anything but completed")
 
 
@@ -187,9 +265,9 @@ class End(Record):
 class Relaunch(Record):
     EVENT: ClassVar[str] = "relaunch"
     WRITER: ClassVar[str] = "coci-submit's relaunch loop (`--spare-nodes`), as the failed attempt, per decision"
-    action: str | None = _f("`relaunch`\\|`requeue`\\|`give_up`")
-    cause: str | None = _f("why the rank step failed: " + "\\|".join(f"`{c}`" for c in RELAUNCH_CAUSES)
-                           + " (logs before it: read from `lost`)")
+    action: RelaunchAction | None = _f(_alts(RelaunchAction), values=RelaunchAction)
+    cause: RelaunchCause | None = _f("why the rank step failed: " + _alts(RelaunchCause)
+                                     + " (logs before it: read from `lost`)", values=RelaunchCause)
     reason: str | None = _f("the decision in prose (not parsed)")
     restart: int | None = _f("the in-place restart this decision starts")
     rc: int | None = _f("srun's status")
@@ -218,7 +296,10 @@ EVENTS = tuple(BY_EVENT)
 
 
 def _clean(x: Any) -> Any:
-    """JSON has no NaN/inf: they become null, so every line stays strict JSON."""
+    """JSON has no NaN/inf: they become null, so every line stays strict JSON; an enum value is
+    written as its plain string."""
+    if isinstance(x, StrEnum):
+        return str(x)
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
@@ -239,8 +320,10 @@ class EventLog:
 
     def write(self, record: Record | str, **fields: Any) -> dict[str, Any] | None:
         """Append ``record`` (a :data:`RECORD_TYPES` instance) stamped with the time, this log's
-        attempt and job id; returns the line's dict. ``write("checkpoint", step=...)`` builds the
-        record type named so from ``fields`` (a field the type does not declare is a ValueError)."""
+        attempt and job id; returns the line's dict. The package writes typed records
+        (``write(Checkpoint(step=...))``, so mypy checks every field; a test checks that no module
+        writes by name). ``write("checkpoint", step=...)``, for tests and tools, builds the record
+        type named so from ``fields`` (:func:`make`: a field the type does not declare is a ValueError)."""
         if isinstance(record, str):
             record = make(record, **fields)
         elif fields:
@@ -288,11 +371,26 @@ def parse(d: dict[str, Any]) -> Record | None:
     extra = {k: v for k, v in d.items() if k not in names and k not in ("v", "event")}
     rec = cls(**kw)
     rec.extra = extra
-    for f in dataclasses.fields(cls):     # an old log's explicit null where the type has an empty default
-        factory = f.default_factory
-        if f.name in kw and kw[f.name] is None and callable(factory):
-            setattr(rec, f.name, factory())
+    for f in dataclasses.fields(cls):
+        factory, values, v = f.default_factory, f.metadata.get("values"), kw.get(f.name)
+        if f.name in kw and v is None and callable(factory):
+            setattr(rec, f.name, factory())     # an old log's explicit null where the type has an empty default
+        elif values is not None and isinstance(v, str) and v in values.__members__.values():
+            setattr(rec, f.name, values(v))     # a value this version does not know stays the string read
+    if isinstance(rec, End):
+        _upgrade_refusal(rec)
     return rec
+
+
+# Logs written before the `refused` status (until 2026-11-26, da117a3) recorded a refused start as
+# status `error` with a UsageError whose message ended so. The one place a message is read: old
+# records become the typed status here, so no reader looks at the prose.
+_OLD_REFUSAL = "nothing was changed"
+
+
+def _upgrade_refusal(rec: End) -> None:
+    if rec.status == EndStatus.ERROR and _OLD_REFUSAL in str(rec.message or ""):
+        rec.status = EndStatus.REFUSED
 
 
 def read_records(path: str | os.PathLike) -> list[Record]:
@@ -376,13 +474,13 @@ def current_attempt(events: Sequence[Record]) -> int:
     return max(last_attempt(events), 1)
 
 
-def relaunch_cause(rec: Relaunch) -> str:
-    """Why the relaunch loop's rank step failed (:data:`RELAUNCH_CAUSES`): the record's typed
-    ``cause``; in logs written before it, ``node_failure`` when the record names ``lost`` nodes.
-    Never read from the prose ``reason`` (a crash's reason says "lost a task")."""
+def relaunch_cause(rec: Relaunch) -> RelaunchCause:
+    """Why the relaunch loop's rank step failed: the record's typed ``cause``; in logs written
+    before it, ``node_failure`` when the record names ``lost`` nodes. Never read from the prose
+    ``reason`` (a crash's reason says "lost a task")."""
     if rec.cause in RELAUNCH_CAUSES:
-        return str(rec.cause)
-    return "node_failure" if rec.lost else "crash"
+        return RelaunchCause(rec.cause)
+    return RelaunchCause.NODE_FAILURE if rec.lost else RelaunchCause.CRASH
 
 
 def session_gave_up(events: Sequence[Record]) -> str | None:
@@ -390,7 +488,7 @@ def session_gave_up(events: Sequence[Record]) -> str | None:
     last = last_attempt(events)
     for e in reversed(events):
         if int(e.attempt or 0) == last and isinstance(e, End):
-            return str(e.message or "gave up") if e.status == "gave_up" else None
+            return str(e.message or "gave up") if e.status == EndStatus.GAVE_UP else None
     return None
 
 
@@ -407,7 +505,7 @@ def whole_job_ends(events: Sequence[Record]) -> tuple[int, int]:
     for e in events:
         a = int(e.attempt or 0)
         by.setdefault(a, set()).add(e.EVENT)
-        if isinstance(e, Relaunch) and relaunch_cause(e) == "node_failure":
+        if isinstance(e, Relaunch) and relaunch_cause(e) == RelaunchCause.NODE_FAILURE:
             relaunched_node.add(a)
     last = last_attempt(events)
     whole = other = 0

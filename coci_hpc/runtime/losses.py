@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from coci_hpc.runtime.events import EventLog
+from coci_hpc.runtime.events import EventLog, Losses
 
 CAPACITY = 4096          # losses kept between flushes, preallocated
 FLUSH_S = 5.0            # at most one losses record per this many seconds between checkpoints
@@ -32,6 +32,6 @@ class LossBuffer:
     def flush(self) -> None:
         n = self._n
         if self.enabled and n:
-            self.log.write("losses", steps=self._steps[:n].tolist(), values=self._values[:n].tolist())
+            self.log.write(Losses(steps=self._steps[:n].tolist(), values=self._values[:n].tolist()))
         self._n = 0
         self._last_flush = time.monotonic()

@@ -388,7 +388,7 @@ def write_snapshots(root: Path, step: int, snaps: Mapping[int, Snapshot], size: 
 
 
 # -- the session's choice ------------------------------------------------------------------------
-DEFAULT_EVERY = 10        # until the planner has measured costs (``COCI_MEMTIER_K`` unset; :func:`plan_with`)
+DEFAULT_EVERY = settings.MEMTIER_EVERY   # until the planner has measured costs (``COCI_MEMTIER_K`` unset)
 
 
 def for_session(state_fn: Callable[[], Mapping[str, Any]], comm: Comm, ranks_per_node: int, parts: list[str],

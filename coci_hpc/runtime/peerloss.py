@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -17,10 +18,11 @@ from coci_hpc import settings
 from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.comm import Comm
 from coci_hpc.errors import PeerLost, SlurmError
+from coci_hpc.runtime import events as ev
 from coci_hpc.runtime import memtier
 from coci_hpc.runtime import survivors as sv
 from coci_hpc.runtime.attemptbook import AttemptBook
-from coci_hpc.runtime.events import EventLog
+from coci_hpc.runtime.events import EventLog, Tier
 from coci_hpc.runtime.losses import LossBuffer
 from coci_hpc.runtime.peernotice import PeerNotice
 from coci_hpc.runtime.preemption import requeue_with_retries
@@ -67,21 +69,57 @@ def mf_latest(root: Any) -> int | None:
     return catalog.latest_step(root)
 
 
-class PeerLoss:
-    """The Session's peer-loss path. ``state`` is the checkpointed state (the session's own entry
-    under ``session_key`` included); ``local_session_state`` gives that entry from this rank's own
-    view (no collective: rank 0 may be the lost one)."""
+@dataclass(frozen=True)
+class SessionParts:
+    """What the peer-loss path uses of its Session. ``state`` is the checkpointed state (the
+    session's own entry under ``session_key`` included); ``local_session_state`` gives that entry
+    from this rank's own view (no collective: rank 0 may be the lost one); ``parts``: the leaves
+    held in parts across ranks (:func:`.survivors.held_in_parts`); ``in_place``: the relaunch
+    loop's restart number, None outside it."""
 
-    def __init__(self, *, comm: Comm, mgr: CheckpointManager, survival: sv.Survival, state: Mapping[str, Any],
-                 session_key: str, local_session_state: Callable[[], Any], parts: list[str], root: Path,
-                 log: EventLog, book: AttemptBook, losses: LossBuffer, job: JobEnvironment,
-                 runner: commands.Runner, notice: PeerNotice | None, in_place: int | None) -> None:
-        self.comm, self.mgr, self.survival, self._state = comm, mgr, survival, state
-        self._key, self._local_session_state, self._parts, self.root = session_key, local_session_state, parts, root
-        self.log, self.book, self.losses, self.job, self._runner = log, book, losses, job, runner
-        self.notice, self._in_place = notice, in_place
-        self.rank = comm.rank
+    comm: Comm
+    mgr: CheckpointManager
+    state: Mapping[str, Any]
+    session_key: str
+    local_session_state: Callable[[], Any]
+    parts: list[str]
+    root: Path
+    log: EventLog
+    book: AttemptBook
+    losses: LossBuffer
+    job: JobEnvironment
+    runner: commands.Runner
+    notice: PeerNotice | None
+    in_place: int | None
+
+
+class PeerLoss:
+    """The Session's peer-loss path, with what it saves from: the survivors' boundary snapshot and
+    partner copy (``survival``) and, for state held in parts, the memory tier (``survival.memtier``);
+    :meth:`for_session` builds the three together."""
+
+    def __init__(self, s: SessionParts, survival: sv.Survival) -> None:
+        self.comm, self.mgr, self.survival, self._state = s.comm, s.mgr, survival, s.state
+        self._key, self._local_session_state, self._parts, self.root = (s.session_key, s.local_session_state,
+                                                                        s.parts, s.root)
+        self.log, self.book, self.losses, self.job, self._runner = s.log, s.book, s.losses, s.job, s.runner
+        self.notice, self._in_place = s.notice, s.in_place
+        self.rank = s.comm.rank
         self._lost_lock = threading.Lock()  # one survivors' save per process (main thread or guard timer)
+
+    @classmethod
+    def for_session(cls, s: SessionParts, *, enabled: bool, environ: Mapping[str, str] | None,
+                    say: Callable[[str], None], plan_fn: Callable[[list[float]], tuple[int | None, int] | None],
+                    skip: frozenset[str] = frozenset()) -> PeerLoss:
+        """Collective, at ``Session()``: the survivors' snapshot and partner copy (on when
+        ``enabled``, MPI and 2+ ranks), the memory tier when state is held in parts
+        (:func:`.memtier.for_session`, its interval from ``plan_fn`` unless ``COCI_MEMTIER_K`` fixes
+        it) and the peer-loss path that saves from them. ``skip``: state entries the snapshot leaves out."""
+        survival = sv.Survival(s.state, s.comm, ranks_per_node=s.job.ranks_per_node, enabled=enabled, skip=skip)
+        loss = cls(s, survival)
+        survival.memtier = memtier.for_session(loss.local_state, s.comm, s.job.ranks_per_node, s.parts,
+                                               survival.enabled, environ, say, plan_fn)
+        return loss
 
     def local_state(self) -> dict[str, Any]:
         """The checkpointed state with the session's entry from this rank's own view (no collective)."""
@@ -177,12 +215,13 @@ class PeerLoss:
                 if self.rank == 0:
                     self.losses.flush()
                 # Which tier served: "survivors" (the last step), "memory" (the memory tier's), "disk".
-                tier = getattr(out, "tier", "survivors" if out.committed else "disk")
+                tier = Tier(getattr(out, "tier", Tier.SURVIVORS if out.committed else Tier.DISK))
                 step_of = out.step if isinstance(out, memtier.TierOutcome) and out.step is not None else boundary
-                log.write("peer_lost", step=step_of, tier=tier, how=how, survivor=self.rank,
-                          committed=out.committed, lost_ranks=out.ranks_from_partner, lost=out.lost or None, reason=out.reason, failure_wall=t_fail,
-                          detect_wall=t_detect, commit_wall=time.time() if out.committed else None,
-                          save_s=out.write_s, fallback_step=None if out.committed else latest)
+                log.write(ev.PeerLost(step=step_of, tier=tier, how=how, survivor=self.rank, committed=out.committed,
+                                   lost_ranks=out.ranks_from_partner, lost=out.lost or None, reason=out.reason,
+                                   failure_wall=t_fail, detect_wall=t_detect,
+                                   commit_wall=time.time() if out.committed else None,
+                                   save_s=out.write_s, fallback_step=None if out.committed else latest))
                 if in_place and self.notice is not None:
                     self.notice.mark_left()    # the loop may end a silent peer's task now
                 if out.committed:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CociError, PeerLost, SlurmError
 from coci_hpc.runtime import attempts as att
+from coci_hpc.runtime import events as ev
 from coci_hpc.runtime.attempts import StopPlan, stop_reason
 from coci_hpc.runtime.signals import DEFAULT_SIGNALS, Received, SignalRecorder
 from coci_hpc.slurm import commands, scontrol
@@ -40,7 +41,6 @@ from coci_hpc.slurm.env import JobEnvironment
 
 if TYPE_CHECKING:
     from coci_hpc.checkpoint import CheckpointManager
-    from coci_hpc.runtime.events import EventLog
     from coci_hpc.runtime.losses import LossBuffer
     from coci_hpc.runtime.schedule import Schedule
 
@@ -146,7 +146,7 @@ class StopController:
                            restart_count=self.job.restart_count, in_slurm_job=self.job.in_slurm_job,
                            signal_lead_s=self.signal_lead_s, grace_time_s=grace, kill_wait_s=kill_wait)
 
-    def decide(self, save_s: float | None) -> tuple[str, str, bool, bool]:
+    def decide(self, save_s: float | None) -> tuple[ev.StopReason, str, bool, bool]:
         """Rank 0 at the stop: (reason, detail, requeue, whether a save of ``save_s`` fits)."""
         plan = self.plan()
         return plan.reason, plan.detail, plan.requeue, plan.save_fits(time.time(), save_s)
@@ -163,7 +163,7 @@ class StopController:
             return att.LeadVerdict(False, None)
         return att.lead_check(self.lead_s, step_s, save_s, att.REQUEUE_ALLOWANCE_S)
 
-    def agree_at_boundary(self, schedule: Schedule, log: EventLog, *, warn: bool) -> bool:
+    def agree_at_boundary(self, schedule: Schedule, log: ev.EventLog, *, warn: bool) -> bool:
         """Rank 0 (the Session): :meth:`lead_check` with the planner's measured step and save;
         with ``warn``, says so (and logs ``lead_warning``) when even one step does not fit."""
         step_s, save_s = schedule.costs().step_time_s, schedule.save_s()
@@ -171,10 +171,10 @@ class StopController:
         if warn and verdict.warning:
             if self._say is not None:
                 self._say(verdict.warning)
-            log.write("lead_warning", message=verdict.warning, lead_s=self.lead_s, step_s=step_s, save_s=save_s)
+            log.write(ev.LeadWarning(message=verdict.warning, lead_s=self.lead_s, step_s=step_s, save_s=save_s))
         return verdict.stop_at_boundary
 
-    def stop(self, step: int, *, comm: Comm, mgr: CheckpointManager, schedule: Schedule, log: EventLog,
+    def stop(self, step: int, *, comm: Comm, mgr: CheckpointManager, schedule: Schedule, log: ev.EventLog,
              losses: LossBuffer, settle: Callable[[], None], save: Callable[[int], None],
              wait_s: float) -> NoReturn:
         """Collective, the Session's stop at a step boundary: rank 0 decides (:meth:`decide`), every
@@ -185,6 +185,7 @@ class StopController:
         signame = first.name if first is not None else "?"
         decision = self.decide(schedule.save_s()) if comm.rank == 0 else None
         reason, detail, requeue, fits = comm.bcast(decision)
+        reason = ev.StopReason(reason)
         requeue = requeue and self.job.in_slurm_job
         settle()
         saved = mgr.latest_step() == step
@@ -196,11 +197,12 @@ class StopController:
             detail += "; no save: it would not end before Slurm's kill"
         losses.flush()
         rc = self.job.restart_count
-        log.write("stop", step=step, reason=reason, signal=signame, requeued=requeue, detail=detail,
-                  restart_count=rc, saved=saved)
+        log.write(ev.Stop(step=step, reason=reason, signal=signame, requeued=requeue, detail=detail,
+                          restart_count=rc, saved=saved))
         if requeue:
             # The others wait for rank 0's `scontrol requeue` (with its retries): not a lost peer.
-            self.requeue(comm, wait_s, lambda exc: log.write("end", step=step, status="error", message=str(exc)))
+            self.requeue(comm, wait_s, lambda exc: log.write(ev.End(step=step, status=ev.EndStatus.ERROR,
+                                                                             message=str(exc))))
         mgr.close()
         if comm.rank == 0 and self._say is not None:
             self._say(f"stopped at step {step} ({reason}: {detail}): "

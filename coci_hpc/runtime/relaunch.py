@@ -35,7 +35,15 @@ from coci_hpc import settings
 from coci_hpc.errors import GaveUpError, SlurmError
 from coci_hpc.runtime import peernotice
 from coci_hpc.runtime.events import FILENAME as EVENTS_FILE
-from coci_hpc.runtime.events import EventLog, Relaunch, current_attempt, read_records, session_gave_up
+from coci_hpc.runtime.events import (
+    EventLog,
+    Relaunch,
+    RelaunchAction,
+    RelaunchCause,
+    current_attempt,
+    read_records,
+    session_gave_up,
+)
 from coci_hpc.runtime.signals import DEFAULT_SIGNALS, SignalRecorder
 from coci_hpc.slurm import commands
 from coci_hpc.slurm.env import JobEnvironment
@@ -69,7 +77,7 @@ class Decision:
     action: str
     reason: str
     nodes: tuple[str, ...] = ()
-    cause: str | None = None      # why the step failed: node_failure|crash (events.RELAUNCH_CAUSES)
+    cause: RelaunchCause | None = None      # why the step failed
 
 
 def choose_nodes(held: Sequence[str], unhealthy: Mapping[str, str], needed: int,
@@ -104,7 +112,7 @@ def decide(*, rc: int, signaled: bool, held: Sequence[str], unhealthy: Mapping[s
     if gave_up:
         return Decision("give_up", f"the training session gave up: {gave_up}")
     lost = sorted(unhealthy)
-    cause = "node_failure" if lost else "crash"
+    cause = RelaunchCause.NODE_FAILURE if lost else RelaunchCause.CRASH
     what = f"node(s) {','.join(f'{n} ({unhealthy[n]})' for n in lost)} lost" if lost else \
         f"the ranks exited with status {rc} (no node down)"
     nodes = choose_nodes(held, unhealthy, needed, suspect)
@@ -230,7 +238,7 @@ class Relauncher:
                 return 0 if rc == 0 else rc
             if ckpt:
                 _record(Path(ckpt), job.job_id, Relaunch(
-                    restart=restarts + (d.action == "relaunch"), rc=rc, action=d.action, cause=d.cause,
+                    restart=restarts + (d.action == "relaunch"), rc=rc, action=RelaunchAction(d.action), cause=d.cause,
                     reason=d.reason, lost=bad, nodes=list(d.nodes), step_ended_wall=ended,
                     decided_wall=decided, lost_task_on=sorted(suspect)))
             if d.action == "give_up":

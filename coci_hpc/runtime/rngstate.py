@@ -1,6 +1,6 @@
 """This rank's RNG streams as raw bytes, fast enough to copy every step.
 
-:func:`coci_hpc.checkpoint.state.capture_rng` builds python objects: ``random.getstate()`` makes a
+:func:`coci_hpc.checkpoint.rng.capture_rng` builds python objects: ``random.getstate()`` makes a
 tuple of 625 ints (~17 us) that then becomes an int64 array (~10-20 us), numpy's
 ``get_state()`` fills its 624-word key one python assignment at a time (~35 us). The partner copy
 (:mod:`.partner`) takes these states at every step, so :class:`RngBytes` reads the same words
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from coci_hpc.checkpoint.state import capture_rng
+from coci_hpc.checkpoint.rng import capture_rng
 
 N = 624
 PY_BYTES = 4 + 4 * N + 4 + 8
@@ -110,7 +110,7 @@ class RngBytes:
             random.random(), random.gauss(0.0, 1.0), np.random.standard_normal(), np.random.random()
             ok = ok and self._agrees()
         finally:
-            from coci_hpc.checkpoint.state import restore_rng
+            from coci_hpc.checkpoint.rng import restore_rng
 
             restore_rng(saved)
         return ok

@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from coci_hpc.runtime.events import AttemptStart, Lines, records
+
 HINT = ("give this run its own checkpoint directory (--ckpt-dir; coci-submit's default is distinct per "
         "command), or, to continue from that run's checkpoint on purpose, pass --resume-from-other-run to "
         "coci-submit (Session(resume_from_other_run=True), COCI_RESUME_FROM_OTHER_RUN=1)")
@@ -38,11 +40,12 @@ def current_run(argv: Sequence[str], world_size: int, cwd: str | os.PathLike | N
     return {"script": script, "args": list(argv[1:]), "world_size": int(world_size)}
 
 
-def recorded_run(events: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """The run recorded by the directory's last attempt (None: no attempt recorded one)."""
-    for e in reversed(events):
-        if e.get("event") == "attempt_start" and isinstance(e.get("run"), dict):
-            return dict(e["run"])
+def recorded_run(events: Lines) -> dict[str, Any] | None:
+    """The run recorded by the directory's last attempt (None: no attempt recorded one); ``events``:
+    the log's records, or its lines as read."""
+    for e in reversed(records(events)):
+        if isinstance(e, AttemptStart) and isinstance(e.run, dict):
+            return dict(e.run)
     return None
 
 

@@ -41,11 +41,13 @@ from typing import Any
 
 import numpy as np
 
+from coci_hpc import settings
 from coci_hpc.comm import Comm, poll_until_done
 from coci_hpc.errors import PeerLost
 from coci_hpc.runtime.peernotice import PeerNotice
 
-MIN_DEADLINE_S = 5.0     # what a peer gets to reach the boundary before it counts as lost
+MIN_DEADLINE_S = settings.PEER_TIMEOUT_S  # what a peer gets to reach the boundary before it counts as lost
+DEADLINE_STEPS = settings.PEER_TIMEOUT_STEPS  # ... and at least this many typical steps
 ENDING_GRACE_MIN_S = 1.0  # after SIGTERM: what a silent peer still gets, at least ...
 ENDING_GRACE_STEPS = 3.0  # ... and this many typical steps
 
@@ -74,9 +76,10 @@ class StepSync:
             self._mpi_max = MPI.MAX
 
     def follow(self, dt: float) -> float:
-        """After a step of ``dt`` seconds: the deadline becomes max(10 typical steps, the least one)."""
+        """After a step of ``dt`` seconds: the deadline becomes max(``DEADLINE_STEPS`` typical steps,
+        the least one)."""
         self._dt_ema = dt if self._dt_ema == 0.0 else 0.9 * self._dt_ema + 0.1 * dt
-        self.deadline_s = max(self.min_deadline_s, 10.0 * self._dt_ema)
+        self.deadline_s = max(self.min_deadline_s, DEADLINE_STEPS * self._dt_ema)
         return self.deadline_s
 
     def _start(self, send: np.ndarray, recv: np.ndarray) -> Any:

@@ -224,7 +224,7 @@ def _positive(name: str, value: int | None, *, zero_ok: bool = False) -> None:
 def build_spec(*, script: str, script_args: Sequence[str], cwd: Path, python: str,
                partition: str | None = None, nodes: int = 1, ntasks_per_node: int = 1,
                time: str | None = None, job_name: str | None = None, output_dir: str | None = None,
-               ckpt_dir: str | None = None, policy: str = "coci", signal_lead: int = settings.SIGNAL_LEAD_S,
+               ckpt_dir: str | None = None, policy: str = settings.POLICY_DEFAULT, signal_lead: int = settings.SIGNAL_LEAD_S,
                max_requeues: int = settings.MAX_REQUEUES_SUBMIT, no_progress_limit: int = settings.NO_PROGRESS_LIMIT, mpi: str = "pmix",
                gpus_per_node: int | None = None, cpus_per_task: int | None = None,
                mem: str | None = None, account: str | None = None, qos: str | None = None,

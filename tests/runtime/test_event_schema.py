@@ -144,3 +144,41 @@ def test_the_readers_do_not_read_raw_dicts(module: str) -> None:
     dict_readers = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names
                     if a.name in ("read_events", "read_events_counted")]
     assert raw == [] and dict_readers == [], f"{module}: raw reads at lines {raw}, imports {dict_readers}"
+
+
+def test_the_package_writes_typed_records_only() -> None:
+    """Every writer in coci_hpc/ builds its record (``log.write(events.Checkpoint(...))``), so mypy
+    checks each field and value; ``write("checkpoint", **fields)`` is left to tests and tools."""
+    import ast
+    pkg = DOC.parents[2] / "coci_hpc"
+    by_name = []
+    for path in sorted(pkg.rglob("*.py")):
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "write" \
+                    and n.args and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str) \
+                    and n.args[0].value in events.BY_EVENT:
+                by_name.append(f"{path.relative_to(pkg.parent)}:{n.lineno}")
+    assert by_name == [], f"records written by name: {by_name}"
+
+
+def test_values_are_enums_that_write_the_same_bytes_and_read_back_typed(tmp_path: Path) -> None:
+    """An enum value is written as the plain string older code wrote (byte for byte), reads back as
+    the enum, and a value this version does not know reads back as the string it was."""
+    log = events.EventLog(tmp_path / "events.jsonl", attempt=1, job_id=None)
+    log.write(events.Checkpoint(step=3, kind=events.CheckpointKind.STOP, blocking_s=0.5, persist_s=None))
+    line = json.loads((tmp_path / "events.jsonl").read_text())
+    assert '"kind":"stop"' in (tmp_path / "events.jsonl").read_text() and type(line["kind"]) is str
+    [rec] = events.read_records(tmp_path)
+    assert isinstance(rec, events.Checkpoint) and rec.kind is events.CheckpointKind.STOP
+    future = events.parse({"v": 1, "event": "end", "wall": 1.0, "attempt": 1, "job_id": None, "step": 1,
+                           "status": "paused", "message": ""})
+    assert isinstance(future, events.End) and future.status == "paused" \
+        and not isinstance(future.status, events.EndStatus)
+    # A log written before the `refused` status: the refusal was an error whose message said so;
+    # read, it is typed refused (the one place a message is looked at).
+    old = events.parse({"v": 1, "event": "end", "wall": 1.0, "attempt": 2, "job_id": None, "step": 5,
+                        "status": "error", "message": "UsageError: ... nothing was changed"})
+    assert isinstance(old, events.End) and old.status is events.EndStatus.REFUSED
+    other = events.parse({"v": 1, "event": "end", "wall": 1.0, "attempt": 2, "job_id": None, "step": 5,
+                          "status": "error", "message": "RuntimeError: boom"})
+    assert isinstance(other, events.End) and other.status is events.EndStatus.ERROR

@@ -54,10 +54,11 @@ def _peer_loss(root: Path, last_finished: int, calls: list[Any], in_slurm: bool 
         requeue_id = "77"
         job_id = "77"
 
-    pl = peerloss.PeerLoss(comm=Comm.serial(), mgr=mgr, survival=_Survival(last_finished),  # type: ignore[arg-type]
-                           state={}, session_key="__coci__", local_session_state=dict, parts=[], root=root,
-                           log=log, book=_Book(), losses=None, job=Job(),  # type: ignore[arg-type]
-                           runner=lambda *a, **k: calls.append(a) or "", notice=None, in_place=None)
+    parts = peerloss.SessionParts(comm=Comm.serial(), mgr=mgr,  # type: ignore[arg-type]
+                                  state={}, session_key="__coci__", local_session_state=dict, parts=[], root=root,
+                                  log=log, book=_Book(), losses=None, job=Job(),  # type: ignore[arg-type]
+                                  runner=lambda *a, **k: calls.append(a) or "", notice=None, in_place=None)
+    pl = peerloss.PeerLoss(parts, _Survival(last_finished))  # type: ignore[arg-type]
     return pl, mgr, log
 
 
