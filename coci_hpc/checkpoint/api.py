@@ -30,16 +30,18 @@ from typing import Any
 import torch
 
 from coci_hpc.checkpoint import catalog as cat
-from coci_hpc.checkpoint import engine, exitguard, h5_parallel, perms, recovery
+from coci_hpc.checkpoint import engine, exitguard, h5_parallel, perms, recovery, transaction
 from coci_hpc.checkpoint.catalog import ABANDONED, StepCatalog, is_no_space
 from coci_hpc.checkpoint.coordinator import LayoutCache
 from coci_hpc.checkpoint.h5_serial import SerialH5Writer
 from coci_hpc.checkpoint.launch import check_launch
 from coci_hpc.checkpoint.lock import CheckpointLocked, DirectoryLock
 from coci_hpc.checkpoint.lustre import IOTuning, LustrePolicy, tuning_for
+from coci_hpc.checkpoint.prepared import check_step
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem
 from coci_hpc.checkpoint.state import collect, find_optimizers, guarded_ptrs
+from coci_hpc.checkpoint.transaction import SaveTransaction
 from coci_hpc.checkpoint.twophase import TwoPhaseSaver
 from coci_hpc.checkpoint.watchdog import Watchdog
 from coci_hpc.comm import Comm
@@ -211,7 +213,7 @@ class CheckpointManager:
         """
         t0 = time.perf_counter()
         self._async.wait()
-        step = engine.check_step(step)
+        step = check_step(step)
         with Watchdog(self.comm, self.timeout_s, f"saving checkpoint step {step}") as dog:
             if self._before_save(step) == "skip":
                 return cat.step_dir(self.root, step)
@@ -221,12 +223,12 @@ class CheckpointManager:
         return directory
 
     def _save_once(self, step: int, state: Mapping[str, Any], dog: Watchdog, phases: dict[str, float]) -> Path:
-        """One sync save transaction (:func:`.engine.save`); ``phases``: its time per phase."""
+        """One sync save transaction (:func:`.transaction.save`); ``phases``: its time per phase."""
         dog.enter("preparing the file (collective)", waiting_for_others=True)
         t0 = time.perf_counter()
         skeletons, leaves = collect(state, rng=self.rng)
         phases["state_s"] = time.perf_counter() - t0
-        return engine.save(self.comm, self.writer, self._catalog, self._layouts, step, skeletons, leaves,
+        return transaction.save(self.comm, self.writer, self._catalog, self._layouts, step, skeletons, leaves,
                            self.tuning(), self.keep, progress=dog.enter, stats=phases)
 
     def _with_space(self, step: int, attempt: Callable[[], Any], failed: BaseException | None = None) -> Any:
@@ -305,14 +307,14 @@ class CheckpointManager:
                  f"on_no_space='retire_oldest' to delete the older checkpoints (never the newest) "
                  f"and retry once")
 
-    def _async_failed(self, prepared: engine.Prepared, items: list[WriteItem], exc: BaseException) -> None:
-        """A background save failed to commit (its directory is already removed): the same
-        no-space policy as a sync save, retrying the transaction with the snapshot it still holds."""
+    def _async_failed(self, tx: SaveTransaction, items: list[WriteItem], exc: BaseException) -> None:
+        """A background save failed to commit (the transaction aborted): the same no-space policy
+        as a sync save, retrying the transaction with the snapshot it still holds."""
         def retry() -> None:
-            engine.create(self.comm, self.writer, prepared, again=True)
-            engine.write_and_commit(self.comm, self.writer, prepared, lambda: items, self.keep, independent=True)
+            tx.create(again=True)                                     # 2. again: the same offsets
+            tx.write_and_commit(lambda: items, independent=True)      # 3-4.
 
-        self._with_space(prepared.step, retry, failed=exc)
+        self._with_space(tx.step, retry, failed=exc)
 
     def save_async(self, step: int, state: Mapping[str, Any]) -> str:
         """Collective: two-phase save. Returns "started" or "skipped" (on_busy="skip").
@@ -328,7 +330,7 @@ class CheckpointManager:
             step: The training step the state belongs to.
             state: The state to save, as for :meth:`save`.
         """
-        step = engine.check_step(step)
+        step = check_step(step)
         optimizers = find_optimizers(state)
         for opt in optimizers:
             if opt not in self._hooked:
