@@ -30,11 +30,13 @@ from typing import Any
 import torch
 
 from coci_hpc.checkpoint import catalog as cat
-from coci_hpc.checkpoint import engine, exitguard, h5_parallel, perms, recovery, transaction
+from coci_hpc.checkpoint import exitguard, h5_parallel, perms, recovery, transaction
 from coci_hpc.checkpoint.catalog import ABANDONED, StepCatalog, is_no_space
 from coci_hpc.checkpoint.coordinator import LayoutCache
 from coci_hpc.checkpoint.h5_serial import SerialH5Writer
 from coci_hpc.checkpoint.launch import check_launch
+from coci_hpc.checkpoint.load import LoadResult
+from coci_hpc.checkpoint.load import load as load_into
 from coci_hpc.checkpoint.lock import CheckpointLocked, DirectoryLock
 from coci_hpc.checkpoint.lustre import IOTuning, LustrePolicy, tuning_for
 from coci_hpc.checkpoint.prepared import check_step
@@ -50,7 +52,6 @@ from coci_hpc.errors import CheckpointError, CociError, UsageError
 BACKENDS = ("auto", "parallel", "serial")
 ON_NO_SPACE = ("raise", "retire_oldest")
 DEFAULT_TIMEOUT_S = 600.0
-LoadResult = engine.LoadResult
 
 
 def make_writer(comm: Comm, backend: str) -> StorageWriter:
@@ -62,7 +63,7 @@ def make_writer(comm: Comm, backend: str) -> StorageWriter:
     return SerialH5Writer(comm)
 
 
-def per_rank_note(result: engine.LoadResult, size: int) -> str | None:
+def per_rank_note(result: LoadResult, size: int) -> str | None:
     """What a load on ``size`` ranks did with the ``PerRank`` state of a checkpoint saved on
     another number of ranks (None: same size, or no PerRank state but the RNG streams). The rule:
     each value is its rank's own and is never redistributed; rank r gets saved rank r's value
@@ -376,7 +377,7 @@ class CheckpointManager:
         return self._async.persist_done
 
     # ------------------------------------------------------------------------- loading
-    def load(self, step: int, state: Mapping[str, Any]) -> engine.LoadResult:
+    def load(self, step: int, state: Mapping[str, Any]) -> LoadResult:
         """Collective: load ``step`` into ``state`` in place (any world size can load it).
 
         A later save supersedes the committed steps newer than ``step`` (rollback).
@@ -390,12 +391,12 @@ class CheckpointManager:
         """
         self._async.wait()
         result = recovery.load_step(self.comm, self.root, step,  # damage -> CheckpointCorrupt
-                                    lambda s: engine.load(self.comm, self.root, s, state, rng=self.rng))
+                                    lambda s: load_into(self.comm, self.root, s, state, rng=self.rng))
         self._base = result.step
         self._say_per_rank(result)
         return result
 
-    def load_latest(self, state: Mapping[str, Any]) -> engine.LoadResult:
+    def load_latest(self, state: Mapping[str, Any]) -> LoadResult:
         """Collective: load the newest committed checkpoint that is intact (a damaged one is skipped
         with a loud warning); CheckpointNotFound if there is none, CheckpointCorrupt if all are bad.
 
@@ -407,13 +408,13 @@ class CheckpointManager:
         """
         self._async.wait()
         result = recovery.load_latest_intact(self.comm, self.root,  # damaged -> falls back, warns
-                                             lambda s: engine.load(self.comm, self.root, s, state, rng=self.rng),
+                                             lambda s: load_into(self.comm, self.root, s, state, rng=self.rng),
                                              catalog=self._catalog if self._lock is not None else None)
         self._base = result.step
         self._say_per_rank(result)
         return result
 
-    def _say_per_rank(self, result: engine.LoadResult) -> None:
+    def _say_per_rank(self, result: LoadResult) -> None:
         """Rank 0: say what became of ``PerRank`` state loaded on another number of ranks."""
         note = per_rank_note(result, self.comm.size) if self.comm.rank == 0 else None
         if note:

@@ -50,9 +50,9 @@ directory and one data file created, the manifest created and renamed, and per r
 one unlink and one rename: independent of the steps kept and of the number of ranks.
 
 Fault injection for tests wraps a writer (``tests/faults/faulty.py``): it pauses or fails in
-these calls; nothing in the engine reads fault knobs.
+these calls; nothing in the transaction reads fault knobs.
 
-Loading (:func:`~coci_hpc.checkpoint.engine.load`): every rank opens the files read-only,
+Loading (:func:`~coci_hpc.checkpoint.load.load`): every rank opens the files read-only,
 checks the manifest against its state, then (1) checks the CRC of every shard it will read,
 each shard once per node, through two small reused buffers, and (2) only when every rank's
 checks passed, copies the checked bytes into the state's own tensors.
