@@ -168,7 +168,7 @@ def mapped_copy(timer: Timer, path: Path, tensors) -> float:
     (raw_write), so nothing changes."""
     import torch
 
-    from coci_hpc.checkpoint.engine import _node_ranks
+    from coci_hpc.checkpoint.load import _node_ranks
     from coci_hpc.checkpoint.rawio import FileMap, copy_pool, copy_threads
 
     threads = copy_threads(_node_ranks(timer.comm)[1])

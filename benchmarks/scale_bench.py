@@ -164,7 +164,7 @@ def _plan_figures(comm: Any, leaves: int, reps: int) -> dict[str, Any]:
 
     align = 4096
 
-    # agree() is handed the leaves, as engine.plan hands them: describing them is part of it.
+    # agree() is handed the leaves, as SaveTransaction.plan hands them: describing them is part of it.
     def first() -> None:
         agree(comm, next_leaves(), align, LayoutCache(), last_manifest=lambda: None)
 

@@ -30,16 +30,20 @@ from typing import Any
 import torch
 
 from coci_hpc.checkpoint import catalog as cat
-from coci_hpc.checkpoint import engine, exitguard, h5_parallel, perms, recovery
+from coci_hpc.checkpoint import exitguard, h5_parallel, perms, recovery, transaction
 from coci_hpc.checkpoint.catalog import ABANDONED, StepCatalog, is_no_space
 from coci_hpc.checkpoint.coordinator import LayoutCache
 from coci_hpc.checkpoint.h5_serial import SerialH5Writer
 from coci_hpc.checkpoint.launch import check_launch
+from coci_hpc.checkpoint.load import LoadResult
+from coci_hpc.checkpoint.load import load as load_into
 from coci_hpc.checkpoint.lock import CheckpointLocked, DirectoryLock
 from coci_hpc.checkpoint.lustre import IOTuning, LustrePolicy, tuning_for
+from coci_hpc.checkpoint.prepared import check_step
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem
 from coci_hpc.checkpoint.state import collect, find_optimizers, guarded_ptrs
+from coci_hpc.checkpoint.transaction import SaveTransaction
 from coci_hpc.checkpoint.twophase import TwoPhaseSaver
 from coci_hpc.checkpoint.watchdog import Watchdog
 from coci_hpc.comm import Comm
@@ -48,7 +52,6 @@ from coci_hpc.errors import CheckpointError, CociError, UsageError
 BACKENDS = ("auto", "parallel", "serial")
 ON_NO_SPACE = ("raise", "retire_oldest")
 DEFAULT_TIMEOUT_S = 600.0
-LoadResult = engine.LoadResult
 
 
 def make_writer(comm: Comm, backend: str) -> StorageWriter:
@@ -60,7 +63,7 @@ def make_writer(comm: Comm, backend: str) -> StorageWriter:
     return SerialH5Writer(comm)
 
 
-def per_rank_note(result: engine.LoadResult, size: int) -> str | None:
+def per_rank_note(result: LoadResult, size: int) -> str | None:
     """What a load on ``size`` ranks did with the ``PerRank`` state of a checkpoint saved on
     another number of ranks (None: same size, or no PerRank state but the RNG streams). The rule:
     each value is its rank's own and is never redistributed; rank r gets saved rank r's value
@@ -211,7 +214,7 @@ class CheckpointManager:
         """
         t0 = time.perf_counter()
         self._async.wait()
-        step = engine.check_step(step)
+        step = check_step(step)
         with Watchdog(self.comm, self.timeout_s, f"saving checkpoint step {step}") as dog:
             if self._before_save(step) == "skip":
                 return cat.step_dir(self.root, step)
@@ -221,12 +224,12 @@ class CheckpointManager:
         return directory
 
     def _save_once(self, step: int, state: Mapping[str, Any], dog: Watchdog, phases: dict[str, float]) -> Path:
-        """One sync save transaction (:func:`.engine.save`); ``phases``: its time per phase."""
+        """One sync save transaction (:func:`.transaction.save`); ``phases``: its time per phase."""
         dog.enter("preparing the file (collective)", waiting_for_others=True)
         t0 = time.perf_counter()
         skeletons, leaves = collect(state, rng=self.rng)
         phases["state_s"] = time.perf_counter() - t0
-        return engine.save(self.comm, self.writer, self._catalog, self._layouts, step, skeletons, leaves,
+        return transaction.save(self.comm, self.writer, self._catalog, self._layouts, step, skeletons, leaves,
                            self.tuning(), self.keep, progress=dog.enter, stats=phases)
 
     def _with_space(self, step: int, attempt: Callable[[], Any], failed: BaseException | None = None) -> Any:
@@ -305,14 +308,14 @@ class CheckpointManager:
                  f"on_no_space='retire_oldest' to delete the older checkpoints (never the newest) "
                  f"and retry once")
 
-    def _async_failed(self, prepared: engine.Prepared, items: list[WriteItem], exc: BaseException) -> None:
-        """A background save failed to commit (its directory is already removed): the same
-        no-space policy as a sync save, retrying the transaction with the snapshot it still holds."""
+    def _async_failed(self, tx: SaveTransaction, items: list[WriteItem], exc: BaseException) -> None:
+        """A background save failed to commit (the transaction aborted): the same no-space policy
+        as a sync save, retrying the transaction with the snapshot it still holds."""
         def retry() -> None:
-            engine.create(self.comm, self.writer, prepared, again=True)
-            engine.write_and_commit(self.comm, self.writer, prepared, lambda: items, self.keep, independent=True)
+            tx.create(again=True)                                     # 2. again: the same offsets
+            tx.write_and_commit(lambda: items, independent=True)      # 3-4.
 
-        self._with_space(prepared.step, retry, failed=exc)
+        self._with_space(tx.step, retry, failed=exc)
 
     def save_async(self, step: int, state: Mapping[str, Any]) -> str:
         """Collective: two-phase save. Returns "started" or "skipped" (on_busy="skip").
@@ -328,7 +331,7 @@ class CheckpointManager:
             step: The training step the state belongs to.
             state: The state to save, as for :meth:`save`.
         """
-        step = engine.check_step(step)
+        step = check_step(step)
         optimizers = find_optimizers(state)
         for opt in optimizers:
             if opt not in self._hooked:
@@ -374,7 +377,7 @@ class CheckpointManager:
         return self._async.persist_done
 
     # ------------------------------------------------------------------------- loading
-    def load(self, step: int, state: Mapping[str, Any]) -> engine.LoadResult:
+    def load(self, step: int, state: Mapping[str, Any]) -> LoadResult:
         """Collective: load ``step`` into ``state`` in place (any world size can load it).
 
         A later save supersedes the committed steps newer than ``step`` (rollback).
@@ -388,12 +391,12 @@ class CheckpointManager:
         """
         self._async.wait()
         result = recovery.load_step(self.comm, self.root, step,  # damage -> CheckpointCorrupt
-                                    lambda s: engine.load(self.comm, self.root, s, state, rng=self.rng))
+                                    lambda s: load_into(self.comm, self.root, s, state, rng=self.rng))
         self._base = result.step
         self._say_per_rank(result)
         return result
 
-    def load_latest(self, state: Mapping[str, Any]) -> engine.LoadResult:
+    def load_latest(self, state: Mapping[str, Any]) -> LoadResult:
         """Collective: load the newest committed checkpoint that is intact (a damaged one is skipped
         with a loud warning); CheckpointNotFound if there is none, CheckpointCorrupt if all are bad.
 
@@ -405,13 +408,13 @@ class CheckpointManager:
         """
         self._async.wait()
         result = recovery.load_latest_intact(self.comm, self.root,  # damaged -> falls back, warns
-                                             lambda s: engine.load(self.comm, self.root, s, state, rng=self.rng),
+                                             lambda s: load_into(self.comm, self.root, s, state, rng=self.rng),
                                              catalog=self._catalog if self._lock is not None else None)
         self._base = result.step
         self._say_per_rank(result)
         return result
 
-    def _say_per_rank(self, result: engine.LoadResult) -> None:
+    def _say_per_rank(self, result: LoadResult) -> None:
         """Rank 0: say what became of ``PerRank`` state loaded on another number of ranks."""
         note = per_rank_note(result, self.comm.size) if self.comm.rank == 0 else None
         if note:

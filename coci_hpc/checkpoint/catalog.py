@@ -204,10 +204,11 @@ class TierStaging(Staging):
         return out
 
 
-def has_manifest(root: str | os.PathLike, step: int) -> bool:
-    """One lookup, no listing: is ``step`` committed on disk right now?"""
+def is_committed(root: str | os.PathLike, step: int | None = None) -> bool:
+    """One lookup, no listing: is ``step`` of ``root`` committed on disk right now (its manifest,
+    written last, is there)? ``step`` None: ``root`` is itself a step directory."""
     OPS.stats += 1
-    return (step_dir(root, step) / mf.MANIFEST).is_file()
+    return ((Path(root) if step is None else step_dir(root, step)) / mf.MANIFEST).is_file()
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
@@ -262,6 +263,12 @@ def wait_for_deletions() -> None:
 def _remove_tree(path: Path) -> None:
     OPS.removes += 1
     shutil.rmtree(path, ignore_errors=True)
+
+
+def catalog_of(where: str | os.PathLike | StepCatalog) -> StepCatalog:
+    """``where`` itself when it is a catalog (the manager's), else a catalog of the root ``where``
+    (a tool or test with no manager in the process)."""
+    return where if isinstance(where, StepCatalog) else StepCatalog(where)
 
 
 class StepCatalog:

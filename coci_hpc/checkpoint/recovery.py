@@ -70,7 +70,7 @@ def _agree_damage(comm: Comm, exc: BaseException) -> bool:
 
 def _gone(comm: Comm, root: Path, step: int) -> bool:
     """Collective: rank 0 looks whether ``step`` is still committed."""
-    gone = not cat.has_manifest(root, step) if comm.rank == 0 else None
+    gone = not cat.is_committed(root, step) if comm.rank == 0 else None
     return bool(comm.bcast(gone))
 
 

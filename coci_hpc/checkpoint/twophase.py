@@ -39,7 +39,7 @@ Commit of a finished persist happens at later collective calls: ``poll()`` (call
 step) spreads it over a few calls, each completing the small non-blocking collective started by
 the previous call and starting the next (all finished? -> gather the CRCs on rank 0, which writes
 the manifest -> broadcast the outcome; the one commit of every save,
-:class:`~coci_hpc.checkpoint.engine.Commit`, stepped), so no training step waits
+:class:`~coci_hpc.checkpoint.commit.Commit`, stepped), so no training step waits
 for another rank to reach the same call; ``poll`` returns True on every rank at the same call,
 the fourth call after the last rank finished writing. ``wait()``, ``start()`` (through
 ``make_room``) and ``close()`` finish whatever stage the commit is in, blocking. Until the
@@ -70,14 +70,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from coci_hpc.checkpoint import engine
 from coci_hpc.checkpoint.catalog import StepCatalog
+from coci_hpc.checkpoint.commit import Commit, Written
 from coci_hpc.checkpoint.coordinator import LayoutCache
 from coci_hpc.checkpoint.devices import pinned_empty, wait_copies
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, aligned_empty, lower_thread_priority
 from coci_hpc.checkpoint.state import Leaf, collect
+from coci_hpc.checkpoint.transaction import SaveTransaction
 from coci_hpc.comm import Comm
 from coci_hpc.errors import UsageError
 
@@ -139,13 +140,14 @@ def copy_bytes(leaf: Leaf, start: int, dst: np.ndarray, pinned: torch.Tensor | N
 
 @dataclass
 class _Job:
-    """One save in flight: created (phases 1-2), written by the thread (3), committed (4)."""
+    """One save in flight: its transaction planned and created (phases 1-2) in ``start``,
+    written by the thread (3), committed by ``poll`` / ``wait`` (4)."""
 
-    prepared: engine.Prepared
+    tx: SaveTransaction
     items: list[WriteItem]
     deferred: list[tuple[Leaf, int, np.ndarray, torch.Tensor | None]]
-    written: engine.Written
-    commit: engine.Commit
+    written: Written
+    commit: Commit
     snapshot_done: threading.Event = field(default_factory=threading.Event)
     t_start: float = 0.0
     t_snapshot: float = 0.0
@@ -157,8 +159,8 @@ class TwoPhaseSaver:
                  *, keep: int, on_busy: str = "wait", overlap: bool = True, rng: bool = True,
                  overlap_min_bytes: int = 1 << 20, direct: bool = True,
                  timeout_s: float | None = None,
-                 on_failure: Callable[[engine.Prepared, list[WriteItem], BaseException], None] | None = None,
-                 layouts: LayoutCache | None = None, catalog: StepCatalog | None = None) -> None:
+                 on_failure: Callable[[SaveTransaction, list[WriteItem], BaseException], None] | None = None,
+                 layouts: LayoutCache | None = None, catalog: StepCatalog) -> None:
         if on_busy not in ON_BUSY:
             raise UsageError(f"on_busy={on_busy!r} is not one of {ON_BUSY}",
                              hint="'wait' blocks until the previous persist commits; 'skip' drops the new save")
@@ -169,7 +171,7 @@ class TwoPhaseSaver:
         self.timeout_s = timeout_s
         self.on_failure = on_failure
         self.layouts = layouts if layouts is not None else LayoutCache()
-        self.catalog = catalog if catalog is not None else StepCatalog(root)
+        self.catalog = catalog   # the manager's: one catalog per root
         self.buffers = HostBuffers()
         self._job: _Job | None = None
         self.last_stats: dict[str, float] = {}
@@ -208,8 +210,9 @@ class TwoPhaseSaver:
         if self._job is not None:
             raise RuntimeError("TwoPhaseSaver.start with a save in flight: call make_room() first")
         skeletons, leaves = collect(state, rng=self.rng, defer_device=True, guarded=guarded)
-        prepared = engine.create(self.comm, self.writer, engine.plan(self.comm, self.catalog, step, skeletons,
-                                                                     leaves, self.tuning(), self.layouts))
+        tx = SaveTransaction.plan(self.comm, self.writer, self.catalog, self.layouts, step, skeletons, leaves,
+                                  self.tuning(), self.keep).create()           # 1-2.
+        prepared = tx.prepared
         # Snapshot only the bytes this rank writes: 1/N of the replicated state plus its own.
         items: list[WriteItem] = []
         deferred = []
@@ -226,9 +229,8 @@ class TwoPhaseSaver:
             else:
                 copy_bytes(*copy)
         self.buffers.drop_unused(used)
-        written = engine.Written(timeout_s=self.timeout_s)
-        job = _Job(prepared, items, deferred, written, engine.Commit(self.comm, prepared, written, self.keep),
-                   t_start=t0)
+        written = Written(timeout_s=self.timeout_s)
+        job = _Job(tx, items, deferred, written, tx.commit(written), t_start=t0)   # 3 in the thread, 4 in poll
         if not deferred:
             job.snapshot_done.set()
         written.thread = threading.Thread(target=self._persist, args=(job,), name="coci-persist", daemon=True)
@@ -243,7 +245,7 @@ class TwoPhaseSaver:
 
         Each call completes the non-blocking collective started by the previous call (every
         rank started it one call ago, so this does not wait for a slower rank to reach this
-        call) and starts the next one; see :class:`~coci_hpc.checkpoint.engine.Commit`. The
+        call) and starts the next one; see :class:`~coci_hpc.checkpoint.commit.Commit`. The
         commit finishes at the fourth call after the last rank finished writing.
         """
         if self._job is None:
@@ -273,15 +275,15 @@ class TwoPhaseSaver:
             self._job = None
             job.snapshot_done.set()  # never leave the optimizer pre-hook waiting for it
             self._note(job)
-            engine.discard(self.comm, job.prepared)
+            job.tx.abort()
             if self.on_failure is None:
                 raise
-            self.on_failure(job.prepared, job.items, exc)  # retries it, or raises a clearer error
+            self.on_failure(job.tx, job.items, exc)  # retries it, or raises a clearer error
             done = True
         if done:
             self._job = None
             self._note(job)
-            self.committed.append(job.prepared.step)
+            self.committed.append(job.tx.step)
         return done
 
     def _note(self, job: _Job) -> None:
@@ -321,7 +323,7 @@ class TwoPhaseSaver:
             # The copy ran at full priority (the optimizer step may be waiting for it); the
             # writes yield the CPU to training, which keeps interference low on few cores.
             lower_thread_priority()
-            crcs = engine.write(self.writer, job.prepared, job.items, independent=True, direct=self.direct)
+            crcs = job.tx.write(job.items, independent=True, direct=self.direct)
             job.t_persist = time.perf_counter() - job.t_start
         except BaseException as exc:  # noqa: BLE001 - surfaced on every rank at commit
             error = exc

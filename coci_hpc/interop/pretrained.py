@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from coci_hpc.checkpoint import catalog as cat
-from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.errors import CheckpointNotFound, UsageError
 from coci_hpc.interop import names
 from coci_hpc.interop.source import MODEL_KEY, CheckpointSource, export_name
@@ -278,7 +277,7 @@ def open_source(path: str | os.PathLike, *, model_key: str = MODEL_KEY, step: in
         return _Safetensors(singles)
     if (p / ".metadata").is_file():
         return _DCP(p, model_key)
-    if (p / mf.MANIFEST).is_file() or cat.latest_step(p) is not None:
+    if cat.is_committed(p) or cat.latest_step(p) is not None:
         return _Coci(p, model_key, step)   # a root, or one step directory of it
     raise UsageError(f"{p} holds no model weights coci can read",
                      hint="expected *.safetensors (+ model.safetensors.index.json), a DCP directory "

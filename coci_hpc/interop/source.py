@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from coci_hpc.checkpoint import catalog as cat
-from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.h5file import DatasetReader
 from coci_hpc.checkpoint.state import empty_like_leaf, leaf_view, storage_dtype
 from coci_hpc.errors import CheckpointCorrupt, CheckpointNotFound, UsageError
@@ -88,7 +87,7 @@ class CheckpointSource:
     def __init__(self, root: str | os.PathLike, step: int | None = None) -> None:
         self.root = Path(root)
         named = cat.STEP_RE.match(self.root.name)
-        if named and (self.root / mf.MANIFEST).is_file() and step is None:   # a step directory
+        if named and cat.is_committed(self.root) and step is None:   # a step directory
             self.root, step = self.root.parent, int(named.group(1))
         if not self.root.is_dir():
             raise CheckpointNotFound(f"{self.root} is not a directory",

@@ -46,12 +46,13 @@ import numpy as np
 
 from coci_hpc import settings
 from coci_hpc.checkpoint import catalog as cat
-from coci_hpc.checkpoint import engine
+from coci_hpc.checkpoint import transaction
 from coci_hpc.checkpoint.layout import REPLICATED_KINDS
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.state import Leaf, collect, storage_dtype
 from coci_hpc.comm import Comm
 from coci_hpc.errors import UsageError
+from coci_hpc.runtime import staged
 from coci_hpc.runtime.partner import PartnerLink
 
 TAG = 0xC0C2
@@ -307,73 +308,91 @@ def newest_whole(found: Mapping[int, Mapping[int, Any]], size: int) -> int | Non
     return max(whole) if whole else None
 
 
+class _TierSource:
+    """The survivors' save from the memory tier, as a :class:`~coci_hpc.runtime.staged.Source`."""
+
+    def __init__(self, root: Path, boundary: int, tier: MemoryTier, tuning: IOTuning, keep: int, window_s: float,
+                 catalog: cat.StepCatalog | None, out: TierOutcome) -> None:
+        self.root, self.tier, self.tuning, self.keep, self.window_s = root, tier, tuning, keep, window_s
+        self.catalog, self.out, self.size = catalog, out, tier.size
+        self.staging = cat.TierStaging(root, boundary)
+        self.found: dict[int, dict[int, tuple[int, Path]]] = {}
+        self.snaps: dict[int, Snapshot] = {}
+
+    def post(self) -> None:
+        for rank, slot in sorted(self.tier.held(), key=lambda x: -x[1].step):     # newest first
+            self.staging.post_at(slot.step, rank, self.tier.rank, memoryview(slot.buf)[:slot.nbytes])
+
+    def known_step(self) -> int | None:
+        return None   # the newest step that turns out whole
+
+    def refusal(self) -> str:
+        return ""     # state held in parts is what the tier is for
+
+    def wait(self) -> tuple[int | None, str]:
+        staging, end = self.staging, time.monotonic() + self.window_s
+        seen: set[tuple[int, int]] = set()
+        quiet_since = time.monotonic()
+        while True:
+            found = staging.posted_at()
+            step = newest_whole(found, self.size)
+            # Wait for the newest step any survivor holds to become whole (or the window to end).
+            now = time.monotonic()
+            if (step is not None and step == max(found)) or now > end:
+                break
+            # The survivors post as soon as they see the loss, and Slurm kills them KillWait after a
+            # node failure (30 s by default, 5 s on the local cluster): once no copy has arrived for
+            # QUIET_S and none is being written, the missing one is not coming (a rank and its
+            # partner both lost), so decide now and leave time to record it.
+            posted = {(s, r) for s, ranks in found.items() for r in ranks}
+            if posted != seen:
+                seen, quiet_since = posted, now
+            elif now - quiet_since > QUIET_S and not staging.writing():
+                break
+            time.sleep(0.05)
+        self.found = found
+        if step is None:
+            missing = sorted(set(range(self.size)) - {r for ranks in found.values() for r in ranks})
+            return None, (f"no memory-tier copy of rank(s) {missing} survived (a rank and its partner were both "
+                          f"lost, or the first copy had not arrived): the disk tier serves")
+        self.out.step = step
+        return step, ""
+
+    def gather(self, step: int) -> None:
+        self.snaps = {r: decode(np.frombuffer(p.read_bytes(), dtype=np.uint8)) for r, (_, p) in self.found[step].items()}
+        self.out.ranks_from_partner = sorted(r for r, (holder, _) in self.found[step].items() if holder != r)
+
+    def write(self, step: int) -> Path:
+        return write_snapshots(self.root, step, self.snaps, self.size, self.tuning, self.keep, self.catalog)
+
+    def already(self, step: int) -> None:
+        self.out.committed, self.out.tier, self.out.path = True, "memory", cat.step_dir(self.root, step)
+        self.out.reason = f"the disk checkpoint of step {step} had committed"
+
+    def wrote(self, step: int) -> None:
+        self.out.tier = "memory"
+
+
 def survivors_save(root: Path, boundary: int, tier: MemoryTier, tuning: IOTuning, keep: int,
-                   window_s: float) -> TierOutcome:
-    """This survivor's part of a save from the memory tier: post what it holds (the step
-    catalog's :class:`~coci_hpc.checkpoint.catalog.TierStaging`); the first to claim waits up
-    to ``window_s`` for a step that every rank's state is posted for and hands its pieces to the
-    save transaction (:func:`write_snapshots`). No step whole (a rank and its partner both
-    lost): nothing is written, the run falls back to the disk tier, and the outcome says so."""
-    t0 = time.monotonic()
+                   window_s: float, catalog: cat.StepCatalog | None = None) -> TierOutcome:
+    """This survivor's part of a save from the memory tier (:func:`coci_hpc.runtime.staged.run`):
+    post what it holds (the step catalog's :class:`~coci_hpc.checkpoint.catalog.TierStaging`);
+    the first to claim waits up to ``window_s`` for a step that every rank's state is posted for
+    and hands its pieces to the save transaction (:func:`write_snapshots`). No step whole (a rank
+    and its partner both lost): nothing is written, the run falls back to the disk tier, and the
+    outcome says so. ``catalog``: the manager's (None: opened on ``root`` if this survivor writes)."""
     out = TierOutcome(boundary)
-    staging = cat.TierStaging(root, boundary)
-    for rank, slot in sorted(tier.held(), key=lambda x: -x[1].step):     # newest first
-        staging.post_at(slot.step, rank, tier.rank, memoryview(slot.buf)[:slot.nbytes])
-    if not staging.claim():
-        out.reason = "another survivor writes"
-        return out
-    out.writer = True
-    end = time.monotonic() + window_s
-    seen: set[tuple[int, int]] = set()
-    quiet_since = time.monotonic()
-    while True:
-        found = staging.posted_at()
-        step = newest_whole(found, tier.size)
-        # Wait for the newest step any survivor holds to become whole (or the window to end).
-        now = time.monotonic()
-        if (step is not None and step == max(found)) or now > end:
-            break
-        # The survivors post as soon as they see the loss, and Slurm kills them KillWait after a
-        # node failure (30 s by default, 5 s on the local cluster): once no copy has arrived for
-        # QUIET_S and none is being written, the missing one is not coming (a rank and its
-        # partner both lost), so decide now and leave time to record it.
-        posted = {(s, r) for s, ranks in found.items() for r in ranks}
-        if posted != seen:
-            seen, quiet_since = posted, now
-        elif now - quiet_since > QUIET_S and not staging.writing():
-            break
-        time.sleep(0.05)
-    out.lost = staging.absent(tier.size)
-    if step is None:
-        missing = sorted(set(range(tier.size)) - {r for ranks in found.values() for r in ranks})
-        out.reason = (f"no memory-tier copy of rank(s) {missing} survived (a rank and its partner were both "
-                      f"lost, or the first copy had not arrived): the disk tier serves")
-        return out
-    out.step = step
-    if cat.has_manifest(root, step):
-        out.committed, out.tier, out.path = True, "memory", cat.step_dir(root, step)
-        out.reason = f"the disk checkpoint of step {step} had committed"
-        staging.drop_posted()
-        return out
-    snaps = {r: decode(np.frombuffer(p.read_bytes(), dtype=np.uint8)) for r, (_, p) in found[step].items()}
-    out.ranks_from_partner = sorted(r for r, (holder, _) in found[step].items() if holder != r)
-    try:
-        out.path = write_snapshots(root, step, snaps, tier.size, tuning, keep)
-    except (OSError, ValueError, KeyError) as exc:   # the transaction discarded the step directory
-        out.reason = str(exc)
-        return out
-    out.committed, out.tier = True, "memory"
-    out.write_s = time.monotonic() - t0
-    staging.drop_posted()        # the claim stays until the next attempt sweeps the staging
+    staged.run(_TierSource(root, boundary, tier, tuning, keep, window_s, catalog, out), out, root)
     return out
 
 
 def write_snapshots(root: Path, step: int, snaps: Mapping[int, Snapshot], size: int, tuning: IOTuning,
-                    keep: int) -> Path:
-    """Hand the save transaction (:func:`coci_hpc.checkpoint.engine.save_whole`: one process
-    writes, reads back, seals, discards on failure) the N-rank checkpoint of ``step`` from every
+                    keep: int, catalog: cat.StepCatalog | None = None) -> Path:
+    """Hand the save transaction (:func:`coci_hpc.checkpoint.transaction.save_whole`: one process
+    writes, reads back, seals, aborts on failure) the N-rank checkpoint of ``step`` from every
     rank's memory-tier copy: the replicated leaves from rank 0's copy, each rank's per-rank
-    leaves and parts (DTensor boxes, ``Sharded`` rows) from its own."""
+    leaves and parts (DTensor boxes, ``Sharded`` rows) from its own. ``catalog``: the manager's
+    (None: one is opened on ``root``)."""
     from coci_hpc.runtime.survivors import make_writer
 
     missing = [r for r in range(size) if r not in snaps]
@@ -383,8 +402,9 @@ def write_snapshots(root: Path, step: int, snaps: Mapping[int, Snapshot], size: 
     repl = [l for l in base.leaves if l.kind in REPLICATED_KINDS]
     per_rank = [(snaps[r].skeletons["per_rank"], [l for l in snaps[r].leaves if l.kind not in REPLICATED_KINDS])
                 for r in range(size)]
-    return engine.save_whole(make_writer(), root, step, (base.skeletons["replicated"], repl), per_rank, tuning,
-                             keep, backend=BACKEND, extra={"survivors_save": True, "memory_tier": True})
+    return transaction.save_whole(make_writer(), cat.catalog_of(catalog if catalog is not None else root), step,
+                                  (base.skeletons["replicated"], repl), per_rank, tuning, keep, backend=BACKEND,
+                                  extra={"survivors_save": True, "memory_tier": True})
 
 
 # -- the session's choice ------------------------------------------------------------------------

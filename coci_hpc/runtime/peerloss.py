@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 from coci_hpc import settings
 from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.comm import Comm
 from coci_hpc.errors import PeerLost, SlurmError
 from coci_hpc.runtime import events as ev
@@ -63,10 +64,11 @@ def leave_after_peer_loss(in_place: bool) -> NoReturn:
     os._exit(1 if in_place else 0)
 
 
-def mf_latest(root: Any) -> int | None:
-    """The newest committed step, read by this rank alone (``mgr.latest_step()`` is a collective)."""
-    from coci_hpc.checkpoint import catalog
-    return catalog.latest_step(root)
+def mf_latest(catalog: StepCatalog) -> int | None:
+    """The newest committed step, read by this rank alone (``mgr.latest_step()`` is a collective)
+    from the manager's catalog listed afresh (rank 0 wrote the steps, maybe not this rank)."""
+    catalog.refresh()
+    return catalog.latest()
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ class PeerLoss:
                  f"started since this attempt ({self.log.attempt}) began: this process was left behind and "
                  f"leaves without saving, recording or requeueing")
             leave_after_peer_loss(in_place)
-        ahead, mine = mf_latest(self.root), self.survival.snapshot.step
+        ahead, mine = mf_latest(self.mgr.catalog), self.survival.snapshot.step
         if ahead is not None and ahead > mine:
             # A checkpoint newer than the last step this rank finished committed while it was gone:
             # the others went on and saved without it (its host froze, the survivors saved, Slurm
@@ -192,7 +194,7 @@ class PeerLoss:
             if sv_.memtier is not None and sv_.enabled:
                 # State held in parts: the memory tier's newest whole step, else the disk tier.
                 out = memtier.survivors_save(root, boundary, sv_.memtier, self.mgr.local_tuning(), self.mgr.keep,
-                                             window_s=3.0)
+                                             window_s=3.0, catalog=self.mgr.catalog)
             elif not reason:
                 own_copy = sv_.own_for(boundary)
                 assert sv_.partner is not None and own_copy is not None
@@ -205,11 +207,11 @@ class PeerLoss:
                 # The planner's state_dict() broadcasts rank 0's view: take this survivor's own instead.
                 out = sv.save(root, boundary, self.local_state(), self.rank, self.comm.size, own,
                               [copy] if copy is not None else [], tuning, self.mgr.keep, window_s=3.0,
-                              parts=self._parts)
+                              parts=self._parts, catalog=self.mgr.catalog)
             else:
                 out = sv.Outcome(boundary, writer=sv.claim(root, boundary), reason=reason)
             if out.writer:
-                latest = mf_latest(root)       # not mgr.latest_step(): that is a collective
+                latest = mf_latest(self.mgr.catalog)       # not mgr.latest_step(): that is a collective
                 log = self.log if self.rank == 0 else EventLog(self.log.path, attempt=self.log.attempt,
                                                                job_id=self.job.job_id, enabled=True)
                 if self.rank == 0:

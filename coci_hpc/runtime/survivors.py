@@ -10,7 +10,7 @@ retention); only the way it gets written differs:
    partner sent it (:mod:`.partner`); JSON plus raw bytes, never pickle, written to a temporary
    name and renamed;
 2. the first survivor to create ``claim`` (``O_EXCL``) gathers the posted states and hands the
-   pieces to the save transaction (:func:`coci_hpc.checkpoint.engine.save_whole`, one process,
+   pieces to the save transaction (:func:`coci_hpc.checkpoint.transaction.save_whole`, one process,
    a serial writer): the replicated state once (every survivor holds all of it in data-parallel
    training), every rank's per-rank state from the posted states;
 3. the transaction reads every shard back and checks its CRC-32C, then commits the manifest and
@@ -34,8 +34,7 @@ from typing import Any
 import torch
 
 from coci_hpc.checkpoint import catalog as cat
-from coci_hpc.checkpoint import engine
-from coci_hpc.checkpoint import manifest as mf
+from coci_hpc.checkpoint import transaction
 from coci_hpc.checkpoint.h5_serial import SerialH5Writer
 from coci_hpc.checkpoint.layout import REPLICATED_KINDS
 from coci_hpc.checkpoint.lustre import IOTuning
@@ -43,6 +42,7 @@ from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.state import PerRank, collect, empty_like_leaf, is_stateful, restore_rng, unflatten
 from coci_hpc.comm import Comm
 from coci_hpc.runtime import events as ev
+from coci_hpc.runtime import staged
 from coci_hpc.runtime.partner import PackedCopy, RankState
 
 BACKEND = "hdf5-survivors"
@@ -139,17 +139,9 @@ def post(root: Path, step: int, me: int, states: list[RankState]) -> Path:
 
 def claim(root: Path, step: int) -> bool:
     """Whether this survivor is the one to write ``step``'s save: the first to create ``claim``.
-    The claim outlives the save (:func:`_drop_posted`) until the next attempt's
+    The claim outlives the save (``Staging.drop_posted`` keeps it) until the next attempt's
     :func:`sweep_torn`, so a rank that runs again late cannot claim the step a second time."""
     return cat.Staging(root, step).claim()
-
-
-def _drop_posted(root: Path, step: int) -> None:
-    """After a commit: remove the posted states, keep ``claim``. A rank of the failed step that was
-    stopped (a host that froze) can run again before the attempt ends: Slurm sends SIGCONT with
-    the SIGTERM of a requeue, and a paused VM resumes. It misses its own deadline at once, tries
-    the same survivors' save, and must find the step claimed, not write or record it twice."""
-    cat.Staging(root, step).drop_posted()
 
 
 def gather_posted(root: Path, step: int, size: int, window_s: float) -> dict[int, RankState]:
@@ -169,22 +161,19 @@ def gather_posted(root: Path, step: int, size: int, window_s: float) -> dict[int
 
 
 def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: Mapping[int, RankState],
-                     size: int, tuning: IOTuning, keep: int) -> Path:
+                     size: int, tuning: IOTuning, keep: int, catalog: cat.StepCatalog | None = None) -> Path:
     """Hand the save transaction the pieces of the N-rank checkpoint of ``step``: ``state``
     (already rolled back) gives the replicated part, ``per_rank`` every rank's own; one process
-    writes, checks and commits it (:func:`coci_hpc.checkpoint.engine.save_whole`)."""
+    writes, checks and commits it (:func:`coci_hpc.checkpoint.transaction.save_whole`).
+    ``catalog``: the manager's (None: no manager in this process, one is opened on ``root``)."""
     skel, leaves = collect(state, rng=False)   # device tensors: blocking .cpu() copies (see NCCL in survivors.md)
     parts = held_in_parts(leaves)
     if parts:
         raise ValueError(parts_reason(parts))
     repl = [l for l in leaves if l.kind in REPLICATED_KINDS]
-    return engine.save_whole(make_writer(), root, step, (skel["replicated"], repl),
-                             [(per_rank[r].skeleton, per_rank[r].leaves) for r in range(size)],
-                             tuning, keep, backend=BACKEND, extra={"survivors_save": True})
-
-
-def _catalog(where: Path | cat.StepCatalog) -> cat.StepCatalog:
-    return where if isinstance(where, cat.StepCatalog) else cat.StepCatalog(where)
+    return transaction.save_whole(make_writer(), cat.catalog_of(catalog if catalog is not None else root), step, (skel["replicated"], repl),
+                                  [(per_rank[r].skeleton, per_rank[r].leaves) for r in range(size)],
+                                  tuning, keep, backend=BACKEND, extra={"survivors_save": True})
 
 
 def torn_steps(where: Path | cat.StepCatalog) -> list[int]:
@@ -192,7 +181,7 @@ def torn_steps(where: Path | cat.StepCatalog) -> list[int]:
     or a writer killed mid-save: its data file without a manifest is an uncommitted leftover the
     catalog removes at the next save). Read only: :func:`sweep_torn` removes their staging.
     ``where``: the root (listed afresh), or the catalog of the restart (its one listing)."""
-    return _catalog(where).torn_staging()
+    return cat.catalog_of(where).torn_staging()
 
 
 def sweep_torn(where: Path | cat.StepCatalog) -> list[int]:
@@ -202,53 +191,71 @@ def sweep_torn(where: Path | cat.StepCatalog) -> list[int]:
     process of the replaced attempt that runs again late is stopped by the claim until then, and
     by the newer ``attempt_start`` after (``Session._peer_lost``). ``where``: as for
     :func:`torn_steps`."""
-    return _catalog(where).sweep_staging()
+    return cat.catalog_of(where).sweep_staging()
+
+
+class _Boundary:
+    """The survivors' save of the last step boundary, as a :class:`~coci_hpc.runtime.staged.Source`."""
+
+    def __init__(self, root: Path, step: int, state: Mapping[str, Any], me: int, size: int,
+                 held: list[RankState], tuning: IOTuning, keep: int, window_s: float,
+                 parts: Sequence[str] | None, catalog: cat.StepCatalog | None, out: Outcome) -> None:
+        self.root, self.step, self.state, self.me, self.size, self.held = root, step, state, me, size, held
+        self.tuning, self.keep, self.window_s, self.parts, self.catalog = tuning, keep, window_s, parts, catalog
+        self.staging, self.out = cat.Staging(root, step), out
+        self.found: dict[int, RankState] = {}
+
+    def post(self) -> None:
+        post(self.root, self.step, self.me, self.held)
+
+    def known_step(self) -> int | None:
+        return self.step
+
+    def refusal(self) -> str:
+        parts = self.parts
+        if parts is None:
+            parts = held_in_parts(collect(self.state, rng=False)[1])
+        # decided before waiting for the partner copies: they cannot change it
+        return parts_reason(parts) if parts else ""
+
+    def wait(self) -> tuple[int | None, str]:
+        self.found = gather_posted(self.root, self.step, self.size, self.window_s)
+        missing = [r for r in range(self.size) if r not in self.found]
+        if missing:
+            return None, (f"no state of rank(s) {missing} for step {self.step} reached the survivors "
+                          f"(their partner copy had not arrived)")
+        return self.step, ""
+
+    def gather(self, step: int) -> None:
+        # The lost ranks: their state came only from a partner's copy.
+        self.out.ranks_from_partner = sorted(r for r in self.found if not self.staging.has_own(r))
+
+    def write(self, step: int) -> Path:
+        return write_checkpoint(self.root, step, self.state, self.found, self.size, self.tuning, self.keep,
+                                self.catalog)
+
+    def already(self, step: int) -> None:
+        # The regular save of this step had committed (its manifest is written last) before the
+        # peer was lost in that save's last agreement: it is the checkpoint, complete and checked.
+        self.out.committed, self.out.path = True, cat.step_dir(self.root, step)
+        self.out.reason = f"the regular checkpoint of step {step} had committed"
+
+    def wrote(self, step: int) -> None:
+        pass
 
 
 def save(root: Path, step: int, state: Mapping[str, Any], me: int, size: int, own: RankState,
          partner_copies: list[RankState], tuning: IOTuning, keep: int, window_s: float,
-         parts: Sequence[str] | None = None) -> Outcome:
-    """This survivor's part of the survivors' save of ``step``; see the module docstring.
+         parts: Sequence[str] | None = None, catalog: cat.StepCatalog | None = None) -> Outcome:
+    """This survivor's part of the survivors' save of ``step`` (:func:`coci_hpc.runtime.staged.run`);
+    see the module docstring.
 
     ``parts``: :func:`held_in_parts` of the state, as the session found it at its start on
-    every rank (None: found here from the state)."""
-    t0 = time.monotonic()
+    every rank (None: found here from the state). ``catalog``: the manager's (None: opened on
+    ``root`` if this survivor writes)."""
     out = Outcome(step)
-    post(root, step, me, [own, *partner_copies])
-    if not claim(root, step):
-        out.reason = "another survivor writes"
-        return out
-    out.writer = True
-    if (cat.step_dir(root, step) / mf.MANIFEST).is_file():
-        # The regular save of this step had committed (its manifest is written last) before the
-        # peer was lost in that save's last agreement: it is the checkpoint, complete and checked.
-        _drop_posted(root, step)
-        out.committed, out.path = True, cat.step_dir(root, step)
-        out.reason = f"the regular checkpoint of step {step} had committed"
-        out.write_s = time.monotonic() - t0
-        return out
-    if parts is None:
-        parts = held_in_parts(collect(state, rng=False)[1])
-    if parts:        # decided before waiting for the partner copies: they cannot change it
-        out.reason = parts_reason(parts)
-        return out
-    found = gather_posted(root, step, size, window_s)
-    out.lost = cat.Staging(root, step).absent(size)
-    missing = [r for r in range(size) if r not in found]
-    if missing:
-        out.reason = (f"no state of rank(s) {missing} for step {step} reached the survivors "
-                      f"(their partner copy had not arrived)")
-        return out
-    # The lost ranks: their state came only from a partner's copy.
-    out.ranks_from_partner = sorted(r for r in found if not cat.Staging(root, step).has_own(r))
-    try:
-        out.path = write_checkpoint(root, step, state, found, size, tuning, keep)
-    except (OSError, ValueError, KeyError) as exc:  # the transaction discarded the step directory
-        out.reason = str(exc)
-        return out
-    _drop_posted(root, step)
-    out.committed = True
-    out.write_s = time.monotonic() - t0
+    staged.run(_Boundary(root, step, state, me, size, [own, *partner_copies], tuning, keep, window_s, parts,
+                         catalog, out), out, root)
     return out
 
 

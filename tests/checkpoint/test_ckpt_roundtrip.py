@@ -101,25 +101,25 @@ def test_load_without_checkpoint_raises_not_found(shared_dir, comm):
 
 
 def test_failure_on_one_rank_commits_nothing_and_names_the_rank(shared_dir, comm, monkeypatch):
-    from coci_hpc.checkpoint import engine
+    from coci_hpc.checkpoint.prepared import Prepared
 
     mgr = CheckpointManager(shared_dir, comm=comm)
     good = full_state(3, comm.rank, comm.size)
     mgr.save(1, good)
     bad_rank = comm.size - 1
-    real = engine.Prepared.items
+    real = Prepared.items
 
     def failing(self, rank, arrays=None):
         if rank == bad_rank:
             raise OSError("disk on fire")
         return real(self, rank, arrays)
 
-    monkeypatch.setattr(engine.Prepared, "items", failing)
+    monkeypatch.setattr(Prepared, "items", failing)
     with pytest.raises(CommError) as info:
         mgr.save(2, full_state(4, comm.rank, comm.size))
     assert set(info.value.failed_ranks) == {bad_rank}
     assert "disk on fire" in str(info.value)
-    monkeypatch.setattr(engine.Prepared, "items", real)
+    monkeypatch.setattr(Prepared, "items", real)
     assert mgr.latest_step() == 1
     target = empty_state(comm.rank, comm.size)
     mgr.load_latest(target)

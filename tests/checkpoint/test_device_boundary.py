@@ -5,7 +5,7 @@ land only at the wait, reused pinned buffers are poisoned. Every layout (DDP-sty
 FSDP2, tensor parallel, HSDP) through the sync and async save, the memory tier's copy, the
 survivors' save and export + import, loaded into a fresh state: every full tensor and one more
 Adam step as the saver's. With the wrap-before-fill order of 50299f1 put back in
-``engine._install`` every DTensor case here fails (checked by hand; without the fake they pass).
+``load._install`` every DTensor case here fails (checked by hand; without the fake they pass).
 Real processes under ``mpiexec`` (gloo), real FSDP2 / DTensor, real HDF5 files.
 """
 from __future__ import annotations

@@ -90,7 +90,7 @@ def test_copy_threads_follow_the_cores_a_rank_may_use(monkeypatch):
 def test_ranks_of_a_node_count_who_shares_their_cores():
     """Under mpiexec (Open MPI binds each of 1 or 2 ranks to its own core here) no other rank
     shares a rank's core; each rank knows the node's ranks."""
-    from coci_hpc.checkpoint.engine import _node_ranks
+    from coci_hpc.checkpoint.load import _node_ranks
     from coci_hpc.comm import Comm
 
     comm = Comm.world()
@@ -170,7 +170,7 @@ def test_the_ranks_of_a_node_each_check_one_contiguous_run_of_the_file(tmp_path,
     """The shards every rank of a node reads (replicated state) are dealt out as contiguous,
     byte-balanced runs of the file: each rank reads one sequential stream, the runs cover every
     shard once."""
-    from coci_hpc.checkpoint.engine import _my_checks
+    from coci_hpc.checkpoint.load import _my_checks
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(50 + 30 * i, 40) for i in range(6)])

@@ -1,7 +1,7 @@
 """LoadResult's repr is one short line (issue 26 item 10): the manifest it carries lists every tensor."""
 from __future__ import annotations
 
-from coci_hpc.checkpoint.engine import LoadResult
+from coci_hpc.checkpoint.load import LoadResult
 
 
 def test_repr_is_short_and_leaves_the_manifest_out() -> None:

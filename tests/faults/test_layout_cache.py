@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from coci_hpc.checkpoint import CheckpointManager, PerRank, Sharded, engine
+from coci_hpc.checkpoint import CheckpointManager, PerRank, Sharded, commit
 from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint.layout import Piece, RankLayout
 
@@ -145,14 +145,14 @@ def test_the_commit_sends_a_ranks_skeleton_only_when_it_changed(shared_dir, comm
     count as changes), and every manifest holds each rank's skeleton of that very save."""
     mgr = CheckpointManager(shared_dir, comm=comm, rng=False, keep=10)
     sent: list[Any] = []
-    message_of = engine.commit_message  # what each rank sends rank 0 (sync: gather; async: igather)
+    message_of = commit.commit_message  # what each rank sends rank 0 (sync: gather; async: igather)
 
     def spy(prepared, crcs):  # type: ignore[no-untyped-def]
         message, blob = message_of(prepared, crcs)
         sent.append(message["per_rank"])
         return message, blob
 
-    monkeypatch.setattr(engine, "commit_message", spy)
+    monkeypatch.setattr(commit, "commit_message", spy)
     last = comm.rank == comm.size - 1
     values = [1, 1, True, 1.0, 1.0, "one", 2]
     for step, v in enumerate(values, 1):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from coci_hpc.checkpoint import CheckpointManager
+from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.comm import Comm
 from coci_hpc.runtime import peerloss
 from coci_hpc.runtime.events import EventLog, read_events
@@ -38,8 +39,9 @@ class _Survival:
 
 
 class _Mgr:
-    def __init__(self) -> None:
+    def __init__(self, root: Path) -> None:
         self.quiesced = False
+        self.catalog = StepCatalog(root)
 
     def quiesce(self, timeout_s: float) -> None:
         self.quiesced = True
@@ -47,7 +49,7 @@ class _Mgr:
 
 def _peer_loss(root: Path, last_finished: int, calls: list[Any], in_slurm: bool = True) -> tuple[peerloss.PeerLoss, _Mgr, EventLog]:
     log = EventLog(root / "events.jsonl", attempt=1, job_id="77", enabled=True)
-    mgr = _Mgr()
+    mgr = _Mgr(root)
 
     class Job:
         in_slurm_job = in_slurm
