@@ -240,6 +240,7 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> SlurmCluster:
         subprocess.run([str(DEVCLUSTER), "down"], capture_output=True)
 
 
+THREE_NODES = "three_nodes"
 CLUSTER_FIXTURES = {"slurm_cluster"}  # the fixtures that start or use the local cluster (three_nodes uses it)
 
 
@@ -256,6 +257,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                                else "is marked slurm but does not use the cluster"))
     if wrong:
         raise pytest.UsageError("cluster markers:\n  " + "\n  ".join(wrong))
+    # The tests on the 3-node cluster (tests/submit/conftest.py's three_nodes, session-wide) run last,
+    # together: the cluster is resized once and back once, not twice per module (each resize is a
+    # `devcluster down` and `up`). A stable sort: every other test keeps its order.
+    items.sort(key=lambda item: THREE_NODES in getattr(item, "fixturenames", ()))
 
 
 # -- the fault-injection suite's figures (tests/faults/figures.py), gathered from pytest-xdist's workers
