@@ -129,6 +129,12 @@ def reference_run_later(n: int, *args: str, ckpt_dir: Path, timeout: float = 120
         return _REFERENCE_PENDING[key]
 
 
+def run_ranks_later(n: int, *args: str, timeout: float = 120) -> Future[subprocess.CompletedProcess]:
+    """``run_ranks`` in the same background thread as reference_run_later, for an uninterrupted run that
+    is not cached (its side files are the test's own, e.g. a samples log): ``.result()`` where it is read."""
+    return _REFERENCE_POOL.submit(run_ranks, n, *args, timeout=timeout)
+
+
 def _reference_finished(key: tuple[int, tuple[str, ...]], fut: Future[subprocess.CompletedProcess]) -> None:
     """A background reference ended: a success joins the cache; a failure is forgotten, so a later
     caller runs it again and sees its own failure."""
