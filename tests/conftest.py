@@ -7,8 +7,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +88,10 @@ def run_ranks(n: int, *args: str, timeout: float = 120, env: dict[str, str] | No
 
 # (ranks, command line without --ckpt-dir) -> the finished run; see reference_run.
 _REFERENCE_RUNS: dict[tuple[int, tuple[str, ...]], subprocess.CompletedProcess] = {}
+# The same key -> a run still going in the background (reference_run_later).
+_REFERENCE_PENDING: dict[tuple[int, tuple[str, ...]], Future[subprocess.CompletedProcess]] = {}
+_REFERENCE_LOCK = threading.Lock()
+_REFERENCE_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference-run")
 
 
 def reference_run(n: int, *args: str, ckpt_dir: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -95,9 +101,47 @@ def reference_run(n: int, *args: str, ckpt_dir: Path, timeout: float = 120) -> s
     key, since where the run checkpoints does not change what it computes (each bit-exact test
     compares against exactly that). The first caller's ``ckpt_dir`` holds that run's checkpoints."""
     key = (n, tuple(str(a) for a in args))
+    with _REFERENCE_LOCK:
+        pending = _REFERENCE_PENDING.get(key)
+    if pending is not None:                  # started by reference_run_later: wait for that one
+        return pending.result()
     if key not in _REFERENCE_RUNS:
         _REFERENCE_RUNS[key] = run_ranks(n, *args, "--ckpt-dir", str(ckpt_dir), timeout=timeout)
     return _REFERENCE_RUNS[key]
+
+
+def reference_run_later(n: int, *args: str, ckpt_dir: Path, timeout: float = 120
+                        ) -> Future[subprocess.CompletedProcess]:
+    """``reference_run`` started in a background thread: a cluster test submits its job and waits on the
+    scheduler and on --step-time-paced training meanwhile, and calls ``.result()`` (the same output,
+    or the run's failure raised there) only where it compares the hash. For tests that judge no
+    latency: the reference's two ranks share the CPU with the job's."""
+    key = (n, tuple(str(a) for a in args))
+    with _REFERENCE_LOCK:
+        if key in _REFERENCE_RUNS:
+            done: Future[subprocess.CompletedProcess] = Future()
+            done.set_result(_REFERENCE_RUNS[key])
+            return done
+        if key not in _REFERENCE_PENDING:
+            _REFERENCE_PENDING[key] = _REFERENCE_POOL.submit(
+                run_ranks, n, *args, "--ckpt-dir", str(ckpt_dir), timeout=timeout)
+            _REFERENCE_PENDING[key].add_done_callback(lambda f: _reference_finished(key, f))
+        return _REFERENCE_PENDING[key]
+
+
+def run_ranks_later(n: int, *args: str, timeout: float = 120) -> Future[subprocess.CompletedProcess]:
+    """``run_ranks`` in the same background thread as reference_run_later, for an uninterrupted run that
+    is not cached (its side files are the test's own, e.g. a samples log): ``.result()`` where it is read."""
+    return _REFERENCE_POOL.submit(run_ranks, n, *args, timeout=timeout)
+
+
+def _reference_finished(key: tuple[int, tuple[str, ...]], fut: Future[subprocess.CompletedProcess]) -> None:
+    """A background reference ended: a success joins the cache; a failure is forgotten, so a later
+    caller runs it again and sees its own failure."""
+    with _REFERENCE_LOCK:
+        if fut.exception() is None:
+            _REFERENCE_RUNS[key] = fut.result()
+        _REFERENCE_PENDING.pop(key, None)
 
 
 def wait_for(pred: Callable[[], bool], what: str, timeout: float) -> None:
@@ -202,6 +246,7 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> SlurmCluster:
         subprocess.run([str(DEVCLUSTER), "down"], capture_output=True)
 
 
+THREE_NODES = "three_nodes"
 CLUSTER_FIXTURES = {"slurm_cluster"}  # the fixtures that start or use the local cluster (three_nodes uses it)
 
 
@@ -218,6 +263,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                                else "is marked slurm but does not use the cluster"))
     if wrong:
         raise pytest.UsageError("cluster markers:\n  " + "\n  ".join(wrong))
+    # The tests on the 3-node cluster (tests/submit/conftest.py's three_nodes, session-wide) run last,
+    # together: the cluster is resized once and back once, not twice per module (each resize is a
+    # `devcluster down` and `up`). A stable sort: every other test keeps its order.
+    items.sort(key=lambda item: THREE_NODES in getattr(item, "fixturenames", ()))
 
 
 # -- the fault-injection suite's figures (tests/faults/figures.py), gathered from pytest-xdist's workers

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, SlurmCluster, reference_hash, run_ranks, wait_for
+from tests.conftest import ROOT, SlurmCluster, reference_hash, run_ranks_later, wait_for
 
 pytestmark = pytest.mark.slurm
 pytest.importorskip("transformers")
@@ -35,9 +35,9 @@ def test_hf_trainer_preempted_mid_epoch_ends_bit_identical_on_the_same_batches(s
     wd = slurm_cluster.workdir / "hf-trainer"
     wd.mkdir()
     common = ("--steps", str(STEPS), "--policy", f"fixed:{EVERY}", "--batch", "2")
-    ref = run_ranks(2, "-m", "mpi4py", str(TRAIN), *common, "--ckpt-dir", str(wd / "ref"),
-                    "--samples-log", str(wd / "ref-samples"), timeout=300)
-    ref_hash = reference_hash(ref.stdout)
+    # The uninterrupted run trains in the background while the job waits on Slurm; read where compared.
+    ref = run_ranks_later(2, "-m", "mpi4py", str(TRAIN), *common, "--ckpt-dir", str(wd / "ref"),
+                          "--samples-log", str(wd / "ref-samples"), timeout=300)
 
     ckpt, log = wd / "run", wd / "job-%j.out"
     job = slurm_cluster.sbatch(f"--export=ALL,COCI_SIGNAL_LEAD_S={LEAD}", f"--signal=USR2@{LEAD}", "--time=5",
@@ -52,6 +52,7 @@ def test_hf_trainer_preempted_mid_epoch_ends_bit_identical_on_the_same_batches(s
     events = read_events(ckpt)
     print(out[-3000:], rows, *[e for e in events if e["event"] != "losses"], sep="\n")
 
+    ref_hash = reference_hash(ref.result().stdout)
     assert reference_hash(out) == ref_hash                                  # bit-identical
     assert [r["State"] for r in rows][-1] == "COMPLETED" and len(rows) >= 2, rows
     stop = [e for e in events if e["event"] == "stop"]

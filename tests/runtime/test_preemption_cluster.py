@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, SlurmCluster, reference_hash, reference_run
+from tests.conftest import ROOT, SlurmCluster, reference_hash, reference_run_later
 
 pytestmark = pytest.mark.slurm
 
@@ -22,9 +22,9 @@ STEPS, EVERY = 400, 100
 def test_preempted_training_resumes_bit_exactly(slurm_cluster: SlurmCluster) -> None:
     wd = slurm_cluster.workdir / "train"
     wd.mkdir()
-    ref = reference_run(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--ckpt-every", str(EVERY),
-                        ckpt_dir=wd / "ref", timeout=300)
-    ref_hash = reference_hash(ref.stdout, steps=STEPS)
+    # The uninterrupted run trains in the background while the job waits on Slurm; its hash is compared at the end.
+    ref_run = reference_run_later(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--ckpt-every", str(EVERY),
+                                  ckpt_dir=wd / "ref", timeout=300)
 
     log = wd / "job-%j.out"
     # The plain sbatch template people use without a CLI: it sets --requeue, --signal=USR1@60, srun --mpi=pmix.
@@ -51,5 +51,6 @@ def test_preempted_training_resumes_bit_exactly(slurm_cluster: SlurmCluster) -> 
     assert f"resumed from step {stop_step}" in text
     assert "attempt 1 on n[1-2]" in text and "attempt 2 on n[1-2]" in text  # the template's own lines
     assert [r["State"] for r in rows][-1] == "COMPLETED" and len(rows) >= 2, rows
+    ref_hash = reference_hash(ref_run.result().stdout, steps=STEPS)
     assert reference_hash(text, steps=STEPS) == ref_hash  # bit-exact with the uninterrupted run
     assert slurm_cluster.wait_gone(urgent, timeout=60)[-1]["State"] == "COMPLETED"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, SlurmCluster, reference_hash, reference_run
+from tests.conftest import ROOT, SlurmCluster, reference_hash, reference_run_later
 
 pytestmark = pytest.mark.slurm
 pytest.importorskip("torchdata")
@@ -42,7 +42,8 @@ def test_dataloader_workers_preempted_via_template_and_coci_submit_end_bit_exact
         slurm_cluster: SlurmCluster) -> None:
     wd = slurm_cluster.workdir / "workers"
     wd.mkdir()
-    ref = reference_hash(reference_run(0, str(SCRIPT), *ARGS, ckpt_dir=wd / "ref", timeout=300).stdout)
+    # The uninterrupted run trains in the background while the job waits on Slurm; its hash is compared at the end.
+    ref_run = reference_run_later(0, str(SCRIPT), *ARGS, ckpt_dir=wd / "ref", timeout=300)
     # Both at once, one per node, each preempted by an urgent job on its node.
     tmpl_ckpt, tmpl_log = wd / "tmpl", wd / "tmpl-%j.out"
     tjob = slurm_cluster.sbatch(f"--export=ALL,COCI_SIGNAL_LEAD_S={LEAD}", "-N", "1", "-w", "n1", "--time=5",
@@ -76,6 +77,7 @@ def test_dataloader_workers_preempted_via_template_and_coci_submit_end_bit_exact
         assert len(stops) == 1 and stops[0]["reason"] == "preemption" and stops[0]["requeued"], stops
         starts = [e for e in read_events(ckpt) if e["event"] == "attempt_start"]
         assert starts[1]["resumed_step"] == stops[0]["step"] and starts[1]["steps_lost"] == 0, starts
+    ref = reference_hash(ref_run.result().stdout)
     assert reference_hash(out_t) == ref
     assert reference_hash(out_s) == ref
     for u in urgent:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from coci_hpc.runtime.events import read_events
-from tests.conftest import ROOT, SlurmCluster, reference_hash, reference_run
+from tests.conftest import ROOT, SlurmCluster, reference_hash, reference_run_later
 
 pytestmark = pytest.mark.slurm
 
@@ -52,8 +52,9 @@ def _preempt(cluster: SlurmCluster) -> str:
 def test_preemption_node_failure_and_time_limit_end_bit_exact(slurm_cluster: SlurmCluster) -> None:
     wd = slurm_cluster.workdir / "story"
     wd.mkdir()
-    ref = reference_hash(reference_run(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--policy", f"fixed:{EVERY}",
-                                       ckpt_dir=wd / "ref", timeout=600).stdout)
+    # The uninterrupted run trains while the job below waits on Slurm (its hash is needed at the end).
+    ref_run = reference_run_later(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--policy", f"fixed:{EVERY}",
+                                  ckpt_dir=wd / "ref", timeout=600)
     ckpt, log = wd / "run", wd / "job-%j.out"
     job = _submit(slurm_cluster, "--time=3", f"--signal=USR2@{LEAD}", "-o", str(log), str(TEMPLATE),
                   sys.executable, str(TRAIN), "--steps", str(STEPS), "--ckpt-dir", str(ckpt),
@@ -81,6 +82,7 @@ def test_preemption_node_failure_and_time_limit_end_bit_exact(slurm_cluster: Slu
     out = text()
     events = read_events(ckpt)
     print(out[-4000:], rows, *[e for e in events if e["event"] != "losses"], sep="\n")
+    ref = reference_hash(ref_run.result().stdout)
     assert reference_hash(out) == ref                                        # bit-exact after all of it
     states = [r["State"] for r in rows]
     assert states[-1] == "COMPLETED" and "NODE_FAIL" in states and len(rows) >= 4, rows   # sacct shows them
@@ -140,8 +142,8 @@ def test_max_requeues_and_no_progress_stop_a_job_with_a_message(slurm_cluster: S
 def test_array_template_runs_each_task_in_its_own_directory(slurm_cluster: SlurmCluster) -> None:
     wd = slurm_cluster.workdir / "array"
     wd.mkdir()
-    ref = reference_hash(reference_run(0, str(TRAIN), "--steps", "60", "--policy", "fixed:20", "--seed", "1",
-                                       ckpt_dir=wd / "ref").stdout)
+    ref_run = reference_run_later(0, str(TRAIN), "--steps", "60", "--policy", "fixed:20", "--seed", "1",
+                                  ckpt_dir=wd / "ref")
     job = _submit(slurm_cluster, "--array=0-1", "-o", str(wd / "%A_%a.out"), str(ARRAY), sys.executable, str(TRAIN),
                   "--steps", "60", "--ckpt-dir", str(wd / "sweep"), "--policy", "fixed:20", "--seed", "%a")
     for task in (0, 1):
@@ -151,6 +153,7 @@ def test_array_template_runs_each_task_in_its_own_directory(slurm_cluster: Slurm
         assert ev[0]["job_id"] and ev[-1]["event"] == "end" and ev[-1]["status"] == "completed"
     out0, out1 = ((wd / f"{job}_{t}.out").read_text() for t in (0, 1))
     assert f"array job {job} task 1" in out1
+    ref = reference_hash(ref_run.result().stdout)
     assert reference_hash(out1) == ref and reference_hash(out0) != ref            # %a became the seed of each task
 
 
@@ -170,8 +173,8 @@ def test_sigterm_only_preemption_saves_requeues_and_ends_bit_exact_and_scancel_d
     wd = cluster.workdir / "sigterm"
     wd.mkdir()
     steps, every = 600, 100
-    ref = reference_hash(reference_run(2, "-m", "mpi4py", str(TRAIN), "--steps", str(steps), "--policy", f"fixed:{every}",
-                                       ckpt_dir=wd / "ref", timeout=600).stdout)
+    ref_run = reference_run_later(2, "-m", "mpi4py", str(TRAIN), "--steps", str(steps), "--policy", f"fixed:{every}",
+                                  ckpt_dir=wd / "ref", timeout=600)
     ckpt, log = wd / "run", wd / "job-%j.out"
     job = _submit(cluster, "--time=10", "-o", str(log), str(TEMPLATE), sys.executable, str(TRAIN), "--steps",
                   str(steps), "--ckpt-dir", str(ckpt), "--policy", f"fixed:{every}", "--step-time", "0.05")
@@ -182,6 +185,7 @@ def test_sigterm_only_preemption_saves_requeues_and_ends_bit_exact_and_scancel_d
     rows = cluster.wait_gone(job, timeout=400)
     out, events = text(), read_events(ckpt)
     print(out[-3000:], rows, *[e for e in events if e["event"] != "losses"], sep="\n")
+    ref = reference_hash(ref_run.result().stdout)
     assert reference_hash(out) == ref                                          # bit-exact across the preemption
     assert rows[-1]["State"] == "COMPLETED" and len(rows) >= 2, rows  # requeued by the session, then done
     stop = [e for e in events if e["event"] == "stop"][0]

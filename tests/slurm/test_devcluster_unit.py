@@ -18,6 +18,10 @@ from tests.conftest import DEVCLUSTER
 @pytest.fixture()
 def dc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("COCI_DEVCLUSTER_DIR", str(tmp_path / "state"))
+    # The default ports, whatever cluster this run's own environment points at (a second cluster on
+    # other ports, e.g. a CI run beside the shared one): the rendered config is checked against them.
+    for var in ("COCI_SLURMCTLD_PORT", "COCI_SLURMDBD_PORT", "COCI_MARIADB_PORT", "COCI_SLURMD_BASE_PORT"):
+        monkeypatch.delenv(var, raising=False)
     loader = importlib.machinery.SourceFileLoader("devcluster_under_test", str(DEVCLUSTER))
     spec = importlib.util.spec_from_loader(loader.name, loader)
     mod = importlib.util.module_from_spec(spec)
@@ -182,3 +186,25 @@ def test_a_second_cluster_is_refused_naming_the_running_one(dc, tmp_path: Path, 
     assert not (dc.STATE / "etc").exists()  # nothing written for the refused cluster
     monkeypatch.setattr(dc, "port_open", lambda port, host="127.0.0.1": False)
     assert dc.other_cluster_dir() is None  # nothing answers: `up` goes ahead as before
+
+
+def test_up_leaves_the_system_link_to_another_running_cluster(dc, tmp_path: Path, monkeypatch) -> None:
+    """A second cluster on other ports (a CI run beside the shared one) must not take plain `sbatch`
+    away from the running one: /etc/slurm/slurm.conf keeps linking to the cluster that answers, and is
+    taken over once that one is gone (or when it links to nothing)."""
+    other = tmp_path / "shared" / "etc" / "slurm.conf"
+    other.parent.mkdir(parents=True)
+    other.write_text(f"{dc.MARKER}\nSlurmctldPort=6817\n")
+    link = tmp_path / "etc-slurm" / "slurm.conf"
+    link.parent.mkdir()
+    link.symlink_to(other)
+    monkeypatch.setattr(dc, "SYSTEM_CONF", link)
+    monkeypatch.setattr(dc, "CTLD_PORT", 7817)
+    dc.ETC.mkdir(parents=True)
+    dc.SLURM_CONF.write_text(dc.MARKER + "\n")
+    monkeypatch.setattr(dc, "port_open", lambda port, host="127.0.0.1": port == 6817)
+    dc.link_system_conf()
+    assert link.resolve() == other.resolve()          # the running cluster keeps it
+    monkeypatch.setattr(dc, "port_open", lambda port, host="127.0.0.1": False)
+    dc.link_system_conf()
+    assert link.resolve() == dc.SLURM_CONF.resolve()  # nothing answers there: ours now

@@ -148,9 +148,10 @@ def check_peer_run(cluster: SlurmCluster, wd: Path, job: str, ckpt: Path, log0: 
 SPARE_EVERY, SPARE_SEED = 50, 5
 
 
-@pytest.fixture(scope="module")
-def three_nodes(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
-    """The shared cluster with 3 nodes for the module that asks; back to the default 2 nodes whatever happens."""
+@pytest.fixture(scope="session")
+def _three_node_cluster(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+    """The shared cluster resized to 3 nodes once (tests/conftest.py runs the tests that ask for it
+    last, one after the other); back to the default 2 nodes at the end whatever happens."""
     dc = str(slurm_cluster.devcluster)
     try:
         slurm_cluster.run(dc, "down", timeout=120)
@@ -159,6 +160,14 @@ def three_nodes(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
     finally:
         slurm_cluster.run(dc, "down", check=False, timeout=120)
         slurm_cluster.run(dc, "up", "--nodes", "2", timeout=300)
+
+
+@pytest.fixture(scope="module")
+def three_nodes(_three_node_cluster: SlurmCluster) -> SlurmCluster:
+    """The 3-node cluster for the module that asks, each module starting as after a fresh `up`: `up`
+    on the running cluster restarts nothing and resumes any node an earlier module left down."""
+    _three_node_cluster.run(str(_three_node_cluster.devcluster), "up", "--nodes", "3", timeout=300)
+    return _three_node_cluster
 
 
 def submit_in(cluster: SlurmCluster, wd: Path, *args: str) -> str:

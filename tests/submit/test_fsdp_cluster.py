@@ -12,7 +12,7 @@ import pytest
 
 from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.runtime.events import read_events
-from tests.conftest import FINAL_HASH_RE, ROOT, SlurmCluster, reference_run, wait_for
+from tests.conftest import FINAL_HASH_RE, ROOT, SlurmCluster, reference_run_later, wait_for
 
 pytestmark = pytest.mark.slurm
 
@@ -27,9 +27,9 @@ def test_coci_submit_fsdp2_preempted_once_resumes_bit_exactly(slurm_cluster: Slu
     wd = slurm_cluster.workdir / "submit-fsdp"
     wd.mkdir()
     train_args = ["--steps", str(STEPS), "--seed", str(SEED)]
-    ref = reference_run(2, "-m", "mpi4py", str(TRAIN), *train_args, "--policy", f"fixed:{EVERY}",
-                        ckpt_dir=wd / "ref", timeout=300)
-    ref_hash = FINAL_HASH_RE.findall(ref.stdout)[-1]
+    # The uninterrupted run trains in the background while the job waits on Slurm; its hash is compared at the end.
+    ref_run = reference_run_later(2, "-m", "mpi4py", str(TRAIN), *train_args, "--policy", f"fixed:{EVERY}",
+                                  ckpt_dir=wd / "ref", timeout=300)
 
     ckpt = wd / "ckpt"
     p = slurm_cluster.cli("coci_hpc.cli.submit", "--partition", "gpu", "--nodes", "2", "--time", "10",
@@ -53,6 +53,7 @@ def test_coci_submit_fsdp2_preempted_once_resumes_bit_exactly(slurm_cluster: Slu
     print(text[-3000:], err[-3000:], rows, sep="\n")
     states = [r["State"] for r in rows]
     assert states[-1] == "COMPLETED" and states[0] in ("REQUEUED", "PREEMPTED") and len(states) == 2, rows
+    ref_hash = FINAL_HASH_RE.findall(ref_run.result().stdout)[-1]
     assert FINAL_HASH_RE.findall(text)[-1] == ref_hash   # bit-exact with the uninterrupted run
     assert "Caught signal" not in err and "Job not requeued" not in err, err[-2000:]
     assert slurm_cluster.wait_gone(urgent, timeout=60)[-1]["State"] == "COMPLETED"

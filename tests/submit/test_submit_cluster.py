@@ -10,7 +10,7 @@ import pytest
 
 from coci_hpc.runtime.events import read_events
 from tests.conftest import FINAL_HASH_RE as HASH_RE
-from tests.conftest import ROOT, SlurmCluster, reference_run, wait_for
+from tests.conftest import ROOT, SlurmCluster, reference_run_later, wait_for
 
 pytestmark = pytest.mark.slurm
 
@@ -22,9 +22,9 @@ def test_coci_submit_preempted_once_resumes_bit_exactly(slurm_cluster: SlurmClus
     wd = slurm_cluster.workdir / "submit-e2e"
     wd.mkdir()
     train_args = ["--steps", str(STEPS), "--seed", str(SEED)]
-    ref = reference_run(2, "-m", "mpi4py", str(TRAIN), *train_args, "--policy", f"fixed:{EVERY}",
-                        ckpt_dir=wd / "ref", timeout=300)
-    ref_hash = HASH_RE.findall(ref.stdout)[-1]
+    # The uninterrupted run trains in the background while the job waits on Slurm; its hash is compared at the end.
+    ref_run = reference_run_later(2, "-m", "mpi4py", str(TRAIN), *train_args, "--policy", f"fixed:{EVERY}",
+                                  ckpt_dir=wd / "ref", timeout=300)
 
     ckpt = wd / "ckpt"
     p = slurm_cluster.cli("coci_hpc.cli.submit", "--partition", "gpu", "--nodes", "2", "--time", "10",
@@ -48,6 +48,7 @@ def test_coci_submit_preempted_once_resumes_bit_exactly(slurm_cluster: SlurmClus
     states = [r["State"] for r in rows]
     # The Session requeues itself inside the grace time (REQUEUED); had it not, Slurm would say PREEMPTED.
     assert states[-1] == "COMPLETED" and states[0] in ("REQUEUED", "PREEMPTED") and len(states) == 2, rows
+    ref_hash = HASH_RE.findall(ref_run.result().stdout)[-1]
     assert HASH_RE.findall(text)[-1] == ref_hash  # bit-exact with the uninterrupted run
     # submitit's own USR2 handler never ran (it would log "Caught signal ... this job is ...").
     assert "Caught signal" not in err and "Job not requeued" not in err, err[-2000:]
