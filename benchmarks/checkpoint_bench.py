@@ -14,7 +14,9 @@ round's ``*_cold`` beside each in ``by_ranks``):
   (measured twice per round, first and right before coci's save; the faster one counts);
 * torch.save+fsync of model+optimizer state dicts on rank 0 (the usual data-parallel practice);
 * DCP ``save`` (fsync on) and ``async_save`` (thread), all ranks;
-* coci ``save`` (sync) and ``save_async`` inside a training loop;
+* coci ``save`` (sync) and ``save_async`` inside a training loop, through one ``CheckpointManager``
+  for the whole run (as a training job has: its first save, in the warm-up round, agrees on the
+  layout and checks the ranks' replicated copies are equal; later saves reuse the layout);
 * restores with a cold page cache: raw read of the same bytes, coci load, torch.load, DCP load
   (every rank loads the whole replicated state, as data parallelism needs).
 
@@ -251,6 +253,11 @@ def worker(args: argparse.Namespace) -> dict:
     for _ in range(2):  # warm up
         train_step()
 
+    # One manager for the run, as a training job has: its first save (the warm-up round's, kept
+    # as the cold figure) agrees on the layout and checks that the ranks' replicated copies are
+    # equal; the later saves reuse the agreed layout (the retired step goes to retention, keep=1).
+    cdir = base / "coci"
+    mgr = CheckpointManager(cdir, comm=comm, keep=1, rng=True)
     for rep in range(args.repeats + 1):
         warm_round = rep == 0
         # raw write + read
@@ -310,8 +317,6 @@ def worker(args: argparse.Namespace) -> dict:
         clean(raw)
 
         # coci sync save + load
-        cdir = base / "coci"
-        mgr = CheckpointManager(cdir, comm=comm, keep=1, rng=True)
         rec("coci_save", timer(lambda: mgr.save(1 + 10 * rep, state))[0])
         # where this save spent its time: each phase's slowest rank (issue 33)
         ranks_stats = comm.allgather(dict(mgr.stats))
@@ -354,9 +359,8 @@ def worker(args: argparse.Namespace) -> dict:
                 rec("coci_async_blocked", comm.allreduce_max(blocked))
                 rec("coci_async_rate", steps / comm.allreduce_max(window))
                 rec("coci_async_persist", comm.allreduce_max(st.get("persist_s", 0.0)))
-        mgr.close()
-        clean(cdir)
 
+    mgr.close()
     dist.destroy_process_group()
     if rank == 0:
         shutil.rmtree(base, ignore_errors=True)
