@@ -161,6 +161,11 @@ class CheckpointSource:
         self._read_into(entry, np.frombuffer(buf, dtype=np.uint8), start * row)
         return torch.frombuffer(buf, dtype=torch_dtype(entry.dtype)).view(out_shape)
 
+    def read_bytes(self, entry: Entry, view: np.ndarray, start: int = 0) -> None:
+        """Bytes [start, start + view.nbytes) of ``entry`` as stored, into ``view`` (uint8),
+        checked against the CRCs of the shards they lie in before this returns."""
+        self._read_into(entry, view, start)
+
     def _read_into(self, entry: Entry, view: np.ndarray, start: int) -> None:
         try:
             self._reader(entry.meta).read(entry.meta, view, start)

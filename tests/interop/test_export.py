@@ -200,6 +200,29 @@ def test_truncated_checkpoint_is_refused_with_no_index(ck: Path, tmp_path: Path)
 
 def test_full_disk_midway_leaves_nothing_that_looks_complete(ck: Path, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct writer (tensors as stored): the disk fills while the 2nd shard file is written."""
+    real = export_mod.pwrite_all
+    files: list[int] = []
+
+    def filling(fd: int, buf, offset: int) -> None:
+        if offset == 0:
+            files.append(fd)                       # a new file's header
+        if len(files) == 2 and offset > 0:         # the disk fills in the 2nd shard's data
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, buf, offset)
+
+    monkeypatch.setattr(export_mod, "pwrite_all", filling)
+    out = tmp_path / "hf"
+    with pytest.raises(CheckpointError, match="No space left.*nothing was left"):
+        export(ck, out, to="hf", max_shard_size=1000)
+    assert len(files) == 2
+    assert not out.exists() and _leftovers(tmp_path) == []
+    assert not list(tmp_path.rglob("*.safetensors*"))
+
+
+def test_full_disk_midway_with_a_cast_leaves_nothing_that_looks_complete(ck: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cast (--dtype) goes through safetensors' own writer: the same on a full disk."""
     real = export_mod._write_safetensors
     calls = []
 
@@ -213,10 +236,31 @@ def test_full_disk_midway_leaves_nothing_that_looks_complete(ck: Path, tmp_path:
     monkeypatch.setattr(export_mod, "_write_safetensors", filling)
     out = tmp_path / "hf"
     with pytest.raises(CheckpointError, match="No space left.*nothing was left"):
-        export(ck, out, to="hf", max_shard_size=1000)
+        export(ck, out, to="hf", max_shard_size=1000, dtype="bf16")
     assert len(calls) == 2
     assert not out.exists() and _leftovers(tmp_path) == []
     assert not list(tmp_path.rglob("*.safetensors*"))
+
+
+def test_the_direct_writer_writes_what_safetensors_writes(ck: Path, tmp_path: Path) -> None:
+    """The shard files written straight from the checkpoint load with safetensors into the same
+    tensors, names, dtypes and metadata as files written by ``safetensors.torch.save_file``."""
+    from safetensors import safe_open
+
+    from coci_hpc.interop.source import CheckpointSource
+
+    out = tmp_path / "hf"
+    export(ck, out, to="hf", max_shard_size=1000)
+    with CheckpointSource(ck) as src:
+        want = {e.path: src.read(e) for e in src.model()}
+    got: dict = {}
+    for f in sorted(out.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            assert sf.metadata() == {"format": "pt"}
+        got.update(load_file(str(f)))
+    assert set(got) == set(want)
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
 
 
 def test_a_failed_background_fsync_fails_the_export_and_leaves_nothing(ck: Path, tmp_path: Path,
