@@ -16,12 +16,13 @@ from tests.conftest import ROOT, SlurmCluster, reference_hash, run_ranks, wait_f
 pytestmark = pytest.mark.slurm
 
 TRAIN = ROOT / "examples" / "lightning_train.py"
-# 300 steps of 0.15 s (45 s of steps, more on a loaded machine). With --time 2 and --signal-lead 60
+# 450 steps of 0.15 s (70 s of steps, more on a loaded machine). With --time 2 and --signal-lead 60
 # Slurm's warning comes 35-60 s after an attempt's start, and Lightning's start takes 10-40 s: the
 # first attempt is preempted as soon as its session started (before that warning), the second runs
-# into the warning (it cannot do the steps left before it), the third, or on a slow machine a later
+# into the warning (it cannot do the steps left in the at most 50 s it has: 300 steps were too few
+# once, CI 2026-11-28, a quiet machine did 297 in 47 s), the third, or on a slow machine a later
 # one, finishes (seen here, 2026-11-28, 4 helpers on 2 cores: ~15 s of steps per attempt).
-STEPS, EVERY, SEED, STEP_TIME = 300, 50, 4, 0.15
+STEPS, EVERY, SEED, STEP_TIME = 450, 50, 4, 0.15
 
 
 def test_lightning_ddp_preempted_then_time_limit_ends_bit_exact(slurm_cluster: SlurmCluster) -> None:

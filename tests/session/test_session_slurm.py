@@ -24,7 +24,10 @@ pytestmark = pytest.mark.slurm
 TRAIN = ROOT / "examples" / "train.py"
 TEMPLATE = ROOT / "slurm" / "templates" / "train_preemptible.sbatch"
 ARRAY = ROOT / "slurm" / "templates" / "train_array.sbatch"
-STEPS, EVERY, LEAD = 2000, 50, 30
+# The time limit's warning comes LEAD s before --time=2 ends, ~85 s of steps into attempt 3 at most;
+# attempts 1 and 2 do ~150 of the steps (a few seconds, then one checkpoint): 1300 steps of 0.1 s
+# leave attempt 3 more than it can do, and attempt 4 a few hundred (was --time=3 and 2000: ~80 s more).
+STEPS, EVERY, LEAD = 1200, 50, 30
 
 
 def _wait(what: str, cond, timeout: float, info=lambda: "") -> object:
@@ -56,7 +59,7 @@ def test_preemption_node_failure_and_time_limit_end_bit_exact(slurm_cluster: Slu
     ref_run = reference_run_later(2, "-m", "mpi4py", str(TRAIN), "--steps", str(STEPS), "--policy", f"fixed:{EVERY}",
                                   ckpt_dir=wd / "ref", timeout=600)
     ckpt, log = wd / "run", wd / "job-%j.out"
-    job = _submit(slurm_cluster, "--time=3", f"--signal=USR2@{LEAD}", "-o", str(log), str(TEMPLATE),
+    job = _submit(slurm_cluster, "--time=2", f"--signal=USR2@{LEAD}", "-o", str(log), str(TEMPLATE),
                   sys.executable, str(TRAIN), "--steps", str(STEPS), "--ckpt-dir", str(ckpt),
                   "--policy", f"fixed:{EVERY}", "--step-time", "0.1")
     logfile = Path(str(log).replace("%j", job))

@@ -131,7 +131,14 @@ def check_peer_run(cluster: SlurmCluster, wd: Path, job: str, ckpt: Path, log0: 
     lost = [e for e in events if e["event"] == "peer_lost"]
     assert len(lost) == 1 and lost[0]["survivor"] == 0, lost
     starts = [e for e in events if e["event"] == "attempt_start"]
-    assert len(starts) == 2
+    # Slurm only learns of a dead host when it marks it DOWN (SlurmdTimeout; --delay here): until then
+    # the requeued attempt may be placed on that host again, and the NODE_FAIL that ends it requeues
+    # once more (seen in CI, 2026-11-28: attempt 2 started on the frozen n2 2 s before it went DOWN).
+    # Such an extra attempt stops at a step boundary like any other: it repeats at most one step.
+    assert len(starts) >= 2, starts
+    for extra in starts[2:]:
+        assert extra["prev_end"]["reason"] in ("node_failure", "requeue_by_hand"), extra
+        assert extra["steps_lost"] is not None and extra["steps_lost"] <= 1, extra
     # No fallback: the lost rank's copy of a step leaves at the end of its forward, before the
     # gradient allreduce that lets the survivor finish that step (issue 13's last window).
     assert lost[0]["committed"], lost
