@@ -25,7 +25,7 @@ TRAIN = ROOT / "examples" / "train.py"
 TEMPLATE = ROOT / "slurm" / "templates" / "train_preemptible.sbatch"
 ARRAY = ROOT / "slurm" / "templates" / "train_array.sbatch"
 # The time limit's warning comes LEAD s before --time=2 ends, ~85 s of steps into attempt 3 at most;
-# attempts 1 and 2 do ~150 of the steps (a few seconds, then one checkpoint): 1300 steps of 0.1 s
+# attempts 1 and 2 do ~150 of the steps (a few seconds, then one checkpoint): 1200 steps of 0.1 s
 # leave attempt 3 more than it can do, and attempt 4 a few hundred (was --time=3 and 2000: ~80 s more).
 STEPS, EVERY, LEAD = 1200, 50, 30
 
