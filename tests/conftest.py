@@ -248,6 +248,24 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> SlurmCluster:
 
 THREE_NODES = "three_nodes"
 CLUSTER_FIXTURES = {"slurm_cluster"}  # the fixtures that start or use the local cluster (three_nodes uses it)
+# tests/run runs the cluster tests as two shards at once, each on its own local cluster (they spend most
+# of their time waiting on Slurm's timers and --step-time-paced training, not on the CPU). Shard "b": the
+# tests on the 3-node cluster (they resize it: a `down` and `up`, so never beside another shard's tests
+# on the same cluster) and these files; shard "a": every other cluster test. Sized from CI's per-test
+# times (2026-11-28: the 3-node tests ~270 s, the session story ~320 s, Lightning ~190 s; the rest ~680 s).
+CLUSTER_SHARD_B_FILES = ("tests/session/test_session_slurm.py", "tests/integrations/test_lightning_cluster.py")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cluster-shard", choices=("all", "a", "b"), default="all",
+                     help="of the cluster (slurm-marked) tests, run only shard a or b (tests/conftest.py "
+                          "says which is which); the other tests are not affected")
+
+
+def cluster_shard(item: pytest.Item) -> str:
+    """``"b"`` for the tests on the 3-node cluster and those in CLUSTER_SHARD_B_FILES, else ``"a"``."""
+    path = Path(str(item.path)).resolve().relative_to(ROOT).as_posix()
+    return "b" if THREE_NODES in getattr(item, "fixturenames", ()) or path in CLUSTER_SHARD_B_FILES else "a"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -263,6 +281,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                                else "is marked slurm but does not use the cluster"))
     if wrong:
         raise pytest.UsageError("cluster markers:\n  " + "\n  ".join(wrong))
+    shard = config.getoption("--cluster-shard")
+    if shard != "all":
+        other = [item for item in items if item.get_closest_marker("slurm") and cluster_shard(item) != shard]
+        if other:
+            config.hook.pytest_deselected(items=other)
+            items[:] = [item for item in items if item not in other]
     # The tests on the 3-node cluster (tests/submit/conftest.py's three_nodes, session-wide) run last,
     # together: the cluster is resized once and back once, not twice per module (each resize is a
     # `devcluster down` and `up`). A stable sort: every other test keeps its order.
