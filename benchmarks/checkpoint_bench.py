@@ -47,7 +47,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.method import MIN_ROUNDS, summary  # noqa: E402
+from benchmarks.method import MIN_ROUNDS, spread_table, summary  # noqa: E402
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -493,10 +493,9 @@ def main() -> int:
            "page_cache": results[min(results)]["cache"], "elapsed_s": round(elapsed, 1),
            "by_ranks": per}
     # next to the goal keys: median, min, max and cold (warm-up round) of each writer and reader
-    doc["spread"] = {str(w): {k: {"median": m[k], "min": m[f"{k}_min"], "max": m[f"{k}_max"],
-                                  "cold": m.get(f"{k}_cold")}
-                              for k in ("raw_write", "coci_save", "dcp_save", "torch_save", "coci_async_persist",
-                                        "raw_read", "coci_load", "dcp_load", "torch_load") if k in m}
+    doc["spread"] = {str(w): spread_table(m, ("raw_write", "coci_save", "dcp_save", "torch_save",
+                                              "coci_async_persist", "raw_read", "coci_load", "dcp_load",
+                                              "torch_load"))
                      for w, m in results.items()}
     for w, m in results.items():
         # the per-phase breakdown of the slowest and the fastest timed coci save

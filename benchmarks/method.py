@@ -36,6 +36,13 @@ def rotate(items: Sequence[Any], k: int) -> list[Any]:
     return list(items[k % n:]) + list(items[:k % n]) if n else []
 
 
+def spread_table(figures: Mapping[str, Any], keys: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``{key: {median, min, max, cold}}`` for each of ``keys`` that :func:`summary` gave ``figures``:
+    the JSON's ``spread``, beside the goal keys."""
+    return {k: {"median": figures[k], "min": figures[f"{k}_min"], "max": figures[f"{k}_max"],
+                "cold": figures.get(f"{k}_cold")} for k in keys if k in figures}
+
+
 def spread(samples: Sequence[float]) -> str:
     """``median [min-max]`` for a table cell."""
     return f"{statistics.median(samples):.3f} [{min(samples):.2f}-{max(samples):.2f}]"

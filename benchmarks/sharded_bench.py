@@ -57,7 +57,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.method import MIN_ROUNDS, rotate, summary  # noqa: E402
+from benchmarks.method import MIN_ROUNDS, rotate, spread_table, summary  # noqa: E402
 
 
 def drop_cache(paths: list[Path]) -> str:
@@ -405,10 +405,8 @@ def main() -> int:
         doc["sharded_save_vs_floor"] = save["coci_save"] / save["raw_save"]
         doc["sharded_load_vs_floor"] = save["coci_load"] / save["raw_load"]
     # next to the goal keys: each writer's median, min, max and cold (warm-up round) time
-    doc["spread"] = {k: {"median": save[k], "min": save[f"{k}_min"], "max": save[f"{k}_max"],
-                         "cold": save.get(f"{k}_cold")}
-                     for k in ("coci_save", "dcp_save", "raw_save", "coci_load", "dcp_load", "raw_load")
-                     if k in save}
+    doc["spread"] = spread_table(save, ("coci_save", "dcp_save", "raw_save", "coci_load", "dcp_load",
+                                        "raw_load"))
     phases = save.get("coci_save_phases")
     if phases and len(phases) == len(save["samples"]["coci_save"]) + 1:
         # the per-phase breakdown (slowest rank per phase) of the slowest and the fastest timed save

@@ -2,7 +2,7 @@
 round apart as the cold figure, the spread beside each median, every writer in every place."""
 from __future__ import annotations
 
-from benchmarks.method import MIN_ROUNDS, rotate, summary
+from benchmarks.method import MIN_ROUNDS, rotate, spread_table, summary
 
 
 def test_summary_keeps_the_cold_round_out_of_the_median_and_gives_the_spread() -> None:
@@ -26,3 +26,10 @@ def test_rotate_puts_every_writer_in_every_place() -> None:
 
 def test_at_least_seven_rounds() -> None:
     assert MIN_ROUNDS >= 7
+
+
+def test_spread_table_gives_each_asked_key_its_median_min_max_and_cold() -> None:
+    figures = summary({"coci_save": [3.0, 1.0, 2.0], "dcp_save": [4.0, 5.0, 6.0]}, {"coci_save": 7.0})
+    got = spread_table(figures, ("coci_save", "dcp_save", "raw_save"))
+    assert got == {"coci_save": {"median": 2.0, "min": 1.0, "max": 3.0, "cold": 7.0},
+                   "dcp_save": {"median": 5.0, "min": 4.0, "max": 6.0, "cold": None}}   # raw_save: not measured
