@@ -227,4 +227,4 @@ def for_session(comm: Any, sync: Any, say: Callable[[str], None]) -> NcclWatch |
                 "(COCI_DIST_TIMEOUT_S), and no survivors' save is possible (it needs MPI); launch with "
                 "srun --mpi=pmix or mpiexec for both")
         return None
-    return NcclWatch(comm.mpi_comm.Dup(), lambda: sync.deadline_s, sync._notice_or_ending)
+    return NcclWatch(comm.mpi_comm.Dup(), lambda: sync.deadline_s, sync.early_exits)
