@@ -95,6 +95,8 @@ class FakeNcclGroup(dist.ProcessGroup):
             pending, self._pending = self._pending, set()
         for work in pending:
             work.released.set()
+        # For the end-to-end test: the abort reached this communicator while the hung collective waited.
+        print(f"FAKE NCCL ABORT rank {self.rank()}: {len(pending)} waiting collective(s) released", flush=True)
 
 
 def register() -> None:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from coci_hpc.runtime import ncclwatch
-from tests.conftest import ROOT, clean_env, reference_hash, reference_run, run_ranks
+from tests.conftest import ROOT, clean_env, reference_hash, reference_run_later, run_ranks
 from tests.runtime import fake_nccl
 
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "nccl_job.py")
@@ -118,6 +118,32 @@ def test_the_watchers_stop_together_after_a_round_whose_max_says_stop() -> None:
     t0 = time.monotonic()
     assert w.stop() is True and time.monotonic() - t0 < 0.5
     assert w.rounds >= 2 and called == []
+
+
+def test_a_device_copy_that_returns_after_the_abort_never_becomes_a_host_copy() -> None:
+    """The memory tier under NCCL: the abort can end a `.cpu()` at the boundary that waited on the hung
+    stream; what it copied may be a half-finished step. The peer-loss path freezes the tier before it
+    aborts: that copy is dropped, and the slot it was rewriting is not posted (its old bytes are gone)."""
+    from mpi4py import MPI
+
+    from coci_hpc.runtime import memtier
+
+    state = {"w": torch.arange(6.0)}
+    tier = memtier.MemoryTier(lambda: state, MPI.COMM_SELF.Dup(), 1, every=1)   # its own partner
+    tier.boundary(1)
+    tier.boundary(2)
+    assert sorted(s.step for _, s in tier.held()) == [1, 2, 2]
+
+    def aborted_while_copying() -> dict[str, torch.Tensor]:
+        tier.frozen = True                   # the watcher froze the tier and aborted meanwhile
+        state["w"].fill_(float("nan"))       # what the stream ran after the hung collective
+        return state
+    tier.state_fn = aborted_while_copying
+    tier.boundary(3)
+    held = sorted(s.step for _, s in tier.held())
+    assert held == [2, 2], held              # step 3 never whole; step 1's slot was being rewritten
+    step2 = next(s for r, s in tier.held() if s in tier.own)
+    assert step2.snapshot().leaves[0].array.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
 
 
 # -- the abort, in process (a world of one rank on the fake backend) ------------------------------
@@ -218,6 +244,7 @@ def _frozen_run(root: Path, *, watch: bool, give_s: float = 60.0) -> tuple[float
 
 
 def test_a_frozen_peer_under_nccl_survivors_save_the_host_copy_and_resume_bit_exactly(tmp_path: Path) -> None:
+    ref = reference_run_later(2, SCRIPT, "--steps", str(STEPS), ckpt_dir=tmp_path / "ref")   # meanwhile
     root = tmp_path / "run"
     frozen, rc, out = _frozen_run(root, watch=True)
     assert rc is not None, f"the survivor did not leave after the peer froze:\n{out}"
@@ -231,10 +258,10 @@ def test_a_frozen_peer_under_nccl_survivors_save_the_host_copy_and_resume_bit_ex
     # save come on top. Loose: the machine the tests run on is shared.
     assert rec["commit_wall"] - frozen < 1.0 + 5.0, (rec, frozen)
     assert "survivors save from host copies only" in out
+    assert "FAKE NCCL ABORT rank 0: 1 waiting collective(s) released" in out   # the hung allreduce's wait
     resumed = run_ranks(2, SCRIPT, "--steps", str(STEPS), "--ckpt-dir", str(root), env=clean_env(**JOB_ENV))
     assert "resuming from step 4" in resumed.stderr, resumed.stderr
-    ref = reference_run(2, SCRIPT, "--steps", str(STEPS), ckpt_dir=tmp_path / "ref")
-    assert reference_hash(resumed.stdout) == reference_hash(ref.stdout)
+    assert reference_hash(resumed.stdout) == reference_hash(ref.result().stdout)
 
 
 def test_without_the_watcher_the_same_hang_blocks(tmp_path: Path) -> None:
