@@ -253,8 +253,9 @@ class PeerLost(Record):
     saved_from: SavedFrom | None = _f("which copy the committed checkpoint was written from: `live` (the survivors' "
                                       "own state, rolled back to the last step boundary), `host` (the memory tier's "
                                       "host copies, packed at a boundary: the only source under NCCL, where device "
-                                      "memory is never read after a lost peer); absent when nothing was committed "
-                                      "and in logs written before 2026-11-29", values=SavedFrom)
+                                      "memory is never read after a lost peer); absent when the survivors wrote "
+                                      "nothing (nothing committed, or that step's regular checkpoint had) and in logs "
+                                      "written before 2026-11-29", values=SavedFrom)
 
     @property
     def ranks_lost(self) -> list[int] | None:

@@ -30,6 +30,8 @@ nodes (its shards are the same, the copy costs one more buffer but keeps one cod
 
 A data-parallel run (no DTensor / ``Sharded`` state) has nothing here: its survivors hold the
 replicated state at the last step and the per-step per-rank copy (:mod:`.partner`) covers the rest.
+Except under NCCL, where the survivors never read device memory after a lost peer
+(:mod:`.ncclwatch`): there the tier holds every state.
 """
 from __future__ import annotations
 

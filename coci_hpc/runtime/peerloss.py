@@ -2,7 +2,8 @@
 collective that never completes, an MPI-IO call stuck): save from the survivors
 (:mod:`coci_hpc.runtime.survivors`), record it, requeue the job (Slurm requeues a NODE_FAIL by
 itself; a crashed rank on a healthy node needs us) and leave the process at once, with no MPI
-collective or finalize that would wait for the dead rank."""
+collective or finalize that would wait for the dead rank. Under NCCL (``host_only``,
+:mod:`.ncclwatch`) it first aborts the process groups and saves from host copies only."""
 from __future__ import annotations
 
 import os
@@ -238,7 +239,8 @@ class PeerLoss:
                     self.losses.flush()
                 # Which tier served: "survivors" (the last step), "memory" (the memory tier's), "disk".
                 tier = Tier(getattr(out, "tier", Tier.SURVIVORS if out.committed else Tier.DISK))
-                saved_from = (None if not out.committed else
+                # What the survivors wrote from (a committed outcome with a reason: the regular save had committed).
+                saved_from = (None if not out.committed or out.reason else
                               SavedFrom.HOST if isinstance(out, memtier.TierOutcome) else SavedFrom.LIVE)
                 step_of = out.step if isinstance(out, memtier.TierOutcome) and out.step is not None else boundary
                 log.write(ev.PeerLost(step=step_of, tier=tier, how=how, survivor=self.rank, committed=out.committed,
@@ -250,8 +252,10 @@ class PeerLoss:
                 if in_place and self.notice is not None:
                     self.notice.mark_left()    # the loop may end a silent peer's task now
                 if out.committed:
-                    _say(f"survivors' checkpoint of step {step_of} ({tier} tier, from {saved_from} copies) committed {time.time() - t_fail:.1f}s after "
-                         f"the failure (ranks {out.ranks_from_partner} from their partners' copies)")
+                    src = {SavedFrom.HOST: ", saved from host copies", SavedFrom.LIVE: ", saved from the survivors' state",
+                           None: ""}[saved_from]
+                    _say(f"survivors' checkpoint of step {step_of} ({tier} tier) committed {time.time() - t_fail:.1f}s after "
+                         f"the failure (ranks {out.ranks_from_partner} from their partners' copies){src}")
                 else:
                     _say(f"no survivors' checkpoint ({out.reason}); falling back to the last regular checkpoint "
                          f"(step {latest})")
