@@ -18,7 +18,7 @@ from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.comm import Comm
 from coci_hpc.errors import PeerLost, UsageError
 from coci_hpc.planner.failures import FailureModel
-from coci_hpc.runtime import errorexit, memtier, progress, runrecord, signals
+from coci_hpc.runtime import errorexit, memtier, ncclwatch, progress, runrecord, signals
 from coci_hpc.runtime.attemptbook import AttemptBook
 from coci_hpc.runtime.config import resolve
 from coci_hpc.runtime.data import check_saveable, session_state
@@ -185,13 +185,16 @@ class Session:
         self.book = AttemptBook(self.log, self.job, self._runner, self.config.ckpt_dir, in_place=self._in_place,
                                 process_wall=self._process_wall, init_wall=self._init_wall, progress=self.progress)
         self.stopper = StopController(self.job, self.recorder, self.config.signal_lead_s, self._runner, say=_say)
+        hangs = ncclwatch.backend_hangs()  # NCCL: a lost peer hangs the survivors instead of raising
         self.peer_loss = PeerLoss.for_session(   # with the survivors' copy and the memory tier (state held in parts)
             SessionParts(self.comm, self.mgr, self._state, STATE_KEY, self._state[STATE_KEY].local_state_dict,
                          self._parts, self.config.ckpt_dir, self.log, self.book, self.losses, self.job, self._runner,
                          self.sync.notice, self._in_place), enabled=self._survivors, environ=self._environ, say=_say,
             plan_fn=self.schedule.following(memtier.plan_with(self.schedule, horizon_s, _say, self._environ,
-                                                              self.events_path, self.log)), skip=frozenset({STATE_KEY}))
+                                                              self.events_path, self.log)), skip=frozenset({STATE_KEY}),
+            host_only=hangs)
         self.survival = self.peer_loss.survival
+        self._nccl = ncclwatch.for_session(self.comm, self.sync, _say) if hangs else None   # watches while the loop runs
         self._watch = contextlib.ExitStack()   # the comm's watch on its peers while the loop runs
         self.step, self._loss, self._started = 0, math.nan, False   # steps completed, rank 0's loss, steps() ran
         self._pending_ckpt: tuple[int, float] | None = None   # async save in flight: (step, blocking_s)
@@ -298,6 +301,8 @@ class Session:
         notice = self.sync.notice
         self._watch.enter_context(self.comm.watch(self.sync.deadline_s, lambda what: self.peer_loss.stuck(
             self.step, what), notice.posted if notice is not None else None))
+        if self._nccl is not None:         # under NCCL: notices a lost peer while the main thread waits on the device
+            self._watch.enter_context(self._nccl.running(lambda how, t: self.peer_loss.handle(self.step, how, t)))
         if self.rank == 0 and notice is not None:
             notice.mark_training()       # the relaunch loop's grace for a survivors' save applies
         if not self._blocking:
@@ -307,6 +312,8 @@ class Session:
 
     # -- the step boundary ---------------------------------------------------------------------------
     def _after_step(self, step: int, dt: float, total: int) -> None:
+        if self._nccl is not None:
+            self._nccl.boundary()           # back from the step; held here once the watcher declared a loss
         self.step = step
         self.progress.mark(step)            # a few bytes into the page cache: what a crash leaves
         self.history.poll(self.schedule)

@@ -94,6 +94,12 @@ class Tier(StrEnum):
     DISK = "disk"
 
 
+class SavedFrom(StrEnum):
+    """``peer_lost.saved_from``: which copy of the state the survivors' checkpoint was written from."""
+    LIVE = "live"
+    HOST = "host"
+
+
 class RelaunchAction(StrEnum):
     """``relaunch.action``: the relaunch loop's decision."""
     RELAUNCH = "relaunch"
@@ -244,6 +250,12 @@ class PeerLost(Record):
     commit_wall: float | None = _f("when the survivors' checkpoint committed")
     save_s: float | None = _f("the survivors' save seconds")
     fallback_step: int | None = _f("the checkpoint the next attempt resumes from instead")
+    saved_from: SavedFrom | None = _f("which copy the committed checkpoint was written from: `live` (the survivors' "
+                                      "own state, rolled back to the last step boundary), `host` (the memory tier's "
+                                      "host copies, packed at a boundary: the only source under NCCL, where device "
+                                      "memory is never read after a lost peer); absent when the survivors wrote "
+                                      "nothing (nothing committed, or that step's regular checkpoint had) and in logs "
+                                      "written before 2026-11-29", values=SavedFrom)
 
     @property
     def ranks_lost(self) -> list[int] | None:

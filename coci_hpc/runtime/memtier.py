@@ -30,12 +30,15 @@ nodes (its shards are the same, the copy costs one more buffer but keeps one cod
 
 A data-parallel run (no DTensor / ``Sharded`` state) has nothing here: its survivors hold the
 replicated state at the last step and the per-step per-rank copy (:mod:`.partner`) covers the rest.
+Except under NCCL, where the survivors never read device memory after a lost peer
+(:mod:`.ncclwatch`): there the tier holds every state.
 """
 from __future__ import annotations
 
 import json
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -196,10 +199,16 @@ class MemoryTier:
         self._next_k: tuple[int, int] | None = None      # (k, from step)
         self.planned: tuple[int | None, int] | None = None
         self._byte = MPI.BYTE
+        # Set by the peer-loss path under NCCL before it aborts the communicator (runtime/ncclwatch.py):
+        # a device copy that returns after that may hold a half-finished step, and must never become a slot.
+        self.frozen = False
+        self._poll_lock = threading.Lock()     # poll() from the main thread and a survivors' save on another
 
     # -- per step ------------------------------------------------------------------------------
     def boundary(self, step: int) -> None:
         """At each step boundary: progress the exchange in flight; every ``every`` steps start one."""
+        if self.frozen:
+            return
         self.poll()
         self._plan_progress(step)
         if step % self.every:
@@ -211,7 +220,10 @@ class MemoryTier:
         slot = min(self.own, key=lambda s: s.step)   # the older own copy; its send has finished
         # collect copies device tensors to host (blocking .cpu()); the slot is reused only once
         # its last Isend completed (_send_req is None above), and pack_into rewrites every byte
+        slot.step = -1      # not a whole copy while it is rewritten: a survivors' save skips it
         skeletons, leaves = collect(self.state_fn(), rng=True)
+        if self.frozen:     # a peer was lost while the device copy waited: its bytes may be garbage
+            return
         pack_into(slot, self.rank, step, skeletons, leaves)
         self._send_req = self.link.isend(self.link.spec(slot.buf[:slot.nbytes]))
         self.copies += 1
@@ -255,6 +267,10 @@ class MemoryTier:
 
     def poll(self) -> None:
         """Non-blocking: finish what has finished, take in a copy that has started to arrive."""
+        with self._poll_lock:
+            self._poll()
+
+    def _poll(self) -> None:
         if self._send_req is not None and self._send_req.Test():
             self._send_req = None
         if self._recv_req is None and (n := self.link.arrived()) is not None:
@@ -414,10 +430,13 @@ DEFAULT_EVERY = settings.MEMTIER_EVERY   # until the planner has measured costs 
 def for_session(state_fn: Callable[[], Mapping[str, Any]], comm: Comm, ranks_per_node: int, parts: list[str],
                 enabled: bool, environ: Mapping[str, str] | None, say: Callable[[str], None],
                 plan_fn: Callable[[list[float]], tuple[int | None, int] | None] | None = None,
-                available: Callable[[], int | None] = host_available_bytes) -> MemoryTier | None:
+                available: Callable[[], int | None] = host_available_bytes,
+                host_copies: bool = False) -> MemoryTier | None:
     """The memory tier of a Session, or None: only for state held in parts (DTensor / ``Sharded``
     leaves; data-parallel state is covered by the survivors and the per-step per-rank copy), with
-    survivors' saves on (MPI, 2+ ranks). Collective (every rank at ``Session()``): when the host
+    survivors' saves on (MPI, 2+ ranks). ``host_copies`` (under NCCL, where the survivors never
+    read device memory after a lost peer, :mod:`.ncclwatch`): for every state, data-parallel too.
+    Collective (every rank at ``Session()``): when the host
     memory of ANY rank would not hold the tier's buffers (:func:`estimate_bytes` against
     MemAvailable), the tier is turned off on every rank and rank 0 says so; the run goes on with
     the disk tier alone. ``plan_fn`` (:func:`plan_with`) sets ``k`` from the two-tier planner
@@ -428,7 +447,12 @@ def for_session(state_fn: Callable[[], Mapping[str, Any]], comm: Comm, ranks_per
         raise UsageError(str(exc), hint=f"set {settings.MEMTIER_K.name} to a step count (0: no memory tier), "
                                         f"or unset it to let the two-tier planner choose") from None
     every = DEFAULT_EVERY if fixed is None else fixed
-    if not parts or not enabled or every <= 0:
+    if (not parts and not host_copies) or not enabled:
+        return None
+    if every <= 0:
+        if host_copies and comm.rank == 0:
+            say(f"memory tier off ({settings.MEMTIER_K.name}=0): under NCCL a lost peer leaves no host copy to "
+                f"save from, and the run falls back to its last disk checkpoint")
         return None
     from coci_hpc.checkpoint.state import find_optimizers
 

@@ -2,7 +2,8 @@
 collective that never completes, an MPI-IO call stuck): save from the survivors
 (:mod:`coci_hpc.runtime.survivors`), record it, requeue the job (Slurm requeues a NODE_FAIL by
 itself; a crashed rank on a healthy node needs us) and leave the process at once, with no MPI
-collective or finalize that would wait for the dead rank."""
+collective or finalize that would wait for the dead rank. Under NCCL (``host_only``,
+:mod:`.ncclwatch`) it first aborts the process groups and saves from host copies only."""
 from __future__ import annotations
 
 import os
@@ -20,16 +21,20 @@ from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.comm import Comm
 from coci_hpc.errors import PeerLost, SlurmError
 from coci_hpc.runtime import events as ev
-from coci_hpc.runtime import memtier
+from coci_hpc.runtime import memtier, ncclwatch
 from coci_hpc.runtime import survivors as sv
 from coci_hpc.runtime.attemptbook import AttemptBook
-from coci_hpc.runtime.events import EventLog, Tier
+from coci_hpc.runtime.events import EventLog, SavedFrom, Tier
 from coci_hpc.runtime.losses import LossBuffer
 from coci_hpc.runtime.peernotice import PeerNotice
 from coci_hpc.runtime.preemption import requeue_with_retries
 from coci_hpc.runtime.stepsync import MIN_DEADLINE_S, StepSync
 from coci_hpc.slurm import commands
 from coci_hpc.slurm.env import JobEnvironment
+
+NO_HOST_COPY = ("no host copy of the state to save from: the memory tier is off (COCI_MEMTIER_K=0, too little host "
+                "memory, or survivors' saves off), and under NCCL the survivors never read device memory after a lost "
+                "peer (the stream may have run part of the next step); the run falls back to its last disk checkpoint")
 
 # Open MPI prints its own alarming warning in the survivors' logs once a peer is gone, around coci's
 # peer-lost line: say beside it that it is expected, so nobody chases it (issue 26).
@@ -100,7 +105,7 @@ class PeerLoss:
     partner copy (``survival``) and, for state held in parts, the memory tier (``survival.memtier``);
     :meth:`for_session` builds the three together."""
 
-    def __init__(self, s: SessionParts, survival: sv.Survival) -> None:
+    def __init__(self, s: SessionParts, survival: sv.Survival, host_only: bool = False) -> None:
         self.comm, self.mgr, self.survival, self._state = s.comm, s.mgr, survival, s.state
         self._key, self._local_session_state, self._parts, self.root = (s.session_key, s.local_session_state,
                                                                         s.parts, s.root)
@@ -108,19 +113,23 @@ class PeerLoss:
         self.notice, self._in_place = s.notice, s.in_place
         self.rank = s.comm.rank
         self._lost_lock = threading.Lock()  # one survivors' save per process (main thread or guard timer)
+        # Under NCCL (runtime/ncclwatch.py): abort the process groups first, and save from host copies only.
+        self.host_only = host_only
 
     @classmethod
     def for_session(cls, s: SessionParts, *, enabled: bool, environ: Mapping[str, str] | None,
                     say: Callable[[str], None], plan_fn: Callable[[list[float]], tuple[int | None, int] | None],
-                    skip: frozenset[str] = frozenset()) -> PeerLoss:
+                    skip: frozenset[str] = frozenset(), host_only: bool = False) -> PeerLoss:
         """Collective, at ``Session()``: the survivors' snapshot and partner copy (on when
         ``enabled``, MPI and 2+ ranks), the memory tier when state is held in parts
         (:func:`.memtier.for_session`, its interval from ``plan_fn`` unless ``COCI_MEMTIER_K`` fixes
-        it) and the peer-loss path that saves from them. ``skip``: state entries the snapshot leaves out."""
+        it) and the peer-loss path that saves from them. ``skip``: state entries the snapshot leaves out.
+        ``host_only`` (under NCCL, :mod:`.ncclwatch`): the memory tier for every state, and a lost
+        peer aborts the process groups and saves from its host copies only."""
         survival = sv.Survival(s.state, s.comm, ranks_per_node=s.job.ranks_per_node, enabled=enabled, skip=skip)
-        loss = cls(s, survival)
+        loss = cls(s, survival, host_only=host_only)
         survival.memtier = memtier.for_session(loss.local_state, s.comm, s.job.ranks_per_node, s.parts,
-                                               survival.enabled, environ, say, plan_fn)
+                                               survival.enabled, environ, say, plan_fn, host_copies=host_only)
         return loss
 
     def local_state(self) -> dict[str, Any]:
@@ -132,6 +141,10 @@ class PeerLoss:
         "Connection reset by peer" in loss.backward()), and a generator cannot see that exception,
         so ask the peers: a lost one does not answer (then this never returns)."""
         t_fail = time.time()       # when the failure surfaced here, before the probe's deadline
+        if self._lost_lock.locked():
+            # Another thread declared the loss (the NCCL watcher: its abort is what ended this step
+            # with an exception): wait here for its save to end the process.
+            self.handle(step, "an exception inside the step after the peer-loss path began", t_fail)
         if self.comm.size > 1 and not sync.probe(sync.deadline_s):
             self.handle(step, f"an exception inside the step, then: {sync.lost_why}", t_fail)
 
@@ -153,6 +166,7 @@ class PeerLoss:
         # get here: the first one saves and ends the process, the second waits for that end.
         self._lost_lock.acquire()
         self.comm.lost = True
+        aborted = self._abort() if self.host_only else None
         newer = self.book.newer_attempt()
         if newer is not None:
             # A process left over from an attempt Slurm has already replaced: its host stopped
@@ -180,6 +194,9 @@ class PeerLoss:
             # replaced below when it is the same step): let it finish first, locally, bounded.
             self.mgr.quiesce(timeout_s=5.0)
             _say(f"rank {self.rank}: peer lost at step {step}: {how}. {PEER_LOST_MPI_NOTE}")
+            if aborted is not None:
+                _say(f"rank {self.rank}: NCCL: {aborted.describe()}; the survivors save from host copies only")
+                how = f"{how}; {aborted.describe()}"
             sv_ = self.survival
             boundary = sv_.snapshot.step
             root = self.root
@@ -187,6 +204,10 @@ class PeerLoss:
             reason = ""
             if not sv_.enabled:
                 reason = sv_.why_not
+            elif self.host_only:
+                # Under NCCL the device memory may hold a half-finished step after the abort: the host
+                # copies (the memory tier's) are all there is to save from.
+                reason = "" if sv_.memtier is not None else NO_HOST_COPY
             elif sv_.opt_steps != sv_.snapshot.opt_steps:
                 reason = f"this rank's optimizer had already stepped past step {boundary} when the failure surfaced"
             elif sv_.own_for(boundary) is None:
@@ -218,17 +239,23 @@ class PeerLoss:
                     self.losses.flush()
                 # Which tier served: "survivors" (the last step), "memory" (the memory tier's), "disk".
                 tier = Tier(getattr(out, "tier", Tier.SURVIVORS if out.committed else Tier.DISK))
+                # What the survivors wrote from (a committed outcome with a reason: the regular save had committed).
+                saved_from = (None if not out.committed or out.reason else
+                              SavedFrom.HOST if isinstance(out, memtier.TierOutcome) else SavedFrom.LIVE)
                 step_of = out.step if isinstance(out, memtier.TierOutcome) and out.step is not None else boundary
                 log.write(ev.PeerLost(step=step_of, tier=tier, how=how, survivor=self.rank, committed=out.committed,
                                    lost_ranks=out.ranks_from_partner, lost=out.lost or None, reason=out.reason,
                                    failure_wall=t_fail, detect_wall=t_detect,
                                    commit_wall=time.time() if out.committed else None,
-                                   save_s=out.write_s, fallback_step=None if out.committed else latest))
+                                   save_s=out.write_s, fallback_step=None if out.committed else latest,
+                                   saved_from=saved_from))
                 if in_place and self.notice is not None:
                     self.notice.mark_left()    # the loop may end a silent peer's task now
                 if out.committed:
+                    src = {SavedFrom.HOST: ", saved from host copies", SavedFrom.LIVE: ", saved from the survivors' state",
+                           None: ""}[saved_from]
                     _say(f"survivors' checkpoint of step {step_of} ({tier} tier) committed {time.time() - t_fail:.1f}s after "
-                         f"the failure (ranks {out.ranks_from_partner} from their partners' copies)")
+                         f"the failure (ranks {out.ranks_from_partner} from their partners' copies){src}")
                 else:
                     _say(f"no survivors' checkpoint ({out.reason}); falling back to the last regular checkpoint "
                          f"(step {latest})")
@@ -250,3 +277,11 @@ class PeerLoss:
                 except SlurmError:
                     pass
         leave_after_peer_loss(in_place)
+
+    def _abort(self) -> ncclwatch.Abort:
+        """Under NCCL, before anything else: no device copy started from now on becomes a host copy
+        (the memory tier is frozen), then every process group is aborted, so that the main thread's
+        wait on the hung collective ends and NCCL's watchdog has nothing left to time out."""
+        if self.survival.memtier is not None:
+            self.survival.memtier.frozen = True
+        return ncclwatch.abort_groups()

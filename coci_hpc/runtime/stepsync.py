@@ -129,8 +129,9 @@ class StepSync:
         """How long a silent peer may keep this rank waiting once Slurm is ending the step."""
         return min(self.deadline_s, max(ENDING_GRACE_MIN_S, ENDING_GRACE_STEPS * self._dt_ema))
 
-    def _notice_or_ending(self, t0: float) -> Callable[[float], str | None] | None:
-        """The early exits of one wait begun at ``t0``: the relaunch loop's notice, and SIGTERM."""
+    def early_exits(self, t0: float) -> Callable[[float], str | None] | None:
+        """The early exits of one wait begun at ``t0``: the relaunch loop's notice, and SIGTERM (also the
+        NCCL watcher's, runtime/ncclwatch.py)."""
         posted = self.notice.posted if self.notice is not None else None
         ending = self.ending
         if ending is None and posted is None:
@@ -163,7 +164,7 @@ class StepSync:
             try:
                 poll_until_done(
                     test, self.deadline_s if deadline_s is None else deadline_s,
-                    self._notice_or_ending(time.monotonic()),
+                    self.early_exits(time.monotonic()),
                     lambda limit: (f"the step agreement did not complete within {limit:.1f}s: a peer rank "
                                    f"is gone (crashed, killed, or its node failed)"),
                     lambda waited, why: (f"a peer rank is gone after {waited:.2f}s of waiting for the step "

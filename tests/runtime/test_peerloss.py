@@ -47,7 +47,13 @@ class _Mgr:
         self.quiesced = True
 
 
-def _peer_loss(root: Path, last_finished: int, calls: list[Any], in_slurm: bool = True) -> tuple[peerloss.PeerLoss, _Mgr, EventLog]:
+class _Losses:
+    def flush(self) -> None:
+        pass
+
+
+def _peer_loss(root: Path, last_finished: int, calls: list[Any], in_slurm: bool = True,
+               host_only: bool = False) -> tuple[peerloss.PeerLoss, _Mgr, EventLog]:
     log = EventLog(root / "events.jsonl", attempt=1, job_id="77", enabled=True)
     mgr = _Mgr(root)
 
@@ -58,9 +64,9 @@ def _peer_loss(root: Path, last_finished: int, calls: list[Any], in_slurm: bool 
 
     parts = peerloss.SessionParts(comm=Comm.serial(), mgr=mgr,  # type: ignore[arg-type]
                                   state={}, session_key="__coci__", local_session_state=dict, parts=[], root=root,
-                                  log=log, book=_Book(), losses=None, job=Job(),  # type: ignore[arg-type]
+                                  log=log, book=_Book(), losses=_Losses(), job=Job(),  # type: ignore[arg-type]
                                   runner=lambda *a, **k: calls.append(a) or "", notice=None, in_place=None)
-    pl = peerloss.PeerLoss(parts, _Survival(last_finished))  # type: ignore[arg-type]
+    pl = peerloss.PeerLoss(parts, _Survival(last_finished), host_only=host_only)  # type: ignore[arg-type]
     return pl, mgr, log
 
 
@@ -108,3 +114,21 @@ def test_a_rank_at_the_newest_checkpoint_goes_on_to_the_survivors_save(tmp_path:
     with pytest.raises(_Left):
         pl.handle(10, "the step agreement's deadline passed", 0.0)
     assert mgr.quiesced                                             # the survivors' path began
+
+
+def test_under_nccl_without_host_copies_nothing_is_saved_and_the_record_says_why(
+        tmp_path: Path, left: list[bool], capsys: pytest.CaptureFixture[str]) -> None:
+    """Under NCCL (host_only) with the memory tier off there is no host copy, and device memory is
+    never read after a lost peer: no survivors' checkpoint, the record and the log say so and name
+    the disk checkpoint the run falls back to."""
+    _committed(tmp_path, 9)
+    pl, _, _ = _peer_loss(tmp_path, last_finished=11, calls=[], in_slurm=False, host_only=True)
+    with pytest.raises(_Left):
+        pl.handle(12, "the NCCL watcher's agreement over MPI did not complete", 0.0)
+    [rec] = [r for r in read_events(tmp_path / "events.jsonl") if r.get("event") == "peer_lost"]
+    assert rec["committed"] is False and rec["tier"] == "disk" and rec["fallback_step"] == 9, rec
+    assert rec["reason"] == peerloss.NO_HOST_COPY and rec.get("saved_from") is None, rec
+    assert "process groups aborted" in rec["how"]          # no group here: the abort returns at once
+    err = capsys.readouterr().err
+    assert "survivors save from host copies only" in err
+    assert "no host copy of the state to save from" in err and "falling back to the last regular checkpoint (step 9)" in err
