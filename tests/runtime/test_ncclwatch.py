@@ -17,10 +17,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -146,9 +147,12 @@ def test_a_device_copy_that_returns_after_the_abort_never_becomes_a_host_copy() 
     assert step2.snapshot().leaves[0].array.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
 
 
-# -- the abort, in process (a world of one rank on the fake backend) ------------------------------
-@pytest.fixture
-def fake_world() -> Any:
+# -- the abort, a world of one rank on the fake backend, each in a fresh process -------------------
+# Not in pytest's process: creating, aborting and destroying process groups there, test after test,
+# once aborted the whole worker (gloo's init after an earlier test's abort, "Fatal Python error:
+# Aborted", 1 run in 6 on a loaded machine), and a crash of a pytest-xdist worker fails the phase.
+@contextmanager
+def _fake_world() -> Iterator[Any]:
     fake_nccl.register()
     dist.init_process_group(fake_nccl.NAME, store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -158,41 +162,55 @@ def fake_world() -> Any:
             dist.destroy_process_group()
 
 
-def test_the_backend_decides_whether_a_lost_peer_hangs(fake_world: Any) -> None:
-    assert ncclwatch.backend_hangs()                           # "fakenccl": NCCL's behaviour
-    t = torch.ones(3)
-    dist.all_reduce(t)                                         # and it still moves data (gloo underneath)
-    assert t.tolist() == [1.0, 1.0, 1.0]
+def _in_fresh_process(body: str) -> None:
+    """Run this module's function ``body`` in a new interpreter; its assertion error is the test's."""
+    p = subprocess.run([sys.executable, "-c", f"from tests.runtime import test_ncclwatch as m; m.{body}()"],
+                       capture_output=True, text=True, env=clean_env(), cwd=ROOT, timeout=300)
+    assert p.returncode == 0, f"{body} failed in its own process (status {p.returncode}):\n{p.stdout}{p.stderr}"
 
 
-def test_gloo_or_no_group_does_not_hang() -> None:
-    assert not ncclwatch.backend_hangs()
+def _backend_decides() -> None:
+    with _fake_world():
+        assert ncclwatch.backend_hangs()                       # "fakenccl": NCCL's behaviour
+        t = torch.ones(3)
+        dist.all_reduce(t)                                     # and it still moves data (gloo underneath)
+        assert t.tolist() == [1.0, 1.0, 1.0]
+    assert not ncclwatch.backend_hangs()                       # no group
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        assert not ncclwatch.backend_hangs()
+        assert not ncclwatch.backend_hangs()                   # gloo raises where NCCL hangs
     finally:
         dist.destroy_process_group()
 
 
-def test_torchs_abort_ends_a_wait_that_never_returns_with_an_error(fake_world: Any) -> None:
-    work = fake_nccl.FakeNcclWork(fake_world)                  # a collective whose peer is gone
-    fake_world._pending.add(work)
-    raised: list[BaseException] = []
+def _abort_ends_the_wait() -> None:
+    with _fake_world() as world:
+        work = fake_nccl.FakeNcclWork(world)                   # a collective whose peer is gone
+        world._pending.add(work)
+        raised: list[BaseException] = []
 
-    def main_thread() -> None:
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            raised.append(exc)
-    th = threading.Thread(target=main_thread, daemon=True)
-    th.start()
-    th.join(0.3)
-    assert th.is_alive() and raised == []                      # it hangs
-    res = ncclwatch.abort_groups()
-    assert res.done and res.seconds < 2.0, res
-    th.join(2.0)
-    assert not th.is_alive() and "aborted" in str(raised[0])
-    assert not dist.is_initialized()                           # every group is gone after the abort
+        def main_thread() -> None:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raised.append(exc)
+        th = threading.Thread(target=main_thread, daemon=True)
+        th.start()
+        th.join(0.3)
+        assert th.is_alive() and raised == []                  # it hangs
+        res = ncclwatch.abort_groups()
+        assert res.done and res.seconds < 2.0, res
+        th.join(2.0)
+        assert not th.is_alive() and "aborted" in str(raised[0])
+        assert not dist.is_initialized()                       # every group is gone after the abort
+
+
+def test_the_backend_decides_whether_a_lost_peer_hangs_gloo_or_no_group_does_not() -> None:
+    _in_fresh_process("_backend_decides")
+
+
+def test_torchs_abort_ends_a_wait_that_never_returns_with_an_error() -> None:
+    _in_fresh_process("_abort_ends_the_wait")
 
 
 def test_an_abort_that_blocks_does_not_hold_up_the_save() -> None:

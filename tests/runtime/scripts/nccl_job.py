@@ -17,6 +17,7 @@ Session's run record):
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import os
 import signal
@@ -39,6 +40,7 @@ SAMPLES, D_IN, BATCH = 256, 8, 16
 
 
 def main() -> int:
+    faulthandler.register(signal.SIGQUIT, all_threads=True)   # a hung run's stacks, on demand
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--ckpt-dir", required=True)
