@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -150,6 +151,27 @@ def wait_for(pred: Callable[[], bool], what: str, timeout: float) -> None:
     while not pred():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.5)
+
+
+# The signals coci's handlers take (Slurm's warning, SIGTERM), put back after every test as they were
+# before it: pytest-xdist runs many files in one worker, and a handler one test leaves installed
+# changes what later tests see (a Lightning test once found another test's SIGUSR1 handler). Some
+# tests leave one on purpose: a finished Session ignores USR1/USR2 for the rest of the process (a
+# late Slurm warning must not kill a run that completed), and the relaunch loop's own recorder stays
+# installed for its process's life.
+WATCHED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_put_back() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.getsignal(s) for s in WATCHED_SIGNALS}
+    yield
+    for s, h in before.items():
+        if signal.getsignal(s) != h and h is not None:   # None: a handler not installed from Python
+            signal.signal(s, h)
 
 
 @pytest.fixture

@@ -30,16 +30,29 @@ NAME = "fakenccl"
 ABORTED = "fake NCCL: the communicator was aborted (ncclCommAbort) while this collective waited"
 
 
+class Pending:
+    """The collectives in flight and how many failed, apart from the group: a gloo callback holds this,
+    never the group, so the group (and the ProcessGroupGloo inside it) is never released on one of
+    gloo's own threads (a ProcessGroupGloo destroyed there joins that thread: "Resource deadlock
+    avoided", std::terminate; seen once in 6 loaded runs)."""
+
+    def __init__(self) -> None:
+        self.aborted = threading.Event()
+        self.hung = 0                      # collectives whose peer failed them: the ones NCCL would hang in
+        self.works: set[FakeNcclWork] = set()
+        self.lock = threading.Lock()
+
+
 class FakeNcclWork(dist.Work):
-    def __init__(self, group: FakeNcclGroup) -> None:
+    def __init__(self, pending: Pending) -> None:
         super().__init__()
-        self.group = group
+        self.aborted = pending.aborted
         self.released = threading.Event()     # the data arrived, or the group was aborted
         self.ok = False
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         self.released.wait()
-        if self.ok or (self.group.aborted.is_set() and os.environ.get("ABORT_RETURNS") == "1"):
+        if self.ok or (self.aborted.is_set() and os.environ.get("ABORT_RETURNS") == "1"):
             return True
         raise RuntimeError(ABORTED)
 
@@ -53,32 +66,30 @@ class FakeNcclWork(dist.Work):
 class FakeNcclGroup(dist.ProcessGroup):
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
         super().__init__(rank, size)
-        self.aborted = threading.Event()
-        self.hung = 0                      # collectives whose peer failed them: the ones NCCL would hang in
-        self._pending: set[FakeNcclWork] = set()
-        self._lock = threading.Lock()
+        self.pending = Pending()
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("fake_nccl", store), rank, size, timeout)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return NAME
 
     def _start(self, inner: Any) -> FakeNcclWork:
-        work = FakeNcclWork(self)
-        if self.aborted.is_set():
+        pending = self.pending
+        work = FakeNcclWork(pending)
+        if pending.aborted.is_set():
             work.released.set()            # an aborted communicator: every later collective fails at once
             return work
-        with self._lock:
-            self._pending.add(work)
+        with pending.lock:
+            pending.works.add(work)
 
-        def done(fut: Any) -> None:
+        def done(fut: Any) -> None:        # on a gloo thread: refers to ``pending`` and ``work`` only
             try:
                 fut.value()
             except Exception:  # noqa: BLE001 - the peer is gone: NCCL would hang, so the fake does
-                self.hung += 1
+                pending.hung += 1
                 return
             work.ok = True
-            with self._lock:
-                self._pending.discard(work)
+            with pending.lock:
+                pending.works.discard(work)
             work.released.set()
         inner.get_future().add_done_callback(done)
         return work
@@ -90,9 +101,9 @@ class FakeNcclGroup(dist.ProcessGroup):
         return self._start(self._gloo.barrier())
 
     def abort(self) -> None:
-        self.aborted.set()
-        with self._lock:
-            pending, self._pending = self._pending, set()
+        self.pending.aborted.set()
+        with self.pending.lock:
+            pending, self.pending.works = self.pending.works, set()
         for work in pending:
             work.released.set()
         # For the end-to-end test: the abort reached this communicator while the hung collective waited.

@@ -185,8 +185,8 @@ def _backend_decides() -> None:
 
 def _abort_ends_the_wait() -> None:
     with _fake_world() as world:
-        work = fake_nccl.FakeNcclWork(world)                   # a collective whose peer is gone
-        world._pending.add(work)
+        work = fake_nccl.FakeNcclWork(world.pending)           # a collective whose peer is gone
+        world.pending.works.add(work)
         raised: list[BaseException] = []
 
         def main_thread() -> None:
