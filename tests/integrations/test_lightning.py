@@ -253,16 +253,21 @@ def test_a_distributed_sampler_of_the_users_without_its_epoch_in_its_state_is_re
     CociCallback._check_loaders(trainer_with(_ddp_loader(0).batch_sampler.sampler))     # the injected one
 
 
-def test_model_parallel_strategy_is_refused_naming_why() -> None:
+def test_lightnings_model_parallel_strategy_is_refused_naming_why_and_the_fix() -> None:
     """Lightning's ModelParallelStrategy (FSDP2) runs on the CPU with gloo, but saves and loads its
-    checkpoint itself, never through the CheckpointIO: the callback refuses it at setup."""
+    checkpoint itself, never through the CheckpointIO: the callback refuses it at setup and names
+    CociModelParallelStrategy (tests/integrations/test_lightning_model_parallel.py), which it takes."""
     from types import SimpleNamespace
 
     from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from coci_hpc.integrations.lightning_model_parallel import CociModelParallelStrategy
 
     strategy = ModelParallelStrategy()
     with pytest.raises(TypeError, match="does not use the `CheckpointIO`"):     # Lightning's own refusal
         strategy.save_checkpoint({}, "unused", storage_options=object())
     with pytest.raises(UsageError, match=r"ModelParallelStrategy \(FSDP2\).*never through the CheckpointIO") as err:
         CociCallback._check_strategy(SimpleNamespace(strategy=strategy))
-    assert "coci_hpc.Session" in (err.value.hint or "")
+    assert "strategy=CociModelParallelStrategy(...) from coci_hpc.integrations.lightning_model_parallel" \
+        in (err.value.hint or "")
+    CociCallback._check_strategy(SimpleNamespace(strategy=CociModelParallelStrategy()))
