@@ -33,11 +33,16 @@ does.
   ``StatefulDataLoader`` (:func:`resumable_sampler`): its state holds the epoch, which Lightning's
   own sampler lacks (Lightning builds a resumed loader's iterator before ``set_epoch``).
 
-Not covered (see docs/how-to/lightning.md): strategies other than single-device and DDP
-(``ModelParallelStrategy``/FSDP2 keeps its checkpoint away from the CheckpointIO; FSDP1 and
-DeepSpeed: refused), the survivors' save and the memory tier (off: a lost rank falls back to the
-last committed checkpoint), gradient accumulation across a stop (boundaries are optimizer steps
-only, so nothing accumulated is ever lost).
+- Under FSDP2, Lightning's own ``ModelParallelStrategy`` keeps its checkpoint away from the
+  CheckpointIO and is refused; its subclass ``CociModelParallelStrategy``
+  (:mod:`coci_hpc.integrations.lightning_model_parallel`) hands the callback the sharded model and
+  optimizers, which go into the session as entries of their own (the session then starts at
+  ``on_fit_start``, once they exist).
+
+Not covered (see docs/how-to/lightning.md): other strategies (FSDP1 and DeepSpeed: refused), the
+survivors' save and the memory tier (off: a lost rank falls back to the last committed
+checkpoint), gradient accumulation across a stop (boundaries are optimizer steps only, so nothing
+accumulated is ever lost).
 """
 from __future__ import annotations
 
@@ -340,7 +345,8 @@ class CociCallback(Callback):
     loader: ``trainer.estimated_stepping_batches``); a step is an optimizer step (``global_step``).
 
     Refused with a clear error: the callback without the plugin (or the reverse, at its first use),
-    ``fit(ckpt_path=...)`` (coci resumes from its store), a strategy other than single-device or DDP,
+    ``fit(ckpt_path=...)`` (coci resumes from its store), a strategy other than single-device, DDP or
+    ``CociModelParallelStrategy``,
     a train loader without ``state_dict()`` (a mid-epoch resume would replay the epoch), a
     ``SLURMEnvironment(auto_requeue=True)`` passed explicitly (Lightning's own requeue; one that
     Lightning chose by itself is switched off with a note), a checkpoint dict the store cannot hold
