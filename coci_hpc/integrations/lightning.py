@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -374,6 +375,7 @@ class CociCallback(Callback):
         self._rng_epoch_done = False
         self._closed = False
         self._patched: list[tuple[Any, str]] = []
+        self._originals: dict[Any, Any] | None = None     # Lightning's signal handlers to restore at its teardown
 
     # -- checks -----------------------------------------------------------------------------------
     @staticmethod
@@ -548,6 +550,7 @@ class CociCallback(Callback):
         for s, prev in before.items():
             if s in originals:
                 originals[s] = prev
+        self._originals = originals
 
     @staticmethod
     def _check_loaders(trainer: pl.Trainer) -> None:
@@ -635,6 +638,14 @@ class CociCallback(Callback):
         if self.session is not None and not self._closed:
             self._closed = True
             self.session.close(completed)
+            # Lightning's teardown (after this, unless it ran already: then the dict is empty) sets
+            # every signal back to its handler from before fit(): for coci's signals, that is what
+            # the session's end left, e.g. a completed run's USR1/USR2 ignored (a late Slurm
+            # warning must not kill a finished run: signals.after_session), not the default action.
+            originals, self._originals = self._originals or {}, None
+            for s in signals.SHIELDED:
+                if s in originals:
+                    originals[s] = signal.getsignal(s)
 
 
 def _state_of(obj: Any) -> Mapping[str, Any]:

@@ -120,6 +120,24 @@ def test_a_finished_run_started_again_does_no_more_steps(tmp_path: Path) -> None
     assert trainer.global_step == STEPS and again == first
 
 
+def test_a_late_warning_after_the_last_step_does_not_kill_the_finished_run(tmp_path: Path) -> None:
+    """Slurm's warning (USR1/USR2) can come while a completed run is still exiting; the session
+    ignores it from its end on (signals.after_session), and Lightning's teardown, which restores
+    every signal's handler from before fit(), must not give it its default action (death) back:
+    the 2-node DDP run's last attempt died of SIGUSR2 after its final hash that way (2026-11-29)."""
+    late = (signal.SIGUSR1, signal.SIGUSR2)
+    before = {s: signal.getsignal(s) for s in (*late, signal.SIGTERM)}
+    try:
+        for s in late:
+            signal.signal(s, signal.SIG_DFL)
+        _fit(_trainer(tmp_path / "run"), Tiny())
+        assert [signal.getsignal(s) for s in late] == [signal.SIG_IGN, signal.SIG_IGN]
+        assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
 def test_callback_without_plugin_and_plugin_without_callback_are_refused(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="CociCallback needs CociCheckpointIO") as err:
         _fit(_trainer(tmp_path / "a", plugins=[]), Tiny())
