@@ -122,13 +122,18 @@ class _ResumableMixin:
 
     def _resumable_init(self) -> None:
         self.yielded = 0
-        self._resume_at: int | None = None
+        self._resume_at: tuple[int, int] | None = None    # (epoch, samples taken) of the saved state
 
     def __iter__(self) -> Any:
-        skip, self._resume_at = self._resume_at or 0, None
-        return self._indices(skip)
+        resume, self._resume_at = self._resume_at, None
+        return self._indices(resume)
 
-    def _indices(self, skip: int) -> Any:
+    def _indices(self, resume: tuple[int, int] | None) -> Any:
+        # Skip what the saved state had taken only in the epoch it was saved in: a stop after an
+        # epoch's last batch saved (epoch e, all of it), and Lightning goes on with epoch e + 1
+        # (set_epoch between iter() and here), which starts from its first sample. Skipping there
+        # emptied epoch e + 1, and the run went on in epoch e + 2's order.
+        skip = resume[1] if resume is not None and resume[0] == self.epoch else 0
         self.yielded = skip
         for i, index in enumerate(super().__iter__()):  # type: ignore[misc]
             if i >= skip:
@@ -140,7 +145,8 @@ class _ResumableMixin:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.set_epoch(int(state["epoch"]))  # type: ignore[attr-defined]
-        self._resume_at = self.yielded = int(state["yielded"])
+        self.yielded = int(state["yielded"])
+        self._resume_at = (self.epoch, self.yielded)
 
 
 class ResumableDistributedSampler(_ResumableMixin, DistributedSampler):

@@ -255,6 +255,29 @@ def test_ddp_train_loader_resumes_in_the_epoch_it_stopped_in(coci: bool) -> None
         assert same is coci, (rank, rest, epochs[1][2:])
 
 
+def test_ddp_train_loader_stopped_after_an_epochs_last_batch_resumes_with_the_next_epoch() -> None:
+    """A stop right after the last batch of epoch 1 saved (epoch 1, all of it). Lightning resumes
+    with epoch 2: it builds the iterator, then calls set_epoch(2); epoch 2 must start at its first
+    batch. (Skipping the saved count there emptied epoch 2 and Lightning went on in epoch 3's
+    order: the 2-node DDP run stopped at step 288, 9 epochs of 32 batches, ended with another hash,
+    2026-11-29; a 2-rank stop at step 32 reproduced it.)"""
+    for rank in (0, 1):
+        run = _ddp_loader(rank)
+        epochs, state = [], None
+        for epoch in range(3):
+            _set_epoch(run, epoch)
+            it = iter(run)
+            epochs.append(_batches(it, len(run)))   # every batch, the iterator not yet run out
+            if epoch == 1:
+                state = run.state_dict()            # stopped after the epoch's last batch
+            assert _batches(it) == []
+        resumed = _ddp_loader(rank)
+        resumed.load_state_dict(state)
+        it = iter(resumed)                          # Lightning's order: iter() first ...
+        _set_epoch(resumed, 2)                      # ... then set_epoch, with the next epoch
+        assert _batches(it) == epochs[2], rank
+
+
 def test_a_distributed_sampler_of_the_users_without_its_epoch_in_its_state_is_refused() -> None:
     from types import SimpleNamespace
 
