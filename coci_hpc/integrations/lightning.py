@@ -33,15 +33,22 @@ does.
   ``StatefulDataLoader`` (:func:`resumable_sampler`): its state holds the epoch, which Lightning's
   own sampler lacks (Lightning builds a resumed loader's iterator before ``set_epoch``).
 
-Not covered (see docs/how-to/lightning.md): strategies other than single-device and DDP
-(``ModelParallelStrategy``/FSDP2 keeps its checkpoint away from the CheckpointIO; FSDP1 and
-DeepSpeed: refused), the survivors' save and the memory tier (off: a lost rank falls back to the
-last committed checkpoint), gradient accumulation across a stop (boundaries are optimizer steps
-only, so nothing accumulated is ever lost).
+- Under FSDP2, Lightning's own ``ModelParallelStrategy`` keeps its checkpoint away from the
+  CheckpointIO and is refused; its subclass ``CociModelParallelStrategy``
+  (:mod:`coci_hpc.integrations.lightning_model_parallel`) hands the callback the sharded model and
+  optimizers, which go into the session as entries of their own (the session then starts at
+  ``on_fit_start``, once they exist).
+
+Not covered (see docs/how-to/lightning.md): other strategies (FSDP1 and DeepSpeed: refused), the
+survivors' save and the memory tier (off: a lost rank falls back to the last committed
+checkpoint), gradient accumulation across a stop (boundaries are optimizer steps only, so nothing
+accumulated is ever lost).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -56,14 +63,14 @@ try:
     from lightning.fabric.utilities.types import _PATH
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 except ImportError as exc:          # an optional dependency: say how to get it
     raise ImportError(f"coci_hpc.integrations.lightning needs PyTorch Lightning ({exc}); "
                       f"install it with: pip install 'coci_hpc[lightning]'") from exc
 
 from coci_hpc.checkpoint.state import PerRank, capture_rng, collect, restore_rng
 from coci_hpc.errors import CheckpointError, UsageError
-from coci_hpc.runtime import errorexit, signals
+from coci_hpc.runtime import errorexit, signals, teardown
 from coci_hpc.runtime.data import LOADER_HINT, is_stateful_dataloader
 from coci_hpc.session import Session
 
@@ -84,8 +91,20 @@ def store_path(ckpt_dir: Path, step: int) -> str:
     return f"{STORE_SCHEME}{ckpt_dir}#step={step}"
 
 
-def _is_store_path(path: Any) -> bool:
+def is_store_path(path: Any) -> bool:
     return isinstance(path, str) and path.startswith(STORE_SCHEME)
+
+
+def is_sharded(strategy: Any) -> bool:
+    """A strategy that hands the callback its sharded model and optimizers as state entries of their
+    own (``coci_objects()``, ``coci_dump()``): :mod:`coci_hpc.integrations.lightning_model_parallel`."""
+    return callable(getattr(strategy, "coci_objects", None)) and callable(getattr(strategy, "coci_dump", None))
+
+
+def refuse_store_save(path: Any) -> None:
+    if is_store_path(path):
+        raise UsageError(f"trainer.save_checkpoint({str(path)!r}): coci's store is written by CociCallback "
+                         f"at step boundaries all ranks agreed on", hint="save to a file path instead")
 
 
 # ------------------------------------------------------------------- the train loader's sampler
@@ -103,13 +122,18 @@ class _ResumableMixin:
 
     def _resumable_init(self) -> None:
         self.yielded = 0
-        self._resume_at: int | None = None
+        self._resume_at: tuple[int, int] | None = None    # (epoch, samples taken) of the saved state
 
     def __iter__(self) -> Any:
-        skip, self._resume_at = self._resume_at or 0, None
-        return self._indices(skip)
+        resume, self._resume_at = self._resume_at, None
+        return self._indices(resume)
 
-    def _indices(self, skip: int) -> Any:
+    def _indices(self, resume: tuple[int, int] | None) -> Any:
+        # Skip what the saved state had taken only in the epoch it was saved in: a stop after an
+        # epoch's last batch saved (epoch e, all of it), and Lightning goes on with epoch e + 1
+        # (set_epoch between iter() and here), which starts from its first sample. Skipping there
+        # emptied epoch e + 1, and the run went on in epoch e + 2's order.
+        skip = resume[1] if resume is not None and resume[0] == self.epoch else 0
         self.yielded = skip
         for i, index in enumerate(super().__iter__()):  # type: ignore[misc]
             if i >= skip:
@@ -121,7 +145,8 @@ class _ResumableMixin:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.set_epoch(int(state["epoch"]))  # type: ignore[attr-defined]
-        self._resume_at = self.yielded = int(state["yielded"])
+        self.yielded = int(state["yielded"])
+        self._resume_at = (self.epoch, self.yielded)
 
 
 class ResumableDistributedSampler(_ResumableMixin, DistributedSampler):
@@ -191,22 +216,20 @@ class CociCheckpointIO(CheckpointIO):
         self.callback: CociCallback | None = None
         self._loaded: dict[str, Any] | None = None
 
-    def _require_callback(self, what: str) -> None:
+    def require_callback(self, what: str) -> None:
         if self.callback is None:
             raise UsageError(f"CociCheckpointIO was asked to {what} but no CociCallback is in the Trainer",
                              hint=FIX_PAIR)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        if _is_store_path(path):
-            raise UsageError(f"trainer.save_checkpoint({str(path)!r}): coci's store is written by CociCallback "
-                             f"at step boundaries all ranks agreed on", hint="save to a file path instead")
-        self._require_callback("save a checkpoint")
+        refuse_store_save(path)
+        self.require_callback("save a checkpoint")
         self.files.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(self, path: _PATH, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        if not _is_store_path(path):
-            self._require_callback("load a checkpoint")
+        if not is_store_path(path):
+            self.require_callback("load a checkpoint")
             return self.files.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         if self._loaded is None:
             raise UsageError(f"{path} was not read from the store by CociCallback",
@@ -215,7 +238,7 @@ class CociCheckpointIO(CheckpointIO):
         return checkpoint
 
     def remove_checkpoint(self, path: _PATH) -> None:
-        if _is_store_path(path):
+        if is_store_path(path):
             raise UsageError(f"cannot remove {path}: the store keeps its own checkpoints (Session keep=)",
                              hint="remove files only")
         self.files.remove_checkpoint(path)
@@ -248,7 +271,12 @@ class _LightningState:
         self.shared, self.rank = _Part(self, "shared"), _Part(self, "rank")
 
     def dump(self) -> dict[str, Any]:
-        return self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        strategy = self.trainer.strategy
+        # Under CociModelParallelStrategy the model and optimizers are state entries of their own
+        # (sharded, loaded in place): Lightning's dict leaves them out.
+        held = strategy.coci_dump() if is_sharded(strategy) else contextlib.nullcontext()  # type: ignore[attr-defined]
+        with held:
+            return self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
     def tree(self, part: str) -> dict[str, Any]:
         if self.loading:
@@ -324,7 +352,8 @@ class CociCallback(Callback):
     loader: ``trainer.estimated_stepping_batches``); a step is an optimizer step (``global_step``).
 
     Refused with a clear error: the callback without the plugin (or the reverse, at its first use),
-    ``fit(ckpt_path=...)`` (coci resumes from its store), a strategy other than single-device or DDP,
+    ``fit(ckpt_path=...)`` (coci resumes from its store), a strategy other than single-device, DDP or
+    ``CociModelParallelStrategy``,
     a train loader without ``state_dict()`` (a mid-epoch resume would replay the epoch), a
     ``SLURMEnvironment(auto_requeue=True)`` passed explicitly (Lightning's own requeue; one that
     Lightning chose by itself is switched off with a note), a checkpoint dict the store cannot hold
@@ -352,6 +381,7 @@ class CociCallback(Callback):
         self._rng_epoch_done = False
         self._closed = False
         self._patched: list[tuple[Any, str]] = []
+        self._originals: dict[Any, Any] | None = None     # Lightning's signal handlers to restore at its teardown
 
     # -- checks -----------------------------------------------------------------------------------
     @staticmethod
@@ -365,19 +395,21 @@ class CociCallback(Callback):
     @staticmethod
     def _check_strategy(trainer: pl.Trainer) -> None:
         strategy = trainer.strategy
-        if type(strategy) in (DDPStrategy, SingleDeviceStrategy):
+        if type(strategy) in (DDPStrategy, SingleDeviceStrategy) or \
+                (isinstance(strategy, ModelParallelStrategy) and is_sharded(strategy)):
             return
-        fsdp2 = "; for FSDP2 use coci_hpc.Session in your own loop (docs/how-to/fsdp.md)"
-        if type(strategy).__name__ == "ModelParallelStrategy":
+        fsdp2 = "; for FSDP2: strategy=CociModelParallelStrategy() (coci_hpc.integrations.lightning_model_parallel)"
+        if isinstance(strategy, ModelParallelStrategy):
             # Lightning 2.6: ModelParallelStrategy.save_checkpoint/load_checkpoint write and read
             # torch.distributed.checkpoint files at a path themselves ("does not use the
             # CheckpointIO"), loading straight into the sharded model and optimizers.
-            raise UsageError("CociCallback cannot resume Lightning's ModelParallelStrategy (FSDP2): it saves and "
-                             "loads its checkpoint itself (torch.distributed.checkpoint files), never through the "
-                             "CheckpointIO, so coci's store has no way into its restore",
-                             hint="use strategy='ddp' with CociCallback" + fsdp2)
-        raise UsageError(f"CociCallback supports single-device and DDP training; this Trainer uses "
-                         f"{type(strategy).__name__}", hint="use strategy='ddp' (or one device)" + fsdp2)
+            raise UsageError("CociCallback cannot resume Lightning's own ModelParallelStrategy (FSDP2): it saves "
+                             "and loads its checkpoint itself (torch.distributed.checkpoint files), never through "
+                             "the CheckpointIO, so coci's store has no way into its restore",
+                             hint="use strategy=CociModelParallelStrategy(...) from "
+                                  "coci_hpc.integrations.lightning_model_parallel (same arguments)")
+        raise UsageError(f"CociCallback supports single-device, DDP and CociModelParallelStrategy training; this "
+                         f"Trainer uses {type(strategy).__name__}", hint="use strategy='ddp' (or one device)" + fsdp2)
 
     @staticmethod
     def _check_auto_requeue(trainer: pl.Trainer, rank: int) -> None:
@@ -401,9 +433,27 @@ class CociCallback(Callback):
         self.plugin.callback = self
         self._check_strategy(trainer)
         self._check_auto_requeue(trainer, trainer.global_rank)
+        if is_sharded(trainer.strategy):
+            return           # the model is sharded and its optimizers built after setup: on_fit_start
+        self._begin(trainer, {})
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.session is None and self.plugin is not None and is_sharded(trainer.strategy):
+            # After the strategy's setup, before Lightning's restore: the sharded model and the
+            # optimizers go into the session as entries of their own, loaded in place
+            self._begin(trainer, trainer.strategy.coci_objects())  # type: ignore[attr-defined]
+
+    def _begin(self, trainer: pl.Trainer, objects: dict[str, Any]) -> None:
+        """Start the session: its state is ``objects`` and Lightning's checkpoint dict; the newest
+        committed checkpoint is read (Lightning's dict for its own restore, via the plugin)."""
+        assert self.plugin is not None
+        if trainer.world_size > 1:
+            # Lightning's process group: no gloo release in flight when Python finalizes (an FSDP2
+            # script's full_tensor() after fit() aborted rank 1 at exit without it: runtime/teardown.py)
+            teardown.install()
         self._state = _LightningState(trainer, self.plugin)
         check_encodable(self._state.dump())
-        state = {STATE_ENTRY: self._state.shared, f"{STATE_ENTRY}_rank": PerRank(self._state.rank)}
+        state = {**objects, STATE_ENTRY: self._state.shared, f"{STATE_ENTRY}_rank": PerRank(self._state.rank)}
         self.session = _HookSession(state, survivors=False, **self._kwargs)
         self._state.loading = True
         try:
@@ -456,7 +506,7 @@ class CociCallback(Callback):
         ckpt_dir, resumed = session.config.ckpt_dir, self.resumed_step
 
         def resume_start(checkpoint_path: _PATH | None = None, weights_only: bool | None = None) -> None:
-            if checkpoint_path is not None and not _is_store_path(checkpoint_path):
+            if checkpoint_path is not None and not is_store_path(checkpoint_path):
                 where = f"the store's newest checkpoint is step {resumed}" if resumed is not None \
                     else "the store is empty: a fresh start"
                 raise UsageError(f"fit(ckpt_path={str(checkpoint_path)!r}) disagrees with coci's store in "
@@ -506,6 +556,7 @@ class CociCallback(Callback):
         for s, prev in before.items():
             if s in originals:
                 originals[s] = prev
+        self._originals = originals
 
     @staticmethod
     def _check_loaders(trainer: pl.Trainer) -> None:
@@ -593,6 +644,14 @@ class CociCallback(Callback):
         if self.session is not None and not self._closed:
             self._closed = True
             self.session.close(completed)
+            # Lightning's teardown (after this, unless it ran already: then the dict is empty) sets
+            # every signal back to its handler from before fit(): for coci's signals, that is what
+            # the session's end left, e.g. a completed run's USR1/USR2 ignored (a late Slurm
+            # warning must not kill a finished run: signals.after_session), not the default action.
+            originals, self._originals = self._originals or {}, None
+            for s in signals.SHIELDED:
+                if s in originals:
+                    originals[s] = signal.getsignal(s)
 
 
 def _state_of(obj: Any) -> Mapping[str, Any]:

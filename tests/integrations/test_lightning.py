@@ -120,6 +120,24 @@ def test_a_finished_run_started_again_does_no_more_steps(tmp_path: Path) -> None
     assert trainer.global_step == STEPS and again == first
 
 
+def test_a_late_warning_after_the_last_step_does_not_kill_the_finished_run(tmp_path: Path) -> None:
+    """Slurm's warning (USR1/USR2) can come while a completed run is still exiting; the session
+    ignores it from its end on (signals.after_session), and Lightning's teardown, which restores
+    every signal's handler from before fit(), must not give it its default action (death) back:
+    the 2-node DDP run's last attempt died of SIGUSR2 after its final hash that way (2026-11-29)."""
+    late = (signal.SIGUSR1, signal.SIGUSR2)
+    before = {s: signal.getsignal(s) for s in (*late, signal.SIGTERM)}
+    try:
+        for s in late:
+            signal.signal(s, signal.SIG_DFL)
+        _fit(_trainer(tmp_path / "run"), Tiny())
+        assert [signal.getsignal(s) for s in late] == [signal.SIG_IGN, signal.SIG_IGN]
+        assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
 def test_callback_without_plugin_and_plugin_without_callback_are_refused(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="CociCallback needs CociCheckpointIO") as err:
         _fit(_trainer(tmp_path / "a", plugins=[]), Tiny())
@@ -237,6 +255,29 @@ def test_ddp_train_loader_resumes_in_the_epoch_it_stopped_in(coci: bool) -> None
         assert same is coci, (rank, rest, epochs[1][2:])
 
 
+def test_ddp_train_loader_stopped_after_an_epochs_last_batch_resumes_with_the_next_epoch() -> None:
+    """A stop right after the last batch of epoch 1 saved (epoch 1, all of it). Lightning resumes
+    with epoch 2: it builds the iterator, then calls set_epoch(2); epoch 2 must start at its first
+    batch. (Skipping the saved count there emptied epoch 2 and Lightning went on in epoch 3's
+    order: the 2-node DDP run stopped at step 288, 9 epochs of 32 batches, ended with another hash,
+    2026-11-29; a 2-rank stop at step 32 reproduced it.)"""
+    for rank in (0, 1):
+        run = _ddp_loader(rank)
+        epochs, state = [], None
+        for epoch in range(3):
+            _set_epoch(run, epoch)
+            it = iter(run)
+            epochs.append(_batches(it, len(run)))   # every batch, the iterator not yet run out
+            if epoch == 1:
+                state = run.state_dict()            # stopped after the epoch's last batch
+            assert _batches(it) == []
+        resumed = _ddp_loader(rank)
+        resumed.load_state_dict(state)
+        it = iter(resumed)                          # Lightning's order: iter() first ...
+        _set_epoch(resumed, 2)                      # ... then set_epoch, with the next epoch
+        assert _batches(it) == epochs[2], rank
+
+
 def test_a_distributed_sampler_of_the_users_without_its_epoch_in_its_state_is_refused() -> None:
     from types import SimpleNamespace
 
@@ -253,16 +294,21 @@ def test_a_distributed_sampler_of_the_users_without_its_epoch_in_its_state_is_re
     CociCallback._check_loaders(trainer_with(_ddp_loader(0).batch_sampler.sampler))     # the injected one
 
 
-def test_model_parallel_strategy_is_refused_naming_why() -> None:
+def test_lightnings_model_parallel_strategy_is_refused_naming_why_and_the_fix() -> None:
     """Lightning's ModelParallelStrategy (FSDP2) runs on the CPU with gloo, but saves and loads its
-    checkpoint itself, never through the CheckpointIO: the callback refuses it at setup."""
+    checkpoint itself, never through the CheckpointIO: the callback refuses it at setup and names
+    CociModelParallelStrategy (tests/integrations/test_lightning_model_parallel.py), which it takes."""
     from types import SimpleNamespace
 
     from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from coci_hpc.integrations.lightning_model_parallel import CociModelParallelStrategy
 
     strategy = ModelParallelStrategy()
     with pytest.raises(TypeError, match="does not use the `CheckpointIO`"):     # Lightning's own refusal
         strategy.save_checkpoint({}, "unused", storage_options=object())
     with pytest.raises(UsageError, match=r"ModelParallelStrategy \(FSDP2\).*never through the CheckpointIO") as err:
         CociCallback._check_strategy(SimpleNamespace(strategy=strategy))
-    assert "coci_hpc.Session" in (err.value.hint or "")
+    assert "strategy=CociModelParallelStrategy(...) from coci_hpc.integrations.lightning_model_parallel" \
+        in (err.value.hint or "")
+    CociCallback._check_strategy(SimpleNamespace(strategy=CociModelParallelStrategy()))

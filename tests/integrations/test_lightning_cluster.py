@@ -1,6 +1,7 @@
 """Acceptance on the local Slurm cluster: examples/lightning_train.py (Lightning DDP on gloo, 2 nodes)
 through coci-submit is preempted once, then runs into its time limit, and ends with the parameters of
-an uninterrupted `mpiexec -n 2` run; each stop repeats no step."""
+an uninterrupted `mpiexec -n 2` run; each stop repeats no step. The same with FSDP2
+(``--strategy fsdp2``, CociModelParallelStrategy), preempted once; a job array of two DDP runs."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ import pytest
 pytest.importorskip("lightning.pytorch")
 
 from coci_hpc.runtime.events import read_events  # noqa: E402
-from tests.conftest import ROOT, SlurmCluster, reference_hash, run_ranks, wait_for  # noqa: E402
+from tests.conftest import ROOT, SlurmCluster, reference_hash, reference_run_later, run_ranks, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slurm
 
@@ -66,6 +67,49 @@ def test_lightning_ddp_preempted_then_time_limit_ends_bit_exact(slurm_cluster: S
     # coci, not Lightning, handled the signals: no SIGTERM bypass, no hpc_ckpt, no scontrol of Lightning's
     assert "Handling auto-requeue signal" not in err and "auto-requeue switched off" in err
     assert not list(wd.rglob("hpc_ckpt_*.ckpt"))
+    assert slurm_cluster.wait_gone(urgent, timeout=60)[-1]["State"] == "COMPLETED"
+
+
+def test_lightning_fsdp2_preempted_ends_bit_exact(slurm_cluster: SlurmCluster) -> None:
+    """FSDP2 through CociModelParallelStrategy, 2 nodes: preempted once as soon as the session
+    started (the model's and Adam's DTensor shards saved by each node, Lightning's dict beside
+    them), requeued, resumed without repeating a step, and ends with the parameters of an
+    uninterrupted run. Short on purpose (CI's time limit; 74 s here, 2026-11-29): 50 steps of
+    0.05 s, about 8 s of training (the preemption came at step 2 and 5, 0.7 and 1.8 s after the
+    session's start, in two runs here), --time 5, so no time limit is reached."""
+    wd = slurm_cluster.workdir / "lightning-fsdp2"
+    wd.mkdir()
+    train_args = ["--strategy", "fsdp2", "--steps", "50", "--seed", "2"]
+    ckpt = wd / "ckpt"
+    p = slurm_cluster.cli("coci_hpc.cli.submit", "--partition", "gpu", "--nodes", "2", "--time", "5",
+                          "--signal-lead", "60", "--job-name", "lightning-fsdp2", "--output-dir", str(wd / "run"),
+                          "--ckpt-dir", str(ckpt), "--policy", "fixed:25", str(TRAIN), *train_args,
+                          "--step-time", "0.05", cwd=wd)
+    assert p.returncode == 0, p.stdout + p.stderr
+    job = re.search(r"submitted job (\d+)", p.stdout).group(1)
+    # the uninterrupted run, meanwhile (its two ranks share the CPU with the job's: nothing here is timed)
+    ref = reference_run_later(2, "-m", "mpi4py", str(TRAIN), *train_args, "--policy", "fixed:25",
+                              ckpt_dir=wd / "ref", timeout=300)
+    wait_for(lambda: any(e["event"] == "attempt_start" for e in read_events(ckpt)), "the session's start", 240)
+    urgent = slurm_cluster.sbatch("-p", "urgent", "-N", "1", "-o", os.devnull, "--wrap", "sleep 1")
+    rows = slurm_cluster.wait_gone(job, timeout=300)
+    log0 = wd / "run" / "logs" / f"{job}_0_log.out"
+    out = log0.read_text() if log0.exists() else ""
+    err = (wd / "run" / "logs" / f"{job}_0_log.err").read_text()
+    events = read_events(ckpt)
+    print(out[-2000:], err[-4000:], rows, *[e for e in events if e["event"] != "losses"], sep="\n")
+
+    assert reference_hash(out) == reference_hash(ref.result().stdout)    # bit-exact with the uninterrupted run
+    states = [r["State"] for r in rows]
+    assert states[0] in ("REQUEUED", "PREEMPTED") and states[-1] == "COMPLETED" and len(states) == 2, rows
+    starts = [e for e in events if e["event"] == "attempt_start"]
+    assert [s["prev_end"]["reason"] for s in starts] == ["none", "preemption"], starts
+    stop = next(e for e in events if e["event"] == "stop")
+    assert stop["reason"] == "preemption" and stop["saved"] and 0 < stop["step"] < 50, stop
+    assert starts[1]["resumed_step"] == stop["step"] and starts[1]["steps_lost"] == 0, starts[1]
+    k = stop["step"]
+    assert [len(re.findall(rf"^step={n} ", out, re.M)) for n in (k, k + 1)] == [1, 1], k
+    assert [e for e in events if e["event"] == "end"][-1]["status"] == "completed"
     assert slurm_cluster.wait_gone(urgent, timeout=60)[-1]["State"] == "COMPLETED"
 
 
