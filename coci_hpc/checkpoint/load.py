@@ -26,7 +26,7 @@ from coci_hpc.checkpoint.dtensor import (
     target_box,
     wrap_like,
 )
-from coci_hpc.checkpoint.h5file import DatasetReader
+from coci_hpc.checkpoint.h5read import DatasetReader
 from coci_hpc.checkpoint.rawio import copy_threads
 from coci_hpc.checkpoint.state import (
     PerRank,
@@ -360,7 +360,7 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
     """Put the checked bytes into the state: fresh buffers only where in place is not safe.
 
     The copies of each group run as one batch split over ``threads`` threads (see
-    :meth:`~coci_hpc.checkpoint.h5file.DatasetReader.copy_verified`)."""
+    :meth:`~coci_hpc.checkpoint.h5read.DatasetReader.copy_verified`)."""
     tensors: dict[str, Any] = {}
     direct: list[tuple[dict[str, Any], Runs, np.ndarray]] = []
     after: list[tuple[dict[str, Any], Runs, tuple[int, ...], Any]] = []

@@ -4,7 +4,7 @@ A tensor is whatever the manifest stores as one dataset of its global shape (rep
 :class:`~coci_hpc.checkpoint.state.Sharded` tensors assembled from the ranks' rows, and any
 later kind stored the same way): :meth:`CheckpointSource.read` fills a fresh tensor with its
 bytes, or :meth:`read_rows` with a range of its rows, through
-:class:`~coci_hpc.checkpoint.h5file.DatasetReader`, which checks every byte against the CRC of
+:class:`~coci_hpc.checkpoint.h5read.DatasetReader`, which checks every byte against the CRC of
 the shard holding it before it returns. Per-rank state (RNG, ``PerRank``) is no tensor of the
 model and is not offered.
 """
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from coci_hpc.checkpoint import catalog as cat
-from coci_hpc.checkpoint.h5file import DatasetReader
+from coci_hpc.checkpoint.h5read import DatasetReader
 from coci_hpc.checkpoint.state import empty_like_leaf, leaf_view, storage_dtype
 from coci_hpc.errors import CheckpointCorrupt, CheckpointNotFound, UsageError
 from coci_hpc.interop import names
