@@ -27,22 +27,19 @@ from coci_hpc.checkpoint.dtensor import (
     wrap_like,
 )
 from coci_hpc.checkpoint.h5read import DatasetReader
+from coci_hpc.checkpoint.leaves import PerRank, Sharded, storage_dtype
+from coci_hpc.checkpoint.loadcheck import check_skeleton
 from coci_hpc.checkpoint.rawio import copy_threads
+from coci_hpc.checkpoint.restore import apply
 from coci_hpc.checkpoint.state import (
-    PerRank,
-    Sharded,
     _collect_tensors,
-    apply,
-    check_skeleton,
     current_trees,
-    empty_like_leaf,
     is_stateful,
     iter_targets,
-    leaf_view,
     live_trees,
     match_saved_keys,
-    storage_dtype,
 )
+from coci_hpc.checkpoint.treecode import empty_like_leaf, leaf_view
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointError
 

@@ -143,7 +143,7 @@ def _is_dataset_path(x: Any) -> bool:
 
 
 def _itemsize(dtype: Any) -> int | None:
-    from coci_hpc.checkpoint.state import storage_dtype  # state imports torch: only when reading
+    from coci_hpc.checkpoint.leaves import storage_dtype  # leaves imports numpy: only when reading
 
     try:
         return storage_dtype(dtype).itemsize

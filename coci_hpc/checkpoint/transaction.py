@@ -43,7 +43,7 @@ from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.prepared import Prepared, check_step
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, last_write_times
-from coci_hpc.checkpoint.state import Leaf
+from coci_hpc.checkpoint.treecode import Leaf
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointError
 

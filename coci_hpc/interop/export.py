@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from coci_hpc.checkpoint.rawio import aligned_empty, pwrite_all
-from coci_hpc.checkpoint.state import unflatten
+from coci_hpc.checkpoint.treecode import unflatten
 from coci_hpc.durable import fsync_dir, fsync_file, rename_durable
 from coci_hpc.errors import CheckpointError, CociError, UsageError
 from coci_hpc.interop import names

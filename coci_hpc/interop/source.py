@@ -23,7 +23,8 @@ import torch
 
 from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint.h5read import DatasetReader
-from coci_hpc.checkpoint.state import empty_like_leaf, leaf_view, storage_dtype
+from coci_hpc.checkpoint.leaves import storage_dtype
+from coci_hpc.checkpoint.treecode import empty_like_leaf, leaf_view
 from coci_hpc.errors import CheckpointCorrupt, CheckpointNotFound, UsageError
 from coci_hpc.interop import names
 

@@ -48,8 +48,10 @@ from coci_hpc import settings
 from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import transaction
 from coci_hpc.checkpoint.layout import REPLICATED_KINDS
+from coci_hpc.checkpoint.leaves import storage_dtype
 from coci_hpc.checkpoint.lustre import IOTuning
-from coci_hpc.checkpoint.state import Leaf, collect, storage_dtype
+from coci_hpc.checkpoint.state import collect
+from coci_hpc.checkpoint.treecode import Leaf
 from coci_hpc.comm import Comm
 from coci_hpc.errors import UsageError
 from coci_hpc.runtime import staged

@@ -45,7 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from coci_hpc.checkpoint.state import Leaf, PerRank, collect, flatten, storage_dtype
+from coci_hpc.checkpoint.leaves import PerRank, storage_dtype
+from coci_hpc.checkpoint.state import collect
+from coci_hpc.checkpoint.treecode import Leaf, flatten
 from coci_hpc.runtime import rngstate
 
 TAG = 0xC0C1          # on a communicator of our own (Dup), so any tag would do

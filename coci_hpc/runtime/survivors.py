@@ -37,9 +37,12 @@ from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import transaction
 from coci_hpc.checkpoint.h5_serial import SerialH5Writer
 from coci_hpc.checkpoint.layout import REPLICATED_KINDS
+from coci_hpc.checkpoint.leaves import PerRank
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
-from coci_hpc.checkpoint.state import PerRank, collect, empty_like_leaf, is_stateful, restore_rng, unflatten
+from coci_hpc.checkpoint.rng import restore_rng
+from coci_hpc.checkpoint.state import collect, is_stateful
+from coci_hpc.checkpoint.treecode import empty_like_leaf, unflatten
 from coci_hpc.comm import Comm
 from coci_hpc.runtime import events as ev
 from coci_hpc.runtime import staged
