@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from coci_hpc.checkpoint.dtensor import is_dtensor, local_of
-from coci_hpc.checkpoint.leaves import PerRank, Sharded
+from coci_hpc.checkpoint.leaves import LeafKind, PerRank, Sharded
 from coci_hpc.checkpoint.rng import restore_rng
 from coci_hpc.checkpoint.state import is_stateful, load_tree
 from coci_hpc.checkpoint.treecode import unflatten
@@ -38,7 +38,7 @@ def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mappi
     missing: list[str] = []
     pending: list[tuple[str, Any, Any]] = []
     for key, value in state.items():
-        section = "per_rank" if isinstance(value, PerRank) else "replicated"
+        section = LeafKind.PER_RANK if isinstance(value, PerRank) else LeafKind.REPLICATED
         inner = value.value if isinstance(value, PerRank) else value
         skel = skeletons.get(section, {})
         if key not in skel:
@@ -49,8 +49,8 @@ def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mappi
             raise CheckpointError(f"cannot restore state key {key!r} of type {type(inner).__name__} in place",
                                   hint="pass a dict, a list, a tensor or an object with load_state_dict")
     rng_tree = None
-    if rng and "__rng__" in skeletons.get("per_rank", {}):
-        rng_tree = unflatten(skeletons["per_rank"]["__rng__"], tensors)
+    if rng and "__rng__" in skeletons.get(LeafKind.PER_RANK, {}):
+        rng_tree = unflatten(skeletons[LeafKind.PER_RANK]["__rng__"], tensors)
     loaded: list[tuple[str, Any]] = []
     try:
         for key, inner, tree in pending:

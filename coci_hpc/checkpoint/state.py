@@ -91,17 +91,17 @@ def collect(state: Mapping[str, Any], *, rng: bool = True, defer_device: bool = 
         if not isinstance(key, str) or not key or "/" in key or key == "__rng__":
             raise CheckpointError(f"state key {key!r} is not a plain name",
                                   hint="use short string keys such as 'model' or 'optimizer'")
-        target, kind, value = (per_rank, "per_rank", value.value) if isinstance(value, PerRank) \
-            else (repl, "replicated", value)
+        target, kind, value = (per_rank, LeafKind.PER_RANK, value.value) if isinstance(value, PerRank) \
+            else (repl, LeafKind.REPLICATED, value)
         check_value(key, value)
         tree = _tree_of(state, value)
         first = len(leaves)
         target[key] = flatten(tree, f"{kind}/{key}", kind, leaves, defer_device, guarded)
-        if kind == "replicated" and isinstance(value, torch.nn.Module):
+        if kind == LeafKind.REPLICATED and isinstance(value, torch.nn.Module):
             _buffers_from_rank0(value, f"{kind}/{key}", leaves, first)
     if rng:
-        per_rank["__rng__"] = flatten(capture_rng(), "per_rank/__rng__", "per_rank", leaves)
-    return {"replicated": repl, "per_rank": per_rank}, leaves
+        per_rank["__rng__"] = flatten(capture_rng(), f"{LeafKind.PER_RANK}/__rng__", LeafKind.PER_RANK, leaves)
+    return {LeafKind.REPLICATED: repl, LeafKind.PER_RANK: per_rank}, leaves
 
 
 def _buffers_from_rank0(module: torch.nn.Module, prefix: str, leaves: list[Leaf], first: int) -> None:
@@ -162,7 +162,7 @@ def match_saved_keys(state: Mapping[str, Any], skeletons: Mapping[str, Any], tre
     model) is loaded index-keyed: its current tree and in-place targets go back to positions.
     ``skeletons``: this rank's {"replicated": ..., "per_rank": ...} saved skeletons."""
     for key, value in state.items():
-        section = "per_rank" if isinstance(value, PerRank) else "replicated"
+        section = LeafKind.PER_RANK if isinstance(value, PerRank) else LeafKind.REPLICATED
         inner = value.value if isinstance(value, PerRank) else value
         saved = skeletons.get(section, {}).get(key)
         if not isinstance(inner, torch.optim.Optimizer) or saved is None or not is_fqn_keyed(trees[key]):
@@ -189,7 +189,7 @@ def iter_targets(state: Mapping[str, Any], trees: Mapping[str, Any] | None = Non
     trees = current_trees(state) if trees is None else trees
     objs: dict[str, Any] = {}
     for key, value in state.items():
-        kind = "per_rank" if isinstance(value, PerRank) else "replicated"
+        kind = LeafKind.PER_RANK if isinstance(value, PerRank) else LeafKind.REPLICATED
         _collect_tensors(trees[key], f"{kind}/{key}", objs)
     yield from objs.items()
 

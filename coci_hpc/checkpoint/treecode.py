@@ -17,7 +17,7 @@ import torch
 
 from coci_hpc.checkpoint.devices import on_host
 from coci_hpc.checkpoint.dtensor import check_plain, is_dtensor, local_box, local_of
-from coci_hpc.checkpoint.leaves import NUMPY_KINDS, Sharded, escape_key, storage_dtype, torch_dtypes
+from coci_hpc.checkpoint.leaves import NUMPY_KINDS, LeafKind, Sharded, escape_key, storage_dtype, torch_dtypes
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError
 
 _TORCH_DTYPES = torch_dtypes()
@@ -77,10 +77,10 @@ def _dtensor_leaf(t: Any, prefix: str, defer_device: bool, guarded: frozenset[in
     local = local_of(t)
     deferrable = local.numel() > 0 and local.data_ptr() in guarded
     if defer_device and not on_host(local) and str(local.dtype) in _TORCH_DTYPES:
-        return Leaf(prefix, str(local.dtype), tuple(t.shape), None, "dtensor",
+        return Leaf(prefix, str(local.dtype), tuple(t.shape), None, LeafKind.DTENSOR,
                     local.numel() * local.element_size(), local.detach(), deferrable, box)
     name, arr = _tensor_bytes(local)
-    return Leaf(prefix, name, tuple(t.shape), arr, "dtensor", int(arr.nbytes), None, deferrable, box)
+    return Leaf(prefix, name, tuple(t.shape), arr, LeafKind.DTENSOR, int(arr.nbytes), None, deferrable, box)
 
 
 def _numpy_bytes(a: np.ndarray) -> tuple[str, np.ndarray]:
@@ -112,7 +112,7 @@ def flatten(tree: Any, prefix: str, kind: str, leaves: list[Leaf], defer_device:
     ``guarded``: data pointers of tensors only an optimizer step changes (see :func:`guarded_ptrs`).
     """
     if isinstance(tree, Sharded):
-        leaves.append(_tensor_leaf(tree.local, prefix, "sharded", defer_device, guarded))
+        leaves.append(_tensor_leaf(tree.local, prefix, LeafKind.SHARDED, defer_device, guarded))
         return {"__tensor__": prefix}
     if isinstance(tree, torch.Tensor):
         leaves.append(_tensor_leaf(tree, prefix, kind, defer_device, guarded))
