@@ -144,7 +144,7 @@ def _timed(comm: Any, fn: Any) -> tuple[float, int, int]:
 
 def _leaves(rank: int, leaves: int) -> list[Any]:
     """Leaves as a real save hands them to planning (no data: planning never looks at bytes)."""
-    from coci_hpc.checkpoint.state import Leaf
+    from coci_hpc.checkpoint.treecode import Leaf
 
     return [Leaf(d.name, d.dtype, tuple(d.shape), None, d.kind, d.nbytes) for d in _descs(rank, leaves)]
 

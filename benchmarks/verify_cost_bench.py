@@ -44,7 +44,7 @@ def main() -> int:
     import torch
 
     from coci_hpc.checkpoint import CheckpointManager
-    from coci_hpc.checkpoint.h5file import DatasetReader
+    from coci_hpc.checkpoint.h5read import DatasetReader
     from coci_hpc.checkpoint.integrity import checksum
 
     torch.set_num_threads(1)

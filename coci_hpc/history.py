@@ -52,6 +52,10 @@ class Attempt:
     restart_latency_s: dict[str, Any] | None  # from the `resumed` record
     ended: str = "running"                   # how THIS attempt ended: a prev_end reason, or end status
     ended_source: str = ""
+    # The reason alone ("node_failure"), where ``ended`` may add how ("node_failure (restarted in
+    # place)", "preemption (stopped, requeued)"): the plot reads this, never the display string.
+    # Not in to_dict() (the JSON keeps its fields); set with ended through _ended.
+    end_reason: str = "running"
     last_step: int | None = None
     checkpoints: list[int] = field(default_factory=list)
     sacct_state: str | None = None
@@ -94,9 +98,17 @@ class RunHistory:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["steps_lost_total"] = self.steps_lost_total
+        for a in d["attempts"]:
+            del a["end_reason"]   # a part of "ended" already
         d["losses"] = {"steps": d.pop("loss_steps"), "values": d.pop("loss_values"),
                        "attempts": d.pop("loss_attempts")}
         return d
+
+
+def _ended(a: Attempt, reason: str, source: str, how: str = "") -> None:
+    """Record how ``a`` ended: the reason, where that was read, and how (shown after the reason)."""
+    a.end_reason, a.ended_source = reason, source
+    a.ended = f"{reason} ({how})" if how else reason
 
 
 def _refused(e: End) -> bool:
@@ -190,18 +202,18 @@ def build(events: Iterable[Record | Mapping[str, Any]], ckpt_dir: str,
                     a.checkpoints.append(int(e.step))
         elif isinstance(e, End) and _refused(e):
             if a is not None:
-                a.ended, a.ended_source = "refused", "session"
+                _ended(a, "refused", "session")
             status, final_step, message = before.get(n, (status, final_step, message))
         elif isinstance(e, End):
             status, final_step, message = str(e.status), e.step, str(e.message or "")
             if a is not None:
-                a.ended, a.ended_source = status, "session"
+                _ended(a, status, "session")
     ordered = [attempts[k] for k in sorted(attempts)]
     for prev, nxt in zip(ordered, ordered[1:]):
         reason = nxt.prev_end.get("reason")
         # "none": the next attempt found this one ended (completed, refused, ...): its own record says how.
         if reason and reason != PrevEndReason.NONE:
-            prev.ended, prev.ended_source = str(reason), str(nxt.prev_end.get("source") or "")
+            _ended(prev, str(reason), str(nxt.prev_end.get("source") or ""))
     for prev, nxt in zip(ordered, ordered[1:]):
         r = relaunches.get(prev.attempt)
         if r is None or r.action != RelaunchAction.RELAUNCH:
@@ -209,14 +221,13 @@ def build(events: Iterable[Record | Mapping[str, Any]], ckpt_dir: str,
         # The relaunch record's typed cause, the same rule the next attempt's prev_end used
         # (runtime/attempts.py); its reason is prose ("not n2: lost a task" after a crash).
         lost = relaunch_cause(r)
-        prev.ended, prev.ended_source = f"{lost} (restarted in place)", "relaunch"
+        _ended(prev, str(lost), "relaunch", "restarted in place")
         nxt.in_place = in_place_split(r, [p for p in peer_losses if p["attempt"] == prev.attempt],
                                       starts.get(nxt.attempt), resumed_wall.get(nxt.attempt))
     for a in ordered:
         if a.ended == "running" and a.attempt in stops:
             st = stops[a.attempt]
-            a.ended = f"{st.reason} (stopped{', requeued' if st.requeued else ''})"
-            a.ended_source = "session"
+            _ended(a, str(st.reason), "session", "stopped, requeued" if st.requeued else "stopped")
     for a in ordered:
         pts = [s for s, _, n in loss_pts if n == a.attempt]
         a.last_step = max(pts) if pts else (a.checkpoints[-1] if a.checkpoints else a.resumed_step)
@@ -236,7 +247,7 @@ def build(events: Iterable[Record | Mapping[str, Any]], ckpt_dir: str,
             requeued_stop = last.attempt in stops and stops[last.attempt].requeued
             if not requeued_stop and last.ended == "running":
                 status = last.sacct_state.lower()
-                last.ended, last.ended_source = status, "sacct"
+                _ended(last, status, "sacct")
     loss_pts.sort(key=lambda p: (p[2], p[0]))
     for pl in peer_losses:
         after = [x for x in ordered if x.attempt == pl["attempt"] + 1]
@@ -430,13 +441,13 @@ def interruptions(h: RunHistory) -> list[Interruption]:
     """The interruptions of a run, in order: what the PNG draws (pure, so it is tested apart)."""
     out = []
     for a, nxt in zip(h.attempts, h.attempts[1:]):
-        if a.ended.split(" ")[0] in NOT_INTERRUPTED:
+        if a.end_reason in NOT_INTERRUPTED:
             continue                  # it ended by itself (completed, refused to start): nothing broke
         x = a.last_step if a.last_step is not None else nxt.resumed_step
         if x is None:
             continue
         lat = (nxt.in_place or {}).get("total_s") if nxt.in_place else (nxt.restart_latency_s or {}).get("total")
-        out.append(Interruption(int(x), a.ended.split(" ")[0], nxt.resumed_step, nxt.steps_lost or 0,
+        out.append(Interruption(int(x), a.end_reason, nxt.resumed_step, nxt.steps_lost or 0,
                                 nxt.in_place is not None, None if lat is None else float(lat)))
     return out
 

@@ -101,6 +101,16 @@ def test_build_classifies_each_attempt_end(run_dir: Path) -> None:
                                                "process_start_s": 3.5, "restore_s": 1.5}
 
 
+def test_the_plot_reads_the_typed_reason_not_the_display_string(run_dir: Path) -> None:
+    """An interruption's reason is the attempt's typed end_reason (issue 36: the plot used to split
+    ``ended``, a display string, at its first space); the JSON keeps its fields."""
+    h = history.load(run_dir, use_sacct=False)
+    assert [a.end_reason for a in h.attempts] == ["preemption", "node_failure", "time_limit", "completed"]
+    h.attempts[0].ended = "anything shown (for people)"
+    assert [m.reason for m in history.interruptions(h)] == ["preemption", "node_failure", "time_limit"]
+    assert all("end_reason" not in a and "ended" in a for a in h.to_dict()["attempts"])
+
+
 def test_text_json_and_png(run_dir: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(history.commands, "run_command", lambda argv, timeout=60.0: SACCT)
     png = run_dir / "h.png"

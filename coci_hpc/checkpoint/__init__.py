@@ -4,7 +4,7 @@
 :mod:`coci_hpc.runtime`, which builds on this package.)
 """
 from coci_hpc.checkpoint.api import CheckpointManager, LoadResult
+from coci_hpc.checkpoint.leaves import PerRank, Sharded
 from coci_hpc.checkpoint.lustre import LustrePolicy
-from coci_hpc.checkpoint.state import PerRank, Sharded
 
 __all__ = ["CheckpointManager", "LoadResult", "LustrePolicy", "PerRank", "Sharded"]

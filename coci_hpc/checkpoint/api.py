@@ -35,6 +35,7 @@ from coci_hpc.checkpoint.catalog import ABANDONED, StepCatalog, is_no_space
 from coci_hpc.checkpoint.coordinator import LayoutCache
 from coci_hpc.checkpoint.h5_serial import SerialH5Writer
 from coci_hpc.checkpoint.launch import check_launch
+from coci_hpc.checkpoint.leaves import LeafKind
 from coci_hpc.checkpoint.load import LoadResult
 from coci_hpc.checkpoint.load import load as load_into
 from coci_hpc.checkpoint.lock import CheckpointLocked, DirectoryLock
@@ -69,7 +70,7 @@ def per_rank_note(result: LoadResult, size: int) -> str | None:
     each value is its rank's own and is never redistributed; rank r gets saved rank r's value
     back, a saved rank with no counterpart is not loaded, a new rank keeps what it was given."""
     saved = result.saved_world_size
-    per_rank = result.manifest.get("skeletons", {}).get("per_rank", {})
+    per_rank = result.manifest.get("skeletons", {}).get(LeafKind.PER_RANK, {})
     keys = sorted({k for tree in per_rank.values() for k in tree} - {"__rng__"})
     if saved == size or not keys:
         return None

@@ -20,6 +20,7 @@ import numpy as np
 
 from coci_hpc.checkpoint import integrity
 from coci_hpc.checkpoint.entries import manifest_of
+from coci_hpc.checkpoint.leaves import LeafKind
 from coci_hpc.checkpoint.prepared import Prepared
 from coci_hpc.checkpoint.rawio import WriteItem, pread_into
 from coci_hpc.comm import Comm, Pending
@@ -172,7 +173,7 @@ def commit_message(prepared: Prepared, crcs: list[int] | None) -> tuple[dict[str
     """What this rank sends rank 0 for the commit (its CRCs and, when changed, its per-rank
     skeleton), and the skeleton's JSON form for :func:`commit_received`."""
     skeleton, blob = _skeleton_to_send(prepared)
-    return {"crcs": crcs, "per_rank": skeleton}, blob
+    return {"crcs": crcs, LeafKind.PER_RANK: skeleton}, blob
 
 
 def commit_received(prepared: Prepared, blob: bytes | None, gathered: list[dict[str, Any]] | None) -> None:
@@ -181,8 +182,8 @@ def commit_received(prepared: Prepared, blob: bytes | None, gathered: list[dict[
     if cache is not None:
         cache.sent_skeleton = blob
         for r, g in enumerate(gathered or ()):
-            if g["per_rank"] is not None:
-                cache.skeletons[r] = g["per_rank"]
+            if g[LeafKind.PER_RANK] is not None:
+                cache.skeletons[r] = g[LeafKind.PER_RANK]
 
 
 def seal(world_size: int, prepared: Prepared, gathered: list[dict[str, Any]], keep: int, *,
@@ -192,14 +193,14 @@ def seal(world_size: int, prepared: Prepared, gathered: list[dict[str, Any]], ke
     removed."""
     assert prepared.full is not None
     cache = prepared.layouts
-    if any(g["per_rank"] is None for g in gathered):
+    if any(g[LeafKind.PER_RANK] is None for g in gathered):
         assert cache is not None
         for r, g in enumerate(gathered):
-            if g["per_rank"] is None:
+            if g[LeafKind.PER_RANK] is None:
                 if r not in cache.skeletons:
                     raise CheckpointError(f"rank {r} sent no skeleton and none is cached",
                                           hint="report this; save again under a new step")
-                g["per_rank"] = cache.skeletons[r]
+                g[LeafKind.PER_RANK] = cache.skeletons[r]
     m = manifest_of(world_size, prepared, gathered)
     assert prepared.catalog is not None
     prepared.catalog.commit(prepared.step, m)
@@ -211,7 +212,7 @@ def _skeleton_to_send(prepared: Prepared) -> tuple[Any, bytes | None]:
     the one this rank sent at the last commit of the same manager (rank 0 still has it). The
     skeleton goes into the JSON manifest, so its JSON text is exactly what must not change; it
     also tells 1, 1.0 and True apart, which ``==`` does not."""
-    skeleton = prepared.skeletons["per_rank"]
+    skeleton = prepared.skeletons[LeafKind.PER_RANK]
     if prepared.layouts is None:
         return skeleton, None
     blob = json.dumps(skeleton, separators=(",", ":")).encode()

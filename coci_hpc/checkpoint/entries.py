@@ -11,6 +11,7 @@ from typing import Any
 
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.layout import shard_entries
+from coci_hpc.checkpoint.leaves import LeafKind
 from coci_hpc.checkpoint.prepared import Prepared
 
 
@@ -24,14 +25,14 @@ def manifest_of(world_size: int, prepared: Prepared, gathered: list[dict[str, An
         entry: dict[str, Any] = {"name": d.name, "dataset": d.path, "file": mf.DATA_FILE, "dtype": d.dtype,
                  "shape": list(d.shape), "kind": d.kind, "rank": None,
                  "nbytes": d.nbytes, "offset": prepared.offsets.get(i)}
-        if d.kind == "per_rank":
+        if d.kind == LeafKind.PER_RANK:
             entry["parts"] = [[p.rank, p.start, list(p.shape), p.nbytes] for p in layout.parts[i]]
-        elif d.kind == "dtensor":
+        elif d.kind == LeafKind.DTENSOR:
             entry["boxes"] = [[r, list(o), list(sh)] for r, o, sh in layout.boxes[i]]
         tensors.append(entry)
     shards = shard_entries(layout, [g["crcs"] for g in gathered], mf.DATA_FILE)
-    skel = {"replicated": prepared.skeletons["replicated"],
-            "per_rank": {str(r): g["per_rank"] for r, g in enumerate(gathered)}}
+    skel: dict[str, Any] = {LeafKind.REPLICATED: prepared.skeletons[LeafKind.REPLICATED],
+                            LeafKind.PER_RANK: {str(r): g[LeafKind.PER_RANK] for r, g in enumerate(gathered)}}
     return mf.build(step=prepared.step, world_size=world_size, tensors=tensors, shards=shards,
                     skeletons=skel, files=[mf.DATA_FILE], backend=prepared.backend,
                     extra={"lustre": prepared.tuning.lustre, "align": prepared.tuning.align, **prepared.extra,

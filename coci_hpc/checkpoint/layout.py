@@ -173,7 +173,7 @@ def make_layout(per_rank_leaves: Sequence[Sequence[LeafDesc]], align: int = 4096
     repl_idx = []
     for l in repl0:
         idx = len(datasets)
-        datasets.append(DatasetSpec(l.name, l.name, l.dtype, l.shape, "replicated", l.nbytes))
+        datasets.append(DatasetSpec(l.name, l.name, l.dtype, l.shape, LeafKind.REPLICATED, l.nbytes))
         if l.kind == FROM_RANK0:
             if l.nbytes:
                 pieces.append(Piece(idx, 0, 0, l.nbytes, l.name, 0))
@@ -182,8 +182,8 @@ def make_layout(per_rank_leaves: Sequence[Sequence[LeafDesc]], align: int = 4096
     pieces.extend(_split_replicated([datasets[i] for i in repl_idx], repl_idx, world, align))
 
     # Sharded: global dim 0 = sum of local dim 0, other dims equal.
-    by_rank = [{l.name: l for l in leaves if l.kind == "sharded"} for leaves in per_rank_leaves]
-    for name in [l.name for l in per_rank_leaves[0] if l.kind == "sharded"]:
+    by_rank = [{l.name: l for l in leaves if l.kind == LeafKind.SHARDED} for leaves in per_rank_leaves]
+    for name in [l.name for l in per_rank_leaves[0] if l.kind == LeafKind.SHARDED]:
         locs = []
         for r, mine_s in enumerate(by_rank):
             if name not in mine_s:
@@ -197,7 +197,7 @@ def make_layout(per_rank_leaves: Sequence[Sequence[LeafDesc]], align: int = 4096
         rows = sum(l.shape[0] for l in locs)
         row_bytes = (base.nbytes // base.shape[0]) if base.shape[0] else _row_bytes(locs)
         idx = len(datasets)
-        datasets.append(DatasetSpec(name, name, base.dtype, (rows,) + tuple(base.shape[1:]), "sharded",
+        datasets.append(DatasetSpec(name, name, base.dtype, (rows,) + tuple(base.shape[1:]), LeafKind.SHARDED,
                                     rows * row_bytes))
         off = 0
         for r, l in enumerate(locs):
@@ -210,7 +210,7 @@ def make_layout(per_rank_leaves: Sequence[Sequence[LeafDesc]], align: int = 4096
     first_dtype: dict[str, str] = {}
     for r, leaves in enumerate(per_rank_leaves):
         for l in leaves:
-            if l.kind == "per_rank":
+            if l.kind == LeafKind.PER_RANK:
                 first_dtype.setdefault(l.name, l.dtype)
                 groups.setdefault((l.name, l.dtype), []).append((r, l))
     parts: dict[int, tuple[RankPart, ...]] = {}
@@ -224,7 +224,7 @@ def make_layout(per_rank_leaves: Sequence[Sequence[LeafDesc]], align: int = 4096
             total += l.nbytes
             elems += math.prod(l.shape)
         datasets.append(DatasetSpec(packed_path(name, dtype, first_dtype[name]), name, dtype, (elems,),
-                                    "per_rank", total))
+                                    LeafKind.PER_RANK, total))
         parts[idx] = tuple(mine_p)
     boxes = _plan_dtensors(per_rank_leaves, datasets, pieces)
     return Layout(tuple(datasets), tuple(pieces), parts, world, boxes=boxes)
@@ -237,17 +237,17 @@ def _plan_dtensors(per_rank_leaves: Sequence[Sequence[LeafDesc]], datasets: list
     from coci_hpc.checkpoint.dtensor import plan
     from coci_hpc.checkpoint.leaves import storage_dtype
 
-    by_rank = [{l.name: l for l in leaves if l.kind == "dtensor"} for leaves in per_rank_leaves]
+    by_rank = [{l.name: l for l in leaves if l.kind == LeafKind.DTENSOR} for leaves in per_rank_leaves]
     out: dict[int, tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]] = {}
     written: dict[int, int] = {}
-    for name in [l.name for l in per_rank_leaves[0] if l.kind == "dtensor"]:
+    for name in [l.name for l in per_rank_leaves[0] if l.kind == LeafKind.DTENSOR]:
         descs = [mine.get(name) for mine in by_rank]
         base = descs[0]
         assert base is not None
         itemsize = storage_dtype(base.dtype).itemsize
         writers = plan(name, descs, written, itemsize)
         idx = len(datasets)
-        datasets.append(DatasetSpec(name, name, base.dtype, tuple(base.shape), "dtensor",
+        datasets.append(DatasetSpec(name, name, base.dtype, tuple(base.shape), LeafKind.DTENSOR,
                                     math.prod(base.shape) * itemsize))
         out[idx] = tuple((r, box[0], box[1]) for r, box in writers)
         pieces.extend(dtensor_pieces(idx, name, tuple(base.shape), itemsize, out[idx]))
@@ -289,7 +289,7 @@ def shard_entries(layout: Layout, crcs: Sequence[Sequence[int]], file: str) -> l
         while i < len(pieces):
             p = pieces[i]
             d = layout.datasets[p.dataset]
-            if d.kind != "dtensor":
+            if d.kind != LeafKind.DTENSOR:
                 out.append({"file": file, "dataset": d.path, "rank": r, "start": p.start, "stop": p.stop,
                             "crc32c": mine[i]})
                 i += 1
@@ -371,14 +371,14 @@ def layout_from_manifest(m: Mapping[str, Any]) -> Layout:
     boxes: dict[int, tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]] = {}
     index: dict[str, int] = {}
     for t in m["tensors"]:
-        if t["kind"] == "per_rank" and t.get("rank") is not None:
+        if t["kind"] == LeafKind.PER_RANK and t.get("rank") is not None:
             raise CheckpointCorrupt("a format-2 manifest has no reusable layout",
                                     hint="the layout is planned from the state instead")
         index[t["dataset"]] = len(datasets)
-        if t["kind"] == "per_rank":
+        if t["kind"] == LeafKind.PER_RANK:
             parts[len(datasets)] = tuple(RankPart(int(r), int(s), tuple(sh), int(n))
                                          for r, s, sh, n in t["parts"])
-        if t["kind"] == "dtensor":
+        if t["kind"] == LeafKind.DTENSOR:
             boxes[len(datasets)] = tuple((int(r), tuple(o), tuple(sh)) for r, o, sh in t["boxes"])
         datasets.append(DatasetSpec(t["dataset"], t["name"], t["dtype"], tuple(t["shape"]), t["kind"],
                                     int(t["nbytes"])))
@@ -389,9 +389,9 @@ def layout_from_manifest(m: Mapping[str, Any]) -> Layout:
     for sh in m["shards"]:
         i = index[sh["dataset"]]
         d = datasets[i]
-        if d.kind == "dtensor":
+        if d.kind == LeafKind.DTENSOR:
             continue
-        src = sh["start"] if d.kind == "replicated" else 0
+        src = sh["start"] if d.kind == LeafKind.REPLICATED else 0
         pieces.append(Piece(i, int(sh["rank"]), int(sh["start"]), int(sh["stop"]), d.name, int(src)))
     sigs = tuple(m.get("layout", {}).get("signatures", ()))
     return Layout(tuple(datasets), tuple(pieces), parts, int(m["world_size"]), sigs, boxes=boxes)

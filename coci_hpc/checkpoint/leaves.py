@@ -5,7 +5,8 @@ an HDF5 name (:func:`escape_key`).
 
 It imports nothing of the package but the errors and the enum base, so that ``state`` (which collects a state) and
 the modules it uses (``dtensor``, ``layout``, ``optim_names``) can all import it without importing
-each other back. torch is imported only when a dtype is looked up.
+each other back. numpy and torch are imported only when a dtype is looked up, so that the
+manifest's checks (which the light CLI commands import) can name the kinds.
 """
 from __future__ import annotations
 
@@ -13,12 +14,11 @@ from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from coci_hpc.errors import CheckpointError
 from coci_hpc.strenum import StrEnum
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 
@@ -26,6 +26,8 @@ class LeafKind(StrEnum):
     """How a leaf is held across ranks. A string enum: a kind compares equal to (and is written to
     manifests as) its value, so ``"per_rank"`` in an existing manifest or in code is the same kind."""
 
+    # The manifest's two skeleton sections are named by the kind of the values they hold:
+    # REPLICATED (one tree) and PER_RANK (one tree per rank).
     REPLICATED = "replicated"   # identical on every rank, written once
     FROM_RANK0 = "from_rank0"   # replicated, rank 0's value is the authority (module buffers)
     PER_RANK = "per_rank"       # each rank's own (PerRank values, RNG states)
@@ -57,6 +59,7 @@ NUMPY_KINDS = "fiub"
 def torch_dtypes() -> dict[str, tuple[np.dtype, torch.dtype]]:
     """torch dtype name -> (numpy dtype used for the stored bytes, torch dtype to view as on the way
     out). bfloat16 and bool have no exact numpy twin of the same meaning, so their bytes go out as uint."""
+    import numpy as np
     import torch
 
     return {
@@ -75,6 +78,8 @@ def torch_dtypes() -> dict[str, tuple[np.dtype, torch.dtype]]:
 
 def storage_dtype(dtype: str) -> np.dtype:
     """The numpy dtype a leaf saved as ``dtype`` ("torch.float32", "numpy.int64") is stored in."""
+    import numpy as np
+
     table = torch_dtypes()
     if dtype in table:
         return table[dtype][0]

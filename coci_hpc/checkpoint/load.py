@@ -26,23 +26,20 @@ from coci_hpc.checkpoint.dtensor import (
     target_box,
     wrap_like,
 )
-from coci_hpc.checkpoint.h5file import DatasetReader
+from coci_hpc.checkpoint.h5read import DatasetReader
+from coci_hpc.checkpoint.leaves import LeafKind, PerRank, Sharded, storage_dtype
+from coci_hpc.checkpoint.loadcheck import check_skeleton
 from coci_hpc.checkpoint.rawio import copy_threads
+from coci_hpc.checkpoint.restore import apply
 from coci_hpc.checkpoint.state import (
-    PerRank,
-    Sharded,
     _collect_tensors,
-    apply,
-    check_skeleton,
     current_trees,
-    empty_like_leaf,
     is_stateful,
     iter_targets,
-    leaf_view,
     live_trees,
     match_saved_keys,
-    storage_dtype,
 )
+from coci_hpc.checkpoint.treecode import empty_like_leaf, leaf_view
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointError
 
@@ -71,7 +68,7 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
     Everything is checked (manifest, datasets, shapes and dtypes against ``state``, the saved
     trees against the objects they go into, the CRC of every byte) on every rank before the
     first byte goes into ``state``; objects whose ``load_state_dict`` refuses are rolled back
-    (:func:`~coci_hpc.checkpoint.state.apply`). A failed load leaves the state as it was.
+    (:func:`~coci_hpc.checkpoint.restore.apply`). A failed load leaves the state as it was.
     """
     trees = current_trees(state)
     targets = dict(iter_targets(state, trees))
@@ -118,7 +115,7 @@ def _my_tensors(m: Mapping[str, Any], rank: int) -> list[dict[str, Any]]:
     (``rank00003/...``) only for its rank."""
     out = []
     for t in m["tensors"]:
-        if t["kind"] != "per_rank":
+        if t["kind"] != LeafKind.PER_RANK:
             out.append(t)
         elif t["rank"] is not None:
             if t["rank"] == rank:
@@ -143,7 +140,7 @@ def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, An
         tgt = targets.get(name)
         if is_dtensor(tgt):
             assert tgt is not None
-            if "part" in meta or meta["kind"] == "per_rank":
+            if "part" in meta or meta["kind"] == LeafKind.PER_RANK:
                 raise CheckpointError(f"{name!r} is a DTensor in the state passed to load but per-rank "
                                       f"state in checkpoint step {step}", hint=hint)
             if tuple(tgt.shape) != shape or str(tgt.dtype) != meta["dtype"]:
@@ -152,7 +149,7 @@ def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, An
                                       f"checkpoint step {step}", hint="resharding changes how a tensor is "
                                       "split, not its global shape: build the model with the saved sizes")
             continue
-        if meta["kind"] == "sharded":
+        if meta["kind"] == LeafKind.SHARDED:
             if not isinstance(tgt, Sharded):
                 raise CheckpointError(f"{name!r} is sharded in the checkpoint but the state "
                                       f"passed to load has no Sharded(...) for it",
@@ -172,10 +169,10 @@ def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, An
                                   f"load but {meta['dtype']} {list(shape)} in checkpoint step {step}",
                                   hint=hint)
     for key, value in state.items():
-        section = "per_rank" if isinstance(value, PerRank) else "replicated"
+        section = LeafKind.PER_RANK if isinstance(value, PerRank) else LeafKind.REPLICATED
         inner = value.value if isinstance(value, PerRank) else value
-        skel = m["skeletons"][section] if section == "replicated" else \
-            m["skeletons"]["per_rank"].get(str(rank), {})
+        skel = m["skeletons"][section] if section == LeafKind.REPLICATED else \
+            m["skeletons"][LeafKind.PER_RANK].get(str(rank), {})
         if key not in skel:
             continue
         if is_stateful(inner) and not isinstance(inner, torch.nn.Module):
@@ -212,8 +209,8 @@ def _open_checked(comm: Comm, root: Path, step: int, state: Mapping[str, Any],
         mine = _my_tensors(m, comm.rank)
         for meta in mine:
             opened[0].offset(meta)  # present, same shape/dtype/size as the manifest, inside the file
-        match_saved_keys(state, {"replicated": m["skeletons"]["replicated"],
-                                 "per_rank": m["skeletons"]["per_rank"].get(str(comm.rank), {})},
+        match_saved_keys(state, {LeafKind.REPLICATED: m["skeletons"][LeafKind.REPLICATED],
+                                 LeafKind.PER_RANK: m["skeletons"][LeafKind.PER_RANK].get(str(comm.rank), {})},
                          trees, targets)
         optimizer_targets(state, mine, targets)
         _check_against_state(m, comm.rank, state, targets, all_rows, trees)
@@ -252,7 +249,7 @@ def _ranges(rank: int, m: dict[str, Any], all_rows: list[dict[str, int]],
             continue
         if "part" in meta:  # this rank's leaf inside a packed per-rank dataset
             start, shape = meta["part"]
-        elif meta["kind"] == "sharded":
+        elif meta["kind"] == LeafKind.SHARDED:
             before = sum(rows.get(meta["name"], 0) for rows in all_rows[:rank])
             row_bytes = meta["nbytes"] // shape[0] if shape[0] else 0
             start = before * row_bytes
@@ -360,7 +357,7 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
     """Put the checked bytes into the state: fresh buffers only where in place is not safe.
 
     The copies of each group run as one batch split over ``threads`` threads (see
-    :meth:`~coci_hpc.checkpoint.h5file.DatasetReader.copy_verified`)."""
+    :meth:`~coci_hpc.checkpoint.h5read.DatasetReader.copy_verified`)."""
     tensors: dict[str, Any] = {}
     direct: list[tuple[dict[str, Any], Runs, np.ndarray]] = []
     after: list[tuple[dict[str, Any], Runs, tuple[int, ...], Any]] = []
@@ -447,12 +444,12 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
                 live.copy_(obj)
 
     rank = comm.rank
-    per_rank_skel = m["skeletons"]["per_rank"].get(str(rank), {})
-    skeletons = {"replicated": m["skeletons"]["replicated"], "per_rank": per_rank_skel}
+    per_rank_skel = m["skeletons"][LeafKind.PER_RANK].get(str(rank), {})
+    skeletons: dict[str, Any] = {LeafKind.REPLICATED: m["skeletons"][LeafKind.REPLICATED], LeafKind.PER_RANK: per_rank_skel}
     with torch.no_grad():
-        missing = apply(state, skeletons, tensors, rng=rng and str(rank) in m["skeletons"]["per_rank"],
+        missing = apply(state, skeletons, tensors, rng=rng and str(rank) in m["skeletons"][LeafKind.PER_RANK],
                         before=trees, fill=fill, in_place=frozenset(in_place))
-    if rng and str(rank) not in m["skeletons"]["per_rank"]:
+    if rng and str(rank) not in m["skeletons"][LeafKind.PER_RANK]:
         missing.append("__rng__")
     return LoadResult(int(m["step"]), int(m["world_size"]), tuple(missing), m,
                       sum(n for _, _, _, n in ranges))

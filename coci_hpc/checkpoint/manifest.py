@@ -21,6 +21,7 @@ from typing import Any
 
 from coci_hpc import durable
 from coci_hpc.checkpoint import integrity, perms
+from coci_hpc.checkpoint.leaves import LeafKind
 from coci_hpc.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 
 FORMAT = "coci-ckpt"
@@ -118,7 +119,7 @@ def _is_file_name(x: Any) -> bool:
     return isinstance(x, str) and x not in ("", ".", "..") and "/" not in x and "\\" not in x
 
 
-_KINDS = ("replicated", "per_rank", "sharded", "dtensor")
+_KINDS = (LeafKind.REPLICATED, LeafKind.PER_RANK, LeafKind.SHARDED, LeafKind.DTENSOR)
 
 
 def _depth(x: Any) -> int:
@@ -143,7 +144,7 @@ def _is_dataset_path(x: Any) -> bool:
 
 
 def _itemsize(dtype: Any) -> int | None:
-    from coci_hpc.checkpoint.state import storage_dtype  # state imports torch: only when reading
+    from coci_hpc.checkpoint.leaves import storage_dtype  # leaves imports numpy: only when reading
 
     try:
         return storage_dtype(dtype).itemsize
@@ -169,8 +170,8 @@ def _schema_problem(m: dict[str, Any]) -> str | None:
     if not isinstance(files, list) or not all(_is_file_name(f) for f in files):
         return "'files' is not a list of file names inside the checkpoint directory"
     skel = m.get("skeletons")
-    if not isinstance(skel, dict) or not isinstance(skel.get("replicated"), dict) \
-            or not isinstance(skel.get("per_rank"), dict):
+    if not isinstance(skel, dict) or not isinstance(skel.get(LeafKind.REPLICATED), dict) \
+            or not isinstance(skel.get(LeafKind.PER_RANK), dict):
         return "'skeletons' lacks its 'replicated' and 'per_rank' sections"
     tensors, shards = m.get("tensors"), m.get("shards")
     if not isinstance(tensors, list) or not isinstance(shards, list):
@@ -186,11 +187,11 @@ def _schema_problem(m: dict[str, Any]) -> str | None:
                 or not isinstance(t.get("shape"), list) or not all(_is_int(x) for x in t["shape"]) \
                 or not _is_int(t.get("nbytes")) or not (t.get("rank") is None or _is_int(t.get("rank"))):
             return f"tensors[{i}] ({t.get('name')!r}) has a missing or invalid field"
-        packed = t["kind"] == "per_rank" and t["rank"] is None  # format 3: all ranks in one dataset
+        packed = t["kind"] == LeafKind.PER_RANK and t["rank"] is None  # format 3: all ranks in one dataset
         itemsize = _itemsize(t["dtype"])
         if itemsize is None:
             return f"tensors[{i}] ({t['name']!r}) has dtype {t['dtype']!r}, which is never stored"
-        if t["kind"] == "dtensor" and _boxes_problem(t):
+        if t["kind"] == LeafKind.DTENSOR and _boxes_problem(t):
             return f"tensors[{i}] ({t['name']!r}) {_boxes_problem(t)}"
         if packed and _parts_problem(t, itemsize, m["world_size"]):
             return f"tensors[{i}] ({t['name']!r}) {_parts_problem(t, itemsize, m['world_size'])}"
@@ -200,7 +201,7 @@ def _schema_problem(m: dict[str, Any]) -> str | None:
         if (t["file"], t["dataset"]) in sizes:
             return f"tensors[{i}] ({t['name']!r}) names dataset {t['dataset']!r} a second time"
         sizes[(t["file"], t["dataset"])] = t["nbytes"]
-        if t["kind"] == "dtensor":
+        if t["kind"] == LeafKind.DTENSOR:
             dtensors[(t["file"], t["dataset"])] = (t, itemsize, {_box_key(b) for b in t["boxes"]})
     crc_key = integrity.SHARD_KEY[m["checksum"]]
     for i, sh in enumerate(shards):

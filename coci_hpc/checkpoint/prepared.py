@@ -19,7 +19,7 @@ from coci_hpc.checkpoint.coordinator import LayoutCache
 from coci_hpc.checkpoint.layout import Layout, Piece, RankLayout
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.rawio import WriteItem
-from coci_hpc.checkpoint.state import Leaf
+from coci_hpc.checkpoint.treecode import Leaf
 from coci_hpc.errors import UsageError
 
 

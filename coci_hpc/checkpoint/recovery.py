@@ -1,7 +1,7 @@
 """Choosing what to load when checkpoints may be damaged: verify, fall back, warn loudly.
 
 Every load checks the manifest's own checksum and the CRC of every shard it reads (see
-:class:`~coci_hpc.checkpoint.h5file.DatasetReader`). What happens on damage depends on the call:
+:class:`~coci_hpc.checkpoint.h5read.DatasetReader`). What happens on damage depends on the call:
 
 * ``load_latest``: the newest committed checkpoint that loads intact wins. A damaged one is
   skipped with a warning (``logging`` and stderr, naming the step, the shard and the problem)

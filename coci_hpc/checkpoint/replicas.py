@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from coci_hpc.checkpoint.integrity import checksum
+from coci_hpc.checkpoint.leaves import LeafKind
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointError, UsageError
 
@@ -40,7 +41,7 @@ def checksums(leaves: Sequence[Any]) -> list[tuple[str, int]]:
     descriptions only, are skipped)."""
     out = []
     for leaf in leaves:
-        if leaf.kind != "replicated":
+        if leaf.kind != LeafKind.REPLICATED:
             continue
         data = _bytes_of(leaf)
         if data is not None:
@@ -52,7 +53,7 @@ def box_checksums(leaves: Sequence[Any]) -> list[tuple[Any, int]]:
     """(box, CRC-32C) of this rank's DTensor leaves, in leaf order (None where there are no bytes)."""
     out: list[tuple[Any, int]] = []
     for leaf in leaves:
-        if leaf.kind != "dtensor":
+        if leaf.kind != LeafKind.DTENSOR:
             continue
         data = _bytes_of(leaf)
         out.append((leaf.box, checksum(data) if data is not None else -1))
@@ -83,11 +84,11 @@ def check_boxes_equal(comm: Comm, leaves: Sequence[Any]) -> None:
     """Collective: refuse (UsageError, every rank) a DTensor box whose replicas differ. Only one
     replica writes a replicated box (:func:`.dtensor.plan`), so different values would silently
     lose all but one."""
-    if not any(leaf.kind == "dtensor" for leaf in leaves):
+    if not any(leaf.kind == LeafKind.DTENSOR for leaf in leaves):
         return   # every rank alike: the layout agreed which leaves are DTensors on every rank
     mine = comm.run_step(lambda: box_checksums(leaves), "checksumming the DTensor boxes")
     per_rank = comm.allgather(mine)   # a box and 4 bytes a DTensor leaf, only when the layout is planned
-    names = [leaf.name for leaf in leaves if leaf.kind == "dtensor"]
+    names = [leaf.name for leaf in leaves if leaf.kind == LeafKind.DTENSOR]
     found = differing_boxes(names, per_rank)
     if found is None:
         return

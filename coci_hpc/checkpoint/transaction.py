@@ -39,11 +39,12 @@ from coci_hpc.checkpoint.catalog import StepCatalog
 from coci_hpc.checkpoint.commit import Commit, Written, seal, verify
 from coci_hpc.checkpoint.coordinator import LayoutCache, agree
 from coci_hpc.checkpoint.layout import LeafDesc, make_layout
+from coci_hpc.checkpoint.leaves import LeafKind
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.prepared import Prepared, check_step
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, last_write_times
-from coci_hpc.checkpoint.state import Leaf
+from coci_hpc.checkpoint.treecode import Leaf
 from coci_hpc.comm import Comm
 from coci_hpc.errors import CheckpointError
 
@@ -88,7 +89,7 @@ class SaveTransaction:
         full = make_layout([descs + [LeafDesc(l.name, l.dtype, l.shape, l.kind, l.nbytes, l.box) for l in leaves]
                             for _, leaves in per_rank], align=tuning.align)
         prepared = Prepared(check_step(step), cat.step_dir(catalog.root, step), full.for_rank(0), full, {},
-                            {l.name: l for l in repl}, {"replicated": skel, "per_rank": None}, tuning, "", {},
+                            {l.name: l for l in repl}, {LeafKind.REPLICATED: skel, LeafKind.PER_RANK: None}, tuning, "", {},
                             catalog, None)
         return cls(Comm.serial(), writer, prepared, keep)
 
@@ -142,7 +143,7 @@ class SaveTransaction:
         gathered, at = [], 0
         for r, skel in enumerate(skeletons):
             n = len(p.full.pieces_of(r))
-            gathered.append({"crcs": list(crcs[at:at + n]), "per_rank": skel})
+            gathered.append({"crcs": list(crcs[at:at + n]), LeafKind.PER_RANK: skel})
             at += n
         seal(len(skeletons), p, gathered, self.keep, background=False)
 

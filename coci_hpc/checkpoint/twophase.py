@@ -77,8 +77,9 @@ from coci_hpc.checkpoint.devices import pinned_empty, wait_copies
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rawio import WriteItem, aligned_empty, lower_thread_priority
-from coci_hpc.checkpoint.state import Leaf, collect
+from coci_hpc.checkpoint.state import collect
 from coci_hpc.checkpoint.transaction import SaveTransaction
+from coci_hpc.checkpoint.treecode import Leaf
 from coci_hpc.comm import Comm
 from coci_hpc.errors import UsageError
 

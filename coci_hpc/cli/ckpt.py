@@ -149,7 +149,7 @@ def verify_step(root: Path, step: int, progress: Callable[[int, int], None] | No
     """Problems found in one committed checkpoint (empty list = good): every shard's checksum,
     the manifest's own checksum and schema, the links and datasets of the data files."""
     from coci_hpc.checkpoint import catalog as cat
-    from coci_hpc.checkpoint.h5file import DatasetReader
+    from coci_hpc.checkpoint.h5read import DatasetReader
     from coci_hpc.checkpoint.manifest import shard_nbytes
 
     d = cat.step_dir(root, step)

@@ -68,7 +68,9 @@ except ImportError as exc:          # an optional dependency: say how to get it
     raise ImportError(f"coci_hpc.integrations.lightning needs PyTorch Lightning ({exc}); "
                       f"install it with: pip install 'coci_hpc[lightning]'") from exc
 
-from coci_hpc.checkpoint.state import PerRank, capture_rng, collect, restore_rng
+from coci_hpc.checkpoint.leaves import PerRank
+from coci_hpc.checkpoint.rng import capture_rng, restore_rng
+from coci_hpc.checkpoint.state import collect
 from coci_hpc.errors import CheckpointError, UsageError
 from coci_hpc.runtime import errorexit, signals, teardown
 from coci_hpc.runtime.data import LOADER_HINT, is_stateful_dataloader

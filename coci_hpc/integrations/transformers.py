@@ -55,7 +55,7 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
                       "pip install 'coci_hpc[hf]'") from exc
 
 from coci_hpc.checkpoint import catalog
-from coci_hpc.checkpoint.state import capture_rng, restore_rng
+from coci_hpc.checkpoint.rng import capture_rng, restore_rng
 from coci_hpc.errors import CheckpointError, UsageError
 from coci_hpc.runtime import errorexit
 from coci_hpc.runtime.data import ResumableSampler

@@ -32,8 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from coci_hpc.checkpoint.leaves import LeafKind
 from coci_hpc.checkpoint.rawio import aligned_empty, pwrite_all
-from coci_hpc.checkpoint.state import unflatten
+from coci_hpc.checkpoint.treecode import unflatten
 from coci_hpc.durable import fsync_dir, fsync_file, rename_durable
 from coci_hpc.errors import CheckpointError, CociError, UsageError
 from coci_hpc.interop import names
@@ -290,7 +291,7 @@ def _export_torch(source: CheckpointSource, model_key: str, plan: list[tuple[str
     else:   # {"model": flat cleaned state dict, "<key>": that state's own tree (optimizer state_dict ...)}
         obj = {model_key: {n: t for (n, e), t in zip(plan, tensors.values()) if e.key == model_key}}
         by_leaf = {e.meta["name"]: t for (_, e), t in zip(plan, tensors.values()) if e.key != model_key}
-        skel = source.manifest["skeletons"]["replicated"]
+        skel = source.manifest["skeletons"][LeafKind.REPLICATED]
         for key in skel:
             if key != model_key:
                 obj[key] = unflatten(skel[key], by_leaf)

@@ -1,10 +1,10 @@
 """One committed coci checkpoint seen as named tensors, read one at a time and checked.
 
 A tensor is whatever the manifest stores as one dataset of its global shape (replicated leaves,
-:class:`~coci_hpc.checkpoint.state.Sharded` tensors assembled from the ranks' rows, and any
+:class:`~coci_hpc.checkpoint.leaves.Sharded` tensors assembled from the ranks' rows, and any
 later kind stored the same way): :meth:`CheckpointSource.read` fills a fresh tensor with its
 bytes, or :meth:`read_rows` with a range of its rows, through
-:class:`~coci_hpc.checkpoint.h5file.DatasetReader`, which checks every byte against the CRC of
+:class:`~coci_hpc.checkpoint.h5read.DatasetReader`, which checks every byte against the CRC of
 the shard holding it before it returns. Per-rank state (RNG, ``PerRank``) is no tensor of the
 model and is not offered.
 """
@@ -22,8 +22,9 @@ import numpy as np
 import torch
 
 from coci_hpc.checkpoint import catalog as cat
-from coci_hpc.checkpoint.h5file import DatasetReader
-from coci_hpc.checkpoint.state import empty_like_leaf, leaf_view, storage_dtype
+from coci_hpc.checkpoint.h5read import DatasetReader
+from coci_hpc.checkpoint.leaves import LeafKind, storage_dtype
+from coci_hpc.checkpoint.treecode import empty_like_leaf, leaf_view
 from coci_hpc.errors import CheckpointCorrupt, CheckpointNotFound, UsageError
 from coci_hpc.interop import names
 
@@ -101,18 +102,18 @@ class CheckpointSource:
         self.dir = cat.step_dir(self.root, self.step)
         self.manifest = cat.read_manifest(self.dir)
         self._by_name = {t["name"]: t for t in self.manifest["tensors"]
-                         if not (t["kind"] == "per_rank")}
+                         if not (t["kind"] == LeafKind.PER_RANK)}
         self._readers: dict[str, DatasetReader] = {}
 
     # -- what is in it -----------------------------------------------------------------------
     def keys(self) -> list[str]:
-        return list(self.manifest["skeletons"]["replicated"])
+        return list(self.manifest["skeletons"][LeafKind.REPLICATED])
 
     def entries(self, key: str) -> list[Entry]:
         """The tensors of state ``key`` (a replicated state value), in its state_dict order."""
-        skel = self.manifest["skeletons"]["replicated"]
+        skel = self.manifest["skeletons"][LeafKind.REPLICATED]
         if key not in skel:
-            where = " (it is per-rank state)" if key in self.manifest["skeletons"]["per_rank"] else ""
+            where = " (it is per-rank state)" if key in self.manifest["skeletons"][LeafKind.PER_RANK] else ""
             raise UsageError(f"{self.dir} has no state {key!r}{where}; its state keys: {self.keys()}",
                              hint="name the model's state key (--model-key KEY / model_key=)")
         found: list[tuple[str, str]] = []

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from coci_hpc.checkpoint.state import PerRank
+from coci_hpc.checkpoint.leaves import PerRank
 from coci_hpc.errors import CheckpointError, UsageError
 
 LOADER_HINT = ("use torchdata's StatefulDataLoader (pip install torchdata; `from torchdata.stateful_dataloader "

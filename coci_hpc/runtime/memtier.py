@@ -51,8 +51,10 @@ from coci_hpc import settings
 from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import transaction
 from coci_hpc.checkpoint.layout import REPLICATED_KINDS
+from coci_hpc.checkpoint.leaves import LeafKind, storage_dtype
 from coci_hpc.checkpoint.lustre import IOTuning
-from coci_hpc.checkpoint.state import Leaf, collect, storage_dtype
+from coci_hpc.checkpoint.state import collect
+from coci_hpc.checkpoint.treecode import Leaf
 from coci_hpc.comm import Comm
 from coci_hpc.errors import UsageError
 from coci_hpc.runtime import staged
@@ -416,10 +418,10 @@ def write_snapshots(root: Path, step: int, snaps: Mapping[int, Snapshot], size: 
         raise KeyError(f"no memory-tier copy of rank(s) {missing} for step {step}")
     base = snaps[0]
     repl = [l for l in base.leaves if l.kind in REPLICATED_KINDS]
-    per_rank = [(snaps[r].skeletons["per_rank"], [l for l in snaps[r].leaves if l.kind not in REPLICATED_KINDS])
+    per_rank = [(snaps[r].skeletons[LeafKind.PER_RANK], [l for l in snaps[r].leaves if l.kind not in REPLICATED_KINDS])
                 for r in range(size)]
     return transaction.save_whole(make_writer(), cat.catalog_of(catalog if catalog is not None else root), step,
-                                  (base.skeletons["replicated"], repl), per_rank, tuning, keep, backend=BACKEND,
+                                  (base.skeletons[LeafKind.REPLICATED], repl), per_rank, tuning, keep, backend=BACKEND,
                                   extra={"survivors_save": True, "memory_tier": True})
 
 

@@ -45,7 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from coci_hpc.checkpoint.state import Leaf, PerRank, collect, flatten, storage_dtype
+from coci_hpc.checkpoint.leaves import LeafKind, PerRank, storage_dtype
+from coci_hpc.checkpoint.state import collect
+from coci_hpc.checkpoint.treecode import Leaf, flatten
 from coci_hpc.runtime import rngstate
 
 TAG = 0xC0C1          # on a communicator of our own (Dup), so any tag would do
@@ -96,7 +98,7 @@ class RankState:
             if raw.size != nbytes:
                 raise ValueError(f"truncated per-rank state of rank {head['rank']} (leaf {name})")
             arr = raw.view(storage_dtype(dtype)) if nbytes else raw
-            leaves.append(Leaf(name, dtype, tuple(shape), arr, "per_rank", int(nbytes)))
+            leaves.append(Leaf(name, dtype, tuple(shape), arr, LeafKind.PER_RANK, int(nbytes)))
             pos += nbytes
         return cls(int(head["rank"]), int(head["step"]), head["skeleton"], tuple(leaves))
 
@@ -109,7 +111,7 @@ def capture(state: Mapping[str, Any], rank: int, step: int, rng: bool = True) ->
     # copies: the arrays may be views of live (host) tensors
     owned = tuple(Leaf(l.name, l.dtype, l.shape, None if l.array is None else l.array.copy(), l.kind, l.nbytes)
                   for l in leaves)
-    return RankState(rank, step, skel["per_rank"], owned)
+    return RankState(rank, step, skel[LeafKind.PER_RANK], owned)
 
 
 def decode_copy(data: bytes | memoryview | np.ndarray) -> RankState:
@@ -132,7 +134,7 @@ def decode_copy(data: bytes | memoryview | np.ndarray) -> RankState:
         leaves.extend(extra.leaves)
     if rng_len:
         rng = rngstate.decode(b[:COPY_HEAD.size + rng_len], COPY_HEAD.size)
-        skeleton["__rng__"] = flatten(rng, "per_rank/__rng__", "per_rank", leaves)
+        skeleton["__rng__"] = flatten(rng, f"{LeafKind.PER_RANK}/__rng__", LeafKind.PER_RANK, leaves)
     return RankState(int(rank), int(step), skeleton, tuple(leaves))
 
 

@@ -37,9 +37,12 @@ from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import transaction
 from coci_hpc.checkpoint.h5_serial import SerialH5Writer
 from coci_hpc.checkpoint.layout import REPLICATED_KINDS
+from coci_hpc.checkpoint.leaves import LeafKind, PerRank
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
-from coci_hpc.checkpoint.state import PerRank, collect, empty_like_leaf, is_stateful, restore_rng, unflatten
+from coci_hpc.checkpoint.rng import restore_rng
+from coci_hpc.checkpoint.state import collect, is_stateful
+from coci_hpc.checkpoint.treecode import empty_like_leaf, unflatten
 from coci_hpc.comm import Comm
 from coci_hpc.runtime import events as ev
 from coci_hpc.runtime import staged
@@ -171,7 +174,7 @@ def write_checkpoint(root: Path, step: int, state: Mapping[str, Any], per_rank: 
     if parts:
         raise ValueError(parts_reason(parts))
     repl = [l for l in leaves if l.kind in REPLICATED_KINDS]
-    return transaction.save_whole(make_writer(), cat.catalog_of(catalog if catalog is not None else root), step, (skel["replicated"], repl),
+    return transaction.save_whole(make_writer(), cat.catalog_of(catalog if catalog is not None else root), step, (skel[LeafKind.REPLICATED], repl),
                                   [(per_rank[r].skeleton, per_rank[r].leaves) for r in range(size)],
                                   tuning, keep, backend=BACKEND, extra={"survivors_save": True})
 
@@ -265,7 +268,7 @@ def held_in_parts(leaves: Sequence[Any]) -> list[str]:
     falls back. Taken from the flattened leaves' kinds, which every rank has after the same
     collective ``collect``: no ``state_dict()`` is ever called on one rank only for it (some are
     collective, and would hang)."""
-    return [l.name for l in leaves if l.kind not in REPLICATED_KINDS and l.kind != "per_rank"]
+    return [l.name for l in leaves if l.kind not in REPLICATED_KINDS and l.kind != LeafKind.PER_RANK]
 
 
 def parts_reason(names: Sequence[str]) -> str:

@@ -180,8 +180,8 @@ class DeviceBoundary:
         devices.pinned_empty = lambda nbytes: torch.empty(nbytes, dtype=torch.uint8)
         devices.wait_copies = fake_wait_copies
         # the modules that imported the names
-        import coci_hpc.checkpoint.state as state_mod
-        state_mod.on_host = devices.on_host  # type: ignore[attr-defined]
+        import coci_hpc.checkpoint.treecode as treecode
+        treecode.on_host = devices.on_host  # type: ignore[attr-defined]
         twophase.pinned_empty, twophase.wait_copies = devices.pinned_empty, fake_wait_copies  # type: ignore[attr-defined]
         try:
             yield self
@@ -191,5 +191,5 @@ class DeviceBoundary:
                 delattr(torch.Tensor, name)   # back to torch._C.TensorBase's own
             twophase.HostBuffers.get, twophase.HostBuffers.drop_unused = get, drop  # type: ignore[method-assign]
             devices.on_host, devices.pinned_empty, devices.wait_copies = saved
-            state_mod.on_host = saved[0]  # type: ignore[attr-defined]
+            treecode.on_host = saved[0]  # type: ignore[attr-defined]
             twophase.pinned_empty, twophase.wait_copies = saved[1], saved[2]  # type: ignore[attr-defined]

@@ -38,7 +38,7 @@ def test_resume_without_rng_restore_would_differ(tmp_path):
     import sys
 
     script = ("import sys, torch; sys.argv=['x','--steps','%d','--ckpt-dir','%s','--ckpt-every','%d'];"
-              "import coci_hpc.checkpoint.state as st; st.restore_rng=lambda s: None;"
+              "import coci_hpc.checkpoint.restore as st; st.restore_rng=lambda s: None;"
               "import runpy; runpy.run_path('%s', run_name='__main__')")
     whole = reference_hash(run_ranks(0, EXAMPLE, "--steps", str(2 * K), "--ckpt-dir", str(tmp_path / "a"),
                                      "--ckpt-every", str(K)).stdout)

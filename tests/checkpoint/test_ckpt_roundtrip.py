@@ -11,7 +11,8 @@ from coci_hpc.checkpoint import CheckpointManager, PerRank, Sharded
 from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.integrity import seal
-from coci_hpc.checkpoint.state import collect, unflatten
+from coci_hpc.checkpoint.state import collect
+from coci_hpc.checkpoint.treecode import unflatten
 from coci_hpc.errors import CheckpointError, CheckpointNotFound, CommError, UsageError
 from tests.checkpoint.helpers import canonical, empty_state, full_state, rng_draws, rows_of
 
@@ -198,7 +199,7 @@ def test_a_manifest_cannot_smuggle_objects_into_the_state(shared_dir, comm):
     with pytest.raises((CheckpointError, CommError), match="where a torch dtype belongs"):
         mgr.load(1, {"x": {}})
     # Raw bytes are never read into an object (pointer) array: only numeric dtypes load.
-    from coci_hpc.checkpoint.state import storage_dtype
+    from coci_hpc.checkpoint.leaves import storage_dtype
     for bad in ("numpy.object", "numpy.void", "numpy.str_", "numpy.nonsense"):
         with pytest.raises(CheckpointError, match="unsupported tensor dtype"):
             storage_dtype(bad)

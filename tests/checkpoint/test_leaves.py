@@ -1,5 +1,5 @@
 """checkpoint/leaves.py: the leaf kinds are a str enum that reads and writes as the strings the
-manifests already hold, and the names that moved there are still importable from state."""
+manifests already hold, and the names that moved there have that one home."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from coci_hpc.checkpoint import leaves, state
+from coci_hpc.checkpoint import leaves, state, treecode
 from coci_hpc.checkpoint.leaves import LeafKind
 from coci_hpc.errors import CheckpointError
 
@@ -19,10 +19,14 @@ def test_leaf_kinds_are_the_manifest_strings() -> None:
     assert f"{k}/x" == "per_rank/x" and str(k) == "per_rank" and json.dumps({k: k}) == '{"per_rank": "per_rank"}'
 
 
-def test_moved_names_are_the_same_objects_in_state() -> None:
-    assert state.PerRank is leaves.PerRank and state.Sharded is leaves.Sharded
-    assert state.storage_dtype is leaves.storage_dtype and state._escape is leaves.escape_key
-    assert state._TORCH_DTYPES is leaves.torch_dtypes()
+def test_moved_names_have_one_home() -> None:
+    """The wrapper types are leaves' (and the package's public names); state (which collects a
+    state) no longer keeps the old aliases of the dtype table and key escaping (issue 36)."""
+    import coci_hpc.checkpoint as pkg
+
+    assert pkg.PerRank is leaves.PerRank and pkg.Sharded is leaves.Sharded
+    assert [n for n in ("storage_dtype", "_escape", "_TORCH_DTYPES", "_NUMPY_KINDS") if hasattr(state, n)] == []
+    assert treecode._TORCH_DTYPES is leaves.torch_dtypes()
 
 
 def test_storage_dtype_and_key_escaping() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from coci_hpc.checkpoint import CheckpointManager
-from coci_hpc.checkpoint.state import _loaded_in_place
+from coci_hpc.checkpoint.restore import _loaded_in_place
 
 
 def _tree(m: torch.nn.Module) -> tuple[dict[str, Any], frozenset[int]]:

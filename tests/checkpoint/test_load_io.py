@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from coci_hpc.checkpoint import CheckpointManager, h5file, rawio
+from coci_hpc.checkpoint import CheckpointManager, h5read, rawio
 from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
-from coci_hpc.checkpoint.h5file import DatasetReader
+from coci_hpc.checkpoint.h5read import DatasetReader
 from tests.checkpoint.helpers import canonical, full_state
 
 
@@ -45,7 +45,7 @@ def test_libc_is_found_without_running_ldconfig(monkeypatch):
 def test_copies_split_over_threads_give_the_same_bytes(tmp_path, monkeypatch, threads):
     """copy_verified splits the bytes of all pieces evenly over the threads (cutting pieces at
     any byte): every split gives exactly the file's bytes."""
-    monkeypatch.setattr(h5file, "_MIN_COPY_SHARE", 1000)  # small pieces still split
+    monkeypatch.setattr(h5read, "_MIN_COPY_SHARE", 1000)  # small pieces still split
     path, m = _saved(tmp_path)
     with DatasetReader(path, m) as r:
         r.verify(_all_keys(r, m))
@@ -150,7 +150,7 @@ def test_the_streamed_check_maps_everything_before_the_first_copy(tmp_path, monk
     """A streamed pass 1 (``PASS1_MAPPED`` off) reads the bytes through two reused buffers,
     then maps them (a read error or a file cut short surfaces there, before any byte goes into
     the state): by the time the copies start, every range they read is mapped."""
-    monkeypatch.setattr(h5file, "PASS1_MAPPED", False)
+    monkeypatch.setattr(h5read, "PASS1_MAPPED", False)
     path, m = _saved(tmp_path)
     with DatasetReader(path, m) as r:
         r.verify(_all_keys(r, m))

@@ -182,7 +182,7 @@ def test_format_1_crc32_manifests_still_load(pristine, tmp_path):
     """Checkpoints written before the CRC-32C switch (zlib CRC-32, no own checksum) still load."""
     import zlib
 
-    from coci_hpc.checkpoint.h5file import DatasetReader
+    from coci_hpc.checkpoint.h5read import DatasetReader
 
     shutil.copytree(pristine, tmp_path / "r")
     root = tmp_path / "r"
@@ -289,9 +289,9 @@ def test_checked_reads_in_chunks_catch_a_flip_in_any_chunk(pristine, tmp_path, m
     """Large reads are checked chunk by chunk (the CRC of one chunk overlaps the next read):
     with chunks far smaller than a tensor, an intact checkpoint still loads and a flip in the
     first, a middle or the last chunk is caught."""
-    from coci_hpc.checkpoint import h5file
+    from coci_hpc.checkpoint import h5read
 
-    monkeypatch.setattr(h5file, "_READ_CHUNK", 1000)  # not a divisor of anything: odd boundaries
+    monkeypatch.setattr(h5read, "_READ_CHUNK", 1000)  # not a divisor of anything: odd boundaries
     target = empty_state()
     assert CheckpointManager(pristine, comm=None, lock=False).load(2, target).step == 2
     assert canonical(target) == canonical(full_state(2))
@@ -320,16 +320,16 @@ def _ptrs(state: dict) -> list[int]:
 
 def _preads(monkeypatch) -> list[int]:
     """The sizes of the reads of the load's check into a buffer (pread)."""
-    from coci_hpc.checkpoint import h5file
+    from coci_hpc.checkpoint import h5read
 
     calls: list[int] = []
-    pread = h5file.pread_into
+    pread = h5read.pread_into
 
     def spy(fd: int, buf, offset: int):
         calls.append(buf.nbytes)
         return pread(fd, buf, offset)
 
-    monkeypatch.setattr(h5file, "pread_into", spy)
+    monkeypatch.setattr(h5read, "pread_into", spy)
     return calls
 
 
@@ -364,11 +364,11 @@ def test_a_flip_in_a_middle_chunk_leaves_the_live_state_untouched(tmp_path, monk
     through the mapping into the state's own tensors ("unmapped": where the file cannot be
     mapped, streamed and copied by pread): a flipped byte in a chunk in the middle of a large
     tensor leaves every live tensor as it was, bytes and buffers."""
-    from coci_hpc.checkpoint import h5file
+    from coci_hpc.checkpoint import h5read
     from coci_hpc.checkpoint.rawio import FileMap
 
-    monkeypatch.setattr(h5file, "_READ_CHUNK", 64 << 10)
-    monkeypatch.setattr(h5file, "PASS1_MAPPED", mode == "mapped")
+    monkeypatch.setattr(h5read, "_READ_CHUNK", 64 << 10)
+    monkeypatch.setattr(h5read, "PASS1_MAPPED", mode == "mapped")
     if mode == "unmapped":
         monkeypatch.setattr(FileMap, "open", classmethod(lambda cls, fd, size: None))
     views = _views(monkeypatch)
@@ -401,10 +401,10 @@ def test_a_file_cut_short_under_a_mapped_load_is_reported_not_a_crash(tmp_path, 
     check, or after a streamed check) must come back as CheckpointCorrupt with the state
     untouched, never as a SIGBUS that kills the process: every mapped range is populated
     (MADV_POPULATE_READ) before any byte goes into the state."""
-    from coci_hpc.checkpoint import h5file
-    from coci_hpc.checkpoint.h5file import DatasetReader
+    from coci_hpc.checkpoint import h5read
+    from coci_hpc.checkpoint.h5read import DatasetReader
 
-    monkeypatch.setattr(h5file, "PASS1_MAPPED", pass1 == "mapped")
+    monkeypatch.setattr(h5read, "PASS1_MAPPED", pass1 == "mapped")
 
     views = _views(monkeypatch)
     mgr = CheckpointManager(tmp_path, comm=None)
@@ -436,10 +436,10 @@ def test_a_flip_any_rank_checks_leaves_every_ranks_state_untouched(tmp_path_fact
     each copies what the others checked: a flip in the middle of any replicated shard (the
     large tensor's included), whichever rank checks it, makes every rank raise and leaves every
     rank's state as it was."""
-    from coci_hpc.checkpoint import h5file
+    from coci_hpc.checkpoint import h5read
     from coci_hpc.comm import Comm
 
-    monkeypatch.setattr(h5file, "_READ_CHUNK", 64 << 10)
+    monkeypatch.setattr(h5read, "_READ_CHUNK", 64 << 10)
     comm = Comm.world()
     root = Path(comm.bcast(str(tmp_path_factory.mktemp("mpimap")) if comm.rank == 0 else None))
     mgr = CheckpointManager(root, comm=comm, keep=3)
