@@ -16,7 +16,6 @@ the end (of the full parameters: an FSDP2 run's shards are gathered for it). ``-
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import lightning.pytorch as L  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
-from toy_task import make_data  # noqa: E402
+from toy_task import make_data, params_sha256  # noqa: E402
 
 from coci_hpc.integrations.lightning import CociCallback, CociCheckpointIO, cluster_layout  # noqa: E402
 from coci_hpc.integrations.lightning_model_parallel import CociModelParallelStrategy  # noqa: E402
@@ -70,17 +69,6 @@ class Regressor(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def full_params_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 of the full state dict, names and bytes, in name order: a DTensor's shards are
-    gathered (a collective: every rank calls it), so DDP and FSDP2 runs hash alike."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
-        h.update(name.encode())
-        h.update(full.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, required=True, help="train until this many optimizer steps are done")
@@ -114,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed * 1000 + 1 + trainer.global_rank)   # per-rank dropout streams
     trainer.fit(model, loader)
 
-    digest = full_params_sha256(model)
+    digest = params_sha256(model)
     if trainer.is_global_zero:
         print(f"final_params_sha256={digest}", flush=True)
     return 0

@@ -19,9 +19,11 @@ def make_data(n: int, d_in: int, seed: int = 1234) -> tuple[torch.Tensor, torch.
 
 
 def params_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 of the model's state dict, names and bytes, in name order (on any device)."""
+    """SHA-256 of the model's state dict, names and bytes, in name order (on any device). A DTensor
+    (FSDP2) is gathered first (a collective: every rank calls it), so sharded and plain runs hash alike."""
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
         h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        h.update(full.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()

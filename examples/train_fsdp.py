@@ -15,7 +15,6 @@ shards: the run falls back to its last checkpoint (docs/how-to/fsdp.md).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 import time
 from pathlib import Path
@@ -28,22 +27,12 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from toy_task import make_data  # noqa: E402
+from toy_task import make_data, params_sha256  # noqa: E402
 
 import coci_hpc  # noqa: E402
 from coci_hpc.runtime.data import ResumableSampler  # noqa: E402
 
 D_IN, HIDDEN, SAMPLES, BATCH = 16, 64, 2048, 32
-
-
-def full_params_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 of the full parameters (each DTensor gathered: a collective, every rank calls it)."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
-        h.update(name.encode())
-        h.update(full.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.rank == 0:
             print(f"step={step + 1} loss={loss.item():.6f}", flush=True)
 
-    digest = full_params_sha256(model)
+    digest = params_sha256(model)
     if dist.rank == 0:
         print(f"final_params_sha256={digest}", flush=True)
     return 0
