@@ -32,7 +32,7 @@ from typing import Any
 
 from coci_hpc import durable
 from coci_hpc.checkpoint import manifest as mf
-from coci_hpc.checkpoint import perms
+from coci_hpc.checkpoint import perms, spare
 from coci_hpc.checkpoint.lustre import IOTuning, apply_setstripe
 from coci_hpc.errors import CheckpointError
 
@@ -408,10 +408,12 @@ class StepCatalog:
         else:
             self._list().pop(step, None)
 
-    def retain(self, keep: int, *, background: bool = True) -> list[int]:
+    def retain(self, keep: int, *, background: bool = True, recycle: bool = False) -> list[int]:
         """Delete all but the newest ``keep`` committed steps, and partial steps older than the
         newest. A victim is made uncommitted first (manifest unlinked), then renamed to
-        ``.trash-...`` (both instant); a background thread removes its data. Returns the steps."""
+        ``.trash-...`` (both instant); a background thread removes its data. ``recycle``: a
+        retired committed step's data file is kept as a spare for the next save (:mod:`.spare`).
+        Returns the steps."""
         steps = self._list()
         committed = [s for s, c in steps.items() if c]
         if not committed:
@@ -431,6 +433,9 @@ class StepCatalog:
                     os.rename(path, target)
                 except OSError:
                     target = path
+                if recycle and is_committed:
+                    OPS.stats += 1
+                    OPS.renames += spare.put(self.root, target / mf.DATA_FILE)
                 self._trash.append(target)
                 del steps[step]
                 removed.append(step)
@@ -482,7 +487,7 @@ class StepCatalog:
     def free_space(self) -> list[str]:
         """A full disk: delete all abandoned checkpoints, then every committed one but the
         newest, and retired data still being removed. Returns what went."""
-        freed = []
+        freed = spare.clear(self.root)
         abandoned = self.root / ABANDONED
         if abandoned.is_dir():
             OPS.listings += 1

@@ -204,7 +204,7 @@ def seal(world_size: int, prepared: Prepared, gathered: list[dict[str, Any]], ke
     m = manifest_of(world_size, prepared, gathered)
     assert prepared.catalog is not None
     prepared.catalog.commit(prepared.step, m)
-    return prepared.catalog.retain(keep, background=background)
+    return prepared.catalog.retain(keep, background=background, recycle=not prepared.tuning.lustre)
 
 
 def _skeleton_to_send(prepared: Prepared) -> tuple[Any, bytes | None]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import h5py
 
+from coci_hpc.checkpoint import spare
 from coci_hpc.checkpoint.layout import DatasetSpec
 from coci_hpc.checkpoint.leaves import storage_dtype
 from coci_hpc.checkpoint.lustre import IOTuning
@@ -79,6 +80,8 @@ def create_on_rank0(comm: Comm, directory: Path, datasets: Sequence[DatasetSpec]
         # h5py created it under the umask; the directory's mode decides. Inside the same step,
         # so its error agreement covers it without a second collective per save.
         set_file(directory / DATA_FILE, tuning.dir_mode)
+        if not tuning.lustre:   # a retired step's blocks written over, not new ones (see .spare)
+            spare.reuse(directory / DATA_FILE, [(off, datasets[i].nbytes) for i, off in offsets.items()])
         return offsets
 
     return comm.run_step(make, "creating the checkpoint file")
