@@ -17,7 +17,7 @@ from typing import Any
 
 import h5py
 
-from coci_hpc.checkpoint import spare
+from coci_hpc.checkpoint import rawio, spare
 from coci_hpc.checkpoint.layout import DatasetSpec
 from coci_hpc.checkpoint.leaves import storage_dtype
 from coci_hpc.checkpoint.lustre import IOTuning
@@ -80,11 +80,21 @@ def create_on_rank0(comm: Comm, directory: Path, datasets: Sequence[DatasetSpec]
         # h5py created it under the umask; the directory's mode decides. Inside the same step,
         # so its error agreement covers it without a second collective per save.
         set_file(directory / DATA_FILE, tuning.dir_mode)
-        if not tuning.lustre:   # a retired step's blocks written over, not new ones (see .spare)
-            spare.reuse(directory / DATA_FILE, [(off, datasets[i].nbytes) for i, off in offsets.items()])
+        if not tuning.lustre:   # a retired step's blocks written over, or new ones allocated now
+            path = directory / DATA_FILE
+            if not spare.reuse(path, [(off, datasets[i].nbytes) for i, off in offsets.items()]):
+                _preallocate(path)
         return offsets
 
     return comm.run_step(make, "creating the checkpoint file")
+
+
+def _preallocate(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        rawio.preallocate(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 def file_kwargs(align: int, threshold: int) -> dict[str, Any]:

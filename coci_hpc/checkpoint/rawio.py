@@ -273,7 +273,8 @@ _MADV_POPULATE_READ = 22  # Linux >= 5.14: map (and read in) a range; errors com
 _libc: Any = None
 
 
-def _madvise() -> Any:
+def _the_libc() -> Any:
+    """The C library (ctypes), or False where it cannot be had."""
     global _libc
     if _libc is None:
         import ctypes
@@ -293,7 +294,42 @@ def _madvise() -> Any:
         if _libc:
             _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             _libc.madvise.restype = ctypes.c_int
-    return _libc.madvise if _libc else None
+            _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            _libc.fallocate.restype = ctypes.c_int
+    return _libc
+
+
+def _madvise() -> Any:
+    lib = _the_libc()
+    return lib.madvise if lib else None
+
+
+FALLOC_KEEP_SIZE, FALLOC_PUNCH_HOLE = 0x01, 0x02
+
+
+def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    """Linux ``fallocate(2)`` (the system call: unlike ``posix_fallocate`` it never falls back to
+    writing zeros); OSError where the filesystem refuses ``mode``."""
+    lib = _the_libc()
+    if not lib:
+        raise OSError("fallocate: no C library")
+    if lib.fallocate(fd, mode, offset, length) != 0:
+        import ctypes
+
+        err = ctypes.get_errno()
+        raise OSError(err, f"fallocate: {os.strerror(err)}")
+
+
+def preallocate(fd: int, size: int) -> bool:
+    """Give the file its blocks for [0, size) now (unwritten extents; the file reads as before).
+    On ext4 writing into preallocated blocks skips the allocation a new file's writeback does
+    (issue 33: 2 x 512 MB pwrite + fsync into a new file 1.09 s median, preallocated 0.61 s).
+    False where the filesystem does not allocate ahead: nothing changed."""
+    try:
+        fallocate(fd, FALLOC_KEEP_SIZE, 0, size)
+        return True
+    except OSError:
+        return False
 
 
 class FileMap:

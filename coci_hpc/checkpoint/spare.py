@@ -27,25 +27,14 @@ A full disk frees the spares first (:func:`clear`).
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from coci_hpc.checkpoint import rawio
+
 SPARE_FILE = ".spare-data.h5"   # in ROOT; one: a save in flight can use one, and no listing finds it
 _COPY = 1 << 20
-_FALLOC_KEEP_SIZE, _FALLOC_PUNCH_HOLE = 0x01, 0x02
-
-
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
 
 
 def put(root: Path, data_file: Path) -> bool:
@@ -111,13 +100,7 @@ def _minus(a: int, b: int, extents: Sequence[tuple[int, int]]) -> Iterator[tuple
 
 
 def _punch(fd: int, start: int, stop: int) -> None:
-    if _LIBC is None:
-        raise OSError("no libc fallocate")
-    r = _LIBC.fallocate(fd, _FALLOC_PUNCH_HOLE | _FALLOC_KEEP_SIZE, ctypes.c_int64(start),
-                        ctypes.c_int64(stop - start))
-    if r != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"fallocate(PUNCH_HOLE): {os.strerror(err)}")
+    rawio.fallocate(fd, rawio.FALLOC_PUNCH_HOLE | rawio.FALLOC_KEEP_SIZE, start, stop - start)
 
 
 def carry(fresh: Path, spare: Path, extents: Sequence[tuple[int, int]]) -> None:

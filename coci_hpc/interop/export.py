@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from coci_hpc.checkpoint.leaves import LeafKind
-from coci_hpc.checkpoint.rawio import aligned_empty, pwrite_all
+from coci_hpc.checkpoint.rawio import aligned_empty, preallocate, pwrite_all
 from coci_hpc.checkpoint.treecode import unflatten
 from coci_hpc.durable import fsync_dir, fsync_file, rename_durable
 from coci_hpc.errors import CheckpointError, CociError, UsageError
@@ -107,28 +107,47 @@ def _safetensors_header(members: Sequence[tuple[str, Entry]]) -> bytes:
 
 
 def _write_safetensors_direct(source: CheckpointSource, members: Sequence[tuple[str, Entry]], path: Path,
-                              bounce: np.ndarray) -> None:
+                              bounces: tuple[np.ndarray, np.ndarray], reader: ThreadPoolExecutor) -> None:
     """One safetensors file written straight from the checkpoint's checked bytes.
 
     Why not ``safetensors.torch.save_file``: it takes whole tensors and copies each into Python
     bytes before writing, so every byte went through two fresh buffers (the tensor read out of
     the checkpoint, then that copy), and on this machine a first touch of fresh memory costs
     about as much as the cold read itself (export took 4.3x a raw read of the same bytes,
-    issue 33). Here each tensor's bytes are read, checked against their CRCs, into one reused
-    buffer and written with ``pwrite``: a full disk is an OSError, as with any write."""
+    issue 33). Here each tensor's bytes are read, checked against their CRCs, into one of two
+    reused buffers and written with ``pwrite``: ``reader`` reads (and checks) the next piece into
+    one buffer while this thread writes the last from the other (pread, the CRC and pwrite all
+    release the GIL), so the export takes about the longer of reading and writing, not their sum.
+    The file's blocks are allocated first (:func:`preallocate`). A full disk is an OSError."""
     head = _safetensors_header(members)
+    pieces: list[tuple[Entry, int, int, int]] = []   # (entry, first byte, bytes, file offset)
+    at = len(head)
+    for _, e in members:
+        step = len(bounces[0])
+        pieces += [(e, start, min(step, e.nbytes - start), at + start) for start in range(0, e.nbytes, step)]
+        at += e.nbytes
+
+    def read(i: int) -> np.ndarray:
+        e, start, n, _ = pieces[i]
+        view = bounces[i % 2][:n]
+        source.read_bytes(e, view, start)   # checked before it is written
+        return view
+
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    pending = reader.submit(read, 0) if pieces else None
     try:
+        preallocate(fd, at)
         pwrite_all(fd, np.frombuffer(head, dtype=np.uint8), 0)
-        at = len(head)
-        for _, e in members:
-            for start in range(0, e.nbytes, len(bounce)):
-                n = min(len(bounce), e.nbytes - start)
-                view = bounce[:n]
-                source.read_bytes(e, view, start)   # checked before it is written
-                pwrite_all(fd, view, at + start)
-            at += e.nbytes
+        for i in range(len(pieces)):
+            assert pending is not None
+            view = pending.result()
+            # the next read goes into the other buffer: the one the last pwrite has finished with
+            pending = reader.submit(read, i + 1) if i + 1 < len(pieces) else None
+            pwrite_all(fd, view, pieces[i][3])
     finally:
+        if pending is not None:   # an error midway: no read may still fill a buffer after we return
+            with contextlib.suppress(Exception):
+                pending.result()
         os.close(fd)
 
 
@@ -235,14 +254,16 @@ def _export_hf(source: CheckpointSource, model_key: str, plan: list[tuple[str, E
     # fsync has returned before the index is written and the directory is fsynced.
     as_stored = [e.dtype in SAFE_DTYPES and not _casts(e, cast if e.key == model_key else None) for _, e in plan]
     largest = max((e.nbytes for _, e in plan), default=0)
-    bounce = aligned_empty(min(_BOUNCE_MAX, largest)) if any(as_stored) and largest else None
-    with ThreadPoolExecutor(1, thread_name_prefix="coci-export-fsync") as flusher:
+    size = min(_BOUNCE_MAX, largest)
+    bounces = (aligned_empty(size), aligned_empty(size)) if any(as_stored) and largest else None
+    with ThreadPoolExecutor(1, thread_name_prefix="coci-export-fsync") as flusher, \
+            ThreadPoolExecutor(1, thread_name_prefix="coci-export-read") as reader:
         flushed = []
         for fname, members in zip(files, shards):
             for i in members:
                 weight_map[plan[i][0]] = fname
-            if bounce is not None and all(as_stored[i] for i in members):
-                _write_safetensors_direct(source, [plan[i] for i in members], tmp / fname, bounce)
+            if bounces is not None and all(as_stored[i] for i in members):
+                _write_safetensors_direct(source, [plan[i] for i in members], tmp / fname, bounces, reader)
             else:   # a cast, or a dtype the direct writer does not name: through safetensors' own
                 tensors: dict[str, torch.Tensor] = {}
                 for i in members:

@@ -242,13 +242,19 @@ def test_full_disk_midway_with_a_cast_leaves_nothing_that_looks_complete(ck: Pat
     assert not list(tmp_path.rglob("*.safetensors*"))
 
 
-def test_the_direct_writer_writes_what_safetensors_writes(ck: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("bounce", [None, 64], ids=["whole-tensors", "64-byte-pieces"])
+def test_the_direct_writer_writes_what_safetensors_writes(ck: Path, tmp_path: Path, bounce: int | None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The shard files written straight from the checkpoint load with safetensors into the same
-    tensors, names, dtypes and metadata as files written by ``safetensors.torch.save_file``."""
+    tensors, names, dtypes and metadata as files written by ``safetensors.torch.save_file``;
+    also when every tensor is read in many pieces through the two buffers in turn (the next
+    piece read while the last is written)."""
     from safetensors import safe_open
 
     from coci_hpc.interop.source import CheckpointSource
 
+    if bounce is not None:
+        monkeypatch.setattr(export_mod, "_BOUNCE_MAX", bounce)
     out = tmp_path / "hf"
     export(ck, out, to="hf", max_shard_size=1000)
     with CheckpointSource(ck) as src:
