@@ -122,17 +122,29 @@ def pack_into(slot: Slot, rank: int, step: int, skeletons: Mapping[str, Any], le
                 copies.copy(slot.tensor[o:o + l.nbytes], l.source)
             else:
                 buf[o:o + l.nbytes] = l.array.view(np.uint8)
-    slot.nbytes, slot.step, slot.rank = pos, step, rank
+    slot.nbytes, slot.rank = pos, rank
+    # With device copies queued the slot is not whole yet (a survivors' save must not post it):
+    # the caller marks it after their wait (copy_state).
+    slot.step = step if copies is None or not copies.issued else -1
 
 
-def copy_state(slot: Slot, rank: int, step: int, state: Mapping[str, Any]) -> None:
+def copy_state(slot: Slot, rank: int, step: int, state: Mapping[str, Any],
+               whole: Callable[[], bool] = lambda: True) -> bool:
     """The state now into ``slot`` (one memory-tier copy): device tensors straight into its
-    page-locked buffer with non-blocking copies on the side stream, waited for once here, so the
-    slot is whole (and may be sent) when this returns; host tensors copied as before."""
+    page-locked buffer with non-blocking copies on the side stream, waited for once here; host
+    tensors copied as before. The slot is marked whole (``slot.step``), and may be sent, only after
+    the wait and only if ``whole()`` still says so then (False: a lost peer froze the tier while the
+    copy waited; the slot stays not whole). Returns whether it was marked."""
     skeletons, leaves = collect(state, rng=True, defer_device=True)
     copies = devices.HostCopies()
+    slot.step = -1
     pack_into(slot, rank, step, skeletons, leaves, copies)
     copies.wait()       # before the Isend reads the slot (and before the next pack rewrites it)
+    if not whole():
+        slot.step = -1
+        return False
+    slot.step = step
+    return True
 
 
 def decode(data: Any) -> Snapshot:
@@ -258,17 +270,14 @@ class MemoryTier:
         # The slot is reused only once its last Isend completed (_send_req is None above), and
         # pack_into rewrites every byte: host leaves now, device leaves queued on the side stream.
         slot.step = -1      # not a whole copy while it is rewritten: a survivors' save skips it
-        self.pack(slot, step)
-        if self.frozen:     # a peer was lost while the device copy waited: its bytes may be garbage
+        # A peer lost while the device copy waited (frozen): its bytes may be garbage, never whole.
+        if not copy_state(slot, self.rank, step, self.state_fn(), whole=lambda: not self.frozen):
             return
         self._send_req = self.link.isend(self.link.spec(slot.buf[:slot.nbytes]))
         self.copies += 1
         self.poll()
         self.copy_s.append(time.perf_counter() - t0)
         del self.copy_s[:-20]
-
-    def pack(self, slot: Slot, step: int) -> None:
-        copy_state(slot, self.rank, step, self.state_fn())
 
     # -- k from the two-tier planner -------------------------------------------------------------
     def _plan_progress(self, step: int) -> None:

@@ -249,3 +249,19 @@ def test_partner_copy_of_device_per_rank_values(fake: DeviceBoundary, no_wait: b
         with torch.no_grad():
             h.add_(1.0)
     assert fake.crossings["unpinned_dst"] == 0 and fake.crossings["side_stream"] == 2, fake.crossings
+
+
+def test_memtier_slot_is_not_whole_while_its_device_copies_are_in_flight(fake: DeviceBoundary) -> None:
+    """Between pack_into (copies queued) and their wait a slot is not whole (step -1: a survivors'
+    save does not post it); copy_state marks it after the wait, and not at all when ``whole()``
+    says the tier froze meanwhile."""
+    model, opt = build(fake)
+    train(model, opt, 1, fake)
+    state: State = {"model": model, "optimizer": opt}
+    slot = memtier.Slot()
+    copies = devices.HostCopies()
+    memtier.pack_into(slot, 0, 4, *collect(state, rng=True, defer_device=True), copies)
+    assert copies.issued == 12 and slot.step == -1
+    copies.wait()
+    assert memtier.copy_state(slot, 0, 5, state) and slot.step == 5
+    assert not memtier.copy_state(slot, 0, 6, state, whole=lambda: False) and slot.step == -1
