@@ -200,6 +200,7 @@ class Session:
         self._pending_ckpt: tuple[int, float] | None = None   # async save in flight: (step, blocking_s)
         self._blocking = False             # agree on a stop at the boundary itself (lead short for 2 steps)
         self._recheck_at = -1              # a boundary where every rank re-decides _blocking
+        self._pin_ahead = False            # page-lock the two-phase save's buffers at the next free boundary
 
     # -- the user's calls ----------------------------------------------------------------------------
     def steps(self, total_steps: int | None = None) -> Iterator[int]:
@@ -296,6 +297,7 @@ class Session:
             self.mgr.close()
             raise self.book.give_up(verdict)
         self._recheck_at = self.step + 3           # once the first steps of this attempt are timed
+        self._pin_ahead = self.async_save and _cuda_available()   # once, at this attempt's first boundary
         # From now on no collective of ours (the store's included) waits for ever on a dead peer
         # (coci_hpc.comm); an MPI-IO call that cannot be polled is guarded by PeerLoss.stuck.
         notice = self.sync.notice
@@ -342,6 +344,13 @@ class Session:
             if save and step < total:               # the last step gets the final save instead
                 self._save(step)
                 self._recheck_at = step
+            elif self._pin_ahead and step < total and not self.mgr.persist_in_flight:
+                # Every rank at the same boundary, the optimizer's moments made by now: page-lock the
+                # two-phase save's host buffers in the background, so its first save does not stall
+                # for that (issue 32). The same on every rank (a GPU job is CUDA everywhere; persist_in_flight
+                # ends on every rank at the same call).
+                self._pin_ahead = False
+                self.mgr.prepare_async(self._state)
             if step == self._recheck_at and step < total:
                 self._blocking = bool(self.comm.bcast(  # the lead is short: agree at the boundary itself
                     self.stopper.agree_at_boundary(self.schedule, self.log, warn=False) if self.rank == 0 else None))
@@ -405,3 +414,9 @@ class Session:
             self.peer_loss.collective_lost(total, exc)
         self._watch.close()                # the comm's deadline, stuck handler and notice as before
         self.log.write(End(step=total, status=EndStatus.COMPLETED, message=""))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())

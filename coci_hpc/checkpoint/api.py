@@ -344,6 +344,18 @@ class CheckpointManager:
             return "skipped"
         return self._async.start(step, state, guarded=guarded_ptrs(optimizers))
 
+    def prepare_async(self, state: Mapping[str, Any]) -> int:
+        """Collective, optional: get the host buffers of :meth:`save_async` ready ahead, so the
+        first two-phase save does not stall for them. For a state on CUDA they are page-locked
+        (seconds for gigabytes), in a background thread; the first save waits only for what is
+        not done yet. Call it once the state has its final shapes (after the first
+        ``optimizer.step()``), with no save in flight; returns the bytes reserved on this rank
+        (0 when the state is in host memory). A state whose shapes changed since is still saved
+        right (its buffers are allocated at the save, as without this call)."""
+        if self._async.in_flight:
+            self._async.wait()
+        return self._async.prepare(state, guarded=guarded_ptrs(find_optimizers(state)))
+
     def _optimizer_pre_hook(self, *_: Any) -> None:
         self._async.wait_snapshot()
 

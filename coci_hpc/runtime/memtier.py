@@ -8,7 +8,9 @@ Per memory-tier step (at the step boundary, where the state is that of the step'
 1. the rank's state is flattened (:func:`~coci_hpc.checkpoint.state.collect`, all ranks at the same
    boundary, so a ``state_dict()`` that is a collective is fine) and its bytes are copied into one
    of two REUSED host buffers (:class:`Slot`: a JSON header of the skeletons and leaf
-   descriptions, then the raw leaf bytes; never pickle);
+   descriptions, then the raw leaf bytes; never pickle). Device tensors go straight into the
+   slot's page-locked memory, queued on a side copy stream and waited for once before the send
+   (:func:`copy_state`); host tensors are copied as they are;
 2. a non-blocking ``Isend`` of that buffer to the partner starts (on a communicator of our own,
    through :class:`~coci_hpc.runtime.partner.PartnerLink`, the per-rank copy's transport too);
    the copy coming the other way is taken in by ``Iprobe`` / ``Irecv`` into one of two reused
@@ -46,10 +48,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from coci_hpc import settings
 from coci_hpc.checkpoint import catalog as cat
-from coci_hpc.checkpoint import transaction
+from coci_hpc.checkpoint import devices, transaction
 from coci_hpc.checkpoint.layout import REPLICATED_KINDS
 from coci_hpc.checkpoint.leaves import LeafKind, storage_dtype
 from coci_hpc.checkpoint.lustre import IOTuning
@@ -87,8 +90,13 @@ class Snapshot:
     leaves: list[Leaf]
 
 
-def pack_into(slot: Slot, rank: int, step: int, skeletons: Mapping[str, Any], leaves: list[Leaf]) -> None:
-    """Copy the state (``collect``'s skeletons and leaves) into ``slot``, growing it only if needed."""
+def pack_into(slot: Slot, rank: int, step: int, skeletons: Mapping[str, Any], leaves: list[Leaf],
+              copies: devices.HostCopies | None = None) -> None:
+    """Copy the state (``collect``'s skeletons and leaves) into ``slot``, growing it only if needed.
+
+    Leaves left on the device (``collect(defer_device=True)``) need ``copies``: their copies are
+    only queued, straight into the slot's page-locked buffer (no host tensor per leaf), and the
+    slot's bytes are whole only after ``copies.wait()``."""
     descs = [[l.name, l.dtype, list(l.shape), l.kind, l.nbytes,
               [list(l.box[0]), list(l.box[1])] if l.box else None] for l in leaves]
     head = json.dumps({"skeletons": skeletons, "leaves": descs}, separators=(",", ":")).encode()
@@ -97,16 +105,46 @@ def pack_into(slot: Slot, rank: int, step: int, skeletons: Mapping[str, Any], le
     for l in leaves:
         offsets.append(pos)
         pos = _pad(pos + l.nbytes)
-    slot.ensure(pos)
+    on_device = any(l.array is None and l.nbytes for l in leaves)
+    if on_device and copies is None:
+        name = next(l.name for l in leaves if l.array is None and l.nbytes)
+        raise ValueError(f"{name} is not in host memory (a device tensor left for a later copy)")
+    slot.ensure(pos, pin=on_device)
     buf = slot.buf
     HEAD.pack_into(buf, 0, MAGIC, rank, step, len(head))
     buf[HEAD.size:HEAD.size + len(head)] = np.frombuffer(head, dtype=np.uint8)
     for l, o in zip(leaves, offsets):
         if l.nbytes:
             if l.array is None:
-                raise ValueError(f"{l.name} is not in host memory (a device tensor left for a later copy)")
-            buf[o:o + l.nbytes] = l.array.view(np.uint8)
-    slot.nbytes, slot.step, slot.rank = pos, step, rank
+                assert copies is not None and slot.tensor is not None and l.source is not None
+                # Safe: queued after the step's work (HostCopies orders its stream after the current
+                # one) into a slot whose last Isend completed; the caller waits before sending it.
+                copies.copy(slot.tensor[o:o + l.nbytes], l.source)
+            else:
+                buf[o:o + l.nbytes] = l.array.view(np.uint8)
+    slot.nbytes, slot.rank = pos, rank
+    # With device copies queued the slot is not whole yet (a survivors' save must not post it):
+    # the caller marks it after their wait (copy_state).
+    slot.step = step if copies is None or not copies.issued else -1
+
+
+def copy_state(slot: Slot, rank: int, step: int, state: Mapping[str, Any],
+               whole: Callable[[], bool] = lambda: True) -> bool:
+    """The state now into ``slot`` (one memory-tier copy): device tensors straight into its
+    page-locked buffer with non-blocking copies on the side stream, waited for once here; host
+    tensors copied as before. The slot is marked whole (``slot.step``), and may be sent, only after
+    the wait and only if ``whole()`` still says so then (False: a lost peer froze the tier while the
+    copy waited; the slot stays not whole). Returns whether it was marked."""
+    skeletons, leaves = collect(state, rng=True, defer_device=True)
+    copies = devices.HostCopies()
+    slot.step = -1
+    pack_into(slot, rank, step, skeletons, leaves, copies)
+    copies.wait()       # before the Isend reads the slot (and before the next pack rewrites it)
+    if not whole():
+        slot.step = -1
+        return False
+    slot.step = step
+    return True
 
 
 def decode(data: Any) -> Snapshot:
@@ -135,14 +173,23 @@ class Slot:
 
     def __init__(self) -> None:
         self.buf: Any = np.zeros(0, dtype=np.uint8)
+        self.tensor: torch.Tensor | None = None   # a torch view of buf when page-locked (device copies land there)
         self.nbytes = 0
         self.step = -1
         self.rank = -1
         self.allocations = 0        # how often the buffer was (re)allocated: steady state adds none
 
-    def ensure(self, n: int) -> None:
-        if self.buf.size < n:
-            self.buf = np.zeros(n + n // 16, dtype=np.uint8)   # a little headroom: skeletons vary
+    def ensure(self, n: int, pin: bool = False) -> None:
+        """At least ``n`` bytes; page-locked when ``pin`` (the state has device tensors). Only when
+        the slot is not being sent or read (its Isend completed, its copies were waited for)."""
+        grow = self.buf.size < n
+        if grow or pin != (self.tensor is not None):
+            size = n + n // 16 if grow else self.buf.size    # a little headroom: skeletons vary
+            old, old_pinned = self.buf, self.tensor is not None
+            self.buf = devices.pinned_host(size) if pin else np.zeros(size, dtype=np.uint8)
+            self.tensor = torch.from_numpy(self.buf) if pin else None
+            if old_pinned:
+                devices.release_host(old)
             self.allocations += 1
 
     def snapshot(self) -> Snapshot:
@@ -220,13 +267,12 @@ class MemoryTier:
             return
         t0 = time.perf_counter()
         slot = min(self.own, key=lambda s: s.step)   # the older own copy; its send has finished
-        # collect copies device tensors to host (blocking .cpu()); the slot is reused only once
-        # its last Isend completed (_send_req is None above), and pack_into rewrites every byte
+        # The slot is reused only once its last Isend completed (_send_req is None above), and
+        # pack_into rewrites every byte: host leaves now, device leaves queued on the side stream.
         slot.step = -1      # not a whole copy while it is rewritten: a survivors' save skips it
-        skeletons, leaves = collect(self.state_fn(), rng=True)
-        if self.frozen:     # a peer was lost while the device copy waited: its bytes may be garbage
+        # A peer lost while the device copy waited (frozen): its bytes may be garbage, never whole.
+        if not copy_state(slot, self.rank, step, self.state_fn(), whole=lambda: not self.frozen):
             return
-        pack_into(slot, self.rank, step, skeletons, leaves)
         self._send_req = self.link.isend(self.link.spec(slot.buf[:slot.nbytes]))
         self.copies += 1
         self.poll()

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from coci_hpc.checkpoint import devices
 from coci_hpc.checkpoint.leaves import LeafKind, PerRank, storage_dtype
 from coci_hpc.checkpoint.state import collect
 from coci_hpc.checkpoint.treecode import Leaf, flatten
@@ -103,14 +104,33 @@ class RankState:
         return cls(int(head["rank"]), int(head["step"]), head["skeleton"], tuple(leaves))
 
 
-def capture(state: Mapping[str, Any], rank: int, step: int, rng: bool = True) -> RankState:
+def capture(state: Mapping[str, Any], rank: int, step: int, rng: bool = True,
+            stage: devices.PinnedStage | None = None) -> RankState:
     """This rank's per-rank state now (RNG streams and ``PerRank`` values), copied, through the
-    checkpoint's own :func:`collect` (the reference :class:`Capturer` is checked against)."""
+    checkpoint's own :func:`collect` (the reference :class:`Capturer` is checked against).
+
+    ``stage``: device tensors go into its reused page-locked buffers, with non-blocking copies on
+    the side stream and one wait (no host tensor per copy); the returned state's arrays for them
+    are views of those buffers, valid until the next capture with the same stage. Without it a
+    device tensor is copied by a blocking ``.cpu()``."""
     per_rank = {k: v for k, v in state.items() if isinstance(v, PerRank)}
-    skel, leaves = collect(per_rank, rng=rng)   # device tensors: a blocking .cpu() copy
+    skel, leaves = collect(per_rank, rng=rng, defer_device=stage is not None)
+    staged: dict[str, np.ndarray] = {}
+    if stage is not None:
+        copies = devices.HostCopies()
+        for l in leaves:
+            if l.array is None and l.source is not None:
+                buf, t = stage.get(l.name, l.nbytes)
+                if l.nbytes:
+                    # Safe: queued after the step's work, into a buffer no earlier capture's
+                    # bytes are read from any more (packed before this capture); waited for below.
+                    copies.copy(t, l.source)
+                staged[l.name] = buf.view(storage_dtype(l.dtype))
+        copies.wait()       # every staged array is whole before anything reads it
+        stage.drop_unused(set(staged))
     # copies: the arrays may be views of live (host) tensors
-    owned = tuple(Leaf(l.name, l.dtype, l.shape, None if l.array is None else l.array.copy(), l.kind, l.nbytes)
-                  for l in leaves)
+    owned = tuple(Leaf(l.name, l.dtype, l.shape, staged[l.name] if l.name in staged
+                       else None if l.array is None else l.array.copy(), l.kind, l.nbytes) for l in leaves)
     return RankState(rank, step, skel[LeafKind.PER_RANK], owned)
 
 
@@ -192,6 +212,7 @@ class Capturer:
         cap = COPY_HEAD.size + self.rng_len + (4096 if self.per_rank else 0)
         self.slots = [PackedCopy(cap) for _ in range(slots)]
         self.spare = PackedCopy(cap)    # captured into when every slot is still being sent
+        self.stage = devices.PinnedStage()   # page-locked buffers for PerRank device tensors, reused
         self.last: PackedCopy | None = None
 
     def capture(self, step: int, keep: PackedCopy | None = None,
@@ -212,7 +233,9 @@ class Capturer:
                 else PackedCopy(self.spare.buf.size)
         extra = b""
         if self.per_rank:
-            extra = capture({k: self.state[k] for k in self.per_rank}, self.rank, step, rng=False).pack()
+            # packed (copied out of the stage's buffers) before the next capture reuses them
+            extra = capture({k: self.state[k] for k in self.per_rank}, self.rank, step, rng=False,
+                            stage=self.stage).pack()
         n = COPY_HEAD.size + self.rng_len + len(extra)
         if n > slot.buf.size:
             slot.resize(n + 1024)

@@ -19,7 +19,18 @@ and correct on the CPU. :class:`DeviceBoundary` makes a CPU process behave as th
   ``torch.OutOfMemoryError`` (a device with too little free memory);
 * the async snapshot's pinned buffers (:func:`~coci_hpc.checkpoint.devices.pinned_empty`, here
   plain memory) are poisoned when :class:`~coci_hpc.checkpoint.twophase.HostBuffers` hands one
-  out again or drops it.
+  out again or drops it;
+* the side copy streams (:class:`~coci_hpc.checkpoint.devices.HostCopies`) are :class:`FakeStream`
+  queues: a copy queued on one poisons its destination and lands (reading its source then) only
+  when that stream is synchronised (``sync_stream``) or the current stream is made to wait for
+  it (``current_after``: later work on the host comes after it) -- never at ``wait_copies``,
+  which waits on the current stream only. A copy queued on a stream that was never ordered
+  after the current stream (``order_after_current``) never lands (it would read the values
+  before the step's kernels made them): its destination stays poisoned;
+* page-locked buffers (``pinned_host``) are plain page-aligned memory, "registered" after
+  :attr:`DeviceBoundary.register_delay_s` seconds (page-locking gigabytes is slow); a side-stream
+  copy into memory that is not (or not yet) registered is counted in ``crossings["unpinned_dst"]``;
+  ``release_host`` and a reused :class:`~coci_hpc.checkpoint.devices.PinnedStage` buffer poison it.
 
 Tags are kept by storage address with a reference to the tensor, so an address is never reused
 while tagged. Only for the tests' small states.
@@ -28,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,7 +63,18 @@ def poison(t: torch.Tensor) -> None:
             _ORIG["fill_"](t.view(-1).view(torch.uint8), POISON)
 
 
-_ORIG: dict[str, Any] = {"fill_": torch.Tensor.fill_}
+_ORIG: dict[str, Any] = {"fill_": torch.Tensor.fill_, "copy_": torch.Tensor.copy_}
+
+
+class FakeStream:
+    """A FAKE side stream: the copies queued on it, landing only when it is synchronised."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # order_after_current was called on it (as on CUDA, everything queued after that waits for
+        # the event; the fake cannot tell a stale order from a fresh one)
+        self.ordered = False
 
 
 class DeviceBoundary:
@@ -59,7 +82,12 @@ class DeviceBoundary:
         self._device: dict[int, torch.Tensor] = {}   # storage address -> a tensor on it (kept alive)
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._lock = threading.Lock()
-        self.crossings = {"from_local": 0, "to": 0, "cpu": 0, "non_blocking": 0, "poisoned_buffers": 0}
+        self.crossings = {"from_local": 0, "to": 0, "cpu": 0, "non_blocking": 0, "poisoned_buffers": 0,
+                          "side_stream": 0, "side_stream_waits": 0, "unordered": 0, "unpinned_dst": 0,
+                          "registered": 0}
+        self.streams: dict[str, FakeStream] = {}
+        self.registered: list[tuple[int, int]] = []   # (address, bytes) of the page-locked buffers
+        self.register_delay_s = 0.0   # how long page-locking one buffer takes here
         # bytes the crossings to the device may still allocate (None: no limit); past it a copy
         # to the device raises torch.OutOfMemoryError, as CUDA's caching allocator does
         self.device_budget: int | None = None
@@ -102,6 +130,17 @@ class DeviceBoundary:
             out = t.clone()
         return self.tag(out)
 
+    def is_registered(self, t: torch.Tensor) -> bool:
+        a, n = t.data_ptr(), t.numel() * t.element_size()
+        with self._lock:
+            return any(lo <= a and a + n <= lo + size for lo, size in self.registered)
+
+    def _land(self, stream: FakeStream) -> None:
+        with self._lock:
+            pending, stream.pending = stream.pending, []
+        for dst, src in pending:
+            _ORIG["copy_"](dst, src)                     # reads the source now, as the stream would
+
     # -- the patches --------------------------------------------------------------------------
     @contextlib.contextmanager
     def installed(self) -> Iterator[DeviceBoundary]:
@@ -111,6 +150,9 @@ class DeviceBoundary:
         to, cpu, copy_ = torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.copy_
         get, drop = twophase.HostBuffers.get, twophase.HostBuffers.drop_unused
         saved = (devices.on_host, devices.pinned_empty, devices.wait_copies)
+        side = {n: getattr(devices, n) for n in ("copy_stream", "order_after_current", "copy_on", "current_after",
+                                                 "sync_stream", "pinned_host", "release_host")}
+        stage_get = devices.PinnedStage.get
 
         def fake_from_local(local_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if not boundary.is_device(local_tensor):
@@ -154,9 +196,59 @@ class DeviceBoundary:
             for dst, src in pending:
                 copy_(dst, src)                          # reads the source now, as the stream would
 
-        def fake_get(self: twophase.HostBuffers, name: str, nbytes: int) -> Any:
+        def fake_copy_stream(device: torch.device) -> FakeStream:
+            with boundary._lock:
+                return boundary.streams.setdefault(str(device), FakeStream(device))
+
+        def fake_order_after_current(stream: FakeStream, device: torch.device) -> None:
+            stream.ordered = True
+
+        def fake_copy_on(stream: FakeStream, dst: torch.Tensor, src: torch.Tensor, start: int = 0) -> None:
+            src = src.contiguous().reshape(-1).view(torch.uint8)[start:start + dst.numel()]
+            boundary.crossings["side_stream"] += 1
+            if not boundary.is_registered(dst):
+                boundary.crossings["unpinned_dst"] += 1
+            poison(dst)                                  # not there until the stream is synchronised
+            if not stream.ordered:
+                boundary.crossings["unordered"] += 1     # would read the values before the step made them
+                return
+            with boundary._lock:
+                stream.pending.append((dst, src))
+
+        def fake_current_after(stream: FakeStream, device: torch.device) -> None:
+            boundary._land(stream)                       # the host's next in-place update comes after
+
+        def fake_sync_stream(stream: FakeStream) -> None:
+            boundary.crossings["side_stream_waits"] += 1
+            boundary._land(stream)
+
+        def fake_pinned_host(nbytes: int, register: bool = True) -> Any:
+            buf = side["pinned_host"](nbytes, register=False)
+            if register and nbytes:
+                if boundary.register_delay_s:
+                    time.sleep(boundary.register_delay_s)   # page-locking is slow
+                with boundary._lock:
+                    boundary.registered.append((buf.ctypes.data, buf.nbytes))
+                boundary.crossings["registered"] += 1
+            return buf
+
+        def fake_release_host(buf: Any, registered: bool = True) -> None:
+            boundary.crossings["poisoned_buffers"] += 1
+            buf.fill(POISON)                             # released: a late reader sees poison
+            with boundary._lock:
+                boundary.registered = [r for r in boundary.registered if r[0] != buf.ctypes.data]
+
+        def fake_stage_get(self: devices.PinnedStage, name: str, nbytes: int) -> Any:
             old = self._bufs.get(name)
-            buf = get(self, name, nbytes)
+            got = stage_get(self, name, nbytes)
+            if old is not None and got[0] is old[0]:     # reused: whatever it held is gone
+                boundary.crossings["poisoned_buffers"] += 1
+                got[0].fill(POISON)
+            return got
+
+        def fake_get(self: twophase.HostBuffers, name: str, nbytes: int, *args: Any, **kwargs: Any) -> Any:
+            old = self._bufs.get(name)
+            buf = get(self, name, nbytes, *args, **kwargs)
             if buf is old:                               # reused: whatever it held is gone
                 boundary.crossings["poisoned_buffers"] += 1
                 buf.fill(POISON)
@@ -179,10 +271,16 @@ class DeviceBoundary:
         devices.on_host = lambda t: not boundary.is_device(t)
         devices.pinned_empty = lambda nbytes: torch.empty(nbytes, dtype=torch.uint8)
         devices.wait_copies = fake_wait_copies
+        for n, f in (("copy_stream", fake_copy_stream), ("order_after_current", fake_order_after_current),
+                     ("copy_on", fake_copy_on), ("current_after", fake_current_after),
+                     ("sync_stream", fake_sync_stream), ("pinned_host", fake_pinned_host),
+                     ("release_host", fake_release_host)):
+            setattr(devices, n, f)
+        devices.PinnedStage.get = fake_stage_get  # type: ignore[method-assign]
         # the modules that imported the names
         import coci_hpc.checkpoint.treecode as treecode
         treecode.on_host = devices.on_host  # type: ignore[attr-defined]
-        twophase.pinned_empty, twophase.wait_copies = devices.pinned_empty, fake_wait_copies  # type: ignore[attr-defined]
+        twophase.wait_copies = fake_wait_copies  # type: ignore[attr-defined]
         try:
             yield self
         finally:
@@ -192,4 +290,7 @@ class DeviceBoundary:
             twophase.HostBuffers.get, twophase.HostBuffers.drop_unused = get, drop  # type: ignore[method-assign]
             devices.on_host, devices.pinned_empty, devices.wait_copies = saved
             treecode.on_host = saved[0]  # type: ignore[attr-defined]
-            twophase.pinned_empty, twophase.wait_copies = saved[1], saved[2]  # type: ignore[attr-defined]
+            twophase.wait_copies = saved[2]  # type: ignore[attr-defined]
+            for n, f in side.items():
+                setattr(devices, n, f)
+            devices.PinnedStage.get = stage_get  # type: ignore[method-assign]

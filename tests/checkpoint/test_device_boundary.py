@@ -45,8 +45,11 @@ def test_state_matrix_under_the_fake_device_boundary(matrix: tuple[Path, dict[st
     assert not bad, bad
     # the fake was in force: the paths a GPU takes were taken
     crossings = result["crossings"]
-    assert crossings["from_local"] > 0 and crossings["non_blocking"] > 0 and crossings["cpu"] > 0
+    assert crossings["from_local"] > 0 and crossings["side_stream"] > 0 and crossings["cpu"] > 0
     assert crossings["poisoned_buffers"] > 0 and crossings["to"] > 0
+    # the snapshot's and the memory tier's device copies: on an ordered side stream, into page-locked memory
+    assert crossings["side_stream_waits"] > 0 and crossings["registered"] > 0
+    assert crossings["unordered"] == 0 and crossings["unpinned_dst"] == 0, crossings
 
 
 def test_resharded_and_plain_cpu_loads(matrix: tuple[Path, dict[str, Any]]) -> None:

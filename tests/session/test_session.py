@@ -462,3 +462,44 @@ def test_a_torn_survivors_save_is_named_then_its_staging_swept_only_after_attemp
     assert not staging.exists()
     start = next(e for e in read_events(tmp_path) if e["event"] == "attempt_start")
     assert start["torn_survivors_saves"] == [7], start
+
+
+def test_a_gpu_session_page_locks_its_async_save_buffers_at_its_first_boundary(tmp_path: Path, monkeypatch) -> None:
+    """With CUDA (here: the FAKE device boundary, tests/checkpoint/fake_device.py, and CUDA said
+    available) the Session calls prepare_async once, at its first boundary: the two-phase saves
+    then find every host buffer page-locked (none registered at a save), and the run ends as one
+    without the fake does."""
+    from coci_hpc import session as session_mod
+    from coci_hpc.checkpoint import CheckpointManager
+    from tests.checkpoint.fake_device import DeviceBoundary
+
+    ref_state, ref_step = _training()
+    ref = Session(ref_state, 25, ckpt_dir=tmp_path / "ref", policy="fixed:10", environ=NO_SLURM)
+    for _ in ref.steps():
+        ref.observe(ref_step())
+
+    fake = DeviceBoundary()
+    calls: list[tuple[int, int, int]] = []
+    real = CheckpointManager.prepare_async
+
+    def spy(self: CheckpointManager, state: Any) -> int:
+        n = real(self, state)
+        self._async.buffers.settle()
+        calls.append((s.step, n, fake.crossings["registered"]))
+        return n
+
+    monkeypatch.setattr(session_mod, "_cuda_available", lambda: True)
+    monkeypatch.setattr(CheckpointManager, "prepare_async", spy)
+    with fake.installed():
+        state, train_step = _training()
+        fake.adopt(state["model"], state["optimizer"])
+        s = Session(state, 25, ckpt_dir=tmp_path / "run", policy="fixed:10", environ=NO_SLURM)
+        for _ in s.steps():
+            s.observe(train_step())
+            fake.adopt(state["optimizer"])        # Adam's moments, made by the first step
+    assert len(calls) == 1 and calls[0][0] == 1 and calls[0][1] > 0, calls
+    assert fake.crossings["registered"] == calls[0][2], (calls, fake.crossings)   # no save page-locked anything
+    assert fake.crossings["side_stream"] > 0 and fake.crossings["unpinned_dst"] == 0, fake.crossings
+    assert all(torch.equal(a, b) for a, b in zip(_params(state), _params(ref_state)))
+    kinds = [(e["kind"], e["step"]) for e in read_events(tmp_path / "run") if e["event"] == "checkpoint"]
+    assert kinds == [("planned", 10), ("planned", 20), ("final", 25)], kinds

@@ -14,8 +14,9 @@ Cases (layout: plain = DDP-style replicated tensors, fsdp, tp, hsdp (2+ ranks, e
     sync-LAYOUT     CheckpointManager.save / load_latest
     async-LAYOUT    save_async with every deferrable leaf copied in the background, one more
                     training step (its optimizer step waits for the snapshot), wait, load
-    memtier-LAYOUT  the memory tier's copy (collect + pack_into a reused Slot, a second copy
-                    into the other slot), every rank's copy to rank 0, write_snapshots, load
+    memtier-LAYOUT  the memory tier's copy (copy_state: device tensors straight into a reused
+                    page-locked Slot on the side stream, a second copy into the other slot),
+                    every rank's copy to rank 0, write_snapshots, load
     survivors-plain the survivors' save (capture + write_checkpoint by rank 0), load
     export-LAYOUT   export to Hugging Face safetensors (rank 0), load_pretrained into a fresh
                     model (model tensors only)
@@ -41,7 +42,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from coci_hpc import init_distributed
 from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.checkpoint.lustre import DEFAULT_ALIGN, DEFAULT_ALIGN_THRESHOLD, IOTuning
-from coci_hpc.checkpoint.state import collect
 from coci_hpc.comm import Comm
 from tests.checkpoint.fake_device import DeviceBoundary
 
@@ -174,17 +174,17 @@ class Job:
         return problems + [f"step 3 {p}" for p in self.check_load(case, want3, None, layout)]
 
     def memtier(self, layout: str) -> list[str]:
-        from coci_hpc.runtime.memtier import Slot, decode, pack_into, write_snapshots
+        from coci_hpc.runtime.memtier import Slot, copy_state, decode, write_snapshots
 
         case = f"memtier-{layout}"
         model, opt = self.trained(layout)
         slots = [Slot(), Slot()]
         state = {"model": model, "optimizer": opt}
-        pack_into(slots[0], self.rank, 2, *collect(state, rng=True))
+        copy_state(slots[0], self.rank, 2, state)      # device tensors: side-stream copies into the slot
         want = hashes(model, opt)
         train(model, opt, 1, seed=2)
         want_next = hashes(model, opt)
-        pack_into(slots[1], self.rank, 3, *collect(state, rng=True))   # the other slot; the first is kept
+        copy_state(slots[1], self.rank, 3, state)      # the other slot; the first is kept
         train(model, opt, 1, seed=3)                                    # the live state moves on
         raw = self.comm.gather(bytes(slots[0].buf[:slots[0].nbytes]))
         if self.rank == 0:
