@@ -86,6 +86,8 @@ class CociStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         src = self._open()
+        src.will_need([(self._entries[r.storage_index.fqn], tuple(r.storage_offsets), tuple(r.lengths))
+                       for r in plan.items if r.type != LoadItemType.BYTE_IO and r.storage_index.fqn in self._entries])
         for req in plan.items:
             if req.type == LoadItemType.BYTE_IO:
                 raise UsageError(f"{req.storage_index.fqn!r} is not a tensor of this coci checkpoint",

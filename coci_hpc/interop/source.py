@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,6 +172,17 @@ class CheckpointSource:
             self._reader(entry.meta).read(entry.meta, view, start)
         except CheckpointCorrupt as exc:
             raise CheckpointCorrupt(f"tensor {entry.key}.{entry.path}: {exc.message}", hint=exc.hint) from exc
+
+    def will_need(self, boxes: Sequence[tuple[Entry, tuple[int, ...], tuple[int, ...]]]) -> None:
+        """Start the disk reading the rows of every box ``(entry, offsets, lengths)`` now,
+        so that the box reads that follow, one at a time, find them read in."""
+        by_file: dict[str, list[tuple[Mapping[str, Any], int, int]]] = {}
+        for e, offsets, lengths in boxes:
+            row = e.nbytes // e.shape[0] if e.shape and e.shape[0] else e.nbytes
+            first, rows = (offsets[0], lengths[0]) if e.shape else (0, 1)
+            by_file.setdefault(e.meta["file"], []).append((e.meta, first * row, (first + rows) * row))
+        for ranges in by_file.values():
+            self._reader(ranges[0][0]).will_need(ranges)
 
     def read_box_into(self, entry: Entry, offsets: tuple[int, ...], lengths: tuple[int, ...],
                       target: torch.Tensor) -> bool:
