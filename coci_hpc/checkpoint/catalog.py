@@ -38,6 +38,7 @@ from coci_hpc.errors import CheckpointError
 
 ABANDONED = "abandoned"
 TRASH_PREFIX = ".trash-"
+SPARE_FILE = ".spare-data.h5"    # a retired step's data file, for the next save to write over (spare.py)
 STAGING_PREFIX = ".survivors-"   # a survivors' save's staging (runtime/survivors.py posts into it)
 STEP_RE = re.compile(r"^step_(\d{9,})$")  # a step directory
 _STAGING_RE = re.compile(r"^\.survivors-(\d+)$")
@@ -104,6 +105,11 @@ def step_of(directory: str | os.PathLike) -> int | None:
     """The step a step directory's name says, or None for another name."""
     m = STEP_RE.match(Path(directory).name)
     return int(m.group(1)) if m else None
+
+
+def spare_path(root: str | os.PathLike) -> Path:
+    """The spare data file of ``root`` (:mod:`.spare`): not a checkpoint, never listed."""
+    return Path(root) / SPARE_FILE
 
 
 def staging_dir(root: str | os.PathLike, step: int) -> Path:
@@ -435,7 +441,7 @@ class StepCatalog:
                     target = path
                 if recycle and is_committed:
                     OPS.stats += 1
-                    OPS.renames += spare.put(self.root, target / mf.DATA_FILE)
+                    OPS.renames += spare.put(target / mf.DATA_FILE, spare_path(self.root))
                 self._trash.append(target)
                 del steps[step]
                 removed.append(step)
@@ -487,7 +493,7 @@ class StepCatalog:
     def free_space(self) -> list[str]:
         """A full disk: delete all abandoned checkpoints, then every committed one but the
         newest, and retired data still being removed. Returns what went."""
-        freed = spare.clear(self.root)
+        freed = spare.clear(spare_path(self.root))
         abandoned = self.root / ABANDONED
         if abandoned.is_dir():
             OPS.listings += 1

@@ -18,6 +18,7 @@ from typing import Any
 import h5py
 
 from coci_hpc.checkpoint import rawio, spare
+from coci_hpc.checkpoint.catalog import spare_path
 from coci_hpc.checkpoint.layout import DatasetSpec
 from coci_hpc.checkpoint.leaves import storage_dtype
 from coci_hpc.checkpoint.lustre import IOTuning
@@ -82,7 +83,8 @@ def create_on_rank0(comm: Comm, directory: Path, datasets: Sequence[DatasetSpec]
         set_file(directory / DATA_FILE, tuning.dir_mode)
         if not tuning.lustre:   # a retired step's blocks written over, or new ones allocated now
             path = directory / DATA_FILE
-            if not spare.reuse(path, [(off, datasets[i].nbytes) for i, off in offsets.items()]):
+            extents = [(off, datasets[i].nbytes) for i, off in offsets.items()]
+            if not spare.reuse(path, spare_path(directory.parent), extents):
                 _preallocate(path)
         return offsets
 

@@ -9,8 +9,8 @@ neither. Measured on this machine's ext4 (2 processes x 512 MB into one file, ``
 rewriting a file of its own after ``O_TRUNC`` (the benchmarks' raw floor) 0.71 [0.59-0.88], the
 retired round's file written over 0.38 [0.33-0.55].
 
-So retention does not delete a retired step's data file: :func:`put` moves it into
-``ROOT/.spare-data.h5`` (one), and the next save's file creation (rank 0,
+So retention does not delete a retired step's data file: :func:`put` moves it to the
+catalog's spare name (``ROOT/.spare-data.h5``, one), and the next save's file creation (rank 0,
 :func:`reuse`) makes the HDF5 file as always (a small file: metadata, then holes where the
 datasets will lie), then turns the spare into *that file*: the fresh file's written regions are
 copied into it, its holes outside the datasets punched, its length and mode set, and the spare
@@ -33,15 +33,13 @@ from pathlib import Path
 
 from coci_hpc.checkpoint import rawio
 
-SPARE_FILE = ".spare-data.h5"   # in ROOT; one: a save in flight can use one, and no listing finds it
 _COPY = 1 << 20
 
 
-def put(root: Path, data_file: Path) -> bool:
-    """Keep ``data_file`` (of a step retention retired) as the spare (one stat, one rename: no
-    listing, as the catalog's own metadata work); False: a spare is there already (the last save
-    did not use it) or the file is not, and the caller deletes it with its step."""
-    dest = root / SPARE_FILE
+def put(data_file: Path, dest: Path) -> bool:
+    """Keep ``data_file`` (of a step retention retired) as the spare ``dest`` (the catalog's
+    name; one stat, one rename: no listing); False: a spare is there already (the last save did
+    not use it) or the file is not, and the caller deletes it with its step."""
     try:
         if os.path.lexists(dest):
             return False
@@ -51,23 +49,23 @@ def put(root: Path, data_file: Path) -> bool:
         return False
 
 
-def take(root: Path, into: Path) -> bool:
+def take(spare: Path, into: Path) -> bool:
     """Move the spare to ``into`` (same filesystem); False when there is none. Two takers: one
     rename wins, the other finds it gone."""
     try:
-        os.rename(root / SPARE_FILE, into)
+        os.rename(spare, into)
         return True
     except OSError:
         return False
 
 
-def clear(root: Path) -> list[str]:
+def clear(spare: Path) -> list[str]:
     """Delete the spare (a full disk); returns what went."""
     try:
-        os.unlink(root / SPARE_FILE)
+        os.unlink(spare)
     except OSError:
         return []
-    return [SPARE_FILE]
+    return [spare.name]
 
 
 def _regions(fd: int, size: int) -> Iterator[tuple[int, int, bool]]:
@@ -128,12 +126,12 @@ def carry(fresh: Path, spare: Path, extents: Sequence[tuple[int, int]]) -> None:
         os.close(dst)
 
 
-def reuse(fresh: Path, datasets: Sequence[tuple[int, int]]) -> bool:
-    """Rank 0, after creating the HDF5 file ``fresh`` of a step in ``ROOT/step_.../``: put a
-    spare of ``ROOT`` in its place, made the same file (:func:`carry`). False: no spare, or it
-    could not be used (then it is deleted and ``fresh`` stays)."""
+def reuse(fresh: Path, spare: Path, datasets: Sequence[tuple[int, int]]) -> bool:
+    """Rank 0, after creating the HDF5 file ``fresh`` of a step: put the ``spare`` in its place,
+    made the same file (:func:`carry`). False: no spare, or it could not be used (then it is
+    deleted and ``fresh`` stays)."""
     tmp = fresh.with_name(f".{fresh.name}.spare")
-    if not take(fresh.parent.parent, tmp):
+    if not take(spare, tmp):
         return False
     try:
         carry(fresh, tmp, datasets)
