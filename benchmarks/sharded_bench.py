@@ -57,7 +57,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.method import MIN_ROUNDS, rotate, spread_table, summary  # noqa: E402
+from benchmarks.method import MIN_ROUNDS, phase_breakdown, rotate, slowest_rank, spread_table, summary  # noqa: E402
 
 
 def drop_cache(paths: list[Path]) -> str:
@@ -204,6 +204,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = {"world": world}
     phases: list[list[dict[str, float]]] = []   # [round][rank] -> the coci save's phase times
+    load_phases: list[list[dict[str, float]]] = []   # [round][rank] -> the coci load's phase times
     if args.phase == "save":
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         step(opt)
@@ -240,6 +241,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                      ("raw_load", lambda: raw_read(raw_path, bufs))]
             for name, fn in rotate(loads, rep):
                 rec(name, timer(fn))
+                if name == "coci_load":
+                    load_phases.append(comm.allgather({k: round(v, 4) for k, v in mgr.load_stats.items()}))
             if comm.rank == 0 and rep < args.repeats:
                 shutil.rmtree(target, ignore_errors=True)
         if args.async_:
@@ -297,12 +300,16 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                     drop_cache([cdir, ddir])
                 rec(name, timer((lambda o=opt: mgr.load_latest({"model": model, "optimizer": o}))
                                 if which == "coci" else (lambda o=opt: dcp_load(o, ddir))))
+                if which == "coci":
+                    load_phases.append(comm.allgather({k: round(v, 4) for k, v in mgr.load_stats.items()}))
         mgr.close()
     dist.destroy_process_group()
     out.update(summary(res, cold))
     out["samples"] = res
     if phases:
         out["coci_save_phases"] = phases
+    if load_phases:
+        out["coci_load_phases"] = load_phases
     return out
 
 
@@ -350,6 +357,12 @@ def table(doc: dict[str, Any]) -> str:
         if ph:
             lines.append(f"coci's {which} save, {ph['save_s']:.3f} s: " + ", ".join(
                 f"{k} {v:.3f}" for k, v in ph.items() if k != "save_s" and v >= 0.005))
+    for tag, what in (("", "load"), ("_reshard_1", "load 2 -> 1"), ("_reshard_4", "load 2 -> 4")):
+        for which in ("slowest", "fastest"):
+            ph = doc.get(f"coci_load{tag}_phases_{which}")
+            if ph:
+                lines.append(f"coci's {which} {what}, {ph['load_s_measured']:.3f} s: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in ph.items() if k != "load_s_measured" and v >= 0.005))
     lines.append(f"file bytes / unique state bytes: coci {doc['bytes_written_ratio']:.4f}, "
                  f"DCP {doc['dcp_bytes_ratio']:.4f}")
     return "\n".join(lines)
@@ -415,6 +428,11 @@ def main() -> int:
         doc["coci_save_phases_slowest"] = {"save_s": max(times), **worst(phases[1 + times.index(max(times))])}
         doc["coci_save_phases_fastest"] = {"save_s": min(times), **worst(phases[1 + times.index(min(times))])}
         doc["coci_save_phases_cold"] = worst(phases[0])
+    # the same for the loads, per phase of the run (same mesh, 2 -> 1, 2 -> 4): a slow load names its phase
+    for tag, ph in (("", save), ("_reshard_1", r1), ("_reshard_4", r4)):
+        per_round = [slowest_rank(rnd) for rnd in ph.get("coci_load_phases", [])]
+        doc.update(phase_breakdown(f"coci_load{tag}_phases", ph["samples"].get("coci_load", []), per_round,
+                                   "load_s_measured"))
     if args.json:
         print(table(doc), file=sys.stderr)
         print(json.dumps(doc))

@@ -47,6 +47,8 @@ def test_state_matrix_under_the_fake_device_boundary(matrix: tuple[Path, dict[st
     crossings = result["crossings"]
     assert crossings["from_local"] > 0 and crossings["non_blocking"] > 0 and crossings["cpu"] > 0
     assert crossings["poisoned_buffers"] > 0 and crossings["to"] > 0
+    # the loads into device tensors went through the restore's staging buffers (reused, poisoned)
+    assert crossings["uploads"] > 0 and crossings["poisoned_staging"] > 0
 
 
 def test_resharded_and_plain_cpu_loads(matrix: tuple[Path, dict[str, Any]]) -> None:
