@@ -31,7 +31,7 @@ from coci_hpc.checkpoint.dtensor import (
 from coci_hpc.checkpoint.h5read import DatasetReader
 from coci_hpc.checkpoint.leaves import LeafKind, PerRank, Sharded, storage_dtype
 from coci_hpc.checkpoint.loadcheck import check_skeleton
-from coci_hpc.checkpoint.rawio import copy_threads
+from coci_hpc.checkpoint.rawio import copy_pool, copy_threads, prefault
 from coci_hpc.checkpoint.restore import apply
 from coci_hpc.checkpoint.staging import DeviceRuns, DeviceStager
 from coci_hpc.checkpoint.state import (
@@ -113,7 +113,14 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
             clock.lap("prefetch_s")
             return needed
 
-        needed = comm.run_step(check, f"checking checkpoint step {chosen}")
+        # A fresh optimizer's moment targets (made for this load, not yet the state's) are fresh
+        # memory: their pages are faulted in beside the check, while it waits for the disk.
+        faulting = copy_pool().submit(prefault, _fresh_targets(targets)) if PREFAULT else None
+        try:
+            needed = comm.run_step(check, f"checking checkpoint step {chosen}")
+        finally:
+            if faulting is not None:
+                faulting.result()
         clock.lap("check_wait_s")
         reader.trust(needed)  # every rank checked its part, or all would have raised above
         # Pass 2: the checked bytes, still mapped, go straight into their final place (one memcpy).
@@ -125,6 +132,20 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
     finally:
         reader.close()
         clock.lap("close_s")
+
+
+PREFAULT = True  # fault in fresh targets' pages during the check (False: in the copy; for A/B runs)
+
+
+def _fresh_targets(targets: Mapping[str, Any]) -> list[np.ndarray]:
+    """The host bytes of the targets made for this load (:func:`~.dtensor.made_for_load`)."""
+    out = []
+    for t in targets.values():
+        if is_dtensor(t) and made_for_load(t):
+            local = local_of(t)
+            if devices.on_host(local) and local.is_contiguous() and local.numel():
+                out.append(local.reshape(-1).view(torch.uint8).numpy())
+    return out
 
 
 class _Clock:
