@@ -47,7 +47,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.method import MIN_ROUNDS, spread_table, summary  # noqa: E402
+from benchmarks.method import MIN_ROUNDS, phase_breakdown, slowest_rank, spread_table, summary  # noqa: E402
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -236,6 +236,7 @@ def worker(args: argparse.Namespace) -> dict:
 
     cold: dict[str, float] = {}
     phases: list[dict[str, float]] = []   # per round (the warm-up first): the coci save's phase times
+    load_phases: list[dict[str, float]] = []   # the same for the coci load (each phase's slowest rank)
     warm_round = True   # round 0 warms up; its times are kept apart as the cold figures
 
     def rec(key: str, value: float) -> None:
@@ -325,6 +326,7 @@ def worker(args: argparse.Namespace) -> dict:
             drop_cache([cdir])
         comm.barrier()
         rec("coci_load", timer(lambda: mgr.load(1 + 10 * rep, state))[0])
+        load_phases.append(slowest_rank(comm.allgather(dict(mgr.load_stats))))
 
         # steps/s without checkpoint activity, measured right before the async saves
         comm.barrier()
@@ -368,7 +370,8 @@ def worker(args: argparse.Namespace) -> dict:
     cold["raw_write"] = min(cold["raw_write"], cold.pop("raw_write_b"))
     med = summary(res, cold)
     med.update({"bytes": nbytes, "ranks": W, "cache": cache_method,
-                "threads_per_rank": threads, "samples": res, "coci_save_phases": phases})
+                "threads_per_rank": threads, "samples": res, "coci_save_phases": phases,
+                "coci_load_phases": load_phases})
     return med
 
 
@@ -505,6 +508,9 @@ def main() -> int:
                                                                    **ph[1 + times.index(max(times))]}
             doc["by_ranks"][str(w)]["coci_save_phases_fastest"] = {"save_s": min(times),
                                                                    **ph[1 + times.index(min(times))]}
+        # the same for the load (issue 33: a slow load names its phase)
+        doc["by_ranks"][str(w)].update(phase_breakdown("coci_load_phases", m["samples"]["coci_load"],
+                                                       m.get("coci_load_phases", []), "load_s_measured"))
     if args.json:
         print(table(results), file=sys.stderr)
         print(json.dumps(doc))

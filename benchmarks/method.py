@@ -46,3 +46,23 @@ def spread_table(figures: Mapping[str, Any], keys: Sequence[str]) -> dict[str, d
 def spread(samples: Sequence[float]) -> str:
     """``median [min-max]`` for a table cell."""
     return f"{statistics.median(samples):.3f} [{min(samples):.2f}-{max(samples):.2f}]"
+
+
+def slowest_rank(ranks: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Each phase's slowest rank: ``{phase: max over ranks}`` of one round's per-rank phase times."""
+    keys = sorted({k for r in ranks for k in r})
+    return {k: round(max(r.get(k, 0.0) for r in ranks), 4) for k in keys}
+
+
+def phase_breakdown(prefix: str, times: Sequence[float], phases: Sequence[Mapping[str, float]],
+                    total: str) -> dict[str, Any]:
+    """``{prefix_slowest, prefix_fastest, prefix_cold}``: the per-phase times (each phase's slowest
+    rank, :func:`slowest_rank`) of the slowest and the fastest timed round and of the warm-up round,
+    with the round's measured time as ``total``. ``phases`` has the warm-up round first, then one
+    entry per timed round (``times``); nothing if they do not line up."""
+    if not times or len(phases) != len(times) + 1:
+        return {}
+    worst, best = times.index(max(times)), times.index(min(times))
+    return {f"{prefix}_slowest": {total: max(times), **phases[1 + worst]},
+            f"{prefix}_fastest": {total: min(times), **phases[1 + best]},
+            f"{prefix}_cold": dict(phases[0])}

@@ -34,7 +34,12 @@ own bytes of the state (its local shards) into a file of its own and fsyncs it, 
 back (page cache dropped) straight into the tensors: no format, no checksum, no commit. Keys
 ``save_floor_vs_dcp`` / ``load_floor_vs_dcp`` (floor / DCP: a ``_vs_dcp`` goal below these cannot
 be met by any writer of the same durable bytes on this disk) and ``sharded_save_vs_floor`` /
-``sharded_load_vs_floor``.
+``sharded_load_vs_floor``. After the raw read, in the same round, ``copy_after_check``: the
+copy of each rank's bytes from the page cache into its tensors, the one copy an all-or-nothing
+load pays after its last check; ``load_aon_floor_vs_floor`` = (raw read + that copy) / raw read,
+``load_aon_floor_vs_dcp``, ``sharded_load_vs_aon_floor``. Per-phase times of the loads
+(:attr:`CheckpointManager.load_stats`, each phase's slowest rank): ``coci_load_phases_slowest`` /
+``_fastest`` / ``_cold`` (same mesh), ``coci_load_reshard_1_phases_*``, ``coci_load_reshard_4_phases_*``.
 
 Times are the slowest rank's, between barriers; medians over the rounds. Ratios (goals from
 issue 23): ``sharded_save_vs_dcp``, ``sharded_load_vs_dcp``, ``reshard_load_vs_dcp`` (the worse
@@ -57,7 +62,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.method import MIN_ROUNDS, rotate, spread_table, summary  # noqa: E402
+from benchmarks.method import MIN_ROUNDS, phase_breakdown, rotate, slowest_rank, spread_table, summary  # noqa: E402
 
 
 def drop_cache(paths: list[Path]) -> str:
@@ -147,6 +152,44 @@ def raw_read(path: Path, bufs: list[Any]) -> None:
         os.close(fd)
 
 
+def copy_after_check(timer: Any, path: Path, bufs: list[Any]) -> float:
+    """Slowest rank's time to copy its bytes from the page cache (``path``, the raw floor's file,
+    read just before, mapped and populated untimed) into its live tensors, with as many threads as
+    coci's load copies with: the one copy an all-or-nothing load pays after its last check
+    (``checkpoint_bench.py``'s ``copy_after_check``). The file holds the tensors' own bytes."""
+    import numpy as np
+
+    from coci_hpc.checkpoint.load import _node_ranks
+    from coci_hpc.checkpoint.rawio import FileMap, copy_pool, copy_threads
+
+    threads = copy_threads(_node_ranks(timer.comm)[1])
+    fd = os.open(path, os.O_RDONLY)
+    fmap = FileMap.open(fd, os.fstat(fd).st_size)
+    try:
+        assert fmap is not None, "this kernel cannot populate a mapping (MADV_POPULATE_READ)"
+        parts, off = [], 0
+        for b in bufs:
+            step = max(1, -(-b.nbytes // threads))
+            parts += [(b[a:a + step], off + a) for a in range(0, b.nbytes, step)]
+            off += b.nbytes
+        fmap.populate(0, off)
+        shares = [parts[k::threads] for k in range(threads)]
+
+        def run(share: list[Any]) -> None:
+            for d, at in share:
+                np.copyto(d, fmap.view(at, d.nbytes))
+
+        def copy() -> None:
+            futures = [copy_pool().submit(run, sh) for sh in shares[1:]]
+            run(shares[0])
+            for f in futures:
+                f.result()
+        return float(timer(copy))
+    finally:
+        fmap.close()
+        os.close(fd)
+
+
 def state_bytes(model: Any, opt: Any) -> int:
     """Unique bytes of the state (global tensors: each counted once, whatever its replicas)."""
     n = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -204,6 +247,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = {"world": world}
     phases: list[list[dict[str, float]]] = []   # [round][rank] -> the coci save's phase times
+    load_phases: list[list[dict[str, float]]] = []   # [round][rank] -> the coci load's phase times
     if args.phase == "save":
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         step(opt)
@@ -240,6 +284,11 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                      ("raw_load", lambda: raw_read(raw_path, bufs))]
             for name, fn in rotate(loads, rep):
                 rec(name, timer(fn))
+                if name == "coci_load":
+                    load_phases.append(comm.allgather({k: round(v, 4) for k, v in mgr.load_stats.items()}))
+                if name == "raw_load":
+                    # the all-or-nothing floor's second part: the copy after the last check
+                    rec("copy_after_check", copy_after_check(timer, raw_path, bufs))
             if comm.rank == 0 and rep < args.repeats:
                 shutil.rmtree(target, ignore_errors=True)
         if args.async_:
@@ -297,12 +346,16 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                     drop_cache([cdir, ddir])
                 rec(name, timer((lambda o=opt: mgr.load_latest({"model": model, "optimizer": o}))
                                 if which == "coci" else (lambda o=opt: dcp_load(o, ddir))))
+                if which == "coci":
+                    load_phases.append(comm.allgather({k: round(v, 4) for k, v in mgr.load_stats.items()}))
         mgr.close()
     dist.destroy_process_group()
     out.update(summary(res, cold))
     out["samples"] = res
     if phases:
         out["coci_save_phases"] = phases
+    if load_phases:
+        out["coci_load_phases"] = load_phases
     return out
 
 
@@ -340,6 +393,10 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(f"raw-disk floor (each rank's own bytes, pwrite + fsync / pread): save "
                      f"{s['raw_save']:.3f} s = {doc['save_floor_vs_dcp']:.2f} of DCP, load "
                      f"{s['raw_load']:.3f} s = {doc['load_floor_vs_dcp']:.2f} of DCP")
+    if "copy_after_check" in s:
+        lines.append(f"all-or-nothing load floor (raw read + the copy after the check, {s['copy_after_check']:.3f} s): "
+                     f"{doc['load_aon_floor_vs_floor']:.2f} x the raw read, {doc['load_aon_floor_vs_dcp']:.2f} of DCP; "
+                     f"coci's load {doc['sharded_load_vs_aon_floor']:.2f} x it")
     if doc.get("spread"):
         lines.append(f"spread over the rounds (s): {'median':>8s} {'min':>7s} {'max':>7s} {'cold':>7s}")
         for k, v in doc["spread"].items():
@@ -350,6 +407,12 @@ def table(doc: dict[str, Any]) -> str:
         if ph:
             lines.append(f"coci's {which} save, {ph['save_s']:.3f} s: " + ", ".join(
                 f"{k} {v:.3f}" for k, v in ph.items() if k != "save_s" and v >= 0.005))
+    for tag, what in (("", "load"), ("_reshard_1", "load 2 -> 1"), ("_reshard_4", "load 2 -> 4")):
+        for which in ("slowest", "fastest"):
+            ph = doc.get(f"coci_load{tag}_phases_{which}")
+            if ph:
+                lines.append(f"coci's {which} {what}, {ph['load_s_measured']:.3f} s: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in ph.items() if k != "load_s_measured" and v >= 0.005))
     lines.append(f"file bytes / unique state bytes: coci {doc['bytes_written_ratio']:.4f}, "
                  f"DCP {doc['dcp_bytes_ratio']:.4f}")
     return "\n".join(lines)
@@ -404,9 +467,16 @@ def main() -> int:
         doc["load_floor_vs_dcp"] = save["raw_load"] / save["dcp_load"]
         doc["sharded_save_vs_floor"] = save["coci_save"] / save["raw_save"]
         doc["sharded_load_vs_floor"] = save["coci_load"] / save["raw_load"]
+    if "copy_after_check" in save:
+        # the least an all-or-nothing load needs without memory beyond the page cache: the raw read,
+        # then one copy of every checked byte into the live tensors after the last check (medians)
+        aon = save["raw_load"] + save["copy_after_check"]
+        doc["load_aon_floor_vs_floor"] = aon / save["raw_load"]
+        doc["load_aon_floor_vs_dcp"] = aon / save["dcp_load"]
+        doc["sharded_load_vs_aon_floor"] = save["coci_load"] / aon
     # next to the goal keys: each writer's median, min, max and cold (warm-up round) time
     doc["spread"] = spread_table(save, ("coci_save", "dcp_save", "raw_save", "coci_load", "dcp_load",
-                                        "raw_load"))
+                                        "raw_load", "copy_after_check"))
     phases = save.get("coci_save_phases")
     if phases and len(phases) == len(save["samples"]["coci_save"]) + 1:
         # the per-phase breakdown (slowest rank per phase) of the slowest and the fastest timed save
@@ -415,6 +485,11 @@ def main() -> int:
         doc["coci_save_phases_slowest"] = {"save_s": max(times), **worst(phases[1 + times.index(max(times))])}
         doc["coci_save_phases_fastest"] = {"save_s": min(times), **worst(phases[1 + times.index(min(times))])}
         doc["coci_save_phases_cold"] = worst(phases[0])
+    # the same for the loads, per phase of the run (same mesh, 2 -> 1, 2 -> 4): a slow load names its phase
+    for tag, ph in (("", save), ("_reshard_1", r1), ("_reshard_4", r4)):
+        per_round = [slowest_rank(rnd) for rnd in ph.get("coci_load_phases", [])]
+        doc.update(phase_breakdown(f"coci_load{tag}_phases", ph["samples"].get("coci_load", []), per_round,
+                                   "load_s_measured"))
     if args.json:
         print(table(doc), file=sys.stderr)
         print(json.dumps(doc))

@@ -86,6 +86,12 @@ def per_rank_note(result: LoadResult, size: int) -> str | None:
     return text
 
 
+def _fresh(phases: dict[str, float]) -> dict[str, float]:
+    """``phases`` emptied: a load that falls back to an older step reports that step's load."""
+    phases.clear()
+    return phases
+
+
 class CheckpointManager:
     """Save, load and list checkpoints under one directory.
 
@@ -162,6 +168,8 @@ class CheckpointManager:
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._base: int | None = None   # the step loaded last: the next save retires newer ones
         self.stats: dict[str, float] = {}
+        # this rank's time per phase of the last load (load.load's ``stats``, and ``load_s``)
+        self.load_stats: dict[str, float] = {}
         self._closed: bool = False
         self._lock: DirectoryLock | None = self._take_lock() if lock else None
         exitguard.register(self)
@@ -402,9 +410,13 @@ class CheckpointManager:
         Returns:
             A ``LoadResult`` (the step, and per-rank values that were missing).
         """
+        t0 = time.perf_counter()
         self._async.wait()
+        phases: dict[str, float] = {}
         result = recovery.load_step(self.comm, self.root, step,  # damage -> CheckpointCorrupt
-                                    lambda s: load_into(self.comm, self.root, s, state, rng=self.rng))
+                                    lambda s: load_into(self.comm, self.root, s, state, rng=self.rng,
+                                                        stats=_fresh(phases)))
+        self.load_stats = {"load_s": time.perf_counter() - t0, **phases}
         self._base = result.step
         self._say_per_rank(result)
         return result
@@ -419,10 +431,14 @@ class CheckpointManager:
         Returns:
             A ``LoadResult`` (its ``step`` is the step loaded).
         """
+        t0 = time.perf_counter()
         self._async.wait()
+        phases: dict[str, float] = {}
         result = recovery.load_latest_intact(self.comm, self.root,  # damaged -> falls back, warns
-                                             lambda s: load_into(self.comm, self.root, s, state, rng=self.rng),
+                                             lambda s: load_into(self.comm, self.root, s, state, rng=self.rng,
+                                                                 stats=_fresh(phases)),
                                              catalog=self._catalog if self._lock is not None else None)
+        self.load_stats = {"load_s": time.perf_counter() - t0, **phases}
         self._base = result.step
         self._say_per_rank(result)
         return result

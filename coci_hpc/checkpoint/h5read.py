@@ -235,12 +235,15 @@ class DatasetReader:
         """Check the shards named by ``keys`` (see :meth:`shards_of`), each whole, against their
         checksums; raise CheckpointCorrupt naming the first bad one.
 
-        The whole extent is announced to the kernel first (``WILLNEED``), so the disk reads
-        ahead while the CRCs run; the CRC of one chunk runs in the load's helper thread while
-        the next is read. (Marking the mapping sequential instead and letting the kernel read
-        ahead of each populate call won in-process A/B runs here but lost in the benchmark's
-        own sequence, three alternating runs each on one rank: restore_ratio 1.76-1.92 against
-        1.47-1.72; the up-front announcement stays.) The CRCs run straight over the file's mapping
+        The CRC of one chunk runs in the load's helper thread while the next is read in (the
+        populate call of the mapping, whose faults the kernel reads around: 8 MB here, the
+        device's ``read_ahead_kb``). No hint is given: announcing the whole extent first
+        (``WILLNEED``, until 2026-11-29) and marking the mapping sequential were both slower
+        (issue 33: two processes reading the interleaved halves of one 1 GB file, 7 rotating
+        rounds each, loaded machine: populate 0.64 / 0.70 / 0.82 s medians, with WILLNEED
+        first 0.78 / 0.86 / 0.98, sequential 0.91; the load itself, in-process A/B on 2 ranks:
+        DDP 1 GB 0.502 against 0.565 s, FSDP2 1 GB 1.03 / 1.22 against 1.28 / 1.24 s).
+        The CRCs run straight over the file's mapping
         (:class:`~coci_hpc.checkpoint.rawio.FileMap`): no byte is copied and no fresh memory
         is touched (on this machine a first touch of fresh memory costs about as much as the
         cold read itself). :meth:`copy_verified` then copies the checked bytes, still mapped,
@@ -264,9 +267,6 @@ class DatasetReader:
             jobs.append((meta, sh, self.offset(meta) + first))
         jobs.sort(key=lambda j: j[2])
         fmap = self._mapped() if PASS1_MAPPED else None
-        if fmap is not None:
-            for _, sh, at in jobs:
-                os.posix_fadvise(self._fd, at, sh["stop"] - sh["start"], os.POSIX_FADV_WILLNEED)
         size = min(_READ_CHUNK, max((self._shards.nbytes(sh) for _, sh, _ in jobs), default=0))
         with _stream_buffers(0 if fmap is not None else size) as bufs:
             self._check_jobs(jobs, fmap, bufs, size)
@@ -372,7 +372,12 @@ class DatasetReader:
         :meth:`copy_verified`; CheckpointCorrupt unless checked shards cover all of it."""
         if dest.nbytes == 0:
             return None
-        stop = start + dest.nbytes
+        return dest.reshape(-1).view(np.uint8), self.verified_offset(meta, start, dest.nbytes)
+
+    def verified_offset(self, meta: Mapping[str, Any], start: int, nbytes: int) -> int:
+        """The file offset of bytes [start, start+nbytes) of a dataset; CheckpointCorrupt unless
+        checked shards cover all of them (what :meth:`plan_verified` checks)."""
+        stop = start + nbytes
         if start < 0 or stop > int(meta["nbytes"]):
             raise CheckpointCorrupt(f"{self.path}: read past the end of {meta['dataset']!r}",
                                     hint="manifest and request disagree")
@@ -383,7 +388,7 @@ class DatasetReader:
                 raise CheckpointCorrupt(f"{self.path}: bytes [{start}, {stop}) of {meta['dataset']!r} "
                                         f"are not all covered by checked shards",
                                         hint="the manifest was edited or damaged; load an older step")
-        return dest.reshape(-1).view(np.uint8), self.offset(meta) + start
+        return self.offset(meta) + start
 
     def copy_verified(self, pieces: Sequence[tuple[np.ndarray, int]], threads: int = 1) -> None:
         """Copy planned pieces (:meth:`plan_verified`), the bytes split evenly over ``threads``

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from coci_hpc.checkpoint import catalog as cat
+from coci_hpc.checkpoint import devices
 from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.dtensor import (
     is_dtensor,
@@ -29,8 +31,9 @@ from coci_hpc.checkpoint.dtensor import (
 from coci_hpc.checkpoint.h5read import DatasetReader
 from coci_hpc.checkpoint.leaves import LeafKind, PerRank, Sharded, storage_dtype
 from coci_hpc.checkpoint.loadcheck import check_skeleton
-from coci_hpc.checkpoint.rawio import copy_threads
+from coci_hpc.checkpoint.rawio import copy_pool, copy_threads, prefault
 from coci_hpc.checkpoint.restore import apply
+from coci_hpc.checkpoint.staging import DeviceRuns, DeviceStager
 from coci_hpc.checkpoint.state import (
     _collect_tensors,
     current_trees,
@@ -61,7 +64,8 @@ class LoadResult:
                 f"missing={self.missing!r}, manifest=<{n} tensor(s)>)")
 
 
-def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bool = True) -> LoadResult:
+def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bool = True,
+         stats: dict[str, float] | None = None) -> LoadResult:
     """Collective: every rank loads ``step`` into ``state`` in place (choosing the step, and
     falling back from a damaged one, is :mod:`.recovery`'s).
 
@@ -69,13 +73,26 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
     trees against the objects they go into, the CRC of every byte) on every rank before the
     first byte goes into ``state``; objects whose ``load_state_dict`` refuses are rolled back
     (:func:`~coci_hpc.checkpoint.restore.apply`). A failed load leaves the state as it was.
+
+    ``stats`` receives this rank's time in each phase (issue 33: a slow load names its phase):
+    ``targets_s`` (the state's trees and targets), ``open_s`` (manifest, file, checks against
+    the state), ``plan_s`` (boxes, byte ranges, who checks what), ``check_s`` (reading and
+    CRC-checking this rank's shards), ``prefetch_s`` (mapping what other ranks of the node
+    check), ``check_wait_s`` (the agreement that every rank's check passed), ``fresh_s``
+    (copies into fresh buffers), ``apply_s`` (the objects' ``load_state_dict``), ``fill_s``
+    (within ``apply_s``: writing the state's own tensors), ``copy_s`` (within ``fill_s``: the
+    host copies alone), ``install_wait_s``,
+    ``close_s``.
     """
+    clock = _Clock(stats)
     trees = current_trees(state)
     targets = dict(iter_targets(state, trees))
     local_rows = {n: t.local.shape[0] for n, t in targets.items() if isinstance(t, Sharded)}
     all_rows = comm.allgather(local_rows)
     boxes: dict[str, Any] = {}
+    clock.lap("targets_s")
     m, reader = _open_checked(comm, root, step, state, targets, all_rows, trees, boxes)
+    clock.lap("open_s")
     chosen = step
     try:
         # Each rank reads the box its own DTensor targets hold; the ranks of a node share the
@@ -89,18 +106,65 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
 
         def check() -> set[tuple[str, int]]:
             mine, needed = _my_checks(comm.rank, node, m, reader, all_rows, all_boxes)
+            clock.lap("plan_s")
             reader.verify(mine)
+            clock.lap("check_s")
             reader.prefetch(needed - mine)  # what the other ranks of the node check
+            clock.lap("prefetch_s")
             return needed
 
-        needed = comm.run_step(check, f"checking checkpoint step {chosen}")
+        # A fresh optimizer's moment targets (made for this load, not yet the state's) are fresh
+        # memory: their pages are faulted in beside the check, while it waits for the disk.
+        faulting = copy_pool().submit(prefault, _fresh_targets(targets)) if PREFAULT else None
+        try:
+            needed = comm.run_step(check, f"checking checkpoint step {chosen}")
+        finally:
+            if faulting is not None:
+                faulting.result()
+        clock.lap("check_wait_s")
         reader.trust(needed)  # every rank checked its part, or all would have raised above
         # Pass 2: the checked bytes, still mapped, go straight into their final place (one memcpy).
         threads = copy_threads(sharing)
-        return comm.run_step(lambda: _install(comm, m, state, reader, ranges, targets, rng, trees, threads),
-                             f"loading checkpoint step {chosen} into the state")
+        result = comm.run_step(lambda: _install(comm, m, state, reader, ranges, targets, rng, trees, threads, clock),
+                               f"loading checkpoint step {chosen} into the state")
+        clock.lap("install_wait_s")
+        return result
     finally:
         reader.close()
+        clock.lap("close_s")
+
+
+PREFAULT = True  # fault in fresh targets' pages during the check (False: in the copy; for A/B runs)
+
+
+def _fresh_targets(targets: Mapping[str, Any]) -> list[np.ndarray]:
+    """The host bytes of the targets made for this load (:func:`~.dtensor.made_for_load`)."""
+    out = []
+    for t in targets.values():
+        if is_dtensor(t) and made_for_load(t):
+            local = local_of(t)
+            if devices.on_host(local) and local.is_contiguous() and local.numel():
+                out.append(local.reshape(-1).view(torch.uint8).numpy())
+    return out
+
+
+class _Clock:
+    """Per-phase wall times of one load into ``stats`` (nothing kept without it)."""
+
+    def __init__(self, stats: dict[str, float] | None) -> None:
+        self.stats = stats
+        self.t = time.perf_counter()
+
+    def lap(self, key: str) -> None:
+        """Add the time since the last lap to ``key``."""
+        now = time.perf_counter()
+        if self.stats is not None:
+            self.stats[key] = self.stats.get(key, 0.0) + now - self.t
+        self.t = now
+
+    def add(self, key: str, seconds: float) -> None:
+        if self.stats is not None:
+            self.stats[key] = self.stats.get(key, 0.0) + seconds
 
 
 def _dtype_of(obj: Any) -> str:
@@ -351,9 +415,29 @@ def _in_place(owner: Any) -> str | None:
     return "direct"
 
 
+def _device_view(obj: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The device tensor (CUDA) that receives a stored leaf in place, or None: a contiguous one of
+    the leaf's dtype and shape (a DTensor's or ``Sharded``'s local tensor)."""
+    if isinstance(obj, Sharded):
+        obj = obj.local
+    if is_dtensor(obj):
+        obj = local_of(obj)
+    if not isinstance(obj, torch.Tensor) or devices.on_host(obj):
+        return None
+    if str(obj.dtype) != dtype or tuple(obj.shape) != tuple(shape) or not obj.is_contiguous():
+        return None
+    return obj
+
+
+def _device_runs(reader: DatasetReader, meta: Mapping[str, Any], rs: Runs) -> DeviceRuns:
+    """Runs ``rs`` of a dataset as (file offset, byte in the device tensor, bytes), every byte
+    covered by checked shards (CheckpointCorrupt otherwise)."""
+    return [(reader.verified_offset(meta, start, n), at, n) for start, at, n in rs if n]
+
+
 def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: DatasetReader,
              ranges: list[tuple[dict[str, Any], Runs, tuple[int, ...], int]], targets: Mapping[str, Any],
-             rng: bool, trees: Mapping[str, Any], threads: int = 1) -> LoadResult:
+             rng: bool, trees: Mapping[str, Any], threads: int = 1, clock: _Clock | None = None) -> LoadResult:
     """Put the checked bytes into the state: fresh buffers only where in place is not safe.
 
     The copies of each group run as one batch split over ``threads`` threads (see
@@ -365,11 +449,24 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
     wrap: list[tuple[str, Any, torch.Tensor]] = []  # (leaf, DTensor target, its fresh local) after the fill
     to_device: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a module's live device shard, its checked host copy)
     in_place: set[int] = set()  # ids of the state's own tensors the checked bytes go into
+    on_device: list[tuple[dict[str, Any], Runs, torch.Tensor]] = []  # direct, into device tensors
     for meta, start, shape, _ in ranges:
         name = meta["name"]
         tgt = targets.get(name)
         how = _in_place(_owner(state, name)) if tgt is not None else None
         view = leaf_view(tgt, meta["dtype"], shape) if how else None
+        dev = _device_view(tgt, meta["dtype"], shape) if how and view is None else None
+        if dev is not None:
+            # A device tensor (CUDA) is written as the host one is, in place and only in fill(),
+            # its checked bytes streamed through pinned staging buffers (.staging): no fresh host
+            # copy of it, no second device copy (issue 32).
+            tensors[name] = tgt.local if isinstance(tgt, Sharded) else tgt
+            if how == "direct":
+                on_device.append((meta, start, dev))
+                in_place.add(id(tensors[name]))
+            else:
+                after.append((meta, start, shape, _owner(state, name)))
+            continue
         if view is None:
             # A fresh buffer, never the live tensor: an object that refuses its state, or copies
             # it while loading, must see the checkpoint's bytes and leave the state as it was.
@@ -409,31 +506,47 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
         else:
             tensors[name] = wrap_like(tgt, obj, name)   # too little device memory: a CheckpointError
 
+    clock = clock or _Clock(None)
+    clock.lap("fresh_s")
+
     def fill() -> None:
         """Called once every refusable object accepted its state: from here on nothing refuses."""
+        t0 = time.perf_counter()
+        stager = DeviceStager(lambda buf, at: reader.copy_verified([(buf, at)]))
         pieces: list[tuple[np.ndarray, int]] = []
-        for meta, start, view in direct:
-            _plan(reader, pieces, meta, view, start)
-        now: dict[int, dict[str, Any]] = {}
         cast: list[tuple[torch.Tensor, Any]] = []
-        for meta, start, shape, owner in after:
-            if id(owner) not in now:
-                key = meta["name"].split("/", 2)
-                now[id(owner)] = {}
-                for tree in live_trees(state, owner):  # by position and, for an optimizer, by name
-                    _collect_tensors(tree, f"{key[0]}/{key[1]}", now[id(owner)])
-            live = now[id(owner)].get(meta["name"])
-            live_view = leaf_view(live, meta["dtype"], shape)
-            if live_view is not None:
-                _plan(reader, pieces, meta, live_view, start)
-                continue
-            if not isinstance(live, torch.Tensor):
-                raise CheckpointError(f"{meta['name']!r}: the optimizer dropped this tensor while loading",
-                                      hint="report this; load with a freshly built optimizer")
-            obj, dest = empty_like_leaf(meta["dtype"], shape)
-            _plan(reader, pieces, meta, dest, start)
-            cast.append((local_of(live) if is_dtensor(live) else live, obj))
-        reader.copy_verified(pieces, threads)
+        try:
+            for meta, start, dev in on_device:
+                stager.put(dev, _device_runs(reader, meta, start))
+            for meta, start, view in direct:
+                _plan(reader, pieces, meta, view, start)
+            now: dict[int, dict[str, Any]] = {}
+            for meta, start, shape, owner in after:
+                if id(owner) not in now:
+                    key = meta["name"].split("/", 2)
+                    now[id(owner)] = {}
+                    for tree in live_trees(state, owner):  # by position and, for an optimizer, by name
+                        _collect_tensors(tree, f"{key[0]}/{key[1]}", now[id(owner)])
+                live = now[id(owner)].get(meta["name"])
+                live_view = leaf_view(live, meta["dtype"], shape)
+                if live_view is not None:
+                    _plan(reader, pieces, meta, live_view, start)
+                    continue
+                live_dev = _device_view(live, meta["dtype"], shape)
+                if live_dev is not None:
+                    stager.put(live_dev, _device_runs(reader, meta, start))
+                    continue
+                if not isinstance(live, torch.Tensor):
+                    raise CheckpointError(f"{meta['name']!r}: the optimizer dropped this tensor while loading",
+                                          hint="report this; load with a freshly built optimizer")
+                obj, dest = empty_like_leaf(meta["dtype"], shape)
+                _plan(reader, pieces, meta, dest, start)
+                cast.append((local_of(live) if is_dtensor(live) else live, obj))
+            t1 = time.perf_counter()
+            reader.copy_verified(pieces, threads)  # while the last device copies run
+            clock.add("copy_s", time.perf_counter() - t1)
+        finally:
+            stager.finish()  # no copy out of a staging buffer outlives the load
         with torch.no_grad():
             for live, obj in to_device:
                 # blocking: obj is pageable and dropped after the load; filled before apply began
@@ -442,6 +555,7 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
                 # the optimizer cast it (dtype/device): copy with the same cast; blocking (obj is
                 # pageable and dropped right after), obj was filled just above
                 live.copy_(obj)
+        clock.add("fill_s", time.perf_counter() - t0)
 
     rank = comm.rank
     per_rank_skel = m["skeletons"][LeafKind.PER_RANK].get(str(rank), {})
@@ -449,6 +563,7 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
     with torch.no_grad():
         missing = apply(state, skeletons, tensors, rng=rng and str(rank) in m["skeletons"][LeafKind.PER_RANK],
                         before=trees, fill=fill, in_place=frozenset(in_place))
+    clock.lap("apply_s")
     if rng and str(rank) not in m["skeletons"][LeafKind.PER_RANK]:
         missing.append("__rng__")
     return LoadResult(int(m["step"]), int(m["world_size"]), tuple(missing), m,

@@ -2,7 +2,7 @@
 round apart as the cold figure, the spread beside each median, every writer in every place."""
 from __future__ import annotations
 
-from benchmarks.method import MIN_ROUNDS, rotate, spread_table, summary
+from benchmarks.method import MIN_ROUNDS, phase_breakdown, rotate, slowest_rank, spread_table, summary
 
 
 def test_summary_keeps_the_cold_round_out_of_the_median_and_gives_the_spread() -> None:
@@ -33,3 +33,16 @@ def test_spread_table_gives_each_asked_key_its_median_min_max_and_cold() -> None
     got = spread_table(figures, ("coci_save", "dcp_save", "raw_save"))
     assert got == {"coci_save": {"median": 2.0, "min": 1.0, "max": 3.0, "cold": 7.0},
                    "dcp_save": {"median": 5.0, "min": 4.0, "max": 6.0, "cold": None}}   # raw_save: not measured
+
+
+def test_phase_breakdown_names_the_slowest_and_fastest_round_and_keeps_the_cold_one_apart() -> None:
+    ranks = [[{"check_s": 0.9, "copy_s": 0.1}, {"check_s": 0.5, "open_s": 0.2}],   # the warm-up round
+             [{"check_s": 0.3, "copy_s": 0.1}, {"check_s": 0.4}],
+             [{"check_s": 0.8, "copy_s": 0.3}, {"check_s": 0.2, "copy_s": 0.1}]]
+    per_round = [slowest_rank(r) for r in ranks]
+    assert per_round[0] == {"check_s": 0.9, "copy_s": 0.1, "open_s": 0.2}   # each phase its slowest rank
+    got = phase_breakdown("coci_load_phases", [0.5, 1.1], per_round, "load_s_measured")
+    assert got["coci_load_phases_slowest"] == {"load_s_measured": 1.1, "check_s": 0.8, "copy_s": 0.3}
+    assert got["coci_load_phases_fastest"] == {"load_s_measured": 0.5, "check_s": 0.4, "copy_s": 0.1}
+    assert got["coci_load_phases_cold"] == per_round[0]
+    assert phase_breakdown("x", [0.5], per_round, "t") == {}   # rounds and phases do not line up

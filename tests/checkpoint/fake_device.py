@@ -31,6 +31,12 @@ and correct on the CPU. :class:`DeviceBoundary` makes a CPU process behave as th
   :attr:`DeviceBoundary.register_delay_s` seconds (page-locking gigabytes is slow); a side-stream
   copy into memory that is not (or not yet) registered is counted in ``crossings["unpinned_dst"]``;
   ``release_host`` and a reused :class:`~coci_hpc.checkpoint.devices.PinnedStage` buffer poison it.
+* a restore's host-to-device copies (:mod:`~coci_hpc.checkpoint.staging`, the ``upload_*``
+  functions of :mod:`~coci_hpc.checkpoint.devices`) are non-blocking copies as above: each
+  completes only at :func:`~coci_hpc.checkpoint.devices.wait_upload` of its event (with the
+  copies queued before it, as on one stream) or at ``finish_uploads``, reading its staging buffer
+  then; a staging buffer handed out again is poisoned first, and the staging chunk is
+  :attr:`DeviceBoundary.staging_chunk` bytes, so every tensor is cut and the buffers are reused.
 
 Tags are kept by storage address with a reference to the tensor, so an address is never reused
 while tagged. Only for the tests' small states.
@@ -46,7 +52,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from coci_hpc.checkpoint import devices, twophase
+from coci_hpc.checkpoint import devices, staging, twophase
 
 POISON = 0xFF
 
@@ -91,6 +97,8 @@ class DeviceBoundary:
         # bytes the crossings to the device may still allocate (None: no limit); past it a copy
         # to the device raises torch.OutOfMemoryError, as CUDA's caching allocator does
         self.device_budget: int | None = None
+        self.staging_chunk = 4096   # the restore's staging buffers: small, so they are reused
+        self.crossings.update({"uploads": 0, "poisoned_staging": 0})
 
     # -- which memory is the device's ----------------------------------------------------------
     @staticmethod
@@ -261,6 +269,8 @@ class DeviceBoundary:
                     b.fill(POISON)                       # released: a late reader sees poison
             drop(self, names)
 
+        uploads = self._uploads()
+        uploads.__enter__()
         DTensor.from_local = staticmethod(fake_from_local)  # type: ignore[method-assign]
         torch.Tensor.to = fake_to  # type: ignore[method-assign]
         torch.Tensor.cuda = fake_cuda  # type: ignore[method-assign]
@@ -294,3 +304,53 @@ class DeviceBoundary:
             for n, f in side.items():
                 setattr(devices, n, f)
             devices.PinnedStage.get = stage_get  # type: ignore[method-assign]
+            uploads.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def _uploads(self) -> Iterator[None]:
+        """The restore's host-to-device staging (:mod:`coci_hpc.checkpoint.staging`) on the fake:
+        a queued copy is one of the deferred non-blocking copies (``copy_`` above), its event the
+        copy itself; waiting for it completes it and the copies queued before it."""
+        boundary = self
+        names = ("upload_stream", "upload_after_current", "upload_on", "wait_upload", "finish_uploads")
+        saved = {n: getattr(devices, n) for n in names}
+        take, chunk = staging.DeviceStager._take, staging.CHUNK
+        handed: set[int] = set()   # ids of staging buffers handed out before
+
+        def upload_on(stream: Any, dst: torch.Tensor, src: torch.Tensor) -> Any:
+            boundary.crossings["uploads"] += 1
+            dst.copy_(src, non_blocking=True)            # the fake's copy_: deferred, dst poisoned
+            with boundary._lock:
+                return boundary._pending[-1]
+
+        def wait_upload(event: Any) -> None:
+            with boundary._lock:
+                at = next((i for i, p in enumerate(boundary._pending) if p is event), -1)
+                done, boundary._pending = boundary._pending[:at + 1], boundary._pending[at + 1:]
+            for dst, src in done:
+                _ORIG["copy_"](dst, src)                     # reads the staging buffer now
+
+        def finish_uploads(stream: Any, device: torch.device) -> None:
+            devices.wait_copies(device)
+
+        def fake_take(self: staging.DeviceStager, k: int) -> torch.Tensor:
+            buf = take(self, k)
+            if id(buf) in handed:                         # refilled: whatever it held is gone
+                boundary.crossings["poisoned_staging"] += 1
+                buf.fill_(POISON)
+            handed.add(id(buf))
+            return buf
+
+        devices.upload_stream = lambda device: object()  # type: ignore[assignment]
+        devices.upload_after_current = lambda stream, device: None
+        devices.upload_on = upload_on
+        devices.wait_upload = wait_upload
+        devices.finish_uploads = finish_uploads
+        staging.DeviceStager._take = fake_take  # type: ignore[method-assign]
+        staging.CHUNK = self.staging_chunk
+        try:
+            yield
+        finally:
+            for n, f in saved.items():
+                setattr(devices, n, f)
+            staging.DeviceStager._take, staging.CHUNK = take, chunk  # type: ignore[method-assign]

@@ -50,6 +50,8 @@ def test_state_matrix_under_the_fake_device_boundary(matrix: tuple[Path, dict[st
     # the snapshot's and the memory tier's device copies: on an ordered side stream, into page-locked memory
     assert crossings["side_stream_waits"] > 0 and crossings["registered"] > 0
     assert crossings["unordered"] == 0 and crossings["unpinned_dst"] == 0, crossings
+    # the loads into device tensors went through the restore's staging buffers (reused, poisoned)
+    assert crossings["uploads"] > 0 and crossings["poisoned_staging"] > 0
 
 
 def test_resharded_and_plain_cpu_loads(matrix: tuple[Path, dict[str, Any]]) -> None:
