@@ -42,12 +42,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.method import MIN_ROUNDS, phase_breakdown, slowest_rank, spread_table, summary  # noqa: E402
+from benchmarks.method import MIN_ROUNDS, mapped_copy, phase_breakdown, slowest_rank, spread_table, summary  # noqa: E402
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -162,44 +160,14 @@ def raw_read(path: Path, tensors) -> None:
         os.close(fd)
 
 
-def mapped_copy(timer: Timer, path: Path, tensors) -> float:
-    """Slowest rank's time to copy the state's bytes from the page cache (``path`` read just
-    before, mapped and populated untimed) into the live tensors: the one copy a load pays after
-    its last check, split over as many threads as coci's load copies with (the cores the rank
-    may use, shared among the node's ranks on them). The file holds the tensors' own bytes
-    (raw_write), so nothing changes."""
+def copy_after_check(timer: Timer, path: Path, tensors) -> float:
+    """Slowest rank's time to copy the state's bytes from the page cache into the live tensors:
+    the one copy a load pays after its last check (:func:`benchmarks.method.mapped_copy`; the file
+    holds the tensors' own bytes, raw_write, so nothing changes)."""
     import torch
 
-    from coci_hpc.checkpoint.load import _node_ranks
-    from coci_hpc.checkpoint.rawio import FileMap, copy_pool, copy_threads
-
-    threads = copy_threads(_node_ranks(timer.comm)[1])
-    fd = os.open(path, os.O_RDONLY)
-    fmap = FileMap.open(fd, os.fstat(fd).st_size)
-    try:
-        assert fmap is not None, "this kernel cannot populate a mapping (MADV_POPULATE_READ)"
-        parts, off = [], 0
-        for t in tensors:
-            d = t.reshape(-1).view(torch.uint8).numpy()
-            step = -(-d.nbytes // threads)
-            parts += [(d[a:a + step], off + a) for a in range(0, d.nbytes, step)]
-            off += d.nbytes
-        fmap.populate(0, off)
-        shares = [parts[k::threads] for k in range(threads)]
-
-        def run(share) -> None:
-            for d, at in share:
-                np.copyto(d, fmap.view(at, d.nbytes))
-
-        def copy() -> None:
-            futures = [copy_pool().submit(run, sh) for sh in shares[1:]]
-            run(shares[0])
-            for f in futures:
-                f.result()
-        return timer(copy)[0]
-    finally:
-        fmap.close()
-        os.close(fd)
+    views = [t.reshape(-1).view(torch.uint8).numpy() for t in tensors]
+    return mapped_copy(timer.comm, path, views, lambda fn: timer(fn)[0])
 
 
 def fsync_tree(path: Path) -> None:
@@ -267,7 +235,7 @@ def worker(args: argparse.Namespace) -> dict:
         cache_method = drop_cache([raw]) if rank == 0 else ""
         comm.barrier()
         rec("raw_read", timer(lambda: raw_read(raw, tensors))[0])
-        rec("copy_after_check", mapped_copy(timer, raw, tensors))
+        rec("copy_after_check", copy_after_check(timer, raw, tensors))
         clean(raw)
 
         # torch.save + fsync on rank 0; torch.load on every rank

@@ -9,7 +9,7 @@ carries each writer's min and max, so the spread shows next to the figure.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 MIN_ROUNDS = 7  # rounds after the warm-up that a ratio is the median of
@@ -66,3 +66,44 @@ def phase_breakdown(prefix: str, times: Sequence[float], phases: Sequence[Mappin
     return {f"{prefix}_slowest": {total: max(times), **phases[1 + worst]},
             f"{prefix}_fastest": {total: min(times), **phases[1 + best]},
             f"{prefix}_cold": dict(phases[0])}
+
+
+def mapped_copy(comm: Any, path: Any, views: Sequence[Any], timed: Callable[[Callable[[], None]], float]) -> float:
+    """The copy an all-or-nothing load pays after its last check, timed by ``timed`` (the
+    benchmark's slowest-rank timer): ``path`` (the raw floor's file, holding ``views``' own bytes,
+    read just before) is mapped and populated untimed, then copied into ``views`` (uint8 numpy
+    views of the live tensors) with as many threads as coci's load copies with (the cores the
+    rank may use, shared among the node's ranks on them). Nothing changes: the bytes are the same."""
+    import os
+
+    import numpy as np
+
+    from coci_hpc.checkpoint.load import _node_ranks
+    from coci_hpc.checkpoint.rawio import FileMap, copy_pool, copy_threads
+
+    threads = copy_threads(_node_ranks(comm)[1])
+    fd = os.open(path, os.O_RDONLY)
+    fmap = FileMap.open(fd, os.fstat(fd).st_size)
+    try:
+        assert fmap is not None, "this kernel cannot populate a mapping (MADV_POPULATE_READ)"
+        parts, off = [], 0
+        for b in views:
+            step = max(1, -(-b.nbytes // threads))
+            parts += [(b[a:a + step], off + a) for a in range(0, b.nbytes, step)]
+            off += b.nbytes
+        fmap.populate(0, off)
+        shares = [parts[k::threads] for k in range(threads)]
+
+        def run(share: list[Any]) -> None:
+            for d, at in share:
+                np.copyto(d, fmap.view(at, d.nbytes))
+
+        def copy() -> None:
+            futures = [copy_pool().submit(run, sh) for sh in shares[1:]]
+            run(shares[0])
+            for f in futures:
+                f.result()
+        return timed(copy)
+    finally:
+        fmap.close()
+        os.close(fd)

@@ -62,7 +62,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.method import MIN_ROUNDS, phase_breakdown, rotate, slowest_rank, spread_table, summary  # noqa: E402
+from benchmarks.method import MIN_ROUNDS, mapped_copy, phase_breakdown, rotate, slowest_rank, spread_table, summary  # noqa: E402
 
 
 def drop_cache(paths: list[Path]) -> str:
@@ -153,41 +153,10 @@ def raw_read(path: Path, bufs: list[Any]) -> None:
 
 
 def copy_after_check(timer: Any, path: Path, bufs: list[Any]) -> float:
-    """Slowest rank's time to copy its bytes from the page cache (``path``, the raw floor's file,
-    read just before, mapped and populated untimed) into its live tensors, with as many threads as
-    coci's load copies with: the one copy an all-or-nothing load pays after its last check
-    (``checkpoint_bench.py``'s ``copy_after_check``). The file holds the tensors' own bytes."""
-    import numpy as np
-
-    from coci_hpc.checkpoint.load import _node_ranks
-    from coci_hpc.checkpoint.rawio import FileMap, copy_pool, copy_threads
-
-    threads = copy_threads(_node_ranks(timer.comm)[1])
-    fd = os.open(path, os.O_RDONLY)
-    fmap = FileMap.open(fd, os.fstat(fd).st_size)
-    try:
-        assert fmap is not None, "this kernel cannot populate a mapping (MADV_POPULATE_READ)"
-        parts, off = [], 0
-        for b in bufs:
-            step = max(1, -(-b.nbytes // threads))
-            parts += [(b[a:a + step], off + a) for a in range(0, b.nbytes, step)]
-            off += b.nbytes
-        fmap.populate(0, off)
-        shares = [parts[k::threads] for k in range(threads)]
-
-        def run(share: list[Any]) -> None:
-            for d, at in share:
-                np.copyto(d, fmap.view(at, d.nbytes))
-
-        def copy() -> None:
-            futures = [copy_pool().submit(run, sh) for sh in shares[1:]]
-            run(shares[0])
-            for f in futures:
-                f.result()
-        return float(timer(copy))
-    finally:
-        fmap.close()
-        os.close(fd)
+    """Slowest rank's time of the one copy an all-or-nothing load pays after its last check
+    (:func:`benchmarks.method.mapped_copy`, as ``checkpoint_bench.py``'s): ``path`` is the raw
+    floor's file, holding ``bufs``' own bytes."""
+    return mapped_copy(timer.comm, path, bufs, lambda fn: float(timer(fn)))
 
 
 def state_bytes(model: Any, opt: Any) -> int:
