@@ -53,6 +53,12 @@ def check_plain(t: torch.Tensor, name: str) -> None:
                           "convert this one first (e.g. with .full_tensor() or a plain copy)")
 
 
+# (global shape, mesh, coordinate, placements) -> this rank's (local shape, global offset): torch's
+# computation costs ~0.05 ms per tensor and every save and load asks it again for every DTensor
+# leaf (2026-11-29: 48 leaves, 2.5 ms of an async save's blocking start, issue 33).
+_LOCAL_BOXES: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+
+
 def local_box(dt: Any, name: str) -> Box:
     """This rank's box of ``dt`` after checking its placements and mesh."""
     import torch.distributed as dist
@@ -84,7 +90,14 @@ def local_box(dt: Any, name: str) -> Box:
                          f"state of the whole communicator",
                          hint="put the DTensor state on a mesh that covers every rank (init_device_mesh "
                               "over the whole world), or save it as PerRank(...) state")
-    shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
+    # the coordinate too: this rank's box, whatever a mesh's equality compares (ranks as threads)
+    key = (tuple(dt.shape), mesh, tuple(mesh.get_coordinate() or ()), tuple(dt.placements))
+    got = _LOCAL_BOXES.get(key)
+    if got is None:
+        if len(_LOCAL_BOXES) >= 4096:
+            _LOCAL_BOXES.clear()
+        got = _LOCAL_BOXES[key] = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
+    shape, offset = got
     local = tuple(dt.to_local().shape)
     if tuple(shape) != local:
         raise UsageError(f"DTensor {name!r} holds a local tensor of shape {list(local)} where its "
