@@ -62,7 +62,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.method import MIN_ROUNDS, mapped_copy, phase_breakdown, rotate, slowest_rank, spread_table, summary  # noqa: E402
+from benchmarks.method import (  # noqa: E402
+    MIN_ROUNDS,
+    mapped_copy,
+    phase_breakdown,
+    rotate,
+    slowest_rank,
+    spread_table,
+    summary,
+    vm_reported_mib,
+)
 
 
 def drop_cache(paths: list[Path]) -> str:
@@ -217,6 +226,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"world": world}
     phases: list[list[dict[str, float]]] = []   # [round][rank] -> the coci save's phase times
     load_phases: list[list[dict[str, float]]] = []   # [round][rank] -> the coci load's phase times
+    vm_rounds: list[list[dict[str, Any]]] = []   # [round] -> saves in order, memory handed back to the host (rank 0's view)
     if args.phase == "save":
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         step(opt)
@@ -227,6 +237,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         rawdir = base / "raw"
         rawdir.mkdir(parents=True, exist_ok=True)
         raw_path = rawdir / f"rank{comm.rank}.bin"
+        mark = vm_reported_mib()   # since the last save ended (the loads and evictions between count)
         for rep in range(args.repeats + 1):   # round 0: the warm-up (cold) round
             warm_round = rep == 0
             target = ddir / f"s{rep}"
@@ -241,8 +252,16 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             # the raw-disk floor runs in the same rounds, its place in the order rotating
             saves = [("coci_save", coci_save), ("dcp_save", dcp_save),
                      ("raw_save", lambda: raw_write(raw_path, bufs))]
+            handed_back = []   # this round's saves in order, with the memory the VM handed back to its host
             for name, fn in rotate(saves, rep):
+                start = vm_reported_mib()
                 rec(name, timer(fn))
+                end = vm_reported_mib()
+                if None not in (mark, start, end):
+                    handed_back.append({"op": name, "before_mib": round(start - mark, 1), "during_mib": round(end - start, 1)})
+                mark = end
+            if handed_back and comm.rank == 0 and not warm_round:
+                vm_rounds.append(handed_back)
             # where this round's coci save spent its time, per rank (issue 33: a slow save names its phase)
             phases.append(comm.allgather({k: round(v, 4) for k, v in mgr.stats.items()}))
             if comm.rank == 0:
@@ -325,6 +344,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         out["coci_save_phases"] = phases
     if load_phases:
         out["coci_load_phases"] = load_phases
+    if vm_rounds:
+        out["vm_handed_back_rounds"] = vm_rounds
     return out
 
 
@@ -366,6 +387,17 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(f"all-or-nothing load floor (raw read + the copy after the check, {s['copy_after_check']:.3f} s): "
                      f"{doc['load_aon_floor_vs_floor']:.2f} x the raw read, {doc['load_aon_floor_vs_dcp']:.2f} of DCP; "
                      f"coci's load {doc['sharded_load_vs_aon_floor']:.2f} x it")
+    if s.get("vm_handed_back_rounds"):
+        # each timed save with the memory the VM handed back to its host since the previous save
+        # of the round began (what the save's first touches may fault in from the host)
+        lines.append("saves in round order: seconds, MiB the VM handed back to its host just before (free page reporting)")
+        for k, rnd in enumerate(s["vm_handed_back_rounds"]):
+            cells, prev = [], 0.0
+            for op in rnd:
+                t = s["samples"][op["op"]][k] if k < len(s["samples"].get(op["op"], [])) else float("nan")
+                cells.append(f"{op['op'][:-5]} {t:.2f} s ({prev + op['before_mib']:.0f} MiB)")
+                prev = op["during_mib"]
+            lines.append(f"  round {k + 1}: " + ", ".join(cells))
     if doc.get("spread"):
         lines.append(f"spread over the rounds (s): {'median':>8s} {'min':>7s} {'max':>7s} {'cold':>7s}")
         for k, v in doc["spread"].items():

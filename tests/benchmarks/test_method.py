@@ -46,3 +46,14 @@ def test_phase_breakdown_names_the_slowest_and_fastest_round_and_keeps_the_cold_
     assert got["coci_load_phases_fastest"] == {"load_s_measured": 0.5, "check_s": 0.4, "copy_s": 0.1}
     assert got["coci_load_phases_cold"] == per_round[0]
     assert phase_breakdown("x", [0.5], per_round, "t") == {}   # rounds and phases do not line up
+
+
+def test_vm_reported_mib_reads_the_counter_and_is_none_without_one(tmp_path, monkeypatch) -> None:
+    import benchmarks.method as method
+
+    counter = tmp_path / "reported_kib"
+    counter.write_text("2048\n")
+    monkeypatch.setattr(method, "_REPORTED_KIB", str(counter))
+    assert method.vm_reported_mib() == 2.0
+    monkeypatch.setattr(method, "_REPORTED_KIB", str(tmp_path / "absent"))
+    assert method.vm_reported_mib() is None
