@@ -299,6 +299,14 @@ def command_comment(spec: SubmitSpec) -> list[str]:
     return lines
 
 
+# A rank that dies in native code (a segfault in MPI, HDF5, gloo) otherwise leaves one line in the
+# job's log, srun's "task 1: Segmentation fault", and nothing to say where: with Python's fault
+# handler on, every rank prints each thread's Python stack on SIGSEGV, SIGBUS, SIGFPE, SIGABRT and
+# SIGILL first. A value the user exported wins (an empty one switches it off).
+FAULT_HANDLER_SETUP = ("# every rank prints its Python stacks if it crashes in native code",
+                       'export PYTHONFAULTHANDLER="${PYTHONFAULTHANDLER-1}"')
+
+
 def executor_parameters(spec: SubmitSpec, extra_env: Mapping[str, str] | None = None) -> dict:
     """The keyword arguments for ``submitit.SlurmExecutor.update_parameters`` (its schema)."""
     env = {**spec.coci_env(), **(extra_env or {})}
@@ -314,7 +322,8 @@ def executor_parameters(spec: SubmitSpec, extra_env: Mapping[str, str] | None = 
         # The Session requeues itself at a step boundary after its save; Slurm requeues on node
         # failure and preemption. Both need the job to be requeueable.
         "additional_parameters": {"requeue": True, **dict(spec.sbatch_args)},
-        "setup": [*command_comment(spec), *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()))],
+        "setup": [*command_comment(spec), *FAULT_HANDLER_SETUP,
+                  *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()))],
     }
     if spec.spare_nodes:
         # N+K nodes that outlive a lost one (--no-kill); the relaunch loop runs once in the batch

@@ -3,6 +3,8 @@ tests/slurm/test_timefmt.py)."""
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -177,3 +179,24 @@ def test_a_result_file_torn_by_an_earlier_attempt_does_not_fail_the_next_one(tmp
     assert p.returncode == 0, p.stdout + p.stderr
     assert "trained" in p.stdout
     assert "result ('success', 0) stale left False" in p.stdout, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("spare", [0, 1])
+def test_a_rank_that_segfaults_prints_its_python_stack(tmp_path: Path, spare: int) -> None:
+    """The batch script's setup lines switch Python's fault handler on (plain and --spare-nodes
+    jobs): a rank that dies in native code says where, in Python, it was. A value the user
+    exported wins: an empty one switches it off."""
+    spec = build_spec(script="t.py", script_args=[], cwd=tmp_path, python=sys.executable, nodes=2,
+                      spare_nodes=spare)
+    setup = "\n".join(executor_parameters(spec)["setup"])
+    crash = tmp_path / "crash.py"
+    crash.write_text("import ctypes\n\n\ndef load_shard():\n    ctypes.string_at(0)\n\n\nload_shard()\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    on = subprocess.run(["bash", "-c", f"{setup}\n{shlex.quote(sys.executable)} {crash}"],
+                        capture_output=True, text=True, env=env, timeout=60)
+    assert on.returncode != 0
+    assert "Fatal Python error: Segmentation fault" in on.stderr, on.stderr
+    assert re.search(r'File ".*crash\.py", line 5 in load_shard', on.stderr), on.stderr
+    off = subprocess.run(["bash", "-c", f"{setup}\n{shlex.quote(sys.executable)} {crash}"],
+                         capture_output=True, text=True, env={**env, "PYTHONFAULTHANDLER": ""}, timeout=60)
+    assert off.returncode != 0 and "load_shard" not in off.stderr, off.stderr
