@@ -18,7 +18,10 @@ round's ``*_cold`` beside each in ``by_ranks``):
   for the whole run (as a training job has: its first save, in the warm-up round, agrees on the
   layout and checks the ranks' replicated copies are equal; later saves reuse the layout);
 * restores with a cold page cache: raw read of the same bytes, coci load, torch.load, DCP load
-  (every rank loads the whole replicated state, as data parallelism needs).
+  (every rank loads the whole replicated state, as data parallelism needs). Cold: the files that
+  restore reads are evicted (fsync + fadvise DONTNEED, :func:`benchmarks.method.evict`), nothing
+  else; before 2026-11-29 a global ``drop_caches``, which also evicted the job's libraries and
+  coci's spare data file (the next save's), as no running job has them evicted.
 
 Times are the slowest rank's, between barriers. Ratios (goals from issue 3):
 persist_efficiency = raw write / save (>= 0.95); stall_ratio = training-loop blocked time of an
@@ -45,30 +48,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.method import MIN_ROUNDS, mapped_copy, phase_breakdown, slowest_rank, spread_table, summary  # noqa: E402
+from benchmarks.method import MIN_ROUNDS, evict, mapped_copy, phase_breakdown, slowest_rank, spread_table, summary  # noqa: E402
 
 
 # ------------------------------------------------------------------------------ helpers
-def drop_cache(paths: list[Path]) -> str:
-    """Evict files from the page cache: drop_caches if allowed, else fadvise(DONTNEED)."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return "drop_caches"
-    except OSError:
-        pass
-    for p in paths:
-        for f in ([p] if p.is_file() else [q for q in p.rglob("*") if q.is_file()]):
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return "fadvise"
-
-
 def build(size_mb: int, threads: int, comm=None):
     """MLP + Adam of ~size_mb MB; train_step() is one data-parallel step (gradient allreduce
     over ``comm`` when it has several ranks, like DDP, which also keeps the ranks in step)."""
@@ -186,6 +169,7 @@ def worker(args: argparse.Namespace) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from coci_hpc.checkpoint import CheckpointManager
+    from coci_hpc.checkpoint.catalog import spare_path
     from coci_hpc.comm import Comm
 
     comm = Comm.world()
@@ -232,7 +216,7 @@ def worker(args: argparse.Namespace) -> dict:
         # raw write + read
         raw = base / "raw.bin"
         rec("raw_write", timer(lambda: raw_write(comm, raw, tensors))[0])
-        cache_method = drop_cache([raw]) if rank == 0 else ""
+        cache_method = evict([raw]) if rank == 0 else ""
         comm.barrier()
         rec("raw_read", timer(lambda: raw_read(raw, tensors))[0])
         rec("copy_after_check", copy_after_check(timer, raw, tensors))
@@ -247,7 +231,7 @@ def worker(args: argparse.Namespace) -> dict:
                 fsync_tree(tp)
         rec("torch_save", timer(tsave)[0])
         if rank == 0:
-            drop_cache([tp])
+            evict([tp])
         comm.barrier()
         rec("torch_load", timer(lambda: torch.load(tp, weights_only=True))[0])
         clean(tp)
@@ -257,7 +241,7 @@ def worker(args: argparse.Namespace) -> dict:
         sd = {"model": model.state_dict(), "optimizer": opt.state_dict()}
         rec("dcp_save", timer(lambda: dcp.save(sd, checkpoint_id=str(dp)))[0])
         if rank == 0:
-            drop_cache([dp])
+            evict([dp])
         comm.barrier()
         rec("dcp_load", timer(lambda: dcp.load({"model": model.state_dict(),
                                                 "optimizer": opt.state_dict()}, checkpoint_id=str(dp)))[0])
@@ -291,7 +275,7 @@ def worker(args: argparse.Namespace) -> dict:
         ranks_stats = comm.allgather(dict(mgr.stats))
         phases.append({k: round(max(st.get(k, 0.0) for st in ranks_stats), 4) for k in ranks_stats[0]})
         if rank == 0:
-            drop_cache([cdir])
+            evict([cdir], keep=[spare_path(cdir)])
         comm.barrier()
         rec("coci_load", timer(lambda: mgr.load(1 + 10 * rep, state))[0])
         load_phases.append(slowest_rank(comm.allgather(dict(mgr.load_stats))))

@@ -17,8 +17,8 @@ coci under ``mpiexec -n --save-ranks``, in one or both ``--layout``s:
 Method (:mod:`benchmarks.method`): one warm-up round of every measurement, kept apart as the cold
 figure (``seconds_cold``), then ``--repeats`` (>= 7) timed rounds in rotating order; ``seconds`` is
 their median, with ``seconds_min`` / ``seconds_max`` beside it. Each measurement runs in its own
-Python process, with a cold page cache for the files it reads (drop_caches, else
-fadvise DONTNEED), and reports its wall time and its peak resident memory above its resident
+Python process, with a cold page cache for the files it reads (those files evicted: fsync +
+fadvise DONTNEED, :func:`benchmarks.method.evict`; a global drop_caches before 2026-11-29), and reports its wall time and its peak resident memory above its resident
 memory once its imports are done (``/proc/self/status`` VmHWM - VmRSS, the peak reset through
 ``/proc/self/clear_refs`` where the kernel allows):
 
@@ -55,8 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-from benchmarks.checkpoint_bench import drop_cache  # noqa: E402  (one page-cache eviction for the benchmarks)
-from benchmarks.method import MIN_ROUNDS, rotate, summary  # noqa: E402
+from benchmarks.method import MIN_ROUNDS, evict, rotate, summary  # noqa: E402
 
 
 def status_kb(field: str) -> int:
@@ -189,10 +188,10 @@ def measure(name: str, paths: dict, work: Path, args: argparse.Namespace) -> dic
     reads = {"raw_read": [Path(paths["data"])], "raw_read_hf": [work / "hf"], "import_hf": [work / "hf"],
              "dcp_to_torch_save": [Path(paths["dcp_native"])], "dcp_native_load": [Path(paths["dcp_native"])]}
     if sharded:
-        cache = drop_cache(reads.get(name, [Path(paths["data"])])) if dist.get_rank() == 0 else ""
+        cache = evict(reads.get(name, [Path(paths["data"])])) if dist.get_rank() == 0 else ""
         dist.barrier()
     else:
-        cache = drop_cache(reads.get(name, [Path(paths["data"])]))
+        cache = evict(reads.get(name, [Path(paths["data"])]))
     peak_reset = reset_peak()
     base = status_kb("VmRSS")
     out = work / f"out_{name}"

@@ -8,8 +8,10 @@ carries each writer's min and max, so the spread shows next to the figure.
 """
 from __future__ import annotations
 
+import os
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 MIN_ROUNDS = 7  # rounds after the warm-up that a ratio is the median of
@@ -31,6 +33,29 @@ def vm_reported_mib() -> float | None:
             return int(f.read()) / 1024
     except (OSError, ValueError):
         return None
+
+
+def evict(paths: Iterable[Path], keep: Iterable[Path] = ()) -> str:
+    """Evict these files (every file under a directory), but those in ``keep``, from the page
+    cache: fsync, then ``posix_fadvise(DONTNEED)``. Never a global ``drop_caches``: that also
+    evicts what a job would still have cached (its libraries, coci's spare data file, which its
+    next save writes over) and the rest of a shared machine's. Files that vanish meanwhile
+    (retention's reaper) are skipped. Returns the method's name for the JSON."""
+    kept = {Path(k) for k in keep}
+    for p in map(Path, paths):
+        for f in ([p] if p.is_file() else [q for q in p.rglob("*") if q.is_file()]):
+            if f in kept:
+                continue
+            try:
+                fd = os.open(f, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "fadvise"
 
 
 def summary(samples: Mapping[str, Sequence[float]], cold: Mapping[str, float] | None = None

@@ -64,6 +64,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.method import (  # noqa: E402
     MIN_ROUNDS,
+    evict,
     mapped_copy,
     phase_breakdown,
     rotate,
@@ -72,25 +73,6 @@ from benchmarks.method import (  # noqa: E402
     summary,
     vm_reported_mib,
 )
-
-
-def drop_cache(paths: list[Path], keep: frozenset[Path] = frozenset()) -> str:
-    """Evict these files (but those in ``keep``) from the page cache (fsync + fadvise DONTNEED):
-    no global drop, the machine is shared."""
-    for p in paths:
-        for f in ([p] if p.is_file() else [q for q in p.rglob("*") if q.is_file()]):
-            if f in keep:
-                continue
-            try:  # retention's reaper removes old steps (.trash-*) meanwhile
-                fd = os.open(f, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return "fadvise"
 
 
 def build(size_mb: int, world: int) -> tuple[Any, Any, Any]:
@@ -272,7 +254,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                 # the next save writes over) stays as a job leaves it: evicting it made that save
                 # allocate its page cache afresh, which on this VM means memory the host took back
                 # (see benchmarks/method.py, vm_reported_mib), while the raw floor reuses its own pages.
-                drop_cache([cdir, target, rawdir], keep=frozenset({spare_path(cdir)}))
+                evict([cdir, target, rawdir], keep=[spare_path(cdir)])
             comm.barrier()
             loads = [("coci_load", lambda: mgr.load(rep + 1, {"model": model, "optimizer": opt})),
                      ("dcp_load", lambda: dcp_load(opt, target)),
@@ -338,7 +320,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             for name, which in (order if rep % 2 == 0 else order[::-1]):
                 opt = torch.optim.Adam(model.parameters(), lr=1e-4)  # fresh: no state yet
                 if comm.rank == 0:
-                    drop_cache([cdir, ddir])
+                    evict([cdir, ddir])
                 rec(name, timer((lambda o=opt: mgr.load_latest({"model": model, "optimizer": o}))
                                 if which == "coci" else (lambda o=opt: dcp_load(o, ddir))))
                 if which == "coci":
