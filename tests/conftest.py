@@ -227,6 +227,14 @@ class SlurmCluster:
         head = lines[0].split("|")
         return [dict(zip(head, ln.split("|"))) for ln in lines[1:]]
 
+    def describe(self) -> str:
+        """The cluster's jobs (state, reason, nodes) and nodes (state, reason), for a failed wait's
+        message: a job that never reached a step says whether it ran or waited, and for what."""
+        jobs = self.run("squeue", "-h", "-o", "%i %T %r %N", check=False)
+        nodes = self.run("sinfo", "-N", "-h", "-o", "%N %T %E", check=False)
+        return (f"squeue (id state reason nodes):\n{jobs.stdout}{jobs.stderr}"
+                f"sinfo (node state reason):\n{nodes.stdout}{nodes.stderr}")
+
     def queue_state(self, job_id: str) -> str:
         return self.run("squeue", "-h", "-j", job_id, "-o", "%T", check=False).stdout.strip()
 

@@ -97,14 +97,19 @@ def submit_peer_run(cluster: SlurmCluster, wd: Path, every: int = PEER_EVERY, ex
     return job, ckpt, wd / "run" / "logs" / f"{job}_0_log.out"
 
 
-def wait_step(log0: Path, at_least: int, timeout: float = 180) -> int:
-    """Rank 0's step once it is at least ``at_least`` (from its log)."""
+def wait_step(log0: Path, at_least: int, timeout: float = 180, cluster: SlurmCluster | None = None) -> int:
+    """Rank 0's step once it is at least ``at_least`` (from its log). On a timeout the message
+    has the ends of rank 0's logs and, given ``cluster``, its jobs' and nodes' states."""
     deadline = time.monotonic() + timeout
     while True:
         steps = STEP_RE.findall(log0.read_text()) if log0.exists() else []
         if steps and int(steps[-1]) >= at_least:
             return int(steps[-1])
-        assert time.monotonic() < deadline, f"rank 0 did not reach step {at_least}"
+        if time.monotonic() >= deadline:
+            err = log0.with_name(log0.name.replace("_log.out", "_log.err"))
+            tails = "".join(f"--- {p.name} (end):\n{p.read_text()[-3000:]}\n" for p in (log0, err) if p.exists())
+            raise AssertionError(f"rank 0 did not reach step {at_least} in {timeout:g} s (last: "
+                                 f"{steps[-1] if steps else 'none'})\n{tails}{cluster.describe() if cluster else ''}")
         time.sleep(0.2)
 
 
@@ -115,7 +120,9 @@ def check_peer_run(cluster: SlurmCluster, wd: Path, job: str, ckpt: Path, log0: 
     rows = cluster.wait_gone(job, timeout=150)
     text = log0.read_text()
     err = (wd / "run" / "logs" / f"{job}_0_log.err").read_text()
-    print(text[-1500:], err[-4000:], rows, sep="\n")
+    err1 = wd / "run" / "logs" / f"{job}_1_log.err"     # rank 1's: where a lost or crashed rank says why
+    print(text[-1500:], err[-4000:], f"--- rank 1's log.err (end):\n{err1.read_text()[-2500:] if err1.exists() else '(none)'}",
+          rows, sep="\n")
     states = [r["State"] for r in rows]
     assert states[0] in first_state and states[-1] == "COMPLETED", rows
     assert reference_hash(text) == ref_hash           # bit-exact with the uninterrupted run
@@ -169,10 +176,11 @@ def _three_node_cluster(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
         slurm_cluster.run(dc, "up", "--nodes", "2", timeout=300)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def three_nodes(_three_node_cluster: SlurmCluster) -> SlurmCluster:
-    """The 3-node cluster for the module that asks, each module starting as after a fresh `up`: `up`
-    on the running cluster restarts nothing and resumes any node an earlier module left down."""
+    """The 3-node cluster for the test that asks, each test starting as after a fresh `up`: `up`
+    on the running cluster restarts nothing and resumes any node an earlier test left down (its
+    own `recover` may have found the node still down: a 3-node job would then wait for it)."""
     _three_node_cluster.run(str(_three_node_cluster.devcluster), "up", "--nodes", "3", timeout=300)
     return _three_node_cluster
 

@@ -70,7 +70,7 @@ def test_fsdp2_node_lost_resumes_from_the_memory_tier_bit_exact(three_nodes: Slu
     # A random step past the first disk checkpoint and well before the second: the memory tier's
     # step is newer than the disk's, so the test tells which one served.
     target = random.randint(DISK_EVERY + 2 * K, 2 * DISK_EVERY - 3 * K)
-    wait_step(log0, target, timeout=240)
+    wait_step(log0, target, timeout=240, cluster=cluster)
     try:
         cluster.run(str(cluster.devcluster), "fail", "n2", "--hard", "--delay", "1")   # rank 1's node
         rows = cluster.wait_gone(job, timeout=400)
@@ -106,7 +106,7 @@ def test_fsdp2_rank_and_partner_lost_falls_back_to_the_disk_tier(three_nodes: Sl
                   "--policy", f"fixed:{DISK_EVERY}", str(TRAIN), "--steps", str(STEPS), "--seed", str(SEED),
                   "--step-time", STEP_TIME)
     log0 = wd / "run" / "logs" / f"{job}_0_log.out"
-    wait_step(log0, random.randint(DISK_EVERY + 2 * K, 2 * DISK_EVERY - 3 * K), timeout=240)
+    wait_step(log0, random.randint(DISK_EVERY + 2 * K, 2 * DISK_EVERY - 3 * K), timeout=240, cluster=cluster)
     try:
         cluster.run(str(cluster.devcluster), "fail", "n2", "--hard", "--delay", "1")
         cluster.run(str(cluster.devcluster), "fail", "n3", "--hard", "--delay", "1")

@@ -26,7 +26,7 @@ def test_sigkilled_rank_survivor_saves_requeues_and_ends_bit_exact(slurm_cluster
     wd = slurm_cluster.workdir / "peer-crash"
     wd.mkdir()
     job, ckpt, log0 = submit_peer_run(slurm_cluster, wd)
-    at = wait_step(log0, random.randint(40, 120))
+    at = wait_step(log0, random.randint(40, 120), cluster=slurm_cluster)
     slurm_cluster.run(str(slurm_cluster.devcluster), "kill-tasks", "n2")   # rank 1 dies; no node goes down
     res = check_peer_run(slurm_cluster, wd, job, ckpt, log0, peer_reference, ("REQUEUED",))
     assert res["lost"]["step"] >= at - 1
@@ -41,7 +41,7 @@ def test_hard_node_failure_resumes_from_survivors_checkpoint(slurm_cluster: Slur
     wd = slurm_cluster.workdir / "peer-node"
     wd.mkdir()
     job, ckpt, log0 = submit_peer_run(slurm_cluster, wd)
-    wait_step(log0, random.randint(40, 120))
+    wait_step(log0, random.randint(40, 120), cluster=slurm_cluster)
     try:
         slurm_cluster.run(str(slurm_cluster.devcluster), "fail", "n2", "--hard", "--delay", "5")
         slurm_cluster.wait_state(job, ("PENDING",), timeout=60)
@@ -72,7 +72,7 @@ def test_survivors_killed_mid_save_leave_the_previous_checkpoint(slurm_cluster: 
     wd.mkdir()
     job, ckpt, log0 = submit_peer_run(slurm_cluster, wd, every=40, env={"COCI_FAULT_SURVIVORS_PAUSE_S": "120"})
     err0 = wd / "run" / "logs" / f"{job}_0_log.err"
-    wait_step(log0, random.randint(90, 110))   # between the checkpoints at 80 and 120
+    wait_step(log0, random.randint(90, 110), cluster=slurm_cluster)   # between the checkpoints at 80 and 120
     fail = subprocess.Popen([str(slurm_cluster.devcluster), "fail", "n2", "--hard", "--delay", "15"],
                             env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -118,7 +118,7 @@ def test_sharded_state_on_the_lost_rank_falls_back_and_says_so(slurm_cluster: Sl
     # The memory tier (runtime/memtier.py) would cover the rows: off here, to test the fallback.
     job, ckpt, log0 = submit_peer_run(slurm_cluster, wd, every=40, extra=("--sharded-state",),
                                       env={"COCI_MEMTIER_K": "0"})
-    wait_step(log0, random.randint(90, 110))
+    wait_step(log0, random.randint(90, 110), cluster=slurm_cluster)
     slurm_cluster.run(str(slurm_cluster.devcluster), "kill-tasks", "n2")
     rows = slurm_cluster.wait_gone(job, timeout=150)
     text = log0.read_text()

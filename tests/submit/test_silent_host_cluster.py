@@ -29,7 +29,7 @@ def test_frozen_host_is_detected_in_seconds_and_the_run_resumes_bit_exact(slurm_
     wd = slurm_cluster.workdir / "silent-host"
     wd.mkdir()
     job, ckpt, log0 = submit_peer_run(slurm_cluster, wd)
-    wait_step(log0, random.randint(40, 120))
+    wait_step(log0, random.randint(40, 120), cluster=slurm_cluster)
     t_freeze = time.time()
     try:
         slurm_cluster.run(str(slurm_cluster.devcluster), "fail", "n2", "--hard", "--freeze",
