@@ -18,8 +18,9 @@ Method (:mod:`benchmarks.method`): one warm-up round of every measurement, kept 
 figure (``seconds_cold``), then ``--repeats`` (>= 7) timed rounds in rotating order; ``seconds`` is
 their median, with ``seconds_min`` / ``seconds_max`` beside it. Each measurement runs in its own
 Python process, with a cold page cache for the files it reads (those files evicted: fsync +
-fadvise DONTNEED, :func:`benchmarks.method.evict`; a global drop_caches before 2026-11-29), and reports its wall time and its peak resident memory above its resident
-memory once its imports are done (``/proc/self/status`` VmHWM - VmRSS, the peak reset through
+fadvise DONTNEED, :func:`benchmarks.method.evict`; a global drop_caches before 2026-11-29), and
+reports its wall time and its peak resident memory above its resident memory once its imports
+are done (``/proc/self/status`` VmHWM - VmRSS, the peak reset through
 ``/proc/self/clear_refs`` where the kernel allows):
 
 * raw_read: the coci data file read sequentially into one 8 MiB buffer (the floor);
