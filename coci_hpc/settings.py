@@ -100,8 +100,8 @@ SURVIVORS = Var("COCI_SURVIVORS", str, "1", "`0` turns the survivors' save and t
 MEMTIER_K = Var("COCI_MEMTIER_K", pos_int, None, "memory tier (state held in parts, e.g. FSDP2): copy each rank's "
                 f"state to its partner every k steps; `0` turns it off; unset: {MEMTIER_EVERY} until the two-tier "
                 "planner sets k", "Session", f"{MEMTIER_EVERY}, then planned")
-DIST_TIMEOUT = Var("COCI_DIST_TIMEOUT_S", float, DIST_TIMEOUT_S, "bound on every gloo/NCCL collective",
-                   "`init_distributed`", f"{DIST_TIMEOUT_S:g} s")
+DIST_TIMEOUT = Var("COCI_DIST_TIMEOUT_S", float, DIST_TIMEOUT_S, "bound on every gloo/NCCL collective, and on the "
+                   "start-up rendezvous (each rank's stack is printed 10 s before it ends)", "`init_distributed`", f"{DIST_TIMEOUT_S:g} s")
 SHIELD_SIGNALS = Var("COCI_SHIELD_SIGNALS", str, None, "`0`: do not shield DataLoader workers from "
                      "USR1/USR2/SIGTERM; `1`: shield outside a Slurm step too", "`import coci_hpc`",
                      "on inside a Slurm step")

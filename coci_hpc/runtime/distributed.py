@@ -3,14 +3,23 @@ TorchDistributedEnvironment does: rank, world size, local rank and the rendezvou
 
 Precedence (first that applies): a process group already initialised; ``RANK``/``WORLD_SIZE``
 already set (torchrun, or the user); an MPI launch (mpiexec, ``srun --mpi=pmix``: rank 0 sends
-its host name and a free port over MPI, so nothing has to resolve node names); a Slurm step
+its host name and the port of a socket it is already listening on over MPI, so nothing has to
+resolve node names and no other process can take the port in between); a Slurm step
 (``SLURM_PROCID``/``SLURM_NTASKS``, rendezvous on the first node of the job at a port derived
 from the job id); else one process. Backend: NCCL when CUDA is available, else gloo.
+
+A rank that never reaches the rendezvous leaves the others waiting up to the timeout; so while a
+rank is inside :func:`init_distributed` a watchdog is armed that prints every thread's stack to
+its stderr shortly before that timeout (the rank that hangs says where), and rank 0's error names
+the ranks that did not arrive.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
+import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,7 +29,7 @@ import torch.distributed as dist
 
 from coci_hpc import settings
 from coci_hpc.comm import Comm
-from coci_hpc.errors import UsageError
+from coci_hpc.errors import CommError, UsageError
 from coci_hpc.runtime import errorexit, teardown
 from coci_hpc.slurm.env import JobEnvironment
 from coci_hpc.slurm.hostlist import expand_hostlist
@@ -35,16 +44,32 @@ class DistInfo:
     source: str   # "initialized" | "env" | "mpi" | "slurm" | "single"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+# Rank 0's listening sockets by port, from the MPI rendezvous to the store built on them.
+_listeners: dict[int, socket.socket] = {}
+ARRIVED_KEY = "coci/arrived/"        # + rank: each rank's "host pid" once it reached the store
+WATCHDOG_LEAD_S = 10.0               # the stacks are printed this long before the rendezvous times out
+
+
+def _listen() -> socket.socket:
+    """A socket listening on a free port (dual stack where there is IPv6): bound before the port is
+    published, unlike binding port 0, closing and binding again, where another process (or a TCP
+    connection's local end) can take the port in between."""
+    if socket.has_dualstack_ipv6():
+        try:
+            return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=1024)
+        except OSError:
+            pass
+    return socket.create_server(("", 0), backlog=1024)
 
 
 def rendezvous(comm: Comm | None = None, job: JobEnvironment | None = None,
-               environ: Mapping[str, str] | None = None) -> tuple[dict[str, str], str]:
+               environ: Mapping[str, str] | None = None, listen: bool = False) -> tuple[dict[str, str], str]:
     """The env:// variables to use (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK) and their source.
-    Collective under MPI."""
+    Collective under MPI.
+
+    ``listen`` (init_distributed's): under MPI, rank 0 keeps the published port bound, listening,
+    for the store :func:`init_distributed` builds on it. Without it the port is free again when
+    this returns, for a caller that starts its own store there (``init_method="tcp://..."``)."""
     env = os.environ if environ is None else environ
     job = job if job is not None else JobEnvironment.from_env(env)
     comm = comm if comm is not None else Comm.world()
@@ -52,8 +77,22 @@ def rendezvous(comm: Comm | None = None, job: JobEnvironment | None = None,
         keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
         return {k: env[k] for k in keys if k in env}, "env"
     if comm.is_mpi:
-        mine = (socket.gethostname(), _free_port()) if comm.rank == 0 else None
-        host, port = comm.bcast(mine)
+        mine = None
+        if comm.rank == 0 and not ("MASTER_ADDR" in env and "MASTER_PORT" in env):
+            sock = _listen()
+            port = int(sock.getsockname()[1])
+            if listen:
+                _listeners[port] = sock
+            else:
+                sock.close()
+            mine = (socket.gethostname(), port, job.job_id)
+        elif comm.rank == 0:
+            mine = (str(env["MASTER_ADDR"]), int(env["MASTER_PORT"]), job.job_id)
+        host, port, job_id = comm.bcast(mine)
+        if job_id != job.job_id:
+            raise UsageError(f"rank {comm.rank} (Slurm job {job.job_id}) got its rendezvous address from rank 0 "
+                             f"of job {job_id}: two jobs' ranks are talking over MPI",
+                             hint="launch each job's ranks with their own srun/mpiexec")
         local = os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") or (str(job.localid) if job.localid is not None else "0")
         return {"MASTER_ADDR": str(env.get("MASTER_ADDR", host)), "MASTER_PORT": str(env.get("MASTER_PORT", port)),
                 "RANK": str(comm.rank), "WORLD_SIZE": str(comm.size), "LOCAL_RANK": str(local)}, "mpi"
@@ -102,7 +141,7 @@ def init_distributed(backend: str | None = None, comm: Comm | None = None,
         return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
                         dist.get_backend(), "initialized")
     backend = backend or (NCCL_WITH_CPU if torch.cuda.is_available() else "gloo")
-    values, source = rendezvous(comm)
+    values, source = rendezvous(comm, listen=True)
     rank, world, local = int(values["RANK"]), int(values["WORLD_SIZE"]), int(values.get("LOCAL_RANK", 0))
     if "nccl" in backend:
         torch.cuda.set_device(local % max(1, torch.cuda.device_count()))
@@ -110,10 +149,58 @@ def init_distributed(backend: str | None = None, comm: Comm | None = None,
         # No rendezvous for one process: an in-memory store, no port to pick.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
-        dist.init_process_group(backend, init_method=f"tcp://{values['MASTER_ADDR']}:{values['MASTER_PORT']}",
-                                rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        with _stack_watchdog(max(1.0, min(timeout_s - WATCHDOG_LEAD_S, 0.9 * timeout_s))):
+            store = _store(values["MASTER_ADDR"], int(values["MASTER_PORT"]), rank, world, timeout_s)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     teardown.install(owns_process_group=True)   # destroyed at exit, no gloo release left in flight
     return DistInfo(rank, world, local, backend, source)
+
+
+class _stack_watchdog:
+    """While inside: after ``after_s`` seconds, every thread's stack to stderr (faulthandler's
+    timer thread, so also when this rank is stuck in native code: MPI, a socket, an import)."""
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+
+    def __enter__(self) -> None:
+        try:
+            faulthandler.dump_traceback_later(self.after_s, exit=False, file=sys.stderr)
+        except (ValueError, OSError, AttributeError):   # no usable stderr (a test's capture)
+            self.after_s = -1
+
+    def __exit__(self, *exc: object) -> None:
+        if self.after_s >= 0:
+            faulthandler.cancel_dump_traceback_later()
+
+
+def _store(host: str, port: int, rank: int, world: int, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store, rank 0 serving it (on the socket the MPI rendezvous listened on, when
+    there is one); returns once every rank has reached it, or raises naming the ranks missing."""
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        sock = _listeners.pop(port, None)
+        fd = sock.detach() if sock is not None else None      # the store owns (and closes) it now
+        store = dist.TCPStore(host, port, world, True, timeout, wait_for_workers=False, master_listen_fd=fd)
+    else:
+        store = dist.TCPStore(host, port, world, False, timeout)
+    store.set(f"{ARRIVED_KEY}{rank}", f"{socket.gethostname()} pid {os.getpid()}")
+    if rank == 0:
+        deadline = time.monotonic() + timeout_s
+        missing = list(range(1, world))
+        while missing:
+            missing = [r for r in missing if not store.check([f"{ARRIVED_KEY}{r}"])]
+            if missing and time.monotonic() > deadline:
+                raise CommError(
+                    f"rank(s) {missing[:16]}{' ...' if len(missing) > 16 else ''} of {world} did not reach the "
+                    f"rendezvous at {host}:{port} within {timeout_s:g}s: each such rank died or hung before or "
+                    "inside init_distributed (its stack is in its stderr if it hung inside)",
+                    hint="look at those ranks' output; a start-up that can take longer (slow imports, a busy file "
+                         f"system) needs a larger {settings.DIST_TIMEOUT.name}")
+            if missing:
+                time.sleep(0.05)
+    return store
 
 
 def default_comm(environ: Mapping[str, str] | None = None) -> Comm:

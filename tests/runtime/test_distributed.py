@@ -1,14 +1,23 @@
-"""init_distributed's backend choice, on the CPU: torch.cuda and init_process_group mocked."""
+"""init_distributed: the backend choice (torch.cuda and init_process_group mocked), the MPI rendezvous's
+port and job check, and a rank that never arrives (real processes, a real TCPStore)."""
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from coci_hpc.comm import Comm
+from coci_hpc.errors import CommError, UsageError
 from coci_hpc.runtime import distributed
 from coci_hpc.runtime.distributed import NCCL_WITH_CPU, init_distributed
+from tests.conftest import ROOT
 
 
 @pytest.fixture
@@ -19,8 +28,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.update(device=d))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(distributed.errorexit, "install", lambda: None)
+    monkeypatch.setattr(distributed, "_store", lambda *a: seen.update(store=a))
     monkeypatch.setattr(distributed, "rendezvous",
-                        lambda comm=None: ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "3",
+                        lambda comm=None, **kw: ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "3",
                                             "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "env"))
     return seen
 
@@ -46,3 +56,94 @@ def test_an_explicit_backend_is_kept(calls: dict[str, Any], monkeypatch: pytest.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert init_distributed("nccl").backend == "nccl"
     assert calls["backend"] == "nccl" and calls["device"] == 3
+
+
+class _FakeMPI:
+    """An mpi4py communicator of `size` ranks seen from `rank`: bcast returns what rank 0 sent
+    (``root_value`` for the other ranks)."""
+
+    def __init__(self, rank: int, size: int = 2, root_value: Any = None) -> None:
+        self.rank, self.size, self.root_value = rank, size, root_value
+        self.sent: Any = None
+
+    def Get_rank(self) -> int:
+        return self.rank
+
+    def Get_size(self) -> int:
+        return self.size
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        self.sent = obj
+        return obj if self.rank == root else self.root_value
+
+
+def test_mpi_rendezvous_publishes_a_port_rank_0_already_listens_on() -> None:
+    # Binding port 0, closing and binding again leaves the port free in between: another process,
+    # or a TCP connection's local end, could take it. Rank 0 keeps it bound until the store does.
+    fake = _FakeMPI(0)
+    env = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
+    vals, src = distributed.rendezvous(Comm(fake), environ=env, listen=True)
+    port = int(vals["MASTER_PORT"])
+    assert src == "mpi" and fake.sent == (socket.gethostname(), port, "7")
+    try:
+        with pytest.raises(OSError), socket.socket() as other:
+            other.bind(("", port))             # still rank 0's: nobody else can take it
+    finally:
+        distributed._listeners.pop(port).close()
+    # A caller that starts its own store there (tcp://) gets a port that is free again.
+    vals, _ = distributed.rendezvous(Comm(_FakeMPI(0)), environ=env)
+    assert int(vals["MASTER_PORT"]) not in distributed._listeners
+    with socket.socket() as s:
+        s.bind(("", int(vals["MASTER_PORT"])))
+
+
+def test_mpi_rendezvous_refuses_another_jobs_address() -> None:
+    fake = _FakeMPI(1, root_value=("vm", 1234, "8"))
+    with pytest.raises(UsageError, match="job 8"):
+        distributed.rendezvous(Comm(fake), environ={"SLURM_JOB_ID": "7", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"})
+    vals, _ = distributed.rendezvous(Comm(_FakeMPI(1, root_value=("vm", 1234, "7"))),
+                                     environ={"SLURM_JOB_ID": "7", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"})
+    assert (vals["MASTER_ADDR"], vals["MASTER_PORT"], vals["RANK"]) == ("vm", "1234", "1")
+
+
+RANK0 = """
+import sys
+sys.path.insert(0, {root!r})
+import coci_hpc
+coci_hpc.init_distributed()
+print("INITIALISED")
+"""
+
+
+def _rank(rank: int, port: int, timeout_s: float, tmp: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "COCI_DIST_TIMEOUT_S": str(timeout_s)}
+    script = tmp / "rank.py"
+    script.write_text(RANK0.format(root=str(ROOT)))
+    return subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_rank_that_never_arrives_is_named_and_the_waiting_rank_prints_its_stack(tmp_path: Path) -> None:
+    p = _rank(0, _port(), 6, tmp_path)                  # rank 1 never starts
+    out, err = p.communicate(timeout=90)
+    assert p.returncode == CommError.exit_code, err
+    assert "Traceback" not in err and "INITIALISED" not in out
+    assert "rank(s) [1] of 2 did not reach the rendezvous" in err and "COCI_DIST_TIMEOUT_S" in err
+    # the watchdog: this rank's own stack, printed before the timeout, in init_distributed
+    assert "Timeout (0:00:01)!" in err and "in init_distributed" in err
+
+
+def test_two_ranks_meet_and_the_watchdog_stays_quiet(tmp_path: Path) -> None:
+    port = _port()
+    ranks = [_rank(r, port, 30, tmp_path) for r in (0, 1)]
+    for p in ranks:
+        out, err = p.communicate(timeout=90)
+        assert p.returncode == 0 and "INITIALISED" in out, err
+        assert "Timeout (" not in err                  # cancelled once the group exists

@@ -222,13 +222,14 @@ def test_init_distributed_bounds_collectives(monkeypatch: pytest.MonkeyPatch) ->
     seen = {}
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda *a, **k: seen.update(k))
+    monkeypatch.setattr(distributed, "_store", lambda *a: seen.update(store_timeout_s=a[-1]))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29999")
     monkeypatch.setenv("COCI_DIST_TIMEOUT_S", "42")
     distributed.init_distributed("gloo", comm=Comm.serial())
-    assert seen["timeout"] == timedelta(seconds=42)
+    assert seen["timeout"] == timedelta(seconds=42) and seen["store_timeout_s"] == 42   # the rendezvous too
 
 
 def test_a_writer_killed_before_its_manifest_leaves_the_previous_checkpoint_and_is_swept(

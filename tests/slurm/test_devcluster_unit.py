@@ -20,7 +20,8 @@ def dc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("COCI_DEVCLUSTER_DIR", str(tmp_path / "state"))
     # The default ports, whatever cluster this run's own environment points at (a second cluster on
     # other ports, e.g. a CI run beside the shared one): the rendered config is checked against them.
-    for var in ("COCI_SLURMCTLD_PORT", "COCI_SLURMDBD_PORT", "COCI_MARIADB_PORT", "COCI_SLURMD_BASE_PORT"):
+    for var in ("COCI_SLURMCTLD_PORT", "COCI_SLURMDBD_PORT", "COCI_MARIADB_PORT", "COCI_SLURMD_BASE_PORT",
+                "COCI_FIRST_JOB_ID", "COCI_MPI_PORT_MIN"):
         monkeypatch.delenv(var, raising=False)
     loader = importlib.machinery.SourceFileLoader("devcluster_under_test", str(DEVCLUSTER))
     spec = importlib.util.spec_from_loader(loader.name, loader)
@@ -163,10 +164,33 @@ def test_the_task_prolog_keeps_open_mpi_on_loopback(dc, monkeypatch) -> None:
     assert dc.TASK_PROLOG.stat().st_mode & 0o111 == 0o111        # slurmd must be able to exec it
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_MCA_")}
     p = subprocess.run([str(dc.TASK_PROLOG)], capture_output=True, text=True, env=env, check=True)
-    assert p.stdout.splitlines() == ["export OMPI_MCA_btl_tcp_if_include=lo", "export OMPI_MCA_oob_tcp_if_include=lo"]
+    ports = [f"export OMPI_MCA_btl_tcp_{k}_{v}={n}" for v in ("v4", "v6") for k, n in (("port_min", 1024),
+                                                                                      ("port_range", 1000))]
+    assert p.stdout.splitlines() == ["export OMPI_MCA_btl_tcp_if_include=lo", "export OMPI_MCA_oob_tcp_if_include=lo",
+                                     *ports]
     env["OMPI_MCA_btl_tcp_if_include"] = "eth0"
+    env["OMPI_MCA_btl_tcp_port_min_v4"] = "5000"
     p = subprocess.run([str(dc.TASK_PROLOG)], capture_output=True, text=True, env=env, check=True)
-    assert p.stdout.splitlines() == ["export OMPI_MCA_oob_tcp_if_include=lo"]
+    assert p.stdout.splitlines() == ["export OMPI_MCA_oob_tcp_if_include=lo", *ports[1:]]
+
+
+def test_a_second_cluster_gets_its_own_job_ids_and_mpi_ports(tmp_path: Path, monkeypatch) -> None:
+    """CI runs two clusters on this machine at once. Open MPI names a process after its Slurm job
+    and listens on the lowest free port from its minimum: with equal job ids, a survivor that
+    retries a dead peer's port could reach the other cluster's new rank under the name it expects.
+    tests/run's second shard gets its own job ids and port range; the rendered config says so."""
+    monkeypatch.setenv("COCI_DEVCLUSTER_DIR", str(tmp_path / "b"))
+    monkeypatch.setenv("COCI_FIRST_JOB_ID", "10001")
+    monkeypatch.setenv("COCI_MPI_PORT_MIN", "3024")
+    loader = importlib.machinery.SourceFileLoader("devcluster_b", str(DEVCLUSTER))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    assert "FirstJobId=10001" in mod.render_slurm_conf(2, "h").splitlines()
+    assert "export OMPI_MCA_btl_tcp_port_min_v4=3024" in mod.render_task_prolog()
+    run = (Path(DEVCLUSTER).parent.parent / "tests" / "run").read_text()
+    assert "COCI_FIRST_JOB_ID=10001 COCI_MPI_PORT_MIN=3024" in run     # the shard b environment
+    assert 3024 >= 1024 + mod.MPI_PORT_RANGE                               # no overlap with shard a's ports
 
 
 def test_a_second_cluster_is_refused_naming_the_running_one(dc, tmp_path: Path, monkeypatch) -> None:
