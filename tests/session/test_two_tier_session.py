@@ -20,9 +20,11 @@ SCRIPT = str(ROOT / "tests" / "session" / "scripts" / "two_tier_train.py")
 # ~0.1 s against a memory copy of ~5 ms, steps of ~20 ms: the memory tier pays clearly (simulated
 # waste ~0.6 of the work against ~0.8 for disk only), D ~ 60-110 steps (it moves with the
 # measured costs), the single-tier plan's interval ~ 20-40 steps. The run goes past the plan at
-# step REPLAN_EVERY, the margin before k applies and 2 or 3 D; not near a multiple of
-# REPLAN_EVERY (a plan begun at the last boundaries would never be applied, yet printed).
-STEPS, MTBF_S = 540, 2.0
+# step REPLAN_EVERY, the margin before k applies and 3 D of up to ~160 steps, so at least two
+# whole intervals follow the switch (CI, 2026-11-29: D 120 from step 210 left one in 540 steps);
+# not near a multiple of REPLAN_EVERY (a plan begun at the last boundaries would never be
+# applied, yet printed).
+STEPS, MTBF_S = 700, 2.0
 PLAN_RE = re.compile(r"two-tier plan: (.*); memory copy every (\S+) step\(s\), disk save every (\d+) step\(s\)")
 
 
