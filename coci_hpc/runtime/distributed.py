@@ -159,7 +159,8 @@ def init_distributed(backend: str | None = None, comm: Comm | None = None,
 
 class _stack_watchdog:
     """While inside: after ``after_s`` seconds, every thread's stack to stderr (faulthandler's
-    timer thread, so also when this rank is stuck in native code: MPI, a socket, an import)."""
+    timer thread, so also when this rank is stuck in native code: MPI, a socket, an import).
+    faulthandler has one such timer per process: this replaces one the script armed itself."""
 
     def __init__(self, after_s: float) -> None:
         self.after_s = after_s

@@ -165,13 +165,40 @@ def test_the_task_prolog_keeps_open_mpi_on_loopback(dc, monkeypatch) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_MCA_")}
     p = subprocess.run([str(dc.TASK_PROLOG)], capture_output=True, text=True, env=env, check=True)
     ports = [f"export OMPI_MCA_btl_tcp_{k}_{v}={n}" for v in ("v4", "v6") for k, n in (("port_min", 1024),
-                                                                                      ("port_range", 1000))]
+                                                                                      ("port_range", 250))]
     assert p.stdout.splitlines() == ["export OMPI_MCA_btl_tcp_if_include=lo", "export OMPI_MCA_oob_tcp_if_include=lo",
                                      *ports]
     env["OMPI_MCA_btl_tcp_if_include"] = "eth0"
     env["OMPI_MCA_btl_tcp_port_min_v4"] = "5000"
     p = subprocess.run([str(dc.TASK_PROLOG)], capture_output=True, text=True, env=env, check=True)
     assert p.stdout.splitlines() == ["export OMPI_MCA_oob_tcp_if_include=lo", *ports[1:]]
+    # each attempt of a requeued job listens in its own slice: 1024 + 250 * (restart count mod 4)
+    del env["OMPI_MCA_btl_tcp_port_min_v4"]
+    for restarts, low in (("1", 1274), ("3", 1774), ("4", 1024)):
+        p = subprocess.run([str(dc.TASK_PROLOG)], capture_output=True, text=True, check=True,
+                           env={**env, "SLURM_RESTART_COUNT": restarts})
+        assert f"export OMPI_MCA_btl_tcp_port_min_v4={low}" in p.stdout.splitlines(), (restarts, p.stdout)
+
+
+def test_a_frozen_process_that_a_signal_continues_is_stopped_again(dc) -> None:
+    """A dead host's processes never run again; this host's slurmd delivers Slurm's SIGCONT when
+    the survivors requeue the job before the node is marked down (CI, 2026-11-29)."""
+    import signal
+    import threading
+
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(0.1)
+        wake = threading.Timer(0.3, os.kill, (p.pid, signal.SIGCONT))
+        wake.start()
+        again = dc.keep_stopped([p.pid], 1.0)
+        wake.join()
+        assert again >= 1 and dc.proc_state(p.pid) in ("T", "t")
+        assert dc.keep_stopped([p.pid], 0.1) == 0           # nothing continued it: nothing to do
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_a_second_cluster_gets_its_own_job_ids_and_mpi_ports(tmp_path: Path, monkeypatch) -> None:
@@ -187,10 +214,11 @@ def test_a_second_cluster_gets_its_own_job_ids_and_mpi_ports(tmp_path: Path, mon
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
     assert "FirstJobId=10001" in mod.render_slurm_conf(2, "h").splitlines()
-    assert "export OMPI_MCA_btl_tcp_port_min_v4=3024" in mod.render_task_prolog()
+    assert "port_min=$(( 3024 + 250 * (${SLURM_RESTART_COUNT:-0} % 4) ))" in mod.render_task_prolog()
     run = (Path(DEVCLUSTER).parent.parent / "tests" / "run").read_text()
     assert "COCI_FIRST_JOB_ID=10001 COCI_MPI_PORT_MIN=3024" in run     # the shard b environment
     assert 3024 >= 1024 + mod.MPI_PORT_RANGE                               # no overlap with shard a's ports
+    assert mod.MPI_PORT_RANGE % mod.MPI_PORT_SLICE == 0                     # the attempts' slices tile it
 
 
 def test_a_second_cluster_is_refused_naming_the_running_one(dc, tmp_path: Path, monkeypatch) -> None:
