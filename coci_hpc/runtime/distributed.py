@@ -178,20 +178,26 @@ class _stack_watchdog:
 
 def _store(host: str, port: int, rank: int, world: int, timeout_s: float) -> dist.TCPStore:
     """The rendezvous store, rank 0 serving it (on the socket the MPI rendezvous listened on, when
-    there is one); returns once every rank has reached it, or raises naming the ranks missing."""
+    there is one) as torch's ``tcp://`` and ``env://`` do, or torchrun's agent serving it
+    (``TORCHELASTIC_USE_AGENT_STORE``: every rank a client); returns once every rank has reached
+    it, or raises naming the ranks missing."""
     timeout = timedelta(seconds=timeout_s)
-    if rank == 0:
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    # the agent's store outlives a restart of the workers: this attempt's keys only
+    arrived = f"{ARRIVED_KEY}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/" if agent else ARRIVED_KEY
+    if rank == 0 and not agent:
         sock = _listeners.pop(port, None)
         fd = sock.detach() if sock is not None else None      # the store owns (and closes) it now
-        store = dist.TCPStore(host, port, world, True, timeout, wait_for_workers=False, master_listen_fd=fd)
+        store = dist.TCPStore(host, port, world, True, timeout, wait_for_workers=False, multi_tenant=True,
+                              master_listen_fd=fd)
     else:
         store = dist.TCPStore(host, port, world, False, timeout)
-    store.set(f"{ARRIVED_KEY}{rank}", f"{socket.gethostname()} pid {os.getpid()}")
+    store.set(f"{arrived}{rank}", f"{socket.gethostname()} pid {os.getpid()}")
     if rank == 0:
         deadline = time.monotonic() + timeout_s
         missing = list(range(1, world))
         while missing:
-            missing = [r for r in missing if not store.check([f"{ARRIVED_KEY}{r}"])]
+            missing = [r for r in missing if not store.check([f"{arrived}{r}"])]
             if missing and time.monotonic() > deadline:
                 raise CommError(
                     f"rank(s) {missing[:16]}{' ...' if len(missing) > 16 else ''} of {world} did not reach the "

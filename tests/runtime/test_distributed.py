@@ -115,9 +115,9 @@ print("INITIALISED")
 """
 
 
-def _rank(rank: int, port: int, timeout_s: float, tmp: Path) -> subprocess.Popen[str]:
+def _rank(rank: int, port: int, timeout_s: float, tmp: Path, **extra: str) -> subprocess.Popen[str]:
     env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "COCI_DIST_TIMEOUT_S": str(timeout_s)}
+           "MASTER_PORT": str(port), "COCI_DIST_TIMEOUT_S": str(timeout_s), **extra}
     script = tmp / "rank.py"
     script.write_text(RANK0.format(root=str(ROOT)))
     return subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -147,3 +147,18 @@ def test_two_ranks_meet_and_the_watchdog_stays_quiet(tmp_path: Path) -> None:
         out, err = p.communicate(timeout=90)
         assert p.returncode == 0 and "INITIALISED" in out, err
         assert "Timeout (" not in err                  # cancelled once the group exists
+
+
+def test_under_torchruns_agent_store_every_rank_is_a_client(tmp_path: Path) -> None:
+    """torchrun's agent serves the store at MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True), as
+    torch's own env:// rendezvous expects: rank 0 serving it too would find the port taken."""
+    from datetime import timedelta
+
+    agent = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=30), wait_for_workers=False)
+    agent.set(f"{distributed.ARRIVED_KEY}0/1", "a worker of the attempt before")   # not this attempt's
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "1"}
+    ranks = [_rank(r, agent.port, 30, tmp_path, **env) for r in (0, 1)]
+    for p in ranks:
+        out, err = p.communicate(timeout=90)
+        assert p.returncode == 0 and "INITIALISED" in out, err
+    assert agent.check([f"{distributed.ARRIVED_KEY}1/0", f"{distributed.ARRIVED_KEY}1/1"])
