@@ -20,7 +20,8 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -78,7 +79,9 @@ def rendezvous(comm: Comm | None = None, job: JobEnvironment | None = None,
         return {k: env[k] for k in keys if k in env}, "env"
     if comm.is_mpi:
         mine = None
-        if comm.rank == 0 and not ("MASTER_ADDR" in env and "MASTER_PORT" in env):
+        if comm.rank == 0 and "MASTER_ADDR" in env and "MASTER_PORT" in env:
+            mine = (str(env["MASTER_ADDR"]), int(env["MASTER_PORT"]), job.job_id)
+        elif comm.rank == 0:
             sock = _listen()
             port = int(sock.getsockname()[1])
             if listen:
@@ -86,8 +89,6 @@ def rendezvous(comm: Comm | None = None, job: JobEnvironment | None = None,
             else:
                 sock.close()
             mine = (socket.gethostname(), port, job.job_id)
-        elif comm.rank == 0:
-            mine = (str(env["MASTER_ADDR"]), int(env["MASTER_PORT"]), job.job_id)
         host, port, job_id = comm.bcast(mine)
         if job_id != job.job_id:
             raise UsageError(f"rank {comm.rank} (Slurm job {job.job_id}) got its rendezvous address from rank 0 "
@@ -157,22 +158,20 @@ def init_distributed(backend: str | None = None, comm: Comm | None = None,
     return DistInfo(rank, world, local, backend, source)
 
 
-class _stack_watchdog:
+@contextmanager
+def _stack_watchdog(after_s: float) -> Iterator[None]:
     """While inside: after ``after_s`` seconds, every thread's stack to stderr (faulthandler's
     timer thread, so also when this rank is stuck in native code: MPI, a socket, an import).
     faulthandler has one such timer per process: this replaces one the script armed itself."""
-
-    def __init__(self, after_s: float) -> None:
-        self.after_s = after_s
-
-    def __enter__(self) -> None:
-        try:
-            faulthandler.dump_traceback_later(self.after_s, exit=False, file=sys.stderr)
-        except (ValueError, OSError, AttributeError):   # no usable stderr (a test's capture)
-            self.after_s = -1
-
-    def __exit__(self, *exc: object) -> None:
-        if self.after_s >= 0:
+    try:
+        faulthandler.dump_traceback_later(after_s, exit=False, file=sys.stderr)
+        armed = True
+    except (ValueError, OSError, AttributeError):   # no usable stderr (a test's capture)
+        armed = False
+    try:
+        yield
+    finally:
+        if armed:
             faulthandler.cancel_dump_traceback_later()
 
 
