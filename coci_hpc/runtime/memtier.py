@@ -217,6 +217,18 @@ def estimate_bytes(leaves: list[Leaf], optimizer_state_empty: bool) -> int:
     return 2 * SLOTS_PER_SIDE * state
 
 
+def switch_step(step: int, every: int, phase: int) -> int:
+    """The step a k planned at ``step`` takes over from, under copies every ``every`` steps from
+    ``phase``: at least ``PLAN_MARGIN`` steps on (every rank has the small eager message by then;
+    twice a small k, so a copy or two under the old k come first), not before ``phase``, and a
+    copy step of the old k unless the tier is off (``OFF_EVERY``): the copies just before and just
+    after the switch are then the old and the new k apart, never a step apart."""
+    if every >= OFF_EVERY:          # no copies to keep apart (a margin of twice "off" never came)
+        return max(step + PLAN_MARGIN, phase)
+    at = max(step + max(PLAN_MARGIN, 2 * every), phase)
+    return at + -(at - phase) % every
+
+
 class MemoryTier:
     """One rank's side of the memory tier; MPI only (``mpi_comm`` a duplicate of the world)."""
 
@@ -229,6 +241,11 @@ class MemoryTier:
         self.link = PartnerLink(mpi_comm, ranks_per_node, TAG)      # the per-rank copy's transport too
         self.rank, self.size = self.link.rank, self.link.size
         self.every = max(1, int(every))
+        # Copies at the steps s with (s - phase) % every == 0. A plan's k takes over at a copy step
+        # of the old k, which becomes the new phase: the copy before and the one after are then
+        # exactly the old and the new k apart. At the new k's own multiples they could be a step
+        # apart, and the second would find the first still in flight (skipped: CI, 2026-11-29).
+        self.phase = 0
         self.partner, self.source = self.link.partner, self.link.source
         self.own = [Slot() for _ in range(SLOTS_PER_SIDE)]
         self.recv = [Slot() for _ in range(SLOTS_PER_SIDE)]
@@ -260,7 +277,7 @@ class MemoryTier:
             return
         self.poll()
         self._plan_progress(step)
-        if step % self.every:
+        if (step - self.phase) % self.every:
             return
         if self._send_req is not None:
             self.skipped += 1          # the partner has not taken the last copy yet: keep it
@@ -283,8 +300,8 @@ class MemoryTier:
     def _plan_progress(self, step: int) -> None:
         """Rank 0 plans (``plan_fn``, in a thread: the simulation takes a second or two) every
         ``REPLAN_EVERY`` steps once a copy was timed, and sends every rank (k, the step it applies
-        from: ``PLAN_MARGIN`` steps on, so every rank has the small eager message by then); every
-        rank switches at that same step, so the memory-tier steps stay the same on all ranks."""
+        from: :func:`switch_step`); every rank switches at that same step, so the memory-tier steps
+        stay the same on all ranks."""
         if self.rank == 0 and self.plan_fn is not None:
             if self._plan_thread is None and self.copy_s and step % REPLAN_EVERY == 0:
                 import threading
@@ -300,18 +317,25 @@ class MemoryTier:
                 current = self._next_k[0] if self._next_k is not None else self.every
                 if got is not None and (k or OFF_EVERY) != (current or OFF_EVERY):   # only a change travels
                     self.planned = got
-                    msg = np.array([k, step + max(PLAN_MARGIN, 2 * min(self.every, 10**6))], dtype=np.int64)
+                    msg = np.array([k, self._switch_step(step)], dtype=np.int64)
                     self._plan_sends = [self.comm.Isend([msg, self._byte], r, TAG + 1) for r in range(self.size)]
                     self._plan_msg = msg
         if self.comm.Iprobe(source=0, tag=TAG + 1):
             self.comm.Recv([self._plan_buf, self._byte], source=0, tag=TAG + 1)
             self._next_k = (int(self._plan_buf[0]), int(self._plan_buf[1]))
         if self._next_k is not None and step >= self._next_k[1]:
-            k = self._next_k[0]
+            k, self.phase = self._next_k
             self._next_k = None
             # k = 0: the plan says the tier does not pay; copies stop (the buffers stay for a
             # later plan that brings it back)
             self.every = k if k > 0 else OFF_EVERY
+
+    def _switch_step(self, step: int) -> int:
+        """The step a plan decided at ``step`` applies from (:func:`switch_step`), against the
+        schedule in force by then: a plan sent but not applied yet counts."""
+        if self._next_k is not None:
+            return switch_step(step, self._next_k[0] or OFF_EVERY, self._next_k[1])
+        return switch_step(step, self.every, self.phase)
 
     def poll(self) -> None:
         """Non-blocking: finish what has finished, take in a copy that has started to arrive."""

@@ -89,6 +89,22 @@ def test_k_from_the_plan_reaches_every_rank_at_the_same_step(tmp_path: Path) -> 
     assert a[0] == 2 and a[-1] == 3                  # from the starting k to the planned one
     first = a.index(3)
     assert first >= 4 + 10                           # planned at step 4+ (a copy timed), applied >= 10 steps on
+    # the new k takes over at a copy step of the old (step first + 1): copies 2 apart, then 3
+    made = [i + 1 for i, (c, before) in enumerate(zip(res[0]["copies"], [0, *res[0]["copies"]])) if c > before]
+    switch = first + 1
+    assert made == [s for s in range(1, 31) if (s % 2 == 0 if s < switch else (s - switch) % 3 == 0)], (made, switch)
+
+
+def test_a_new_k_takes_over_at_a_copy_step_of_the_old_one() -> None:
+    from coci_hpc.runtime.memtier import OFF_EVERY, PLAN_MARGIN, switch_step
+
+    for every, phase, step in [(10, 0, 600), (10, 0, 605), (9, 0, 605), (7, 30, 200), (2, 0, 4), (500, 0, 400)]:
+        at = switch_step(step, every, phase)
+        assert (at - phase) % every == 0                              # a copy step of the old k
+        assert at >= step + max(PLAN_MARGIN, 2 * every)               # every rank has the message by then
+        assert at - every < step + max(PLAN_MARGIN, 2 * every)        # ... and the first such step
+    assert switch_step(600, 10, 615) == 625                           # not before a phase still to come
+    assert switch_step(600, OFF_EVERY, 0) == 600 + PLAN_MARGIN        # the tier off: the margin alone
 
 
 class _Sched:

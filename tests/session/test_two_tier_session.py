@@ -58,10 +58,15 @@ def test_two_tier_plan_sets_k_on_every_rank_and_the_disk_interval(tmp_path: Path
     assert dedup(every) == dedup([memtier.DEFAULT_EVERY, *ks]), (dedup(every), why)
     if ks[0] != memtier.DEFAULT_EVERY:
         assert every.index(ks[0]) >= memtier.REPLAN_EVERY + memtier.PLAN_MARGIN, why
-    # ... and the tier copies exactly at the multiples of the k in force, on both ranks
+    # ... and the tier copies exactly every k in force from its phase, on both ranks; a new k takes
+    # over at a copy step of the old one, so no two copies are closer than the smaller k (copies a
+    # step apart would find the first in flight: CI, 2026-11-29, k 10 -> 9 at step 621)
+    assert tier0["phase"] == tier1["phase"], why
     for r in (tier0, tier1):
         made = [s for s in range(1, STEPS) if r["copies"][s] > r["copies"][s - 1]]
-        assert made == [s for s in range(1, STEPS) if s % r["every"][s] == 0], (made, r["every"])
+        assert made == [s for s in range(1, STEPS) if (s - r["phase"][s]) % r["every"][s] == 0], (made, r["every"])
+        for a, b in zip(made, made[1:]):
+            assert b - a in (r["every"][a], r["every"][b]), (a, b, made, why)
         assert r["skipped"] == 0
 
     # D: rank 0's disk interval is the plan's, set at the plan (from step REPLAN_EVERY on)
@@ -75,18 +80,19 @@ def test_two_tier_plan_sets_k_on_every_rank_and_the_disk_interval(tmp_path: Path
     for a, b in after:
         # the save after a is at the first step s whose interval in force (set at boundary s - 1,
         # where s is decided) has passed: exactly D after a, also across a replan (unless the
-        # replan shortened D below the steps already done: then at once)
+        # replan shortened D below the steps already done: then at once). Under one D throughout,
+        # that is b - a == D exactly. (No interval need lie under one D: a replan every
+        # REPLAN_EVERY steps moves D by a few steps, and D ~ 120-145 leaves some runs none.)
         assert b - a >= disk[b - 1] and all(s - a < disk[s - 1] for s in range(a + 1, b)), (a, b, saves, why)
-    steady = [(a, b) for a, b in after if len(set(disk[a:b])) == 1]
-    assert steady and all(b - a == disk[a] for a, b in steady), (steady, saves, why)
 
     # ... which is not what the schedule's own single-tier plan does: without the memory tier
-    # (the control) and in this run before the plan, disk saves come well under D apart
+    # (the control) disk saves come well under D apart. Not its first interval, nor this run's
+    # before the plan: each is planned from one save's cost, a cold one, and came out 121 and 136
+    # steps against D 117 and 130 under load (2026-11-29); later ones use the median of several.
     assert set(control["every"]) == {None} and set(control["disk"]) == {None}
     own = gaps(planned_saves(tmp_path / "control"))
-    before = gaps([s for s in saves if s < switch])
-    assert len(own) >= 5 and before, (own, before)
-    assert max(own + before) < min(ds), (own, before, why)
+    assert len(own) >= 5 and [s for s in saves if s < switch], (own, saves)
+    assert max(own[1:]) < min(ds), (own, why)
 
     # every plan said is in the event log (coci-status shows the newest), with the failures its
     # disk interval answers: the setup's partner losses and the whole-job defaults

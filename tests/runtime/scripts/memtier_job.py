@@ -123,12 +123,14 @@ def main() -> int:
     if mode == "plan":          # rank 0's plan (here: k = 3) reaches every rank, applied at one step
         memtier.REPLAN_EVERY = 4
         tier.plan_fn = lambda copy_s: (3, 50) if copy_s else None
-        switched = []
+        switched, copies = [], []
         for s in range(1, steps + 1):
             step_once(model, opt, s)
             tier.boundary(s)
             switched.append(tier.every)
+            copies.append(tier.copies)
         result["every"] = switched
+        result["copies"] = copies
         gathered = comm.gather(result)
         if rank == 0:
             print("RESULT " + json.dumps(gathered), flush=True)

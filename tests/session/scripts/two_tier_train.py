@@ -20,7 +20,7 @@ memory tier pays is decided inside the simulation's noise: the test's premise wo
 how fast this disk happens to be that day.
 
 Rank 0 prints one ``RESULT`` JSON line: per run, every rank's memory-tier interval after each
-step boundary (``every[s]``: after boundary s) and how many copies it had made by then
+step boundary (``every[s]``: after boundary s; counted from ``phase[s]``) and how many copies it had made by then
 (``copies[s]``), rank 0's two-tier disk interval after each (``disk[s]``; None: the schedule's
 own plan), the measured costs, and the hash of the final (gathered) parameters. The Session's
 own lines (the plans it made) go to stderr as usual.
@@ -92,11 +92,13 @@ def train(ckpt_dir: Path, steps: int, mtbf_s: float, environ: dict[str, str], wo
                                environ=environ)
     tier = session.survival.memtier
     every: list[int | None] = []
+    phase: list[int | None] = []
     copies: list[int] = []
     disk: list[int | None] = []
     for step in session.steps():
         # what holds after boundary `step` (the restore's for step 0)
         every.append(None if tier is None else tier.every)
+        phase.append(None if tier is None else tier.phase)
         copies.append(0 if tier is None else tier.copies)
         disk.append(session.schedule.two_tier_disk_every)
         x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
@@ -105,7 +107,7 @@ def train(ckpt_dir: Path, steps: int, mtbf_s: float, environ: dict[str, str], wo
         loss.backward()
         opt.step()
         session.observe(loss.detach())
-    return {"every": every, "copies": copies, "disk": disk, "skipped": None if tier is None else tier.skipped,
+    return {"every": every, "phase": phase, "copies": copies, "disk": disk, "skipped": None if tier is None else tier.skipped,
             "final": digest(model), "costs": str(session.schedule.costs())}
 
 
