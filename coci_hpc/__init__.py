@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from coci_hpc.runtime.signals import shield as _shield
+from coci_hpc.runtime.signals import stacks_on_request as _stacks_on_request
 
 __version__ = "0.1.0"
 __all__ = ["Session", "init_distributed"]
@@ -11,6 +12,8 @@ __all__ = ["Session", "init_distributed"]
 # As early as possible: DataLoader workers started after this (forked or spawned, before or
 # after Session()) do not die of the signals Slurm sends to every process of the job step.
 _shield()
+# A rank that hangs says where on request (SIGQUIT: every thread's stack to its log).
+_stacks_on_request()
 
 
 def __getattr__(name: str) -> Any:

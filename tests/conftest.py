@@ -248,7 +248,8 @@ class SlurmCluster:
         raise AssertionError(f"job {job_id} not in {states} after {timeout}s (now {self.queue_state(job_id)!r})")
 
     def wait_gone(self, job_id: str, timeout: float = 180) -> list[dict[str, str]]:
-        """Wait until the job has left the queue and sacct has its final attempt."""
+        """Wait until the job has left the queue and sacct has its final attempt. On a timeout
+        the message has every rank's stacks and log ends (:meth:`give_up`)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.queue_state(job_id):
@@ -256,7 +257,29 @@ class SlurmCluster:
                 if rows and rows[-1]["State"] not in ("RUNNING", "PENDING", "REQUEUED", ""):
                     return rows
             time.sleep(1)
-        raise AssertionError(f"job {job_id} still queued after {timeout}s: {self.attempts(job_id)}")
+        rows = self.attempts(job_id)
+        raise AssertionError(f"job {job_id} still queued after {timeout}s: {rows}\n{self.give_up(job_id)}")
+
+    def give_up(self, job_id: str, logs: Path | None = None) -> str:
+        """A job a test waited for in vain: ask its ranks for their stacks (SIGQUIT: coci prints
+        every thread's, see ``coci_hpc.runtime.signals.stacks_on_request``), then cancel it, so that
+        it does not hold the nodes the next tests need (CI, 2026-11-29: one hung job failed the
+        three tests after it). Returns the ends of its ranks' error logs (in ``logs``, else where
+        Slurm says the batch step's goes), stacks included, and the cluster's state."""
+        if logs is None:
+            show = self.run("scontrol", "show", "job", "-o", job_id, check=False).stdout
+            m = re.search(r"\bStdErr=(\S+)", show)
+            logs = Path(m.group(1)).parent if m else None
+        running = self.queue_state(job_id) == "RUNNING"
+        if running:
+            self.run("scancel", "--signal=QUIT", job_id, check=False)
+            time.sleep(3)
+        state = self.describe()
+        self.run("scancel", job_id, check=False)
+        tails = "".join(f"--- {f.name} (end):\n{f.read_text(errors='replace')[-6000:]}\n"
+                        for f in sorted(logs.glob(f"{job_id}_*_log.err"))) if logs and logs.is_dir() else ""
+        return (f"{'stacks asked for (SIGQUIT), then ' if running else ''}job {job_id} cancelled; "
+                f"its ranks' logs:\n{tails or '(none found)'}{state}")
 
 
 @pytest.fixture(scope="session")

@@ -222,6 +222,34 @@ def shield(environ: Mapping[str, str] | None = None) -> str:
     return "shielded"
 
 
+STACKS_SIGNAL = signal.SIGQUIT
+
+
+def stacks_on_request(environ: Mapping[str, str] | None = None) -> bool:
+    """Inside a Slurm job step: on SIGQUIT, every thread's Python stack goes to stderr and the
+    process goes on (faulthandler's C handler: it works while the main thread is stuck inside a
+    C call, an MPI or gloo wait, where no Python handler would run). A rank that hangs can then
+    say where: ``scancel --signal=QUIT JOB`` (every rank of the job's steps), the stacks in each
+    rank's log. Slurm itself never sends SIGQUIT. Not done outside a step, off the main thread,
+    or when the program has its own SIGQUIT handler. True when registered (now or before)."""
+    import faulthandler
+
+    env = os.environ if environ is None else environ
+    if JobEnvironment.from_env(env).step_id is None or threading.current_thread() is not threading.main_thread():
+        return False
+    global _stacks_registered
+    if _stacks_registered:
+        return True
+    if signal.getsignal(STACKS_SIGNAL) not in (signal.SIG_DFL, None):
+        return False
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    _stacks_registered = True
+    return True
+
+
+_stacks_registered = False
+
+
 def is_shielded() -> bool:
     return _receiver is not None
 

@@ -108,8 +108,10 @@ def wait_step(log0: Path, at_least: int, timeout: float = 180, cluster: SlurmClu
         if time.monotonic() >= deadline:
             err = log0.with_name(log0.name.replace("_log.out", "_log.err"))
             tails = "".join(f"--- {p.name} (end):\n{p.read_text()[-3000:]}\n" for p in (log0, err) if p.exists())
+            job = log0.name.split("_", 1)[0]
             raise AssertionError(f"rank 0 did not reach step {at_least} in {timeout:g} s (last: "
-                                 f"{steps[-1] if steps else 'none'})\n{tails}{cluster.describe() if cluster else ''}")
+                                 f"{steps[-1] if steps else 'none'})\n{tails}"
+                                 f"{cluster.give_up(job, log0.parent) if cluster else ''}")
         time.sleep(0.2)
 
 
