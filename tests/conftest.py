@@ -282,6 +282,54 @@ class SlurmCluster:
                 f"its ranks' logs:\n{tails or '(none found)'}{state}")
 
 
+# -- a rank that crashed inside MPI_Init: Open MPI / PMIx under `srun --mpi=pmix`, not coci ----------
+# Seen in CI about once in 300-600 rank starts (2026-11-29: a segmentation fault at address 0 inside
+# `from mpi4py import MPI`, i.e. MPI_Init, before any step; ci22's rank 1 of a memory-tier test,
+# stop 40's rank 1 of the ledger test, a reproduction with 570 rank starts). coci handles it as
+# what it is, a rank lost at its start: coci-submit's relaunch loop restarts the ranks in place,
+# a plain sbatch job fails at the rendezvous naming the rank. But the test's own scenario (a node
+# failed at step N, one peer loss in the event log) then did not happen as written. Such a test is
+# run once more, only when a log of one of its jobs shows that crash; the first run's failure and
+# the crash stay in the output (pytest-rerunfailures: "RERUN").
+CLUSTER_WORKDIRS: list[Path] = []
+_test_started = [0.0]
+_MPI_INIT_FRAME = re.compile(r"Fatal Python error: Segmentation fault\n(?:.*\n)*?Current thread [^\n]*\n"
+                             r"(?:  File \"<frozen importlib[^\n]*\n)*  File \"[^\"]*coci_hpc/comm\.py\", line \d+ in world")
+_OMPI_NIL = re.compile(r"Signal: Segmentation fault \(11\)\n(?:.*\n)?.*Failing at address: \(nil\)")
+
+
+def mpi_init_crash(since: float, roots: list[Path] | None = None) -> str | None:
+    """The first log under the cluster tests' work directories, written since ``since``, that
+    shows a rank crashing inside MPI_Init (Python's fault handler: the crash inside the import of
+    mpi4py.MPI, coci_hpc/comm.py's ``world``; or Open MPI's own handler: a jump to address 0 in a
+    rank that never printed a step); None when there is none."""
+    for root in CLUSTER_WORKDIRS if roots is None else roots:
+        for f in root.rglob("*"):
+            try:
+                if not f.is_file() or f.suffix not in (".err", ".out", ".log") or f.stat().st_mtime < since:
+                    continue
+                text = f.read_text(errors="replace")
+            except OSError:
+                continue
+            if _MPI_INIT_FRAME.search(text) or (_OMPI_NIL.search(text) and "step=" not in text):
+                return str(f)
+    return None
+
+
+def crashed_in_mpi_init(error: BaseException | None = None) -> bool:
+    """pytest-rerunfailures' condition for the cluster tests (see above): whether a rank of this
+    test's jobs crashed inside MPI_Init. Says which log showed it."""
+    where = mpi_init_crash(_test_started[0])
+    if where:
+        print(f"a rank crashed inside MPI_Init (Open MPI/PMIx; see {where}): the test runs once more")
+    return where is not None
+
+
+@pytest.fixture(autouse=True)
+def _note_test_start() -> None:
+    _test_started[0] = time.time() - 1.0   # mtimes have a coarser clock
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> SlurmCluster:
     env = dict(os.environ)
@@ -294,6 +342,7 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> SlurmCluster:
                [subprocess.run([str(DEVCLUSTER), "env"], capture_output=True, text=True).stdout.strip()])
     # Job files must be visible from every virtual node: one machine, so any local dir is "shared".
     workdir = tmp_path_factory.mktemp("slurm")
+    CLUSTER_WORKDIRS.append(workdir)
     yield SlurmCluster(devcluster=DEVCLUSTER, env=env, workdir=workdir, started_here=not was_up)
     if not was_up:
         subprocess.run([str(DEVCLUSTER), "down"], capture_output=True)
@@ -334,6 +383,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                                else "is marked slurm but does not use the cluster"))
     if wrong:
         raise pytest.UsageError("cluster markers:\n  " + "\n  ".join(wrong))
+    for item in items:
+        if item.get_closest_marker("slurm") is not None:
+            item.add_marker(pytest.mark.flaky(reruns=1, condition=crashed_in_mpi_init))
     shard = config.getoption("--cluster-shard")
     if shard != "all":
         other = [item for item in items if item.get_closest_marker("slurm") and cluster_shard(item) != shard]
