@@ -320,9 +320,18 @@ def crashed_in_mpi_init(error: BaseException | None = None) -> bool:
     """pytest-rerunfailures' condition for the cluster tests (see above): whether a rank of this
     test's jobs crashed inside MPI_Init. Says which log showed it."""
     where = mpi_init_crash(_test_started[0])
-    if where:
-        print(f"a rank crashed inside MPI_Init (Open MPI/PMIx; see {where}): the test runs once more")
-    return where is not None
+    if where is None:
+        return False
+    # The rerun makes its work directories afresh (`wd.mkdir()`): what this run made is kept beside.
+    moved = []
+    for root in CLUSTER_WORKDIRS:
+        for entry in list(root.iterdir()):
+            if ".first-run" not in entry.name and entry.stat().st_mtime >= _test_started[0]:
+                entry.rename(entry.with_name(f"{entry.name}.first-run"))
+                moved.append(entry.name)
+    print(f"a rank crashed inside MPI_Init (Open MPI/PMIx; see {where}): the test runs once more "
+          f"(this run's directories kept as {', '.join(m + '.first-run' for m in moved) or 'nothing'})")
+    return True
 
 
 @pytest.fixture(autouse=True)
