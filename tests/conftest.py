@@ -192,6 +192,35 @@ def shared_dir(comm: Any) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def native_stacks(job_id: str) -> str:
+    """py-spy's native and Python stacks of this machine's processes of Slurm job ``job_id`` that
+    run Python (the ranks, srun's Python wrappers), for a failure's message: where a rank waits
+    inside MPI or gloo, which a Python-only dump cannot show. Empty without py-spy (a test
+    dependency) or without the privilege to attach."""
+    spy = Path(sys.executable).with_name("py-spy")
+    if not spy.exists():
+        return ""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            exe = os.readlink(entry / "exe")
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in env and "python" in Path(exe).name:
+            rank = next((v.decode().split("=", 1)[1] for v in env if v.startswith(b"SLURM_PROCID=")), "?")
+            try:
+                p = subprocess.run([str(spy), "dump", "--native", "--pid", entry.name], capture_output=True,
+                                   text=True, timeout=30)
+                out.append(f"--- py-spy dump --native, pid {entry.name} (SLURM_PROCID {rank}):\n"
+                           f"{(p.stdout + p.stderr)[-5000:]}")
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                out.append(f"--- py-spy on pid {entry.name}: {exc}")
+    return "".join(s + "\n" for s in out)
+
+
 @dataclass
 class SlurmCluster:
     """The running local cluster, as tests see it."""
@@ -271,7 +300,9 @@ class SlurmCluster:
             m = re.search(r"\bStdErr=(\S+)", show)
             logs = Path(m.group(1)).parent if m else None
         running = self.queue_state(job_id) == "RUNNING"
+        native = ""
         if running:
+            native = native_stacks(job_id)
             self.run("scancel", "--signal=QUIT", job_id, check=False)
             time.sleep(3)
         state = self.describe()
@@ -279,7 +310,7 @@ class SlurmCluster:
         tails = "".join(f"--- {f.name} (end):\n{f.read_text(errors='replace')[-6000:]}\n"
                         for f in sorted(logs.glob(f"{job_id}_*_log.err"))) if logs and logs.is_dir() else ""
         return (f"{'stacks asked for (SIGQUIT), then ' if running else ''}job {job_id} cancelled; "
-                f"its ranks' logs:\n{tails or '(none found)'}{state}")
+                f"its ranks' logs:\n{tails or '(none found)'}{native}{state}")
 
 
 # -- a rank that crashed inside MPI_Init: Open MPI / PMIx under `srun --mpi=pmix`, not coci ----------
