@@ -242,7 +242,12 @@ def stacks_on_request(environ: Mapping[str, str] | None = None) -> bool:
         return True
     if signal.getsignal(STACKS_SIGNAL) not in (signal.SIG_DFL, None):
         return False
-    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    try:
+        faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    except (AttributeError, OSError, RuntimeError, ValueError):
+        # no stderr with a file descriptor (a notebook kernel's stream, stderr closed): `import
+        # coci_hpc` must still work, without this diagnostic
+        return False
     _stacks_registered = True
     return True
 

@@ -55,3 +55,9 @@ def test_the_programs_own_sigquit_handler_is_kept() -> None:
     assert p.returncode == 0, p.stderr
     assert "registered False" in p.stdout and "own handler" in p.stdout and "went on" in p.stdout
     assert "in waiting_in_c" not in p.stderr
+
+
+def test_a_stderr_without_a_file_descriptor_leaves_the_import_working() -> None:
+    # a notebook kernel's stderr (io.StringIO here) has no fileno(): faulthandler cannot write to it
+    p = run({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}, before="import io; sys.stderr = io.StringIO()")
+    assert "registered False" in p.stdout, p.stdout + p.stderr
