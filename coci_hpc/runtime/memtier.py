@@ -314,10 +314,10 @@ class MemoryTier:
                 self._plan_thread = None
                 got = self._plan_result.pop() if self._plan_result else None
                 k = 0 if got is None else (got[0] or 0)      # None: the plan drops the memory tier
-                current = self._next_k[0] if self._next_k is not None else self.every
-                if got is not None and (k or OFF_EVERY) != (current or OFF_EVERY):   # only a change travels
+                every, phase = self._in_force()
+                if got is not None and (k or OFF_EVERY) != every:   # only a change travels
                     self.planned = got
-                    msg = np.array([k, self._switch_step(step)], dtype=np.int64)
+                    msg = np.array([k, switch_step(step, every, phase)], dtype=np.int64)
                     self._plan_sends = [self.comm.Isend([msg, self._byte], r, TAG + 1) for r in range(self.size)]
                     self._plan_msg = msg
         if self.comm.Iprobe(source=0, tag=TAG + 1):
@@ -330,12 +330,12 @@ class MemoryTier:
             # later plan that brings it back)
             self.every = k if k > 0 else OFF_EVERY
 
-    def _switch_step(self, step: int) -> int:
-        """The step a plan decided at ``step`` applies from (:func:`switch_step`), against the
-        schedule in force by then: a plan sent but not applied yet counts."""
+    def _in_force(self) -> tuple[int, int]:
+        """(every, phase) once what is planned has applied: a plan sent but not applied yet counts
+        (what a new plan is compared with, and switches from)."""
         if self._next_k is not None:
-            return switch_step(step, self._next_k[0] or OFF_EVERY, self._next_k[1])
-        return switch_step(step, self.every, self.phase)
+            return self._next_k[0] or OFF_EVERY, self._next_k[1]
+        return self.every, self.phase
 
     def poll(self) -> None:
         """Non-blocking: finish what has finished, take in a copy that has started to arrive."""

@@ -107,7 +107,9 @@ def wait_step(log0: Path, at_least: int, timeout: float = 180, cluster: SlurmClu
             return int(steps[-1])
         if time.monotonic() >= deadline:
             err = log0.with_name(log0.name.replace("_log.out", "_log.err"))
-            tails = "".join(f"--- {p.name} (end):\n{p.read_text()[-3000:]}\n" for p in (log0, err) if p.exists())
+            # with the cluster, give_up adds every rank's error log (rank 0's too)
+            tails = "".join(f"--- {p.name} (end):\n{p.read_text()[-3000:]}\n"
+                            for p in ((log0,) if cluster else (log0, err)) if p.exists())
             job = log0.name.split("_", 1)[0]
             raise AssertionError(f"rank 0 did not reach step {at_least} in {timeout:g} s (last: "
                                  f"{steps[-1] if steps else 'none'})\n{tails}"
