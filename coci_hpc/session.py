@@ -253,7 +253,7 @@ class Session:
             self._watch.close()
             self._op_timeout.restore()
             self.recorder.uninstall()
-            self.survival.remove_hooks()
+            self.survival.close()
             signals.after_session(completed)   # placeholders give the default action back; done: late warnings ignored
 
     def observe(self, loss: Any) -> None:

@@ -340,7 +340,7 @@ class _HookSession(Session):
         self._watch.close()
         self._op_timeout.restore()
         self.recorder.uninstall()
-        self.survival.remove_hooks()
+        self.survival.close()
         signals.after_session(completed)
 
 

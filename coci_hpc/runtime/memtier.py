@@ -11,9 +11,9 @@ Per memory-tier step (at the step boundary, where the state is that of the step'
    descriptions, then the raw leaf bytes; never pickle). Device tensors go straight into the
    slot's page-locked memory, queued on a side copy stream and waited for once before the send
    (:func:`copy_state`); host tensors are copied as they are;
-2. a non-blocking ``Isend`` of that buffer to the partner starts (on a communicator of our own,
-   through :class:`~coci_hpc.runtime.partner.PartnerLink`, the per-rank copy's transport too);
-   the copy coming the other way is taken in by ``Iprobe`` / ``Irecv`` into one of two reused
+2. a non-blocking send of that buffer to the partner starts (over a TCP connection of our own,
+   :class:`~coci_hpc.runtime.partner.PartnerLink`, the per-rank copy's transport too, which says
+   why not MPI); the copy coming the other way is taken in, as it arrives, into one of two reused
    receive buffers, and both are only *tested* at later boundaries (never waited on: a dead peer
    would block a wait forever). The transfer overlaps the next steps; a new memory-tier step
    whose previous exchange has not finished is skipped (counted in :attr:`MemoryTier.skipped`).
@@ -118,7 +118,7 @@ def pack_into(slot: Slot, rank: int, step: int, skeletons: Mapping[str, Any], le
             if l.array is None:
                 assert copies is not None and slot.tensor is not None and l.source is not None
                 # Safe: queued after the step's work (HostCopies orders its stream after the current
-                # one) into a slot whose last Isend completed; the caller waits before sending it.
+                # one) into a slot whose last send completed; the caller waits before sending it.
                 copies.copy(slot.tensor[o:o + l.nbytes], l.source)
             else:
                 buf[o:o + l.nbytes] = l.array.view(np.uint8)
@@ -139,7 +139,7 @@ def copy_state(slot: Slot, rank: int, step: int, state: Mapping[str, Any],
     copies = devices.HostCopies()
     slot.step = -1
     pack_into(slot, rank, step, skeletons, leaves, copies)
-    copies.wait()       # before the Isend reads the slot (and before the next pack rewrites it)
+    copies.wait()       # before the send reads the slot (and before the next pack rewrites it)
     if not whole():
         slot.step = -1
         return False
@@ -181,7 +181,7 @@ class Slot:
 
     def ensure(self, n: int, pin: bool = False) -> None:
         """At least ``n`` bytes; page-locked when ``pin`` (the state has device tensors). Only when
-        the slot is not being sent or read (its Isend completed, its copies were waited for)."""
+        the slot is not being sent or read (its send completed, its copies were waited for)."""
         grow = self.buf.size < n
         if grow or pin != (self.tensor is not None):
             size = n + n // 16 if grow else self.buf.size    # a little headroom: skeletons vary
@@ -255,7 +255,7 @@ class MemoryTier:
         self.complete: Slot | None = None      # the newest complete copy from ``source``
         self.skipped = 0
         self.copies = 0
-        self.copy_s: list[float] = []          # what each copy blocked the step for (flatten + pack + Isend)
+        self.copy_s: list[float] = []          # what each copy blocked the step for (flatten + pack + send)
         # The two-tier plan (rank 0 computes it off the loop, every rank applies it at one step):
         self.plan_fn: Callable[[list[float]], tuple[int | None, int] | None] | None = None
         self._plan_thread: Any = None
@@ -284,7 +284,7 @@ class MemoryTier:
             return
         t0 = time.perf_counter()
         slot = min(self.own, key=lambda s: s.step)   # the older own copy; its send has finished
-        # The slot is reused only once its last Isend completed (_send_req is None above), and
+        # The slot is reused only once its last send completed (_send_req is None above), and
         # pack_into rewrites every byte: host leaves now, device leaves queued on the side stream.
         slot.step = -1      # not a whole copy while it is rewritten: a survivors' save skips it
         # A peer lost while the device copy waited (frozen): its bytes may be garbage, never whole.

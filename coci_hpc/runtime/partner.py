@@ -4,9 +4,8 @@ A survivors' save (:mod:`.survivors`) writes the state of the last step every ra
 the dead rank. Replicated state is on every survivor; the dead rank's *per-rank* state (its RNG
 streams, ``PerRank`` values) exists only in its memory, so every rank sends a copy of it to its
 partner each step: ~10 KB (python's Mersenne Twister, numpy's and torch's generator states),
-sent with non-blocking MPI ``Isend`` on a duplicate of the world communicator (its messages never
-match the training's), received with ``Iprobe``/``Recv`` of what has already arrived: nothing on
-the critical path waits for it (sent in eager-sized pieces, see ``CHUNK``).
+sent without blocking over a TCP connection of its own (:class:`PartnerLink`, which says why not
+MPI), and taken in from what has already arrived: nothing on the critical path waits for it.
 
 What travels is raw bytes, never pickle, and nothing is converted per step (:class:`Capturer`):
 a fixed header, the RNG streams as the generators hold them (:mod:`.rngstate`), and, only when
@@ -36,8 +35,12 @@ a rank and its copy together unless two nodes fail.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import json
+import os
+import select
+import socket
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,16 +52,11 @@ from coci_hpc.checkpoint import devices
 from coci_hpc.checkpoint.leaves import LeafKind, PerRank, storage_dtype
 from coci_hpc.checkpoint.state import collect
 from coci_hpc.checkpoint.treecode import Leaf, flatten
+from coci_hpc.errors import CommError
 from coci_hpc.runtime import rngstate
 
 TAG = 0xC0C1          # on a communicator of our own (Dup), so any tag would do
-# Sent in pieces below Open MPI's eager limit (4 KB in shared memory including its own header,
-# 64 KB over TCP): an eager message is delivered into the receiver's queue at once and stays
-# there if the sender then dies. One larger message would go rendezvous: the receiver's Recv waits
-# for the sender to hand over the data (measured: ~2.7 ms per step on this machine), and a dead
-# sender never does.
-CHUNK = 4000
-SEND_SLOTS = 8        # copies whose pieces may still be in flight; a partner this far behind is not draining
+SEND_SLOTS = 8        # copies that may still be in flight; a partner this far behind is not draining
 _HEAD = struct.Struct("<Q")
 # The copy on the wire: magic, rank, step, RNG section bytes, PerRank section bytes.
 COPY_HEAD = struct.Struct("<4sIqII")
@@ -166,25 +164,17 @@ class PackedCopy:
         self.nbytes = 0
         self.step = -1
         self.rank = -1
-        self.requests: list[Any] = []   # MPI requests still reading buf
+        self.requests: list[Any] = []   # sends still reading buf
         self.resize(capacity)
 
     def resize(self, capacity: int) -> None:
-        self.buf: Any = np.zeros(capacity, dtype=np.uint8)   # Any: struct and MPI take it as a buffer
+        self.buf: Any = np.zeros(capacity, dtype=np.uint8)   # Any: struct and the link take it as a buffer
         self.addr = self.buf.ctypes.data
-        self._pieces: tuple[int, list[Any]] = (-1, [])
-
-    def pieces(self, byte: Any) -> list[Any]:
-        """The buffer specs of the pieces to send (made once per size: mpi4py parses a spec per call)."""
-        if self._pieces[0] != self.nbytes:
-            n = self.nbytes
-            self._pieces = (n, [[self.buf[i:min(i + CHUNK, n)], byte] for i in range(0, n, CHUNK)])
-        return self._pieces[1]
 
     def busy(self) -> bool:
         if not self.requests:
             return False
-        if _testall(self.requests):
+        if all(r.Test() for r in self.requests):
             self.requests = []
             return False
         return True
@@ -274,12 +264,6 @@ def same_bytes(a: PackedCopy, b: PackedCopy) -> bool:
     return bool(np.array_equal(a.buf[h:n], b.buf[h:n]))
 
 
-def _testall(requests: list[Any]) -> bool:
-    from mpi4py import MPI
-
-    return bool(MPI.Request.Testall(requests))
-
-
 def partner_of(rank: int, size: int, ranks_per_node: int) -> int:
     k = ranks_per_node if 0 < ranks_per_node < size else 1
     return (rank + k) % size
@@ -289,55 +273,252 @@ class PartnerLink:
     """The transport both partner copies use: the per-step per-rank copy (:class:`PartnerCopy`)
     and the memory tier's copy of the whole local state (:mod:`.memtier`). One rank sends to its
     ``partner`` (:func:`partner_of`) and receives from its ``source`` (the rank whose partner it
-    is), on a communicator of its own (a duplicate of the world: its messages never match the
-    training's), with non-blocking sends and probes; never a wait that a dead peer could hold.
-    What travels and in how many messages is the user's business (eager pieces for the small
-    per-rank copy, one message for the tier)."""
+    is), each way over a TCP connection of its own, non-blocking; never a wait that a dead peer
+    could hold. Messages are framed (an 8-byte length, then the bytes) and arrive in order.
+
+    Why not MPI (it was, until 2026-11-29): Open MPI 4.1's ob1 layer aborts the *sending* process
+    when a TCP write to a peer fails (``writev failed: Connection reset by peer``, then
+    ``pml_ob1_sendreq.c:190 FATAL``, exit 255), whatever the error handler. A rank killed while
+    a copy was streaming to it then took its survivor with it (seen in CI and reproduced: a
+    SIGKILLed receiver, 5 of 5 senders gone). Over a socket of our own the same failure is an
+    ``OSError`` here: the link is marked ``broken``, its sends never complete (as MPI's to a dead
+    peer never did), and the peer-loss path goes on. Bytes that had arrived before the sender died
+    stay readable (the kernel keeps them; the dead sender's side closes with FIN: nothing is ever
+    sent back on a connection, so it holds no unread data that would make it a reset).
+
+    Setup is collective over ``mpi_comm`` (each rank's host and port, one ``allgather``): every
+    rank connects to its partner's listening socket, then accepts its source's connection, which
+    proves itself with the listener's random token. Progress is made by the calls here (``Test``,
+    ``arrived``), as MPI's was: the caller polls at step boundaries."""
+
+    HELLO = struct.Struct("<4sIIQ")       # magic, the connecting rank, the tag, the listener's token
+    MAGIC = b"CPL1"
+    CONNECT_S = 60.0                      # connecting and accepting at setup (every rank is there)
 
     def __init__(self, mpi_comm: Any, ranks_per_node: int, tag: int) -> None:
-        from mpi4py import MPI
-
         self.comm = mpi_comm
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.tag = tag
         self.partner = partner_of(self.rank, self.size, ranks_per_node)
         # The rank that sends to us: the inverse of partner_of.
         self.source = next(r for r in range(self.size) if partner_of(r, self.size, ranks_per_node) == self.rank)
-        self.status = MPI.Status()
-        self.byte = MPI.BYTE
+        self.broken: str | None = None    # why the outgoing connection failed (the partner is gone)
+        self.closed: str | None = None    # why the incoming one ended (the source is gone)
+        self._sends: collections.deque[SendRequest] = collections.deque()
+        self._head = bytearray(_HEAD.size)
+        self._head_have = 0
+        self._next: int | None = None     # the size of the next message, once its header is in
+        self._recv: RecvRequest | None = None
+        self._out, self._in = self._connect(mpi_comm)
 
-    def spec(self, buf: Any) -> list[Any]:
-        """A buffer spec for :meth:`isend` (made once and kept: mpi4py parses a spec per call)."""
-        return [buf, self.byte]
+    # -- setup -----------------------------------------------------------------------------------
+    def _connect(self, mpi_comm: Any) -> tuple[socket.socket, socket.socket]:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind(("", 0))
+            listener.listen(4)
+            token = int.from_bytes(os.urandom(8), "little")
+            here = (socket.gethostname(), listener.getsockname()[1], token)
+            every = mpi_comm.allgather(here)
+            host, port, their_token = every[self.partner]
+            try:
+                out = socket.create_connection((host, port), timeout=self.CONNECT_S)
+                out.sendall(self.HELLO.pack(self.MAGIC, self.rank, self.tag, their_token))
+                out.setblocking(False)
+                out.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # a small copy leaves at once
+            except OSError as exc:
+                raise CommError(
+                    f"rank {self.rank} could not connect to its partner rank {self.partner} at {host}:{port} "
+                    f"for the partner copy ({exc})",
+                    hint="the survivors' save needs TCP between the job's nodes; COCI_SURVIVORS=0 turns it off") from exc
+            return out, self._accept(listener, token)
+        finally:
+            listener.close()
 
-    def isend(self, spec: list[Any]) -> Any:
-        """Start sending ``spec`` (:meth:`spec`) to the partner: the request, tested later."""
-        return self.comm.Isend(spec, self.partner, self.tag)
+    def _accept(self, listener: socket.socket, token: int) -> socket.socket:
+        """The source's connection: the first one that says it is the source with our token."""
+        listener.settimeout(self.CONNECT_S)
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError as exc:
+                raise CommError(f"rank {self.rank}: its source rank {self.source} did not connect for the "
+                                f"partner copy within {self.CONNECT_S:.0f}s ({exc})") from exc
+            conn.settimeout(self.CONNECT_S)
+            got = bytearray()
+            try:
+                while len(got) < self.HELLO.size:
+                    chunk = conn.recv(self.HELLO.size - len(got))
+                    if not chunk:
+                        break
+                    got += chunk
+            except OSError:
+                pass
+            if len(got) == self.HELLO.size and self.HELLO.unpack(bytes(got)) == (self.MAGIC, self.source, self.tag, token):
+                conn.setblocking(False)
+                return conn
+            conn.close()                  # not our source (a stray connection): wait for the right one
 
+    def close(self) -> None:
+        """End both connections (the loop ended); sends still queued are dropped."""
+        for s in (self._out, self._in):
+            try:
+                s.close()
+            except OSError:
+                pass
+        self.broken = self.broken or "closed"
+        self.closed = self.closed or "closed"
+
+    # -- sending -----------------------------------------------------------------------------------
+    def spec(self, buf: Any) -> memoryview:
+        """What :meth:`isend` takes: the buffer's bytes (read when sent; not to change until done)."""
+        return memoryview(buf).cast("B")
+
+    def isend(self, spec: memoryview) -> SendRequest:
+        """Queue ``spec`` (:meth:`spec`) for the partner and send what the socket takes now: the
+        request, done once every byte was handed to the kernel."""
+        req = SendRequest(self, spec)
+        self._sends.append(req)
+        self._push()
+        return req
+
+    def _push(self) -> None:
+        while self._sends and self.broken is None:
+            req = self._sends[0]
+            try:
+                n = self._out.sendmsg(req.remaining())
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:       # the partner is gone (reset, broken pipe): never an abort
+                self.broken = f"{type(exc).__name__}: {exc}"
+                return
+            if req.advance(n):
+                self._sends.popleft()
+
+    # -- receiving ---------------------------------------------------------------------------------
     def arrived(self) -> int | None:
-        """The size in bytes of the next message from the source if it has started to arrive, else None.
+        """The size in bytes of the next message from the source once it has started to arrive
+        (its header is in), else None. Take it with :meth:`irecv` (or :meth:`recv`)."""
+        self._push()
+        if self._recv is not None:
+            self._recv.Test()
+            if self._recv is not None:
+                return None
+        if self._next is None and self.closed is None:
+            while self._head_have < _HEAD.size:
+                got = self._read(memoryview(self._head)[self._head_have:])
+                if not got:
+                    return None
+                self._head_have += got
+            (self._next,) = _HEAD.unpack(self._head)
+        return self._next
 
-        Probed twice: Open MPI's ``Iprobe`` looks for a match *before* it drives progress, so a
-        lone call only sees what an earlier MPI call took in, and nothing else here calls MPI
-        between boundaries. With one probe a copy was taken in a boundary late, its sender's
-        request was still open at the next memory-tier step (k = 2), and that copy was skipped."""
-        if (self.comm.Iprobe(source=self.source, tag=self.tag, status=self.status)
-                or self.comm.Iprobe(source=self.source, tag=self.tag, status=self.status)):
-            return int(self.status.Get_count(self.byte))
-        return None
+    def irecv(self, buf: Any) -> RecvRequest:
+        """Start taking in the message :meth:`arrived` saw, into ``buf`` (its size): the request."""
+        if self._next is None or self._recv is not None:
+            raise RuntimeError("irecv without a message announced by arrived()")
+        mv = memoryview(buf).cast("B")
+        if mv.nbytes != self._next:
+            raise ValueError(f"irecv into {mv.nbytes} bytes for a message of {self._next}")
+        req = self._recv = RecvRequest(self, mv)
+        req.Test()
+        return req
 
     def recv(self, buf: Any) -> None:
-        """Take in the message :meth:`arrived` saw (eager-sized: already here, no wait)."""
-        self.comm.Recv([buf, self.byte], source=self.source, tag=self.tag)
+        """Take in the message :meth:`arrived` saw, waiting for the rest of it (bounded by the
+        source: a source gone mid-message raises ``CommError``)."""
+        req = self.irecv(buf)
+        while not req.Test():
+            if self.closed is not None:
+                raise CommError(f"rank {self.rank}: the partner copy from rank {self.source} ended mid-message "
+                                f"({self.closed})")
+            select.select([self._in], [], [], 0.05)
 
-    def irecv(self, buf: Any) -> Any:
-        """Start taking in the message :meth:`arrived` saw: the request, tested later."""
-        return self.comm.Irecv([buf, self.byte], source=self.source, tag=self.tag)
+    def _read(self, into: memoryview) -> int:
+        """Non-blocking: bytes read into ``into`` (0 when none are there; the end is ``closed``)."""
+        if self.closed is not None or not into.nbytes:
+            return 0
+        try:
+            n = self._in.recv_into(into)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            self.closed = f"{type(exc).__name__}: {exc}"
+            return 0
+        if n == 0:
+            self.closed = f"rank {self.source} closed the connection"
+        return n
+
+    def _received(self, req: RecvRequest) -> None:
+        self._recv, self._next, self._head_have = None, None, 0
+
+
+class SendRequest:
+    """One message queued on a :class:`PartnerLink`; ``Test()`` pushes and says whether it left."""
+
+    def __init__(self, link: PartnerLink, data: memoryview) -> None:
+        self.link = link
+        self.head = memoryview(_HEAD.pack(data.nbytes))
+        self.data = data
+        self.sent = 0                 # of header + data
+        self.done = False
+
+    def remaining(self) -> list[memoryview]:
+        h = self.head.nbytes
+        if self.sent < h:
+            return [self.head[self.sent:], self.data] if self.data.nbytes else [self.head[self.sent:]]
+        return [self.data[self.sent - h:]]
+
+    def advance(self, n: int) -> bool:
+        self.sent += n
+        self.done = self.sent >= self.head.nbytes + self.data.nbytes
+        return self.done
+
+    def Test(self) -> bool:     # noqa: N802 - the name mpi4py's requests have (callers test both alike)
+        if not self.done:
+            self.link._push()
+        return self.done
+
+    def Wait(self) -> None:     # noqa: N802
+        while not self.Test():
+            if self.link.broken is not None:
+                raise CommError(f"rank {self.link.rank}: the partner copy to rank {self.link.partner} failed "
+                                f"({self.link.broken})")
+            select.select([], [self.link._out], [], 0.05)
+
+
+class RecvRequest:
+    """One message being taken in from a :class:`PartnerLink`; ``Test()`` reads what is there."""
+
+    def __init__(self, link: PartnerLink, into: memoryview) -> None:
+        self.link = link
+        self.into = into
+        self.have = 0
+        self.done = into.nbytes == 0
+
+    def Test(self) -> bool:     # noqa: N802
+        while not self.done:
+            got = self.link._read(self.into[self.have:])
+            if not got:
+                break
+            self.have += got
+            self.done = self.have >= self.into.nbytes
+        if self.done and self.link._recv is self:
+            self.link._received(self)
+        return self.done
+
+    def Wait(self) -> None:     # noqa: N802
+        while not self.Test():
+            if self.link.closed is not None:
+                raise CommError(f"rank {self.link.rank}: the partner copy from rank {self.link.source} ended "
+                                f"mid-message ({self.link.closed})")
+            select.select([self.link._in], [], [], 0.05)
 
 
 class PartnerCopy:
     """Send this rank's copies to its partner; keep the last two received from the rank whose
-    partner this one is, undecoded. MPI only (``mpi_comm`` a duplicate of the world)."""
+    partner this one is, undecoded. With MPI only (``mpi_comm``, a duplicate of the world, sets
+    the link up)."""
 
     RECV_SLOTS = 4      # two held, the last full copy (a "same" refers to it), one being filled
 
@@ -353,13 +534,12 @@ class PartnerCopy:
         self._same_reqs: list[Any] = [None] * SAME_SLOTS
         self._same_i = 0
         self.sent_full = self.sent_same = 0
-        self._bufs: list[Any] = [np.zeros(max(capacity, CHUNK), dtype=np.uint8) for _ in range(self.RECV_SLOTS)]
+        self._bufs: list[Any] = [np.zeros(capacity, dtype=np.uint8) for _ in range(self.RECV_SLOTS)]
         self._cur = 0                      # the buffer being filled
-        self._want = 0                     # bytes of the copy being reassembled (0: none started)
-        self._have = 0
+        self._taking: RecvRequest | None = None   # the copy arriving into it
+        self._have = 0                     # its size
         self._held: dict[int, tuple[int, int, int]] = {}   # step -> (buffer, bytes, its step), the last two
         self._full: tuple[int, int, int] | None = None      # the last full copy: (step, buffer, bytes)
-        self._byte = self.link.byte
 
     @property
     def held_steps(self) -> list[int]:
@@ -381,45 +561,51 @@ class PartnerCopy:
                 self.sent_step = copy.step
                 self.sent_same += 1
             return
-        # MPI keeps one sender's order per tag: the receiver reassembles the pieces in order.
-        isend = self.link.isend
-        copy.requests = [isend(p) for p in copy.pieces(self._byte)]
+        copy.requests = [self.link.isend(self.link.spec(copy.data))]
         self.sent_step = copy.step
         self.ref = copy
         self.sent_full += 1
 
     def drain(self) -> None:
-        """Take in every piece that has arrived (non-blocking), into preallocated buffers."""
+        """Take in every copy that has arrived (non-blocking), into preallocated buffers; one
+        still arriving is finished at a later call."""
         if self.size == 1:
             return
         link = self.link
-        while (n := link.arrived()) is not None:
-            buf = self._bufs[self._cur]
-            if self._have + n > buf.size:
-                grown = np.zeros(max(2 * buf.size, self._have + n), dtype=np.uint8)
-                grown[:self._have] = buf[:self._have]
-                buf = self._bufs[self._cur] = grown
-            link.recv(buf[self._have:self._have + n])  # here: no wait
-            if self._want == 0:            # the first piece of a copy starts with its header
-                if n < COPY_HEAD.size:
-                    continue               # not the start of a copy: skip it
-                magic, _, step, a, b = COPY_HEAD.unpack_from(buf, 0)
-                if magic == SAME:
-                    ref_step = SAME_HEAD.unpack_from(buf, 0)[3]
-                    if self._full is not None and self._full[0] == ref_step:
-                        self._hold(step, self._full[1], self._full[2], ref_step)
-                    continue
-                if magic != MAGIC:
-                    continue
-                self._want = COPY_HEAD.size + a + b
-            self._have += n
-            if self._have >= self._want:
-                step = COPY_HEAD.unpack_from(buf, 0)[2]
-                self._full = (step, self._cur, self._want)
-                self._hold(step, self._cur, self._want, step)
-                used = {h[0] for h in self._held.values()} | {self._cur}
-                self._cur = next(i for i in range(self.RECV_SLOTS) if i not in used)
-                self._want = self._have = 0
+        while True:
+            if self._taking is None:
+                n = link.arrived()
+                if n is None:
+                    return
+                buf = self._bufs[self._cur]
+                if n > buf.size:
+                    buf = self._bufs[self._cur] = np.zeros(max(2 * buf.size, n), dtype=np.uint8)
+                self._taking = link.irecv(buf[:n])
+                self._have = n
+            if not self._taking.Test():
+                return
+            self._taking = None
+            self._take(self._bufs[self._cur], self._have)
+
+    def _take(self, buf: Any, n: int) -> None:
+        """A whole message in ``buf[:n]``: a full copy (held; its buffer is kept) or a "same" one."""
+        if n < SAME_HEAD.size:
+            return                         # not a copy: skip it
+        magic = bytes(buf[:4])
+        if magic == SAME:
+            _, _, step, ref_step = SAME_HEAD.unpack_from(buf, 0)
+            if self._full is not None and self._full[0] == ref_step:
+                self._hold(step, self._full[1], self._full[2], ref_step)
+            return
+        if magic != MAGIC or n < COPY_HEAD.size:
+            return
+        _, _, step, a, b = COPY_HEAD.unpack_from(buf, 0)
+        if n < COPY_HEAD.size + a + b:
+            return                         # damaged: decode_copy would refuse it too
+        self._full = (step, self._cur, n)
+        self._hold(step, self._cur, n, step)
+        used = {h[0] for h in self._held.values()} | {self._cur}
+        self._cur = next(i for i in range(self.RECV_SLOTS) if i not in used)
 
     def _hold(self, step: int, buf: int, nbytes: int, of_step: int) -> None:
         self._held[step] = (buf, nbytes, of_step)

@@ -415,7 +415,12 @@ class Survival:
                 return c
         return None
 
-    def remove_hooks(self) -> None:
+    def close(self) -> None:
+        """The loop ended: the hooks come off and the partner links close (a peer still sending
+        finds its link broken, which it ignores)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for link in (getattr(self.partner, "link", None), getattr(self.memtier, "link", None)):
+            if link is not None:
+                link.close()

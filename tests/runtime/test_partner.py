@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import random
+import socket
+import struct
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +17,7 @@ import pytest
 import torch
 
 from coci_hpc.checkpoint import PerRank
+from coci_hpc.errors import CommError
 from coci_hpc.runtime import survivors as sv
 from coci_hpc.runtime.partner import COPY_HEAD, MAGIC, Capturer, PackedCopy, RankState, capture, decode_copy, same_bytes
 from coci_hpc.runtime.rngstate import RngBytes
@@ -295,3 +300,91 @@ def test_a_copy_is_seen_at_the_first_look_after_it_was_sent(tmp_path: Path, n: i
     assert res[1]["arrived"] == n, res
     assert res[1]["recv_done"] and res[1]["bytes_ok"], res
     assert res[0]["send_done"], res
+
+
+class _ThreadComm:
+    """Two ranks as two threads of this process: what PartnerLink's setup asks of its communicator
+    (rank, size, one allgather). A stand-in for MPI in the tests below, which are about the sockets."""
+
+    def __init__(self, rank: int, shared: dict, barrier: threading.Barrier) -> None:
+        self.rank, self.shared, self.barrier = rank, shared, barrier
+
+    def Get_rank(self) -> int:     # noqa: N802 - mpi4py's names
+        return self.rank
+
+    def Get_size(self) -> int:     # noqa: N802
+        return 2
+
+    def allgather(self, obj: object) -> list:
+        self.shared[self.rank] = obj
+        self.barrier.wait()
+        return [self.shared[0], self.shared[1]]
+
+
+def _two_links() -> tuple:
+    from coci_hpc.runtime.partner import PartnerLink
+
+    shared: dict = {}
+    barrier = threading.Barrier(2)
+    links: dict = {}
+
+    def make(r: int) -> None:
+        links[r] = PartnerLink(_ThreadComm(r, shared, barrier), 1, 77)
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return links[0], links[1]
+
+
+def test_a_partner_reset_mid_stream_marks_the_link_broken_and_raises_nothing() -> None:
+    """The receiver goes away with unread bytes in its socket (as a SIGKILLed process does: its
+    kernel answers with a reset); the sender's next sends fail inside the link, which records why
+    and never completes them, and no call raises: the sender lives on to its peer-loss path."""
+    a, b = _two_links()
+    assert (a.partner, a.source, b.partner, b.source) == (1, 1, 0, 0)
+    data = np.ones(60_000, dtype=np.uint8)
+    reqs = [a.isend(a.spec(data)) for _ in range(8)]
+    while not any(r.Test() for r in reqs):
+        time.sleep(0.01)
+    b._in.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))   # close = reset
+    b.close()
+    deadline = time.monotonic() + 10
+    while a.broken is None and time.monotonic() < deadline:
+        reqs.append(a.isend(a.spec(data)))
+        [r.Test() for r in reqs]
+        time.sleep(0.01)
+    assert a.broken is not None and ("reset" in a.broken.lower() or "pipe" in a.broken.lower()), a.broken
+    assert not reqs[-1].Test()          # never completes, like an MPI send to a dead rank
+    with pytest.raises(CommError, match="partner copy to rank 1 failed"):
+        reqs[-1].Wait()
+    a.close()
+
+
+def test_what_arrived_before_the_sender_went_stays_readable_in_order() -> None:
+    """Three copies sent, then the sender closes (a process that died after sending): the receiver
+    still takes in all three, whole and in order, and then sees the end."""
+    a, b = _two_links()
+    sent = [np.full(n, i + 1, dtype=np.uint8) for i, n in enumerate((10, 300_000, 7))]
+    reqs = [a.isend(a.spec(x)) for x in sent]
+    got = []
+    deadline = time.monotonic() + 10
+    while len(got) < 3 and time.monotonic() < deadline:
+        [r.Test() for r in reqs]
+        if all(r.done for r in reqs) and a._out.fileno() != -1:
+            a.close()                     # everything handed to the kernel: the sender is gone
+        n = b.arrived()
+        if n is None:
+            time.sleep(0.001)
+            continue
+        buf = np.zeros(n, dtype=np.uint8)
+        b.recv(buf)
+        got.append(buf)
+    assert [g.size for g in got] == [x.size for x in sent]
+    assert all(np.array_equal(g, x) for g, x in zip(got, sent))
+    while b.closed is None and time.monotonic() < deadline:
+        assert b.arrived() is None
+        time.sleep(0.01)
+    assert b.closed is not None and b.arrived() is None
+    b.close()
