@@ -288,11 +288,12 @@ MPI.COMM_WORLD.Barrier()
 
 @pytest.mark.parametrize("n", [3000, 17536])     # an eager piece; a memory-tier copy (rendezvous)
 def test_a_copy_is_seen_at_the_first_look_after_it_was_sent(tmp_path: Path, n: int) -> None:
-    """Between two step boundaries nothing calls MPI; Open MPI's ``Iprobe`` looks for a match
-    before it drives progress, so one probe missed a copy that had long arrived and the tier took
-    it a boundary late (the sender's request then still open at the next memory-tier step: that
-    copy skipped, the HSDP survivors' test's driver waiting for it). One look at a boundary must
-    see it, and the sender's next test must find its send finished."""
+    """When the link was MPI, nothing called MPI between two step boundaries, and Open MPI's
+    ``Iprobe`` looks for a match before it drives progress: one probe missed a copy that had long
+    arrived and the tier took it a boundary late (the sender's request then still open at the next
+    memory-tier step: that copy skipped, the HSDP survivors' test's driver waiting for it). Kept for
+    the socket link: one look at a boundary must see it, and the sender's next test must find its
+    send finished."""
     script = tmp_path / "arrived.py"
     script.write_text(ARRIVED_SCRIPT)
     run_ranks(2, str(script), str(tmp_path), str(n), timeout=120)
@@ -387,4 +388,27 @@ def test_what_arrived_before_the_sender_went_stays_readable_in_order() -> None:
         assert b.arrived() is None
         time.sleep(0.01)
     assert b.closed is not None and b.arrived() is None
+    b.close()
+
+
+def test_a_backlog_of_copies_is_taken_in_at_one_look() -> None:
+    """The per-step copy is drained every few boundaries (and once more after a failure): every
+    copy that arrived since must come in at that one look, in order, not one per look. (A version
+    with a reader thread took one per look until that thread ran: the survivors then had no copy of
+    the last step and fell back, in all four peer-failure cluster tests.)"""
+    a, b = _two_links()
+    sent = [np.full(5000 + i, i, dtype=np.uint8) for i in range(10)]
+    reqs = [a.isend(a.spec(x)) for x in sent]
+    deadline = time.monotonic() + 10
+    while not all(r.Test() for r in reqs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)                              # long past delivery
+    got = []
+    while (n := b.arrived()) is not None:       # one look: no sleep, no other thread's turn asked for
+        buf = np.zeros(n, dtype=np.uint8)
+        assert b.irecv(buf).Test()
+        got.append(buf)
+    assert [g.size for g in got] == [x.size for x in sent]
+    assert all(np.array_equal(g, x) for g, x in zip(got, sent))
+    a.close()
     b.close()
