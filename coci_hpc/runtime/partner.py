@@ -279,12 +279,13 @@ class PartnerLink:
     Why not MPI (it was, until 2026-11-29): Open MPI 4.1's ob1 layer aborts the *sending* process
     when a TCP write to a peer fails (``writev failed: Connection reset by peer``, then
     ``pml_ob1_sendreq.c:190 FATAL``, exit 255), whatever the error handler. A rank killed while
-    a copy was streaming to it then took its survivor with it (seen in CI and reproduced: a
-    SIGKILLed receiver, 5 of 5 senders gone). Over a socket of our own the same failure is an
-    ``OSError`` here: the link is marked ``broken``, its sends never complete (as MPI's to a dead
-    peer never did), and the peer-loss path goes on. Bytes that had arrived before the sender died
-    stay readable (the kernel keeps them; the dead sender's side closes with FIN: nothing is ever
-    sent back on a connection, so it holds no unread data that would make it a reset).
+    a copy was streaming to it then took its survivor with it (seen in CI; reproduced with a
+    SIGKILLed receiver: every sender that reached the kill gone, 7 of 7). Over a socket of our own
+    the same failure is an ``OSError`` here: the link is marked ``broken``, its sends never
+    complete (as MPI's to a dead peer never did), and the peer-loss path goes on. Bytes that had
+    arrived before the sender died stay readable (the kernel keeps them; the dead sender's side
+    closes with FIN: nothing is ever sent back on a connection, so it holds no unread data that
+    would make it a reset).
 
     Setup is collective over ``mpi_comm`` (each rank's host and port, one ``allgather``): every
     rank connects to its partner's listening socket, then accepts its source's connection, which
