@@ -42,7 +42,7 @@ import os
 import select
 import socket
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -428,12 +428,19 @@ class PartnerLink:
     def recv(self, buf: Any) -> None:
         """Take in the message :meth:`arrived` saw, waiting for the rest of it (bounded by the
         source: a source gone mid-message raises ``CommError``)."""
-        req = self.irecv(buf)
-        while not req.Test():
-            if self.closed is not None:
+        self.irecv(buf).Wait()
+
+    def _wait(self, test: Callable[[], bool], outgoing: bool) -> None:
+        """Call ``test`` until it is true, sleeping on the socket it needs between calls; CommError
+        once that connection has ended (``broken`` outgoing, ``closed`` incoming)."""
+        sock = self._out if outgoing else self._in
+        while not test():
+            if outgoing and self.broken is not None:
+                raise CommError(f"rank {self.rank}: the partner copy to rank {self.partner} failed ({self.broken})")
+            if not outgoing and self.closed is not None:
                 raise CommError(f"rank {self.rank}: the partner copy from rank {self.source} ended mid-message "
                                 f"({self.closed})")
-            select.select([self._in], [], [], 0.05)
+            select.select([] if outgoing else [sock], [sock] if outgoing else [], [], 0.05)
 
     def _read(self, into: memoryview) -> int:
         """Non-blocking: bytes read into ``into`` (0 when none are there; the end is ``closed``)."""
@@ -481,11 +488,7 @@ class SendRequest:
         return self.done
 
     def Wait(self) -> None:     # noqa: N802
-        while not self.Test():
-            if self.link.broken is not None:
-                raise CommError(f"rank {self.link.rank}: the partner copy to rank {self.link.partner} failed "
-                                f"({self.link.broken})")
-            select.select([], [self.link._out], [], 0.05)
+        self.link._wait(self.Test, outgoing=True)
 
 
 class RecvRequest:
@@ -509,11 +512,7 @@ class RecvRequest:
         return self.done
 
     def Wait(self) -> None:     # noqa: N802
-        while not self.Test():
-            if self.link.closed is not None:
-                raise CommError(f"rank {self.link.rank}: the partner copy from rank {self.link.source} ended "
-                                f"mid-message ({self.link.closed})")
-            select.select([self.link._in], [], [], 0.05)
+        self.link._wait(self.Test, outgoing=False)
 
 
 class PartnerCopy:
