@@ -66,10 +66,10 @@ def worker(a: argparse.Namespace) -> None:
                 sv.boundary(step)
         t = (time.thread_time() - marks[0]) / (a.steps - 99)
         if sv is not None:
-            sv.remove_hooks()
             comm.mpi_comm.Barrier()
             assert sv.partner is not None
             sv.partner.drain()
+            sv.close()          # the hooks off, the partner link's connections closed
         comm.mpi_comm.Barrier()
         return 1e6 * t
 
