@@ -136,7 +136,8 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
 
 
-def _open_direct(path: str | os.PathLike) -> int | None:
+def open_direct(path: str | os.PathLike) -> int | None:
+    """A second, ``O_DIRECT`` write descriptor of an existing file; None where refused."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return None
@@ -159,7 +160,7 @@ def write_posix(path: str | os.PathLike, items: Sequence[WriteItem], *, fsync: b
     t0 = time.perf_counter()
     t1 = t0
     fd = os.open(path, os.O_WRONLY)
-    dfd = _open_direct(path) if direct else None
+    dfd = open_direct(path) if direct else None
     try:
         for it in items:
             n = it.buf.nbytes

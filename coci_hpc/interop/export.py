@@ -18,6 +18,7 @@ Everything is written under a temporary name next to ``out`` and renamed to ``ou
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from coci_hpc.checkpoint.leaves import LeafKind
-from coci_hpc.checkpoint.rawio import aligned_empty, preallocate, pwrite_all
+from coci_hpc.checkpoint.rawio import DIRECT_ALIGN, aligned_empty, open_direct, preallocate, pwrite_all
 from coci_hpc.checkpoint.treecode import unflatten
 from coci_hpc.durable import fsync_dir, fsync_file, rename_durable
 from coci_hpc.errors import CheckpointError, CociError, UsageError
@@ -91,19 +92,38 @@ SAFE_DTYPES = {"torch.float64": "F64", "torch.float32": "F32", "torch.float16": 
                "torch.int64": "I64", "torch.int32": "I32", "torch.int16": "I16", "torch.int8": "I8",
                "torch.uint8": "U8", "torch.bool": "BOOL"}
 _BOUNCE_MAX = 64 << 20   # bytes of the one reused buffer the direct writer reads through
+DIRECT_WRITES = True     # whole pages with O_DIRECT (False: all through the page cache; for A/B runs)
 
 
-def _safetensors_header(members: Sequence[tuple[str, Entry]]) -> bytes:
-    """The file's 8-byte length and JSON header, padded with spaces to 8 bytes as safetensors'
-    own writer does; the data follows in ``members``' order, each tensor's bytes as stored."""
+def _safetensors_header(members: Sequence[tuple[str, Entry]], align: int = 8) -> bytes:
+    """The file's 8-byte length and JSON header, padded with spaces (which the format allows) so
+    that the data starts at a multiple of ``align`` (safetensors' own writer pads to 8); the data
+    follows in ``members``' order, each tensor's bytes as stored."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     at = 0
     for name, e in members:
         header[name] = {"dtype": SAFE_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [at, at + e.nbytes]}
         at += e.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    text += b" " * (-(8 + len(text)) % align)
     return len(text).to_bytes(8, "little") + text
+
+
+def _windows(members: Sequence[tuple[str, Entry]], first: int, step: int
+             ) -> list[tuple[int, int, list[tuple[Entry, int, int, int]]]]:
+    """The file's data from byte ``first`` cut into windows of ``step`` bytes, one bounce buffer
+    each: (file offset, bytes, [(entry, its first byte, bytes, where in the buffer)])."""
+    spans, at = [], first
+    for _, e in members:
+        spans.append((e, at))
+        at += e.nbytes
+    out = []
+    for w in range(first, at, step):
+        end = min(w + step, at)
+        segs = [(e, max(w, a) - a, min(end, a + e.nbytes) - max(w, a), max(w, a) - w)
+                for e, a in spans if a < end and w < a + e.nbytes and e.nbytes]
+        out.append((w, end - w, segs))
+    return out
 
 
 def _write_safetensors_direct(source: CheckpointSource, members: Sequence[tuple[str, Entry]], path: Path,
@@ -114,41 +134,61 @@ def _write_safetensors_direct(source: CheckpointSource, members: Sequence[tuple[
     bytes before writing, so every byte went through two fresh buffers (the tensor read out of
     the checkpoint, then that copy), and on this machine a first touch of fresh memory costs
     about as much as the cold read itself (export took 4.3x a raw read of the same bytes,
-    issue 33). Here each tensor's bytes are read, checked against their CRCs, into one of two
-    reused buffers and written with ``pwrite``: ``reader`` reads (and checks) the next piece into
-    one buffer while this thread writes the last from the other (pread, the CRC and pwrite all
-    release the GIL), so the export takes about the longer of reading and writing, not their sum.
-    The file's blocks are allocated first (:func:`preallocate`). A full disk is an OSError."""
-    head = _safetensors_header(members)
-    pieces: list[tuple[Entry, int, int, int]] = []   # (entry, first byte, bytes, file offset)
-    at = len(head)
-    for _, e in members:
-        step = len(bounces[0])
-        pieces += [(e, start, min(step, e.nbytes - start), at + start) for start in range(0, e.nbytes, step)]
-        at += e.nbytes
+    issue 33). Here the file's bytes are read, window by window (each tensor's bytes as stored,
+    checked against their CRCs), into one of two reused buffers and written with ``pwrite``:
+    ``reader`` reads (and checks) the next window into one buffer while this thread writes the
+    last from the other (pread, the CRC and pwrite all release the GIL), so the export takes
+    about the longer of reading and writing, not their sum.
+
+    The header is padded so the data starts on a page, and the windows' whole pages go out with
+    ``O_DIRECT`` (the tail and the header through the page cache): the file's gigabytes take no
+    page cache, so the export neither evicts the training job's cache nor pays for fresh page
+    cache (on this VM a first touch of memory freed a while ago faults in the host: the export's
+    spread, issue 33). Where ``O_DIRECT`` is refused (tmpfs, some FUSE) or the buffers are not
+    page-sized, the writes are buffered. The file's blocks are allocated first
+    (:func:`preallocate`). A full disk is an OSError."""
+    step = len(bounces[0])
+    aligned = step % DIRECT_ALIGN == 0 and all(b.ctypes.data % DIRECT_ALIGN == 0 for b in bounces)
+    head = _safetensors_header(members, DIRECT_ALIGN if aligned else 8)
+    windows = _windows(members, len(head), step)
+    size = windows[-1][0] + windows[-1][1] if windows else len(head)
 
     def read(i: int) -> np.ndarray:
-        e, start, n, _ = pieces[i]
+        _, n, segs = windows[i]
         view = bounces[i % 2][:n]
-        source.read_bytes(e, view, start)   # checked before it is written
+        for e, start, k, at in segs:
+            source.read_bytes(e, view[at:at + k], start)   # checked before it is written
         return view
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    pending = reader.submit(read, 0) if pieces else None
+    dfd = open_direct(path) if aligned and windows and DIRECT_WRITES else None
+    pending = reader.submit(read, 0) if windows else None
     try:
-        preallocate(fd, at)
+        preallocate(fd, size)
         pwrite_all(fd, np.frombuffer(head, dtype=np.uint8), 0)
-        for i in range(len(pieces)):
+        for i, (w, n, _) in enumerate(windows):
             assert pending is not None
             view = pending.result()
             # the next read goes into the other buffer: the one the last pwrite has finished with
-            pending = reader.submit(read, i + 1) if i + 1 < len(pieces) else None
-            pwrite_all(fd, view, pieces[i][3])
+            pending = reader.submit(read, i + 1) if i + 1 < len(windows) else None
+            whole = n - n % DIRECT_ALIGN if dfd is not None else 0
+            if whole:
+                try:
+                    pwrite_all(dfd, view[:whole], w)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    os.close(dfd)        # refused after all: buffered from here on
+                    dfd, whole = None, 0
+            if n > whole:
+                pwrite_all(fd, view[whole:], w + whole)
     finally:
         if pending is not None:   # an error midway: no read may still fill a buffer after we return
             with contextlib.suppress(Exception):
                 pending.result()
         os.close(fd)
+        if dfd is not None:
+            os.close(dfd)
 
 
 def export(src: str | os.PathLike, out: str | os.PathLike, *, to: str = "hf", step: int | None = None,
@@ -254,7 +294,7 @@ def _export_hf(source: CheckpointSource, model_key: str, plan: list[tuple[str, E
     # fsync has returned before the index is written and the directory is fsynced.
     as_stored = [e.dtype in SAFE_DTYPES and not _casts(e, cast if e.key == model_key else None) for _, e in plan]
     largest = max((e.nbytes for _, e in plan), default=0)
-    size = min(_BOUNCE_MAX, largest)
+    size = min(_BOUNCE_MAX, -(-largest // DIRECT_ALIGN) * DIRECT_ALIGN)   # whole pages: O_DIRECT
     bounces = (aligned_empty(size), aligned_empty(size)) if any(as_stored) and largest else None
     with ThreadPoolExecutor(1, thread_name_prefix="coci-export-fsync") as flusher, \
             ThreadPoolExecutor(1, thread_name_prefix="coci-export-read") as reader:

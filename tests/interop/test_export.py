@@ -242,7 +242,7 @@ def test_full_disk_midway_with_a_cast_leaves_nothing_that_looks_complete(ck: Pat
     assert not list(tmp_path.rglob("*.safetensors*"))
 
 
-@pytest.mark.parametrize("bounce", [None, 64], ids=["whole-tensors", "64-byte-pieces"])
+@pytest.mark.parametrize("bounce", [None, 64, 8192], ids=["whole-tensors", "64-byte-pieces", "two-page-windows"])
 def test_the_direct_writer_writes_what_safetensors_writes(ck: Path, tmp_path: Path, bounce: int | None,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The shard files written straight from the checkpoint load with safetensors into the same
@@ -267,6 +267,46 @@ def test_the_direct_writer_writes_what_safetensors_writes(ck: Path, tmp_path: Pa
     assert set(got) == set(want)
     for k, t in want.items():
         assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    # whole-page buffers: the data starts on a page (its pages written with O_DIRECT)
+    for f in out.glob("*.safetensors"):
+        data_at = 8 + int.from_bytes(f.read_bytes()[:8], "little")
+        assert (data_at % 4096 == 0) == (bounce != 64), (f.name, data_at)
+
+
+def test_direct_writes_refused_midway_go_through_the_page_cache(ck: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filesystem that opens O_DIRECT but refuses the writes (EINVAL): the export falls back to
+    buffered writes for the rest and the files are what they should be."""
+    from coci_hpc.interop.source import CheckpointSource
+
+    monkeypatch.setattr(export_mod, "_BOUNCE_MAX", 8192)
+    real_open, real_write = export_mod.open_direct, export_mod.pwrite_all
+    direct: set[int] = set()
+    refused: list[int] = []
+
+    def opening(path):  # type: ignore[no-untyped-def]
+        fd = real_open(path)
+        if fd is not None:
+            direct.add(fd)
+        return fd
+
+    def writing(fd, buf, offset):  # type: ignore[no-untyped-def]
+        if fd in direct:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_write(fd, buf, offset)
+
+    monkeypatch.setattr(export_mod, "open_direct", opening)
+    monkeypatch.setattr(export_mod, "pwrite_all", writing)
+    out = tmp_path / "hf"
+    export(ck, out, to="hf", max_shard_size=1000)
+    assert refused, "no O_DIRECT write was tried"
+    with CheckpointSource(ck) as src:
+        want = {e.path: src.read(e) for e in src.model()}
+    got: dict = {}
+    for f in sorted(out.glob("*.safetensors")):
+        got.update(load_file(str(f)))
+    assert set(got) == set(want) and all(torch.equal(got[k], t) for k, t in want.items())
 
 
 def test_a_failed_background_fsync_fails_the_export_and_leaves_nothing(ck: Path, tmp_path: Path,
