@@ -172,7 +172,7 @@ def _write_safetensors_direct(source: CheckpointSource, members: Sequence[tuple[
             # the next read goes into the other buffer: the one the last pwrite has finished with
             pending = reader.submit(read, i + 1) if i + 1 < len(windows) else None
             whole = n - n % DIRECT_ALIGN if dfd is not None else 0
-            if whole:
+            if dfd is not None and whole:
                 try:
                     pwrite_all(dfd, view[:whole], w)
                 except OSError as exc:
