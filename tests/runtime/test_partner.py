@@ -412,3 +412,40 @@ def test_a_backlog_of_copies_is_taken_in_at_one_look() -> None:
     assert all(np.array_equal(g, x) for g, x in zip(got, sent))
     a.close()
     b.close()
+
+
+def test_a_large_copy_arrives_between_looks() -> None:
+    """The link's own thread moves the bytes between the caller's looks: a 64 MB copy (16 socket
+    buffers and more) is sent and, once its receiver posted a buffer, arrives whole while neither
+    side calls the link (until 2026-11-30 one look moved about one socket buffer, ~4 MB here: a
+    memory-tier copy of 500 MB took over a hundred step boundaries)."""
+    a, b = _two_links()
+    data = np.random.default_rng(3).integers(0, 255, 64 << 20, dtype=np.uint8)
+    req = a.isend(a.spec(data))
+    assert not req.done                          # far more than the socket takes at once
+    deadline = time.monotonic() + 10
+    while (n := b.arrived()) is None:            # the header was read by b's thread
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    into = np.zeros(n, dtype=np.uint8)
+    rreq = b.irecv(into)
+    deadline = time.monotonic() + 30
+    while not (rreq.done and req.done):           # no Test(), no arrived(): only the threads
+        assert time.monotonic() < deadline, (rreq.have, req.sent)
+        time.sleep(0.01)
+    assert np.array_equal(into, data)
+    assert rreq.Test() and req.Test() and b.arrived() is None   # and the link is ready for the next
+    small = np.arange(100, dtype=np.uint8)
+    a.isend(a.spec(small))
+    deadline = time.monotonic() + 10
+    while (n := b.arrived()) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    got = np.zeros(n, dtype=np.uint8)
+    b.recv(got)
+    assert np.array_equal(got, small)
+    a.close()
+    b.close()
+    for link in (a, b):
+        link._thread.join(timeout=5)
+        assert not link._thread.is_alive()      # close() ends the thread
