@@ -266,10 +266,6 @@ def same_bytes(a: PackedCopy, b: PackedCopy) -> bool:
     return bool(np.array_equal(a.buf[h:n], b.buf[h:n]))
 
 
-def _suppress_os() -> contextlib.AbstractContextManager[None]:
-    return contextlib.suppress(OSError)
-
-
 def partner_of(rank: int, size: int, ranks_per_node: int) -> int:
     k = ranks_per_node if 0 < ranks_per_node < size else 1
     return (rank + k) % size
@@ -355,7 +351,7 @@ class PartnerLink:
                     if self._stop:
                         return
                     if self._wake_r in ready_r:
-                        with _suppress_os():
+                        with contextlib.suppress(OSError):
                             self._wake_r.recv(4096)
                     if ready_w:
                         self._push()
@@ -366,11 +362,11 @@ class PartnerLink:
                             self._read_head()
         finally:
             for sock in (self._wake_r, self._wake_w):
-                with _suppress_os():
+                with contextlib.suppress(OSError):
                     sock.close()
 
     def _wake(self) -> None:
-        with _suppress_os():              # full (a wake-up is pending anyway) or closed (thread gone)
+        with contextlib.suppress(OSError):   # full (a wake-up is pending anyway) or closed (thread gone)
             self._wake_w.send(b"\0")
 
     # -- setup -----------------------------------------------------------------------------------
