@@ -231,9 +231,17 @@ class DatasetReader:
         """Count shards another rank of this node checked (the same page cache) as checked."""
         self._verified |= keys
 
-    def verify(self, keys: set[ShardKey]) -> None:
+    def verify(self, keys: set[ShardKey], start: float = 0.0) -> None:
         """Check the shards named by ``keys`` (see :meth:`shards_of`), each whole, against their
         checksums; raise CheckpointCorrupt naming the first bad one.
+
+        The shards are read in file order, begun at fraction ``start`` of their bytes and wrapped
+        around (:func:`_rotated`): the load gives each rank of a node another ``start``, so that
+        ranks reading interleaved halves of a sharded file do not read side by side (issue 33,
+        2 processes, the halves of a 1 GB file interleaved in 32 MB blocks, after eviction, 9
+        rounds in turns: 0.635 s median begun at 0 / 0.5 against 0.69 s both at 0; the
+        benchmark's 1 GB FSDP2 load, in-process A/B, two runs of 9 rounds: 0.698 / 0.685 s
+        against 0.752 / 0.711 s).
 
         The CRC of one chunk runs in the load's helper thread while the next is read in (the
         populate call of the mapping, whose faults the kernel reads around: 8 MB here, the
@@ -266,6 +274,7 @@ class DatasetReader:
             sh = self._shards.by_key[(dataset, first)]
             jobs.append((meta, sh, self.offset(meta) + first))
         jobs.sort(key=lambda j: j[2])
+        jobs = _rotated(jobs, start, self._shards.nbytes)
         fmap = self._mapped() if PASS1_MAPPED else None
         size = min(_READ_CHUNK, max((self._shards.nbytes(sh) for _, sh, _ in jobs), default=0))
         with _stream_buffers(0 if fmap is not None else size) as bufs:
@@ -442,6 +451,20 @@ class DatasetReader:
         buf = np.empty(stop - start, dtype=np.uint8)
         self.read(meta, buf, start)
         return buf
+
+
+def _rotated(jobs: list[Any], start: float, nbytes: Any) -> list[Any]:
+    """``jobs`` (in file order) begun at the job holding fraction ``start`` of their bytes and
+    wrapped around: one sequential stream still, with one jump."""
+    if not jobs or start <= 0.0:
+        return jobs
+    total = sum(nbytes(sh) for _, sh, _ in jobs)
+    at, goal = 0, start * total
+    for i, (_, sh, _) in enumerate(jobs):
+        if at >= goal:
+            return jobs[i:] + jobs[:i]
+        at += nbytes(sh)
+    return jobs
 
 
 def _batches(runs: Sequence[tuple[int, int]], size: int) -> list[list[tuple[int, int]]]:

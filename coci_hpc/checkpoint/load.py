@@ -107,7 +107,9 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
         def check() -> set[tuple[str, int]]:
             mine, needed = _my_checks(comm.rank, node, m, reader, all_rows, all_boxes)
             clock.lap("plan_s")
-            reader.verify(mine)
+            # The ranks of a node start their streams at different places of the file, not side
+            # by side (an interleaved sharded file: 2 processes reading their halves, A/B below)
+            reader.verify(mine, node.index(comm.rank) / len(node) if SPREAD_READS else 0.0)
             clock.lap("check_s")
             reader.prefetch(needed - mine)  # what the other ranks of the node check
             clock.lap("prefetch_s")
@@ -134,6 +136,7 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
         clock.lap("close_s")
 
 
+SPREAD_READS = True  # False: every rank reads its shards from the file's start (for A/B runs)
 PREFAULT = True  # fault in fresh targets' pages during the check (False: in the copy; for A/B runs)
 
 

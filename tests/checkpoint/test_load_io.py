@@ -195,3 +195,43 @@ def test_the_ranks_of_a_node_each_check_one_contiguous_run_of_the_file(tmp_path,
     total = sum(n for _, n in runs)
     assert all(abs(n - total / ranks) <= biggest for _, n in runs)
 
+
+
+def test_rotated_jobs_begin_at_the_share_of_their_bytes_and_keep_file_order():
+    from coci_hpc.checkpoint.h5read import _rotated
+
+    jobs = [(None, n, at) for at, n in [(0, 10), (10, 30), (40, 20), (60, 40)]]  # 100 bytes
+    size = lambda n: n  # noqa: E731
+    assert _rotated(jobs, 0.0, size) == jobs
+    assert [j[2] for j in _rotated(jobs, 0.5, size)] == [60, 0, 10, 40]   # 40 < 50 <= 60
+    assert [j[2] for j in _rotated(jobs, 0.1, size)] == [10, 40, 60, 0]
+    assert _rotated([], 0.5, size) == []
+    assert sorted(_rotated(jobs, 0.99, size), key=lambda j: j[2]) == jobs
+
+
+@pytest.mark.parametrize("start", [0.0, 0.5])
+def test_a_check_begun_midway_reads_every_shard_and_still_names_a_bad_one(tmp_path, monkeypatch, start):
+    """The ranks of a node begin their checks at different places of the file (``verify``'s
+    ``start``): every shard is still read and checked against its own CRC, and a flipped byte
+    names its dataset."""
+    from coci_hpc.errors import CheckpointCorrupt
+
+    path, m = _saved(tmp_path)
+    seen: list[int] = []
+    real_view = rawio.FileMap.view
+    monkeypatch.setattr(rawio.FileMap, "view", lambda self, at, n: seen.append(at) or real_view(self, at, n))
+    with DatasetReader(path, m) as r:
+        keys = _all_keys(r, m)
+        r.verify(keys, start)
+        firsts = sorted(r.shard_extent(k)[0] for k in keys if r.shard_extent(k)[1])
+    assert seen and set(firsts) <= set(seen)
+    if start:
+        assert seen[0] > firsts[0]  # begun midway, not at the file's first shard
+    big = next(t for t in m["tensors"] if t["dataset"].endswith("/big"))
+    with open(path, "r+b") as f:
+        f.seek(big["offset"] + 12345)
+        b = f.read(1)
+        f.seek(big["offset"] + 12345)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with DatasetReader(path, m) as r, pytest.raises(CheckpointCorrupt, match="big"):
+        r.verify(_all_keys(r, m), start)
