@@ -115,13 +115,20 @@ def _windows(members: Sequence[tuple[str, Entry]], first: int, step: int
     each: (file offset, bytes, [(entry, its first byte, bytes, where in the buffer)])."""
     spans, at = [], first
     for _, e in members:
-        spans.append((e, at))
+        if e.nbytes:
+            spans.append((e, at))
         at += e.nbytes
-    out = []
+    out, i = [], 0  # one sweep: spans[i] is the first tensor not yet wholly in earlier windows
     for w in range(first, at, step):
         end = min(w + step, at)
-        segs = [(e, max(w, a) - a, min(end, a + e.nbytes) - max(w, a), max(w, a) - w)
-                for e, a in spans if a < end and w < a + e.nbytes and e.nbytes]
+        segs, j = [], i
+        while j < len(spans) and spans[j][1] < end:
+            e, a = spans[j]
+            lo, hi = max(w, a), min(end, a + e.nbytes)
+            segs.append((e, lo - a, hi - lo, lo - w))
+            j += 1
+        while i < len(spans) and spans[i][1] + spans[i][0].nbytes <= end:
+            i += 1
         out.append((w, end - w, segs))
     return out
 
