@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
 import os
 import threading
 import time
@@ -147,6 +148,33 @@ def open_direct(path: str | os.PathLike) -> int | None:
         return None  # filesystem without O_DIRECT (tmpfs, some FUSE)
 
 
+_DIRECT_REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def pwrite_pages(fd: int, dfd: int | None, buf: np.ndarray, offset: int) -> int | None:
+    """Write ``buf`` at ``offset``: its whole pages through ``dfd`` (an ``O_DIRECT`` descriptor
+    of the same file, :func:`open_direct`) where buffer and offset are page-aligned, the rest
+    through ``fd``. Returns the direct descriptor to go on with: None once the filesystem
+    refused a direct write after all (EINVAL or EOPNOTSUPP: it opened ``O_DIRECT`` but cannot do
+    it for this write; ``dfd`` is then closed and these bytes go through ``fd``). Any other error (a full
+    disk, an I/O error) is raised: writing the same bytes buffered would only fail later."""
+    n = buf.nbytes
+    whole = 0
+    if dfd is not None and n and offset % DIRECT_ALIGN == 0 and buf.ctypes.data % DIRECT_ALIGN == 0:
+        whole = n - n % DIRECT_ALIGN
+        if whole:
+            try:
+                pwrite_all(dfd, buf[:whole], offset)
+            except OSError as exc:
+                if exc.errno not in _DIRECT_REFUSED:
+                    raise
+                os.close(dfd)
+                dfd, whole = None, 0
+    if n > whole:
+        pwrite_all(fd, buf[whole:], offset + whole)
+    return dfd
+
+
 def write_posix(path: str | os.PathLike, items: Sequence[WriteItem], *, fsync: bool = True,
                 direct: bool = False) -> list[int]:
     """Write items with pwrite (no MPI); return their CRC-32Cs. Independent per rank.
@@ -163,20 +191,7 @@ def write_posix(path: str | os.PathLike, items: Sequence[WriteItem], *, fsync: b
     dfd = open_direct(path) if direct else None
     try:
         for it in items:
-            n = it.buf.nbytes
-            if not n:
-                continue
-            head = 0
-            if dfd is not None and it.offset % DIRECT_ALIGN == 0 and it.buf.ctypes.data % DIRECT_ALIGN == 0:
-                head = n - n % DIRECT_ALIGN
-                if head:
-                    try:
-                        pwrite_all(dfd, it.buf[:head], it.offset)
-                    except OSError:
-                        os.close(dfd)
-                        dfd, head = None, 0
-            if n > head:
-                pwrite_all(fd, it.buf[head:], it.offset + head)
+            dfd = pwrite_pages(fd, dfd, it.buf, it.offset)
         t1 = time.perf_counter()
         if fsync:
             os.fsync(fd)

@@ -18,7 +18,6 @@ Everything is written under a temporary name next to ``out`` and renamed to ``ou
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
@@ -34,7 +33,7 @@ import numpy as np
 import torch
 
 from coci_hpc.checkpoint.leaves import LeafKind
-from coci_hpc.checkpoint.rawio import DIRECT_ALIGN, aligned_empty, open_direct, preallocate, pwrite_all
+from coci_hpc.checkpoint.rawio import DIRECT_ALIGN, aligned_empty, open_direct, preallocate, pwrite_all, pwrite_pages
 from coci_hpc.checkpoint.treecode import unflatten
 from coci_hpc.durable import fsync_dir, fsync_file, rename_durable
 from coci_hpc.errors import CheckpointError, CociError, UsageError
@@ -173,22 +172,12 @@ def _write_safetensors_direct(source: CheckpointSource, members: Sequence[tuple[
     try:
         preallocate(fd, size)
         pwrite_all(fd, np.frombuffer(head, dtype=np.uint8), 0)
-        for i, (w, n, _) in enumerate(windows):
+        for i, (w, _, _) in enumerate(windows):
             assert pending is not None
             view = pending.result()
             # the next read goes into the other buffer: the one the last pwrite has finished with
             pending = reader.submit(read, i + 1) if i + 1 < len(windows) else None
-            whole = n - n % DIRECT_ALIGN if dfd is not None else 0
-            if dfd is not None and whole:
-                try:
-                    pwrite_all(dfd, view[:whole], w)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    os.close(dfd)        # refused after all: buffered from here on
-                    dfd, whole = None, 0
-            if n > whole:
-                pwrite_all(fd, view[whole:], w + whole)
+            dfd = pwrite_pages(fd, dfd, view, w)  # refused after all: buffered from here on
     finally:
         if pending is not None:   # an error midway: no read may still fill a buffer after we return
             with contextlib.suppress(Exception):

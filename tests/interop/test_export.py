@@ -211,7 +211,10 @@ def test_full_disk_midway_leaves_nothing_that_looks_complete(ck: Path, tmp_path:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd, buf, offset)
 
-    monkeypatch.setattr(export_mod, "pwrite_all", filling)
+    from coci_hpc.checkpoint import rawio
+
+    monkeypatch.setattr(export_mod, "pwrite_all", filling)  # the header
+    monkeypatch.setattr(rawio, "pwrite_all", filling)       # the data (rawio.pwrite_pages)
     out = tmp_path / "hf"
     with pytest.raises(CheckpointError, match="No space left.*nothing was left"):
         export(ck, out, to="hf", max_shard_size=1000)
@@ -280,7 +283,9 @@ def test_direct_writes_refused_midway_go_through_the_page_cache(ck: Path, tmp_pa
     from coci_hpc.interop.source import CheckpointSource
 
     monkeypatch.setattr(export_mod, "_BOUNCE_MAX", 8192)
-    real_open, real_write = export_mod.open_direct, export_mod.pwrite_all
+    from coci_hpc.checkpoint import rawio
+
+    real_open, real_write = export_mod.open_direct, rawio.pwrite_all
     direct: set[int] = set()
     refused: list[int] = []
 
@@ -299,7 +304,7 @@ def test_direct_writes_refused_midway_go_through_the_page_cache(ck: Path, tmp_pa
         real_write(fd, buf, offset)
 
     monkeypatch.setattr(export_mod, "open_direct", opening)
-    monkeypatch.setattr(export_mod, "pwrite_all", writing)
+    monkeypatch.setattr(rawio, "pwrite_all", writing)
     out = tmp_path / "hf"
     export(ck, out, to="hf", max_shard_size=1000)
     assert refused, "no O_DIRECT write was tried"

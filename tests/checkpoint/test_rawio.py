@@ -1,0 +1,82 @@
+"""rawio's page-wise writer (:func:`~coci_hpc.checkpoint.rawio.pwrite_pages`), shared by the
+store's posix writer and the export: whole pages through ``O_DIRECT``, the rest buffered; a
+refused direct write (EINVAL) goes on buffered, any other error is raised."""
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from coci_hpc.checkpoint import rawio
+from coci_hpc.checkpoint.rawio import DIRECT_ALIGN, WriteItem, aligned_empty, open_direct, pwrite_pages, write_posix
+
+
+def _payload(n: int, seed: int) -> np.ndarray:
+    buf = aligned_empty(n)
+    buf[:] = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    return buf
+
+
+@pytest.mark.parametrize("n,offset", [(3 * DIRECT_ALIGN + 17, 0), (2 * DIRECT_ALIGN, DIRECT_ALIGN),
+                                      (DIRECT_ALIGN + 5, 100), (10, 0)])
+def test_pages_and_tail_land_where_they_belong(tmp_path, n, offset):
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    buf = _payload(n, n)
+    fd = os.open(path, os.O_WRONLY)
+    dfd = open_direct(path)
+    try:
+        dfd = pwrite_pages(fd, dfd, buf, offset)
+    finally:
+        os.close(fd)
+        if dfd is not None:
+            os.close(dfd)
+    assert path.read_bytes()[offset:] == buf.tobytes()
+
+
+def _refusing(monkeypatch, err: int) -> list[int]:
+    """Direct descriptors whose writes fail with ``err`` (the buffered one works)."""
+    direct: list[int] = []
+    real_open, real_write = rawio.open_direct, rawio.pwrite_all
+
+    def opening(path):  # type: ignore[no-untyped-def]
+        fd = real_open(path) or os.open(path, os.O_WRONLY)  # a filesystem without O_DIRECT: a stand-in
+        direct.append(fd)
+        return fd
+
+    def writing(fd, buf, offset):  # type: ignore[no-untyped-def]
+        if fd in direct:
+            raise OSError(err, os.strerror(err))
+        real_write(fd, buf, offset)
+
+    monkeypatch.setattr(rawio, "open_direct", opening)
+    monkeypatch.setattr(rawio, "pwrite_all", writing)
+    return direct
+
+
+@pytest.mark.parametrize("err", [errno.EINVAL, errno.EOPNOTSUPP])
+def test_a_refused_direct_write_goes_on_through_the_page_cache(tmp_path, monkeypatch, err):
+    direct = _refusing(monkeypatch, err)
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    items = [WriteItem(buf=_payload(2 * DIRECT_ALIGN + 3, 1), offset=0),
+             WriteItem(buf=_payload(DIRECT_ALIGN, 2), offset=3 * DIRECT_ALIGN)]
+    write_posix(path, items, direct=True)
+    data = path.read_bytes()
+    assert direct, "no direct descriptor was opened"
+    assert data[:items[0].buf.nbytes] == items[0].buf.tobytes()
+    assert data[3 * DIRECT_ALIGN:] == items[1].buf.tobytes()
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
+def test_a_full_disk_or_an_io_error_on_a_direct_write_is_raised(tmp_path, monkeypatch, err):
+    """Not retried buffered (until 2026-11-30 the posix writer retried on any OSError: the
+    same bytes into the page cache, to fail at the fsync or not at all)."""
+    _refusing(monkeypatch, err)
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    with pytest.raises(OSError) as got:
+        write_posix(path, [WriteItem(buf=_payload(2 * DIRECT_ALIGN, 3), offset=0)], direct=True)
+    assert got.value.errno == err
