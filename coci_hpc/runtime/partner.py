@@ -295,8 +295,10 @@ class PartnerLink:
 
     Progress: the calls here (``Test``, ``arrived``) move what the sockets take at once, and a
     thread of the link's own (:meth:`_run`) moves the rest between them: it sends queued bytes
-    as the socket drains, reads the next message's header, and fills the buffer a posted
-    :meth:`irecv` gave it, never reading past the message it was given a buffer for. Until
+    as the socket drains and fills the buffer a posted :meth:`irecv` gave it, never reading past
+    the message it was given a buffer for. It does not read the next message's header
+    (:meth:`arrived` does, at the caller's step boundary): until 2026-11-30 it did, and so woke
+    once per message, in the middle of a training step, for 8 bytes. Until
     2026-11-30 only the calls moved bytes (as MPI's progress did): about one socket buffer, ~4 MB
     here, per step boundary, so a memory-tier copy of 500 MB took over a hundred steps to arrive.
     Every state change happens under one lock; the thread waits in ``select`` without it."""
@@ -341,7 +343,9 @@ class PartnerLink:
                     wr: list[socket.socket] = []
                     if self.broken is None and self._sends:
                         wr.append(self._out)
-                    if self.closed is None and (self._recv is not None or self._next is None):
+                    if self.closed is None and self._recv is not None:
+                        # only a posted receive: the next header is read by the caller's
+                        # arrived(), so the thread does not wake once per message to read it
                         rd.append(self._in)
                 try:
                     ready_r, ready_w, _ = select.select(rd, wr, [], 1.0)
@@ -355,11 +359,8 @@ class PartnerLink:
                             self._wake_r.recv(4096)
                     if ready_w:
                         self._push()
-                    if self._in in ready_r:
-                        if self._recv is not None:
-                            self._recv.Test()
-                        else:
-                            self._read_head()
+                    if self._in in ready_r and self._recv is not None:
+                        self._recv.Test()
         finally:
             for sock in (self._wake_r, self._wake_w):
                 with contextlib.suppress(OSError):

@@ -424,7 +424,7 @@ def test_a_large_copy_arrives_between_looks() -> None:
     req = a.isend(a.spec(data))
     assert not req.done                          # far more than the socket takes at once
     deadline = time.monotonic() + 10
-    while (n := b.arrived()) is None:            # the header was read by b's thread
+    while (n := b.arrived()) is None:            # the header is read here, by the caller
         assert time.monotonic() < deadline
         time.sleep(0.01)
     into = np.zeros(n, dtype=np.uint8)
@@ -449,3 +449,24 @@ def test_a_large_copy_arrives_between_looks() -> None:
     for link in (a, b):
         link._thread.join(timeout=5)
         assert not link._thread.is_alive()      # close() ends the thread
+
+
+def test_the_link_thread_leaves_an_unasked_message_to_the_caller() -> None:
+    """With no receive posted, the receiver's thread does not touch the incoming socket: a
+    per-step copy's header is read at the caller's next look (:meth:`arrived`), so the thread
+    does not wake in the middle of every training step for it."""
+    a, b = _two_links()
+    msg = np.arange(300, dtype=np.uint8)
+    req = a.isend(a.spec(msg))
+    deadline = time.monotonic() + 10
+    while not req.Test():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)                              # long past delivery: a reading thread would have read
+    assert (b._head_have, b._next) == (0, None)  # nothing read: that is the caller's
+    assert b.arrived() == msg.size
+    got = np.zeros(msg.size, dtype=np.uint8)
+    b.recv(got)
+    assert np.array_equal(got, msg)
+    a.close()
+    b.close()
