@@ -53,6 +53,21 @@ __all__ = ["DEFAULT_SIGNALS", "PreemptionGuard", "Received", "SignalRecorder", "
            "requeue_with_retries"]
 
 
+def own_signal(recorder: SignalRecorder) -> tuple[str, float] | None:
+    """``recorder``'s first signal: (its name, its wall-clock time), or None."""
+    first = recorder.first
+    if first is None:
+        return None
+    return first.name, time.time() - (time.monotonic() - first.monotonic)
+
+
+def jobs_first_signal(comm: Comm, recorder: SignalRecorder) -> tuple[str, float] | None:
+    """Collective: the earliest first signal of any rank (name, wall time), or None. Slurm
+    signals a job's tasks one by one, so when the ranks agree to stop, some may have none yet."""
+    seen = [s for s in comm.allgather(own_signal(recorder)) if s is not None]
+    return min(seen, key=lambda s: s[1]) if seen else None
+
+
 class PreemptionGuard:
     """Step-boundary agreement on stopping, and the self-requeue that follows a checkpoint.
 
@@ -70,6 +85,7 @@ class PreemptionGuard:
         self.signal_lead_s = signal_lead_s
         self._runner = runner
         self._stopping = False
+        self._first: tuple[str, float] | None = None   # the job's first signal, once agreed
 
     def __enter__(self) -> PreemptionGuard:
         self.recorder.install()
@@ -82,15 +98,19 @@ class PreemptionGuard:
         """Collective: True on every rank once any rank has received a stop signal."""
         local = 1.0 if self.recorder.received else 0.0
         self._stopping = self.comm.allreduce_max(local) > 0
+        if self._stopping and self._first is None:
+            # once, on every rank at the same call: what :meth:`plan` decides on (this rank's
+            # own signal may not have come yet)
+            self._first = jobs_first_signal(self.comm, self.recorder)
         return self._stopping
 
     def plan(self) -> StopPlan | None:
         """Why this stop, from Slurm's record and the partition's GraceTime or KillWait
         (:class:`StopController`, the Session's one rule), and whether the job should requeue
         itself; None before any signal."""
-        if self.recorder.first is None:
+        if self.recorder.first is None and self._first is None:
             return None
-        return StopController(self.job, self.recorder, self.signal_lead_s, self._runner).plan()
+        return StopController(self.job, self.recorder, self.signal_lead_s, self._runner).plan(self._first)
 
     def reason(self) -> str:
         """'time_limit', 'preemption', 'cancelled', 'requeue_by_hand', 'terminated', or 'none'."""
@@ -122,12 +142,18 @@ class StopController:
         self.job, self.recorder, self.signal_lead_s = job, recorder, signal_lead_s
         self._runner, self._say = runner, say
 
-    def plan(self) -> StopPlan:
-        """Why we stop (call after a signal; without one the signal is "?")."""
-        first = self.recorder.first
-        signame = first.name if first is not None else "?"
+    def own_signal(self) -> tuple[str, float] | None:
+        """This process's first signal: (its name, its wall-clock time), or None."""
+        return own_signal(self.recorder)
+
+    def plan(self, first: tuple[str, float] | None = None) -> StopPlan:
+        """Why we stop (call after a signal; without one the signal is "?"). ``first``: the
+        signal to decide on, (name, wall time), when it is not this process's own (the job's
+        first, which another rank received: :meth:`stop`)."""
+        first = first if first is not None else self.own_signal()
+        signame = first[0] if first is not None else "?"
         now = time.time()
-        signal_wall = now - (time.monotonic() - first.monotonic) if first is not None else now
+        signal_wall = first[1] if first is not None else now
         record, grace, kill_wait = None, None, None
         if self.job.in_slurm_job:
             try:
@@ -146,9 +172,11 @@ class StopController:
                            restart_count=self.job.restart_count, in_slurm_job=self.job.in_slurm_job,
                            signal_lead_s=self.signal_lead_s, grace_time_s=grace, kill_wait_s=kill_wait)
 
-    def decide(self, save_s: float | None) -> tuple[ev.StopReason, str, bool, bool]:
-        """Rank 0 at the stop: (reason, detail, requeue, whether a save of ``save_s`` fits)."""
-        plan = self.plan()
+    def decide(self, save_s: float | None, first: tuple[str, float] | None = None
+               ) -> tuple[ev.StopReason, str, bool, bool]:
+        """Rank 0 at the stop: (reason, detail, requeue, whether a save of ``save_s`` fits);
+        ``first`` as for :meth:`plan`."""
+        plan = self.plan(first)
         return plan.reason, plan.detail, plan.requeue, plan.save_fits(time.time(), save_s)
 
     @property
@@ -181,9 +209,13 @@ class StopController:
         rank settles the save in flight, saves ``step`` (``save``) when that fits before Slurm's
         kill, records the stop, requeues when the job must requeue itself (the others wait up to
         ``wait_s``), closes the store and raises ``SystemExit(0)``."""
-        first = self.recorder.first
-        signame = first.name if first is not None else "?"
-        decision = self.decide(schedule.save_s()) if comm.rank == 0 else None
+        # The ranks stop together once any of them has a signal, so rank 0 (which decides and
+        # records) may not have had its own yet: Slurm signals a job's tasks one by one. It
+        # decides on the job's first signal, whichever rank received it (until 2026-11-30 its
+        # own, "?" when none: a scancel then read as a signal by hand, and the job requeued).
+        first = jobs_first_signal(comm, self.recorder)
+        signame = first[0] if first is not None else "?"
+        decision = self.decide(schedule.save_s(), first) if comm.rank == 0 else None
         reason, detail, requeue, fits = comm.bcast(decision)
         reason = ev.StopReason(reason)
         requeue = requeue and self.job.in_slurm_job

@@ -84,3 +84,69 @@ def test_reason_when_slurm_cannot_be_asked_names_the_signal() -> None:
         os.kill(os.getpid(), signal.SIGUSR1)
         plan = guard.plan()
         assert plan is not None and plan.reason == "preemption" and "record unavailable" in plan.detail
+
+
+class _RankZeroOfTwo(Comm):
+    """Rank 0 of a two-rank job whose rank 1 got ``other`` (name, wall time) first: Slurm signals
+    a job's tasks one by one, so rank 0 may agree to stop before its own signal arrived."""
+
+    def __init__(self, other: tuple[str, float] | None) -> None:
+        super().__init__(None)
+        self.other = other
+
+    def allreduce_max(self, value: float) -> float:
+        return max(value, 1.0 if self.other is not None else 0.0)
+
+    def allgather(self, obj):  # type: ignore[no-untyped-def]
+        return [obj, self.other]
+
+
+def test_the_guard_decides_on_the_first_signal_of_any_rank() -> None:
+    """Rank 0 has no signal of its own yet; rank 1 got SIGTERM: outside Slurm that is a
+    termination (until 2026-11-30 rank 0 decided on "?", a preemption)."""
+    import time as _t
+
+    guard = PreemptionGuard(_RankZeroOfTwo(("SIGTERM", _t.time() - 0.2)), JobEnvironment(),
+                            SignalRecorder([signal.SIGUSR1]))
+    with guard:
+        assert guard.plan() is None               # nothing agreed yet
+        assert guard.stop_requested() is True
+        plan = guard.plan()
+    assert plan is not None and plan.reason == "terminated" and plan.detail.startswith("SIGTERM"), plan
+
+
+def test_the_stop_records_the_jobs_first_signal_not_rank_zeros_own() -> None:
+    """The Session's stop (StopController.stop) on rank 0 before its own SIGTERM arrived: the
+    stop event names the signal rank 1 received, and the reason is decided on it."""
+    import time as _t
+
+    from coci_hpc.runtime import events as ev
+    from coci_hpc.runtime.preemption import StopController
+
+    written: list = []
+
+    class _Log:
+        def write(self, e) -> None:  # type: ignore[no-untyped-def]
+            written.append(e)
+
+    class _Mgr:
+        def latest_step(self) -> int:
+            return 7          # already saved: no save needed
+
+        def close(self) -> None:
+            pass
+
+    class _Schedule:
+        def save_s(self) -> None:
+            return None
+
+    class _Losses:
+        def flush(self) -> None:
+            pass
+
+    ctl = StopController(JobEnvironment(), SignalRecorder([signal.SIGUSR1]), None)
+    with pytest.raises(SystemExit):
+        ctl.stop(7, comm=_RankZeroOfTwo(("SIGTERM", _t.time() - 0.1)), mgr=_Mgr(), schedule=_Schedule(),  # type: ignore[arg-type]
+                 log=_Log(), losses=_Losses(), settle=lambda: None, save=lambda st: None, wait_s=1.0)  # type: ignore[arg-type]
+    stop = [e for e in written if isinstance(e, ev.Stop)][0]
+    assert (stop.signal, stop.reason, stop.requeued) == ("SIGTERM", ev.StopReason.TERMINATED, False), stop
