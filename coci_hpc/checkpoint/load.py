@@ -108,7 +108,7 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
             mine, needed = _my_checks(comm.rank, node, m, reader, all_rows, all_boxes)
             clock.lap("plan_s")
             # The ranks of a node start their streams at different places of the file, not side
-            # by side (an interleaved sharded file: 2 processes reading their halves, A/B below)
+            # by side (an interleaved sharded file; the A/B is in DatasetReader.verify's docstring)
             reader.verify(mine, node.index(comm.rank) / len(node) if SPREAD_READS else 0.0)
             clock.lap("check_s")
             reader.prefetch(needed - mine)  # what the other ranks of the node check

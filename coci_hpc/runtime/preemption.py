@@ -142,15 +142,11 @@ class StopController:
         self.job, self.recorder, self.signal_lead_s = job, recorder, signal_lead_s
         self._runner, self._say = runner, say
 
-    def own_signal(self) -> tuple[str, float] | None:
-        """This process's first signal: (its name, its wall-clock time), or None."""
-        return own_signal(self.recorder)
-
     def plan(self, first: tuple[str, float] | None = None) -> StopPlan:
         """Why we stop (call after a signal; without one the signal is "?"). ``first``: the
         signal to decide on, (name, wall time), when it is not this process's own (the job's
         first, which another rank received: :meth:`stop`)."""
-        first = first if first is not None else self.own_signal()
+        first = first if first is not None else own_signal(self.recorder)
         signame = first[0] if first is not None else "?"
         now = time.time()
         signal_wall = first[1] if first is not None else now
