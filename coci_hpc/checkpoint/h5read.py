@@ -7,6 +7,7 @@ load's helper thread and the copies in the copy pool (:mod:`.rawio`).
 """
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -55,6 +56,49 @@ class _stream_buffers:
     def __exit__(self, *exc: object) -> None:
         if self.owned:
             type(self)._lock.release()
+
+
+class ScratchCopies:
+    """Scratch destinations (bytes, file offset) that :meth:`DatasetReader.verify` fills while it
+    checks: buffers made for this load that nothing of the state sees until every check passed
+    (a fresh optimizer's moment targets, fresh buffers for objects loaded by copy). Their bytes
+    are copied in the load's helper thread right after their CRC, while the next chunk comes
+    from the disk, instead of in a copy after the last check (issue 33). A failed check leaves
+    them half filled, and they are dropped with the load.
+
+    Only the verifying thread's helper writes them, one chunk after another, so the counts need
+    no lock; :meth:`full` is read after ``verify`` returned."""
+
+    def __init__(self, pieces: Sequence[tuple[np.ndarray, int]]) -> None:
+        self._pieces = sorted(((at, d.reshape(-1).view(np.uint8)) for d, at in pieces if d.nbytes),
+                              key=lambda p: p[0])
+        self._starts = [at for at, _ in self._pieces]
+        self._got = [0] * len(self._pieces)
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def copy(self, part: np.ndarray, at: int) -> None:
+        """Copy ``part`` (the file's bytes [at, at+len)) into every piece it overlaps."""
+        end = at + part.nbytes
+        i = max(0, bisect.bisect_right(self._starts, at) - 1)
+        while i < len(self._pieces) and self._pieces[i][0] < end:
+            p0, dest = self._pieces[i]
+            a, b = max(p0, at), min(p0 + dest.nbytes, end)
+            if a < b:
+                np.copyto(dest[a - p0:b - p0], part[a - at:b - at])
+                self._got[i] += b - a
+            i += 1
+
+    def full(self, dest: np.ndarray, at: int) -> bool:
+        """Whether the piece (``dest``, ``at``) was filled whole (by the shards this rank checked)."""
+        i = bisect.bisect_left(self._starts, at)
+        while i < len(self._pieces) and self._starts[i] == at:
+            d = self._pieces[i][1]
+            if d.ctypes.data == dest.ctypes.data and d.nbytes == dest.nbytes:
+                return self._got[i] == d.nbytes
+            i += 1
+        return False
 
 
 class DatasetReader:
@@ -231,9 +275,10 @@ class DatasetReader:
         """Count shards another rank of this node checked (the same page cache) as checked."""
         self._verified |= keys
 
-    def verify(self, keys: set[ShardKey], start: float = 0.0) -> None:
+    def verify(self, keys: set[ShardKey], start: float = 0.0, into: ScratchCopies | None = None) -> None:
         """Check the shards named by ``keys`` (see :meth:`shards_of`), each whole, against their
-        checksums; raise CheckpointCorrupt naming the first bad one.
+        checksums; raise CheckpointCorrupt naming the first bad one. ``into``: scratch buffers
+        filled with the bytes as they are checked (:class:`ScratchCopies`).
 
         The shards are read in file order, begun at fraction ``start`` of their bytes and wrapped
         around (:func:`_rotated`): the load gives each rank of a node another ``start``, so that
@@ -278,7 +323,7 @@ class DatasetReader:
         fmap = self._mapped() if PASS1_MAPPED else None
         size = min(_READ_CHUNK, max((self._shards.nbytes(sh) for _, sh, _ in jobs), default=0))
         with _stream_buffers(0 if fmap is not None else size) as bufs:
-            self._check_jobs(jobs, fmap, bufs, size)
+            self._check_jobs(jobs, fmap, bufs, size, into if into else None)
         if fmap is None:
             # Map what was read (in the page cache now, so this only builds page tables): a
             # read error or a file cut short must surface here, before any byte goes into the
@@ -301,16 +346,21 @@ class DatasetReader:
                                              "step") from exc
 
     def _check_jobs(self, jobs: list[tuple[Mapping[str, Any], Mapping[str, Any], int]],
-                    fmap: FileMap | None, bufs: list[np.ndarray], size: int) -> None:
+                    fmap: FileMap | None, bufs: list[np.ndarray], size: int,
+                    into: ScratchCopies | None = None) -> None:
         algorithm = self._algorithm
         assert algorithm is not None
         crcs = [0] * len(jobs)
 
-        def feed(j: int, parts: list[np.ndarray]) -> None:  # the helper thread: chunks arrive in order
+        def feed(j: int, parts: list[np.ndarray], placed: list[tuple[np.ndarray, int]]) -> None:
+            # the helper thread: chunks arrive in order
             crc = crcs[j]
             for part in parts:
                 crc = checksum(part, algorithm, crc)
             crcs[j] = crc
+            if into is not None:
+                for part, at in placed:
+                    into.copy(part, at)  # still in the cache from the CRC
 
         pending = None
         k = 0
@@ -324,12 +374,16 @@ class DatasetReader:
                     self._map_in([(meta, at, self._shards.span((meta["dataset"], sh["start"])))])
                 for batch in _batches(runs, size):
                     try:
+                        placed: list[tuple[np.ndarray, int]] = []  # (bytes, their file offset)
                         if fmap is not None:
                             parts = [fmap.view(base + a, n) for a, n in batch]
+                            placed = list(zip(parts, (base + a for a, _ in batch))) if into is not None else []
                         else:
                             buf, pos = bufs[k % 2], 0  # the other buffer is being checked
                             for a, n in batch:
                                 pread_into(self._fd, buf[pos:pos + n], base + a)
+                                if into is not None:
+                                    placed.append((buf[pos:pos + n], base + a))
                                 pos += n
                             parts = [buf[:pos]]
                     except (OSError, EOFError) as exc:
@@ -339,8 +393,8 @@ class DatasetReader:
                     k += 1
                     if pending is not None:
                         pending.result()
-                    pending = load_helper().submit(feed, j, parts)
-                    del parts
+                    pending = load_helper().submit(feed, j, parts, placed)
+                    del parts, placed
         finally:
             if pending is not None:
                 pending.result()

@@ -28,7 +28,7 @@ from coci_hpc.checkpoint.dtensor import (
     target_box,
     wrap_like,
 )
-from coci_hpc.checkpoint.h5read import DatasetReader
+from coci_hpc.checkpoint.h5read import DatasetReader, ScratchCopies
 from coci_hpc.checkpoint.leaves import LeafKind, PerRank, Sharded, storage_dtype
 from coci_hpc.checkpoint.loadcheck import check_skeleton
 from coci_hpc.checkpoint.rawio import copy_pool, copy_threads, prefault
@@ -109,15 +109,21 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
             clock.lap("plan_s")
             # The ranks of a node start their streams at different places of the file, not side
             # by side (an interleaved sharded file; the A/B is in DatasetReader.verify's docstring)
-            reader.verify(mine, node.index(comm.rank) / len(node) if SPREAD_READS else 0.0)
+            reader.verify(mine, node.index(comm.rank) / len(node) if SPREAD_READS else 0.0, into)
             clock.lap("check_s")
             reader.prefetch(needed - mine)  # what the other ranks of the node check
             clock.lap("prefetch_s")
             return needed
 
-        # A fresh optimizer's moment targets (made for this load, not yet the state's) are fresh
-        # memory: their pages are faulted in beside the check, while it waits for the disk.
-        faulting = copy_pool().submit(prefault, _fresh_targets(targets)) if PREFAULT else None
+        # Where each tensor's bytes go; the scratch ones (fresh buffers, a fresh optimizer's
+        # moment targets: nothing of the state until every check passed) are filled by the
+        # check itself, as it reads them, and are fresh memory: their pages are faulted in
+        # beside the check, while it waits for the disk.
+        dests = _destinations(state, ranges, targets)
+        scratch = _scratch_pieces(reader, ranges, targets, dests) if FILL_IN_CHECK else {}
+        into = ScratchCopies([p for ps in scratch.values() for p in ps])
+        fresh_memory = [d for ps in scratch.values() for d, _ in ps] if FILL_IN_CHECK else _fresh_targets(targets)
+        faulting = copy_pool().submit(prefault, fresh_memory) if PREFAULT else None
         try:
             needed = comm.run_step(check, f"checking checkpoint step {chosen}")
         finally:
@@ -125,9 +131,11 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
                 faulting.result()
         clock.lap("check_wait_s")
         reader.trust(needed)  # every rank checked its part, or all would have raised above
+        filled = {i for i, ps in scratch.items() if all(into.full(d, at) for d, at in ps)}
         # Pass 2: the checked bytes, still mapped, go straight into their final place (one memcpy).
         threads = copy_threads(sharing)
-        result = comm.run_step(lambda: _install(comm, m, state, reader, ranges, targets, rng, trees, threads, clock),
+        result = comm.run_step(lambda: _install(comm, m, state, reader, ranges, targets, rng, trees, threads,
+                                                clock, dests, filled),
                                f"loading checkpoint step {chosen} into the state")
         clock.lap("install_wait_s")
         return result
@@ -138,6 +146,52 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
 
 SPREAD_READS = True  # False: every rank reads its shards from the file's start (for A/B runs)
 PREFAULT = True  # fault in fresh targets' pages during the check (False: in the copy; for A/B runs)
+FILL_IN_CHECK = True  # the check fills scratch destinations as it reads (False: copied after it; A/B)
+
+
+@dataclass
+class _Dest:
+    """Where one tensor's checked bytes go: into the state's own host bytes (``view``), its own
+    device tensor (``dev``, through staging) or a fresh buffer (``fresh``); at most one is set."""
+
+    how: str | None                              # :func:`_in_place`'s answer
+    view: np.ndarray | None = None               # the state's own host bytes (or a fresh target's)
+    dev: torch.Tensor | None = None              # the state's own device tensor
+    fresh: tuple[Any, np.ndarray] | None = None  # a fresh buffer (object, its bytes)
+
+
+def _destinations(state: Mapping[str, Any], ranges: list[tuple[dict[str, Any], Runs, tuple[int, ...], int]],
+                  targets: Mapping[str, Any]) -> list[_Dest]:
+    """The destination of each entry of ``ranges``: in place where that keeps the load
+    all-or-nothing (see :func:`_in_place`), else a fresh buffer, allocated here (uninitialised)."""
+    out = []
+    for meta, _, shape, _ in ranges:
+        tgt = targets.get(meta["name"])
+        how = _in_place(_owner(state, meta["name"])) if tgt is not None else None
+        view = leaf_view(tgt, meta["dtype"], shape) if how else None
+        dev = _device_view(tgt, meta["dtype"], shape) if how and view is None else None
+        fresh = empty_like_leaf(meta["dtype"], shape) if view is None and dev is None else None
+        out.append(_Dest(how, view, dev, fresh))
+    return out
+
+
+def _scratch_pieces(reader: DatasetReader, ranges: list[tuple[dict[str, Any], Runs, tuple[int, ...], int]],
+                    targets: Mapping[str, Any], dests: list[_Dest]) -> dict[int, list[tuple[np.ndarray, int]]]:
+    """(bytes, file offset) pieces of the destinations nothing of the state sees before every
+    check passed, by entry: fresh buffers, and a fresh optimizer's targets
+    (:func:`~.dtensor.made_for_load`) on the host."""
+    out: dict[int, list[tuple[np.ndarray, int]]] = {}
+    for i, ((meta, rs, _, _), d) in enumerate(zip(ranges, dests)):
+        if d.fresh is not None:
+            dest = d.fresh[1]
+        elif d.view is not None and d.how == "after" and made_for_load(targets.get(meta["name"])):
+            dest = d.view
+        else:
+            continue
+        b = dest.reshape(-1).view(np.uint8)
+        base = reader.offset(meta)
+        out[i] = [(b[at:at + n], base + start) for start, at, n in rs if n]
+    return out
 
 
 def _fresh_targets(targets: Mapping[str, Any]) -> list[np.ndarray]:
@@ -440,11 +494,18 @@ def _device_runs(reader: DatasetReader, meta: Mapping[str, Any], rs: Runs) -> De
 
 def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: DatasetReader,
              ranges: list[tuple[dict[str, Any], Runs, tuple[int, ...], int]], targets: Mapping[str, Any],
-             rng: bool, trees: Mapping[str, Any], threads: int = 1, clock: _Clock | None = None) -> LoadResult:
+             rng: bool, trees: Mapping[str, Any], threads: int = 1, clock: _Clock | None = None,
+             dests: list[_Dest] | None = None, filled: set[int] | None = None) -> LoadResult:
     """Put the checked bytes into the state: fresh buffers only where in place is not safe.
 
-    The copies of each group run as one batch split over ``threads`` threads (see
+    ``dests``: each entry's destination (:func:`_destinations`); ``filled``: the entries whose
+    scratch destination the check filled whole (:class:`~.h5read.ScratchCopies`), not copied
+    again. The copies of each group run as one batch split over ``threads`` threads (see
     :meth:`~coci_hpc.checkpoint.h5read.DatasetReader.copy_verified`)."""
+    if dests is None:
+        dests = _destinations(state, ranges, targets)
+    filled = filled or set()
+    checked: list[tuple[np.ndarray, int]] = []  # pieces filled by the check: only their cover is checked
     tensors: dict[str, Any] = {}
     direct: list[tuple[dict[str, Any], Runs, np.ndarray]] = []
     after: list[tuple[dict[str, Any], Runs, tuple[int, ...], Any]] = []
@@ -453,12 +514,11 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
     to_device: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a module's live device shard, its checked host copy)
     in_place: set[int] = set()  # ids of the state's own tensors the checked bytes go into
     on_device: list[tuple[dict[str, Any], Runs, torch.Tensor]] = []  # direct, into device tensors
-    for meta, start, shape, _ in ranges:
+    prefilled: dict[str, np.ndarray] = {}  # a fresh target the check filled: its bytes
+    for i, ((meta, start, shape, _), d) in enumerate(zip(ranges, dests)):
         name = meta["name"]
         tgt = targets.get(name)
-        how = _in_place(_owner(state, name)) if tgt is not None else None
-        view = leaf_view(tgt, meta["dtype"], shape) if how else None
-        dev = _device_view(tgt, meta["dtype"], shape) if how and view is None else None
+        how, view, dev = d.how, d.view, d.dev
         if dev is not None:
             # A device tensor (CUDA) is written as the host one is, in place and only in fill(),
             # its checked bytes streamed through pinned staging buffers (.staging): no fresh host
@@ -473,8 +533,9 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
         if view is None:
             # A fresh buffer, never the live tensor: an object that refuses its state, or copies
             # it while loading, must see the checkpoint's bytes and leave the state as it was.
-            obj, dest = empty_like_leaf(meta["dtype"], shape)
-            _plan(reader, fresh, meta, dest, start)
+            assert d.fresh is not None
+            obj, dest = d.fresh
+            _plan(reader, checked if i in filled else fresh, meta, dest, start)
             if how == "direct" and is_dtensor(tgt) and local_of(tgt).dtype == obj.dtype \
                     and tuple(local_of(tgt).shape) == tuple(obj.shape):
                 # A module's own shard on its device (FSDP2 on CUDA): the checked host copy goes
@@ -494,6 +555,8 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
             direct.append((meta, start, view))
             in_place.add(id(tensors[name]))
         else:
+            if i in filled:
+                prefilled[name] = view
             after.append((meta, start, shape, _owner(state, name)))
     reader.copy_verified(fresh, threads)
     for name, tgt, obj in wrap:
@@ -533,7 +596,11 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
                 live = now[id(owner)].get(meta["name"])
                 live_view = leaf_view(live, meta["dtype"], shape)
                 if live_view is not None:
-                    _plan(reader, pieces, meta, live_view, start)
+                    mine = prefilled.get(meta["name"])
+                    # the optimizer kept the fresh target the check filled: nothing to copy
+                    same = mine is not None and mine.ctypes.data == live_view.ctypes.data \
+                        and mine.nbytes == live_view.nbytes
+                    _plan(reader, checked if same else pieces, meta, live_view, start)
                     continue
                 live_dev = _device_view(live, meta["dtype"], shape)
                 if live_dev is not None:

@@ -235,3 +235,55 @@ def test_a_check_begun_midway_reads_every_shard_and_still_names_a_bad_one(tmp_pa
         f.write(bytes([b[0] ^ 0xFF]))
     with DatasetReader(path, m) as r, pytest.raises(CheckpointCorrupt, match="big"):
         r.verify(_all_keys(r, m), start)
+
+
+def test_scratch_copies_fill_the_pieces_parts_overlap():
+    """The check hands each checked part (file bytes at an offset) to ScratchCopies: every piece
+    it overlaps gets its bytes, and a piece counts as filled only once all of it came."""
+    from coci_hpc.checkpoint.h5read import ScratchCopies
+
+    src = np.arange(200, dtype=np.uint8)  # the file
+    a, b, c = np.zeros(30, np.uint8), np.zeros(50, np.uint8), np.zeros(20, np.uint8)
+    sc = ScratchCopies([(a, 10), (b, 40), (c, 150)])
+    sc.copy(src[0:35], 0)        # the first 25 bytes of a
+    sc.copy(src[35:100], 35)     # the rest of a, all of b
+    sc.copy(src[140:160], 140)   # half of c
+    assert sc.full(a, 10) and sc.full(b, 40) and not sc.full(c, 150)
+    assert np.array_equal(a, src[10:40]) and np.array_equal(b, src[40:90])
+    assert np.array_equal(c[:10], src[150:160]) and not c[10:].any()
+    sc.copy(src[160:200], 160)
+    assert sc.full(c, 150) and np.array_equal(c, src[150:170])
+    assert not sc.full(np.zeros(30, np.uint8), 10)  # other memory at the same offset: not filled
+    assert not sc.full(a[:10], 10)
+
+
+def test_a_fresh_optimizer_is_filled_by_the_check_not_copied_after_it(tmp_path, monkeypatch):
+    """A restart loads into a fresh optimizer: its moments go into buffers nothing sees before
+    every check passed, so the check fills them as it reads (issue 33), and the copy after the
+    last check leaves them out. Either way the state is the saved one, bit for bit."""
+    from coci_hpc.checkpoint import load as load_mod
+
+    big = 300_001
+    saved = full_state(1, big=big)
+    mgr = CheckpointManager(tmp_path, comm=None)
+    mgr.save(1, saved)
+    copied: list[int] = []
+    real = DatasetReader.copy_verified
+
+    def counting(self, pieces, threads=1):
+        copied.append(sum(d.nbytes for d, _ in pieces))
+        return real(self, pieces, threads)
+
+    monkeypatch.setattr(DatasetReader, "copy_verified", counting)
+    after = {}
+    for fill in (False, True):
+        monkeypatch.setattr(load_mod, "FILL_IN_CHECK", fill)
+        fresh = full_state(2, big=big, train_steps=0)
+        assert not fresh["optimizer"].state  # no moments yet
+        copied.clear()
+        mgr.load(1, fresh)
+        assert canonical(fresh) == canonical(saved)
+        after[fill] = sum(copied)
+    mgr.close()
+    moments = 2 * big * 4  # exp_avg and exp_avg_sq of the big parameter (float32)
+    assert after[False] - after[True] >= moments, after
