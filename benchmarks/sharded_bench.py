@@ -29,6 +29,11 @@ into the same model built with FSDP2 on 1 and 4 ranks, each round with a fresh o
 state yet: DCP's ``get_state_dict`` initialises it with a zero-gradient step, coci builds the
 moments from the parameters' placements), page cache dropped first.
 
+Phase 3 (``mpiexec -n 2``): the same loads on the saving mesh, in fresh processes, each round
+with a fresh optimizer: what a requeued job does (``restart_load_vs_dcp``, no goal of its own),
+and beside them the raw read of phase 1's floor files into the first loaded optimizer's tensors
+(``restart_load_vs_floor``).
+
 Beside them, in the same rounds of phase 1, the **raw-disk floor**: each rank writes (``pwrite``) its
 own bytes of the state (its local shards) into a file of its own and fsyncs it, and reads them
 back (page cache dropped) straight into the tensors: no format, no checksum, no commit. Keys
@@ -39,7 +44,8 @@ copy of each rank's bytes from the page cache into its tensors, the one copy an 
 load pays after its last check; ``load_aon_floor_vs_floor`` = (raw read + that copy) / raw read,
 ``load_aon_floor_vs_dcp``, ``sharded_load_vs_aon_floor``. Per-phase times of the loads
 (:attr:`CheckpointManager.load_stats`, each phase's slowest rank): ``coci_load_phases_slowest`` /
-``_fastest`` / ``_cold`` (same mesh), ``coci_load_reshard_1_phases_*``, ``coci_load_reshard_4_phases_*``.
+``_fastest`` / ``_cold`` (same mesh), ``coci_load_reshard_1_phases_*``, ``coci_load_reshard_4_phases_*``,
+``coci_load_restart_phases_*``.
 
 Times are the slowest rank's, between barriers; medians over the rounds. Ratios (goals from
 issue 23): ``sharded_save_vs_dcp``, ``sharded_load_vs_dcp``, ``reshard_load_vs_dcp`` (the worse
@@ -312,19 +318,33 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             out["dcp_file_bytes"] = sum(p.stat().st_size for p in (ddir / f"s{args.repeats}").rglob("*")
                                         if p.is_file())
     else:
+        # "reshard": another number of ranks; "restart": the saving mesh, in fresh processes (what
+        # a requeued job does), with the raw read of the save phase's floor files beside
         cdir, ddir = base / "coci", base / "dcp" / f"s{args.repeats}"
         mgr = CheckpointManager(cdir, comm=comm, lock=False)
+        raw_path = base / "raw" / f"rank{comm.rank}.bin"
+        raw_bufs: list[Any] = []   # the raw read's destination: the first loaded optimizer's own tensors
         for rep in range(args.repeats + 1):
             warm_round = rep == 0
             order = [("coci_load", "coci"), ("dcp_load", "dcp")]
-            for name, which in (order if rep % 2 == 0 else order[::-1]):
+            if args.phase == "restart":
+                order.append(("raw_load", "raw"))
+            for name, which in rotate(order, rep):
                 opt = torch.optim.Adam(model.parameters(), lr=1e-4)  # fresh: no state yet
                 if comm.rank == 0:
-                    evict([cdir, ddir])
+                    evict([cdir, ddir, raw_path.parent])
+                comm.barrier()
+                if which == "raw":
+                    if raw_bufs:
+                        rec(name, timer(lambda: raw_read(raw_path, raw_bufs)))
+                    continue
                 rec(name, timer((lambda o=opt: mgr.load_latest({"model": model, "optimizer": o}))
                                 if which == "coci" else (lambda o=opt: dcp_load(o, ddir))))
                 if which == "coci":
                     load_phases.append(comm.allgather({k: round(v, 4) for k, v in mgr.load_stats.items()}))
+                    if not raw_bufs and args.phase == "restart":
+                        raw_bufs = local_buffers(model, opt)
+                        kept = opt  # noqa: F841  # its tensors are the raw read's destination
         mgr.close()
     dist.destroy_process_group()
     out.update(summary(res, cold))
@@ -357,8 +377,10 @@ def run(args: argparse.Namespace, n: int, phase: str, workdir: Path) -> dict[str
 
 def table(doc: dict[str, Any]) -> str:
     s, r1, r4 = doc["by_phase"]["save"], doc["by_phase"]["reshard_1"], doc["by_phase"]["reshard_4"]
+    rs = doc["by_phase"]["restart"]
     rows = [("save (2 ranks)", s["coci_save"], s["dcp_save"]),
             ("load, same mesh (2)", s["coci_load"], s["dcp_load"]),
+            ("restart load, same mesh", rs["coci_load"], rs["dcp_load"]),
             ("reshard load 2 -> 1", r1["coci_load"], r1["dcp_load"]),
             ("reshard load 2 -> 4", r4["coci_load"], r4["dcp_load"])]
     if "coci_stall" in s:
@@ -372,6 +394,9 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(f"raw-disk floor (each rank's own bytes, pwrite + fsync / pread): save "
                      f"{s['raw_save']:.3f} s = {doc['save_floor_vs_dcp']:.2f} of DCP, load "
                      f"{s['raw_load']:.3f} s = {doc['load_floor_vs_dcp']:.2f} of DCP")
+    if "raw_load" in rs:
+        lines.append(f"restart (fresh processes, fresh optimizer): raw read {rs['raw_load']:.3f} s; coci's load "
+                     f"{doc['restart_load_vs_floor']:.2f} x it")
     if "copy_after_check" in s:
         lines.append(f"all-or-nothing load floor (raw read + the copy after the check, {s['copy_after_check']:.3f} s): "
                      f"{doc['load_aon_floor_vs_floor']:.2f} x the raw read, {doc['load_aon_floor_vs_dcp']:.2f} of DCP; "
@@ -397,7 +422,8 @@ def table(doc: dict[str, Any]) -> str:
         if ph:
             lines.append(f"coci's {which} save, {ph['save_s']:.3f} s: " + ", ".join(
                 f"{k} {v:.3f}" for k, v in ph.items() if k != "save_s" and v >= 0.005))
-    for tag, what in (("", "load"), ("_reshard_1", "load 2 -> 1"), ("_reshard_4", "load 2 -> 4")):
+    for tag, what in (("", "load"), ("_restart", "restart load"), ("_reshard_1", "load 2 -> 1"),
+                      ("_reshard_4", "load 2 -> 4")):
         for which in ("slowest", "fastest"):
             ph = doc.get(f"coci_load{tag}_phases_{which}")
             if ph:
@@ -435,6 +461,7 @@ def main() -> int:
         save = run(args, 2, "save", workdir)
         r1 = run(args, 1, "reshard", workdir)
         r4 = run(args, 4, "reshard", workdir)
+        rs = run(args, 2, "restart", workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     ratio = lambda ph, k: ph[f"coci_{k}"] / ph[f"dcp_{k}"]  # noqa: E731
@@ -446,8 +473,13 @@ def main() -> int:
         "dcp_bytes_ratio": save["dcp_file_bytes"] / save["state_bytes"],
         "state_bytes": save["state_bytes"], "repeats": args.repeats, "page_cache": "fadvise",
         "elapsed_s": round(time.perf_counter() - t0, 1),
-        "by_phase": {"save": save, "reshard_1": r1, "reshard_4": r4},
+        "by_phase": {"save": save, "reshard_1": r1, "reshard_4": r4, "restart": rs},
+        # a requeued job's load: the saving mesh, fresh processes, a fresh optimizer (no goal of
+        # its own; beside the in-process load above, which goes into the live state)
+        "restart_load_vs_dcp": ratio(rs, "load"),
     }
+    if "raw_load" in rs:
+        doc["restart_load_vs_floor"] = rs["coci_load"] / rs["raw_load"]
     if "coci_stall" in save:
         doc["sharded_stall_vs_dcp_async"] = ratio(save, "stall")
     if "raw_save" in save:
@@ -476,7 +508,7 @@ def main() -> int:
         doc["coci_save_phases_fastest"] = {"save_s": min(times), **worst(phases[1 + times.index(min(times))])}
         doc["coci_save_phases_cold"] = worst(phases[0])
     # the same for the loads, per phase of the run (same mesh, 2 -> 1, 2 -> 4): a slow load names its phase
-    for tag, ph in (("", save), ("_reshard_1", r1), ("_reshard_4", r4)):
+    for tag, ph in (("", save), ("_reshard_1", r1), ("_reshard_4", r4), ("_restart", rs)):
         per_round = [slowest_rank(rnd) for rnd in ph.get("coci_load_phases", [])]
         doc.update(phase_breakdown(f"coci_load{tag}_phases", ph["samples"].get("coci_load", []), per_round,
                                    "load_s_measured"))
