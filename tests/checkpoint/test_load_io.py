@@ -257,11 +257,15 @@ def test_scratch_copies_fill_the_pieces_parts_overlap():
     assert not sc.full(a[:10], 10)
 
 
-def test_a_fresh_optimizer_is_filled_by_the_check_not_copied_after_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "streamed"])
+def test_a_fresh_optimizer_is_filled_by_the_check_not_copied_after_it(tmp_path, monkeypatch, mapped):
     """A restart loads into a fresh optimizer: its moments go into buffers nothing sees before
     every check passed, so the check fills them as it reads (issue 33), and the copy after the
-    last check leaves them out. Either way the state is the saved one, bit for bit."""
+    last check leaves them out. Either way the state is the saved one, bit for bit; checked
+    over the file's mapping and streamed through the reused read buffers alike."""
     from coci_hpc.checkpoint import load as load_mod
+
+    monkeypatch.setattr(h5read, "PASS1_MAPPED", mapped)
 
     big = 300_001
     saved = full_state(1, big=big)
@@ -287,3 +291,30 @@ def test_a_fresh_optimizer_is_filled_by_the_check_not_copied_after_it(tmp_path, 
     mgr.close()
     moments = 2 * big * 4  # exp_avg and exp_avg_sq of the big parameter (float32)
     assert after[False] - after[True] >= moments, after
+
+
+def test_a_check_that_fails_leaves_the_fresh_optimizer_it_half_filled_empty(tmp_path):
+    """The check fills the fresh optimizer's moments as it reads; a flipped byte in the last
+    moment read fails the load, and neither the optimizer (still without state) nor the model
+    changed."""
+    from coci_hpc.errors import CheckpointError
+
+    big = 300_001
+    mgr = CheckpointManager(tmp_path, comm=None)
+    mgr.save(1, full_state(1, big=big))
+    mgr.close()
+    d = cat.step_dir(tmp_path, 1)
+    m = cat.read_manifest(d)
+    moments = [t for t in m["tensors"] if "exp_avg" in t["name"] and t["nbytes"] >= big * 4]
+    last = max(moments, key=lambda t: t["offset"])
+    with open(d / mf.DATA_FILE, "r+b") as f:
+        f.seek(last["offset"] + last["nbytes"] - 3)
+        b = f.read(1)
+        f.seek(last["offset"] + last["nbytes"] - 3)
+        f.write(bytes([b[0] ^ 0x01]))
+    fresh = full_state(2, big=big, train_steps=0)
+    before = canonical(fresh["model"])
+    with pytest.raises(CheckpointError):
+        CheckpointManager(tmp_path, comm=None).load(1, fresh)
+    assert not fresh["optimizer"].state
+    assert canonical(fresh["model"]) == before
