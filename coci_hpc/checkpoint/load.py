@@ -104,33 +104,38 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
         # node (ranks of a node share the page cache); nothing is allocated per tensor.
         node, sharing = _node_ranks(comm)
 
+        planned: dict[str, Any] = {}
+
         def check() -> set[tuple[str, int]]:
-            mine, needed = _my_checks(comm.rank, node, m, reader, all_rows, all_boxes)
-            clock.lap("plan_s")
-            # The ranks of a node start their streams at different places of the file, not side
-            # by side (an interleaved sharded file; the A/B is in DatasetReader.verify's docstring)
-            reader.verify(mine, node.index(comm.rank) / len(node) if SPREAD_READS else 0.0, into)
-            clock.lap("check_s")
-            reader.prefetch(needed - mine)  # what the other ranks of the node check
-            clock.lap("prefetch_s")
+            # Where each tensor's bytes go (inside the agreement: allocating a fresh buffer may
+            # fail on one rank). The scratch ones (fresh buffers, a fresh optimizer's moment
+            # targets: nothing of the state until every check passed) are filled by the check
+            # itself, as it reads them, and are fresh memory: their pages are faulted in beside
+            # the check, while it waits for the disk.
+            dests = planned["dests"] = _destinations(state, ranges, targets)
+            scratch = planned["scratch"] = _scratch_pieces(reader, ranges, targets, dests) if FILL_IN_CHECK else {}
+            into = planned["into"] = ScratchCopies([p for ps in scratch.values() for p in ps])
+            fresh_memory = [d for ps in scratch.values() for d, _ in ps] if FILL_IN_CHECK else _fresh_targets(targets)
+            faulting = copy_pool().submit(prefault, fresh_memory) if PREFAULT else None
+            try:
+                mine, needed = _my_checks(comm.rank, node, m, reader, all_rows, all_boxes)
+                clock.lap("plan_s")
+                # The ranks of a node start their streams at different places of the file, not
+                # side by side (an interleaved sharded file; the A/B is in DatasetReader.verify's
+                # docstring)
+                reader.verify(mine, node.index(comm.rank) / len(node) if SPREAD_READS else 0.0, into)
+                clock.lap("check_s")
+                reader.prefetch(needed - mine)  # what the other ranks of the node check
+                clock.lap("prefetch_s")
+            finally:
+                if faulting is not None:
+                    faulting.result()
             return needed
 
-        # Where each tensor's bytes go; the scratch ones (fresh buffers, a fresh optimizer's
-        # moment targets: nothing of the state until every check passed) are filled by the
-        # check itself, as it reads them, and are fresh memory: their pages are faulted in
-        # beside the check, while it waits for the disk.
-        dests = _destinations(state, ranges, targets)
-        scratch = _scratch_pieces(reader, ranges, targets, dests) if FILL_IN_CHECK else {}
-        into = ScratchCopies([p for ps in scratch.values() for p in ps])
-        fresh_memory = [d for ps in scratch.values() for d, _ in ps] if FILL_IN_CHECK else _fresh_targets(targets)
-        faulting = copy_pool().submit(prefault, fresh_memory) if PREFAULT else None
-        try:
-            needed = comm.run_step(check, f"checking checkpoint step {chosen}")
-        finally:
-            if faulting is not None:
-                faulting.result()
+        needed = comm.run_step(check, f"checking checkpoint step {chosen}")
         clock.lap("check_wait_s")
         reader.trust(needed)  # every rank checked its part, or all would have raised above
+        dests, scratch, into = planned["dests"], planned["scratch"], planned["into"]
         filled = {i for i, ps in scratch.items() if all(into.full(d, at) for d, at in ps)}
         # Pass 2: the checked bytes, still mapped, go straight into their final place (one memcpy).
         threads = copy_threads(sharing)

@@ -318,3 +318,26 @@ def test_a_check_that_fails_leaves_the_fresh_optimizer_it_half_filled_empty(tmp_
         CheckpointManager(tmp_path, comm=None).load(1, fresh)
     assert not fresh["optimizer"].state
     assert canonical(fresh["model"]) == before
+
+
+def test_a_fresh_buffer_that_cannot_be_had_fails_inside_the_ranks_agreement(tmp_path, monkeypatch):
+    """The load makes its fresh buffers before the check; a rank that cannot get one must fail
+    inside the check's agreement (every rank then raises together), not before it, where the
+    other ranks would wait in the check's collectives for a rank that left. Nothing changes."""
+    from coci_hpc.checkpoint import load as load_mod
+
+    mgr = CheckpointManager(tmp_path, comm=None)
+    mgr.save(1, full_state(1))
+    fresh = full_state(2, train_steps=0)
+    before = canonical(fresh["model"])
+
+    def no_memory(dtype, shape):
+        raise MemoryError(f"cannot allocate {shape}")
+
+    monkeypatch.setattr(load_mod, "empty_like_leaf", no_memory)
+    with pytest.raises(Exception, match="checking checkpoint step 1") as err:
+        mgr.load(1, fresh)
+    assert "MemoryError" in str(err.value)
+    assert not fresh["optimizer"].state
+    assert canonical(fresh["model"]) == before
+    mgr.close()
