@@ -101,7 +101,8 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
         ranges = _ranges(comm.rank, m, all_rows, all_boxes)
         # Pass 1: every byte any rank will install is checked (CRC of whole shards, straight
         # over the file's mapping) before any buffer of the state is touched, each shard once per
-        # node (ranks of a node share the page cache); nothing is allocated per tensor.
+        # node (ranks of a node share the page cache). The check reads into nothing of its own;
+        # the only memory it touches is the fresh buffers the load needs anyway (below).
         node, sharing = _node_ranks(comm)
 
         planned: dict[str, Any] = {}
