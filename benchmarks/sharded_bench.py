@@ -343,8 +343,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                 if which == "coci":
                     load_phases.append(comm.allgather({k: round(v, 4) for k, v in mgr.load_stats.items()}))
                     if not raw_bufs and args.phase == "restart":
-                        raw_bufs = local_buffers(model, opt)
-                        kept = opt  # noqa: F841  # its tensors are the raw read's destination
+                        raw_bufs = local_buffers(model, opt)  # numpy views: they keep its tensors' memory
         mgr.close()
     dist.destroy_process_group()
     out.update(summary(res, cold))

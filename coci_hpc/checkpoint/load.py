@@ -105,17 +105,16 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
         # the only memory it touches is the fresh buffers the load needs anyway (below).
         node, sharing = _node_ranks(comm)
 
-        planned: dict[str, Any] = {}
-
-        def check() -> set[tuple[str, int]]:
+        def check() -> tuple[set[tuple[str, int]], list[_Dest], dict[int, list[tuple[np.ndarray, int]]],
+                             ScratchCopies]:
             # Where each tensor's bytes go (inside the agreement: allocating a fresh buffer may
             # fail on one rank). The scratch ones (fresh buffers, a fresh optimizer's moment
             # targets: nothing of the state until every check passed) are filled by the check
             # itself, as it reads them, and are fresh memory: their pages are faulted in beside
             # the check, while it waits for the disk.
-            dests = planned["dests"] = _destinations(state, ranges, targets)
-            scratch = planned["scratch"] = _scratch_pieces(reader, ranges, targets, dests) if FILL_IN_CHECK else {}
-            into = planned["into"] = ScratchCopies([p for ps in scratch.values() for p in ps])
+            dests = _destinations(state, ranges, targets)
+            scratch = _scratch_pieces(reader, ranges, targets, dests) if FILL_IN_CHECK else {}
+            into = ScratchCopies([p for ps in scratch.values() for p in ps])
             fresh_memory = [d for ps in scratch.values() for d, _ in ps] if FILL_IN_CHECK else _fresh_targets(targets)
             faulting = copy_pool().submit(prefault, fresh_memory) if PREFAULT else None
             try:
@@ -131,12 +130,11 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
             finally:
                 if faulting is not None:
                     faulting.result()
-            return needed
+            return needed, dests, scratch, into
 
-        needed = comm.run_step(check, f"checking checkpoint step {chosen}")
+        needed, dests, scratch, into = comm.run_step(check, f"checking checkpoint step {chosen}")
         clock.lap("check_wait_s")
         reader.trust(needed)  # every rank checked its part, or all would have raised above
-        dests, scratch, into = planned["dests"], planned["scratch"], planned["into"]
         filled = {i for i, ps in scratch.items() if all(into.full(d, at) for d, at in ps)}
         # Pass 2: the checked bytes, still mapped, go straight into their final place (one memcpy).
         threads = copy_threads(sharing)
@@ -492,6 +490,14 @@ def _device_view(obj: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor |
     return obj
 
 
+def _check_cover(reader: DatasetReader, meta: Mapping[str, Any], rs: Runs) -> None:
+    """CheckpointCorrupt unless checked shards cover runs ``rs`` of a dataset (what :func:`_plan`
+    checks before it copies), for bytes the check itself already put in place."""
+    for start, _, n in rs:
+        if n:
+            reader.verified_offset(meta, start, n)
+
+
 def _device_runs(reader: DatasetReader, meta: Mapping[str, Any], rs: Runs) -> DeviceRuns:
     """Runs ``rs`` of a dataset as (file offset, byte in the device tensor, bytes), every byte
     covered by checked shards (CheckpointCorrupt otherwise)."""
@@ -500,18 +506,14 @@ def _device_runs(reader: DatasetReader, meta: Mapping[str, Any], rs: Runs) -> De
 
 def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: DatasetReader,
              ranges: list[tuple[dict[str, Any], Runs, tuple[int, ...], int]], targets: Mapping[str, Any],
-             rng: bool, trees: Mapping[str, Any], threads: int = 1, clock: _Clock | None = None,
-             dests: list[_Dest] | None = None, filled: set[int] | None = None) -> LoadResult:
+             rng: bool, trees: Mapping[str, Any], threads: int, clock: _Clock, dests: list[_Dest],
+             filled: set[int]) -> LoadResult:
     """Put the checked bytes into the state: fresh buffers only where in place is not safe.
 
     ``dests``: each entry's destination (:func:`_destinations`); ``filled``: the entries whose
     scratch destination the check filled whole (:class:`~.h5read.ScratchCopies`), not copied
     again. The copies of each group run as one batch split over ``threads`` threads (see
     :meth:`~coci_hpc.checkpoint.h5read.DatasetReader.copy_verified`)."""
-    if dests is None:
-        dests = _destinations(state, ranges, targets)
-    filled = filled or set()
-    checked: list[tuple[np.ndarray, int]] = []  # pieces filled by the check: only their cover is checked
     tensors: dict[str, Any] = {}
     direct: list[tuple[dict[str, Any], Runs, np.ndarray]] = []
     after: list[tuple[dict[str, Any], Runs, tuple[int, ...], Any]] = []
@@ -541,7 +543,10 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
             # it while loading, must see the checkpoint's bytes and leave the state as it was.
             assert d.fresh is not None
             obj, dest = d.fresh
-            _plan(reader, checked if i in filled else fresh, meta, dest, start)
+            if i in filled:
+                _check_cover(reader, meta, start)  # filled by the check: nothing to copy
+            else:
+                _plan(reader, fresh, meta, dest, start)
             if how == "direct" and is_dtensor(tgt) and local_of(tgt).dtype == obj.dtype \
                     and tuple(local_of(tgt).shape) == tuple(obj.shape):
                 # A module's own shard on its device (FSDP2 on CUDA): the checked host copy goes
@@ -578,7 +583,6 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
         else:
             tensors[name] = wrap_like(tgt, obj, name)   # too little device memory: a CheckpointError
 
-    clock = clock or _Clock(None)
     clock.lap("fresh_s")
 
     def fill() -> None:
@@ -604,9 +608,11 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
                 if live_view is not None:
                     mine = prefilled.get(meta["name"])
                     # the optimizer kept the fresh target the check filled: nothing to copy
-                    same = mine is not None and mine.ctypes.data == live_view.ctypes.data \
-                        and mine.nbytes == live_view.nbytes
-                    _plan(reader, checked if same else pieces, meta, live_view, start)
+                    if mine is not None and mine.ctypes.data == live_view.ctypes.data \
+                            and mine.nbytes == live_view.nbytes:
+                        _check_cover(reader, meta, start)
+                    else:
+                        _plan(reader, pieces, meta, live_view, start)
                     continue
                 live_dev = _device_view(live, meta["dtype"], shape)
                 if live_dev is not None:
