@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import sys
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -199,31 +198,17 @@ def wrap_like(target: Any, local: torch.Tensor, name: str = "") -> Any:
                  "torch.cuda.empty_cache()) or load on more ranks; nothing of the state was changed") from None
 
 
-# The optimizer targets made by optimizer_targets: no part of the user's state until the load
-# hands them over, so the load may fill their (device) memory before then (made_for_load). Kept
-# by id with a weak reference (a WeakSet would compare tensors with ==, elementwise).
-_MADE_FOR_LOAD: dict[int, weakref.ref[Any]] = {}
-
-
-def _made_for_load(t: Any) -> None:
-    key = id(t)
-
-    def forget(_ref: weakref.ref[Any]) -> None:
-        _MADE_FOR_LOAD.pop(key, None)
-
-    _MADE_FOR_LOAD[key] = weakref.ref(t, forget)
-
-
-def made_for_load(t: Any) -> bool:
-    """``t`` is a target :func:`optimizer_targets` made (filling it changes nothing of the state)."""
-    ref = _MADE_FOR_LOAD.get(id(t))
-    return ref is not None and ref() is t
-
-
 def optimizer_targets(state: Mapping[str, Any], tensors: Sequence[Mapping[str, Any]],
-                      targets: dict[str, Any]) -> None:
+                      targets: dict[str, Any]) -> set[str]:
     """Give a fresh optimizer (no state tensors yet) a DTensor target, with its parameter's
-    mesh and placements, for each saved state tensor of the parameter's global shape.
+    mesh and placements, for each saved state tensor of the parameter's global shape; returns
+    the names of the targets made.
+
+    They are no part of the user's state until the load hands them over, so that load (and it
+    alone) may fill their memory before every check passed. Once handed over they are the
+    optimizer's live moments like any other: the set is the calling load's, never kept (a
+    registry that outlived the load made a later load into the same optimizer fill its live
+    moments during the check, before it was known to pass).
 
     Without it a fresh FSDP2 optimizer would get full plain moments beside sharded parameters.
     DCP initialises the optimizer state instead (``_init_optim_state``: a step with zero grads),
@@ -234,6 +219,7 @@ def optimizer_targets(state: Mapping[str, Any], tensors: Sequence[Mapping[str, A
     from coci_hpc.checkpoint.leaves import LeafKind, PerRank, escape_key
     from coci_hpc.checkpoint.optim_names import param_names
 
+    made: set[str] = set()
     for key, value in state.items():
         inner = value.value if isinstance(value, PerRank) else value
         if not isinstance(inner, torch.optim.Optimizer):
@@ -264,4 +250,5 @@ def optimizer_targets(state: Mapping[str, Any], tensors: Sequence[Mapping[str, A
                     # on the parameter's own device: from_local shares it (no copy); never read
                     # into in place (a device tensor): the load fills a host buffer and wraps that
                     targets[name] = wrap_like(p, torch.empty_like(local_of(p), dtype=dtype), name)
-                    _made_for_load(targets[name])
+                    made.add(name)
+    return made

@@ -22,7 +22,6 @@ from coci_hpc.checkpoint import manifest as mf
 from coci_hpc.checkpoint.dtensor import (
     is_dtensor,
     local_of,
-    made_for_load,
     optimizer_targets,
     runs,
     target_box,
@@ -90,8 +89,9 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
     local_rows = {n: t.local.shape[0] for n, t in targets.items() if isinstance(t, Sharded)}
     all_rows = comm.allgather(local_rows)
     boxes: dict[str, Any] = {}
+    made: set[str] = set()  # the targets this load made for a fresh optimizer (nothing of the state yet)
     clock.lap("targets_s")
-    m, reader = _open_checked(comm, root, step, state, targets, all_rows, trees, boxes)
+    m, reader = _open_checked(comm, root, step, state, targets, all_rows, trees, boxes, made)
     clock.lap("open_s")
     chosen = step
     try:
@@ -113,9 +113,9 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
             # itself, as it reads them, and are fresh memory: their pages are faulted in beside
             # the check, while it waits for the disk.
             dests = _destinations(state, ranges, targets)
-            scratch = _scratch_pieces(reader, ranges, targets, dests) if FILL_IN_CHECK else {}
+            scratch = _scratch_pieces(reader, ranges, made, dests) if FILL_IN_CHECK else {}
             into = ScratchCopies([p for ps in scratch.values() for p in ps])
-            fresh_memory = [d for ps in scratch.values() for d, _ in ps] if FILL_IN_CHECK else _fresh_targets(targets)
+            fresh_memory = [d for ps in scratch.values() for d, _ in ps] if FILL_IN_CHECK else _fresh_targets(targets, made)
             faulting = copy_pool().submit(prefault, fresh_memory) if PREFAULT else None
             try:
                 mine, needed = _my_checks(comm.rank, node, m, reader, all_rows, all_boxes)
@@ -139,7 +139,7 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
         # Pass 2: the checked bytes, still mapped, go straight into their final place (one memcpy).
         threads = copy_threads(sharing)
         result = comm.run_step(lambda: _install(comm, m, state, reader, ranges, targets, rng, trees, threads,
-                                                clock, dests, filled),
+                                                clock, dests, filled, made),
                                f"loading checkpoint step {chosen} into the state")
         clock.lap("install_wait_s")
         return result
@@ -180,15 +180,15 @@ def _destinations(state: Mapping[str, Any], ranges: list[tuple[dict[str, Any], R
 
 
 def _scratch_pieces(reader: DatasetReader, ranges: list[tuple[dict[str, Any], Runs, tuple[int, ...], int]],
-                    targets: Mapping[str, Any], dests: list[_Dest]) -> dict[int, list[tuple[np.ndarray, int]]]:
+                    made: set[str], dests: list[_Dest]) -> dict[int, list[tuple[np.ndarray, int]]]:
     """(bytes, file offset) pieces of the destinations nothing of the state sees before every
-    check passed, by entry: fresh buffers, and a fresh optimizer's targets
-    (:func:`~.dtensor.made_for_load`) on the host."""
+    check passed, by entry: fresh buffers, and the targets this load made for a fresh optimizer
+    (``made``: :func:`~.dtensor.optimizer_targets`) on the host."""
     out: dict[int, list[tuple[np.ndarray, int]]] = {}
     for i, ((meta, rs, _, _), d) in enumerate(zip(ranges, dests)):
         if d.fresh is not None:
             dest = d.fresh[1]
-        elif d.view is not None and d.how == "after" and made_for_load(targets.get(meta["name"])):
+        elif d.view is not None and d.how == "after" and meta["name"] in made:
             dest = d.view
         else:
             continue
@@ -198,11 +198,11 @@ def _scratch_pieces(reader: DatasetReader, ranges: list[tuple[dict[str, Any], Ru
     return out
 
 
-def _fresh_targets(targets: Mapping[str, Any]) -> list[np.ndarray]:
-    """The host bytes of the targets made for this load (:func:`~.dtensor.made_for_load`)."""
+def _fresh_targets(targets: Mapping[str, Any], made: set[str]) -> list[np.ndarray]:
+    """The host bytes of the targets this load made for a fresh optimizer (``made``)."""
     out = []
-    for t in targets.values():
-        if is_dtensor(t) and made_for_load(t):
+    for name, t in targets.items():
+        if is_dtensor(t) and name in made:
             local = local_of(t)
             if devices.on_host(local) and local.is_contiguous() and local.numel():
                 out.append(local.reshape(-1).view(torch.uint8).numpy())
@@ -320,12 +320,13 @@ def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, An
 
 def _open_checked(comm: Comm, root: Path, step: int, state: Mapping[str, Any],
                   targets: dict[str, Any], all_rows: list[dict[str, int]], trees: dict[str, Any],
-                  boxes: dict[str, Any] | None = None) -> tuple[dict[str, Any], DatasetReader]:
+                  boxes: dict[str, Any] | None = None, made: set[str] | None = None
+                  ) -> tuple[dict[str, Any], DatasetReader]:
     """Collective: read the manifest, open the data file, check everything; nothing written yet.
 
     Adds DTensor targets for a fresh optimizer's saved state to ``targets``
-    (:func:`~coci_hpc.checkpoint.dtensor.optimizer_targets`) and this rank's box of every
-    DTensor target to ``boxes``."""
+    (:func:`~coci_hpc.checkpoint.dtensor.optimizer_targets`; their names to ``made``) and this
+    rank's box of every DTensor target to ``boxes``."""
     opened: list[DatasetReader] = []
 
     def step_fn() -> dict[str, Any]:
@@ -337,7 +338,9 @@ def _open_checked(comm: Comm, root: Path, step: int, state: Mapping[str, Any],
         match_saved_keys(state, {LeafKind.REPLICATED: m["skeletons"][LeafKind.REPLICATED],
                                  LeafKind.PER_RANK: m["skeletons"][LeafKind.PER_RANK].get(str(comm.rank), {})},
                          trees, targets)
-        optimizer_targets(state, mine, targets)
+        fresh = optimizer_targets(state, mine, targets)
+        if made is not None:
+            made.update(fresh)
         _check_against_state(m, comm.rank, state, targets, all_rows, trees)
         if boxes is not None:
             wanted = {meta["name"] for meta in mine}
@@ -507,7 +510,7 @@ def _device_runs(reader: DatasetReader, meta: Mapping[str, Any], rs: Runs) -> De
 def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: DatasetReader,
              ranges: list[tuple[dict[str, Any], Runs, tuple[int, ...], int]], targets: Mapping[str, Any],
              rng: bool, trees: Mapping[str, Any], threads: int, clock: _Clock, dests: list[_Dest],
-             filled: set[int]) -> LoadResult:
+             filled: set[int], made: set[str]) -> LoadResult:
     """Put the checked bytes into the state: fresh buffers only where in place is not safe.
 
     ``dests``: each entry's destination (:func:`_destinations`); ``filled``: the entries whose
@@ -574,7 +577,7 @@ def _install(comm: Comm, m: dict[str, Any], state: Mapping[str, Any], reader: Da
         # Only now: from_local onto a mesh of another device (CUDA) copies the buffer at once, so
         # wrapping it before the fill handed the state uninitialised memory (issue 32).
         live = local_of(tgt)
-        if made_for_load(tgt) and live.dtype == obj.dtype and live.shape == obj.shape:
+        if name in made and live.dtype == obj.dtype and live.shape == obj.shape:
             # a fresh optimizer's moment target (already on the device, not yet the state's):
             # filled in place, so the moments take their device memory once, not twice
             with torch.no_grad():

@@ -341,3 +341,68 @@ def test_a_fresh_buffer_that_cannot_be_had_fails_inside_the_ranks_agreement(tmp_
     assert not fresh["optimizer"].state
     assert canonical(fresh["model"]) == before
     mgr.close()
+
+
+@pytest.fixture
+def one_rank_group():
+    """A real one-rank gloo process group and CPU mesh (FSDP2 in this process)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def _fsdp2(mesh, seed: int, steps: int):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+    return model, opt
+
+
+def _moments(opt) -> list[torch.Tensor]:
+    return [v.to_local().clone() for st in opt.state.values() for k, v in sorted(st.items()) if k != "step"]
+
+
+def test_a_restarted_optimizers_moments_are_live_for_the_next_load(tmp_path, one_rank_group):
+    """A restart loads into a fresh FSDP2 optimizer: the moment targets the load made for it are
+    filled by the check. Once the optimizer holds them they are its live moments: a later load
+    into it (a fall back, survivors reloading) whose check fails must leave them as they were.
+    It did not while those targets stayed marked as made for a load: the failing load's check
+    wrote the checkpoint's moments into them before the bad byte was found."""
+    from coci_hpc.comm import Comm
+    from coci_hpc.errors import CheckpointCorrupt
+
+    mgr = CheckpointManager(tmp_path, Comm.serial())
+    m1, o1 = _fsdp2(one_rank_group, 1, 2)
+    mgr.save(1, {"model": m1, "optimizer": o1})
+    m2, o2 = _fsdp2(one_rank_group, 2, 3)
+    mgr.save(2, {"model": m2, "optimizer": o2})
+    d = cat.step_dir(tmp_path, 2)
+    last = max((t for t in cat.read_manifest(d)["tensors"] if "exp_avg" in t["name"]), key=lambda t: t["offset"])
+    with open(d / mf.DATA_FILE, "r+b") as f:  # step 2's last moment: a flipped bit at its end
+        f.seek(last["offset"] + last["nbytes"] - 3)
+        b = f.read(1)
+        f.seek(last["offset"] + last["nbytes"] - 3)
+        f.write(bytes([b[0] ^ 0x01]))
+    model, opt = _fsdp2(one_rank_group, 3, 0)
+    mgr.load(1, {"model": model, "optimizer": opt})  # the restart: a fresh optimizer
+    restarted = _moments(opt)
+    assert all(torch.equal(a, b) for a, b in zip(restarted, _moments(o1)))
+    with pytest.raises(CheckpointCorrupt):
+        mgr.load(2, {"model": model, "optimizer": opt})
+    assert all(torch.equal(a, b) for a, b in zip(restarted, _moments(opt)))
+    mgr.close()
