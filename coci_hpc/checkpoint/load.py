@@ -40,6 +40,7 @@ from coci_hpc.checkpoint.state import (
     iter_targets,
     live_trees,
     match_saved_keys,
+    saved_keys,
 )
 from coci_hpc.checkpoint.treecode import empty_like_leaf, leaf_view
 from coci_hpc.comm import Comm
@@ -305,14 +306,12 @@ def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, An
             continue
         if not isinstance(inner, torch.nn.Module):
             continue
-        saved = skel[key]
-        if isinstance(saved, dict) and "__dict__" in saved and len(saved) == 1:
-            saved_keys = {k for k, _ in saved["__dict__"]}
-        else:
-            saved_keys = set(saved) if isinstance(saved, dict) else set()
-        mine = set(inner.state_dict())
-        if saved_keys != mine:
-            missing, extra = sorted(mine - saved_keys)[:3], sorted(saved_keys - mine)[:3]
+        saved = saved_keys(skel[key])
+        # the module's keys as this load names them (match_saved_keys: the saved naming where
+        # the module's clean or own keys map onto it)
+        mine = set(trees[key]) if isinstance(trees[key], Mapping) else set(inner.state_dict())
+        if saved != mine:
+            missing, extra = sorted(mine - saved)[:3], sorted(saved - mine)[:3]
             raise CheckpointError(f"model {key!r} does not match checkpoint step {step}: entries missing "
                                   f"from the checkpoint {missing}, entries the model lacks {extra}",
                                   hint=hint)

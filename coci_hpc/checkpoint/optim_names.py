@@ -7,7 +7,8 @@ gets another parameter's moments. When the state holds the optimizer's model bes
 saves the optimizer the way ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives it:
 ``{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}``, with the names of
 ``model.named_parameters()`` cleaned of wrapper prefixes (DDP's ``module.``, ``torch.compile``'s
-``_orig_mod.``, activation checkpointing's) as DCP cleans them. Sharded (DTensor) moments stay
+``_orig_mod.``, activation checkpointing's: :mod:`.fqn`) as DCP cleans them, the names the
+model's own state is saved under. Sharded (DTensor) moments stay
 sharded: only the keys change, no tensor is gathered, nothing collective runs.
 
 Loading maps the names back to the *target* optimizer's positions, group by group, so the order
@@ -22,25 +23,8 @@ from typing import Any
 
 import torch
 
+from coci_hpc.checkpoint.fqn import clean
 from coci_hpc.errors import CheckpointError
-
-_WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
-
-
-def _clean(model: torch.nn.Module, name: str) -> str:
-    """``name`` without the components wrappers add (as DCP's ``_get_fqns`` drops them)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    out = []
-    obj: Any = model
-    for part in name.split("."):
-        if isinstance(obj, DistributedDataParallel) and part == "module":
-            obj = obj.module
-            continue
-        obj = getattr(obj, part, None) if obj is not None else None
-        if part not in _WRAPPER_PARTS:
-            out.append(part)
-    return ".".join(out)
 
 
 def _models(state: Mapping[str, Any]) -> list[torch.nn.Module]:
@@ -64,7 +48,7 @@ def param_names(state: Mapping[str, Any], opt: torch.optim.Optimizer) -> list[st
     for model in _models(state):
         by_id: dict[int, str] = {}
         for name, p in model.named_parameters(remove_duplicate=True):
-            by_id.setdefault(id(p), _clean(model, name))
+            by_id.setdefault(id(p), clean(model, name))
         names = [by_id.get(id(p)) for p in params]
         if all(n is not None for n in names) and len(set(names)) == len(names):
             return [str(n) for n in names]

@@ -14,7 +14,7 @@ import torch
 from coci_hpc.checkpoint.dtensor import is_dtensor, local_of
 from coci_hpc.checkpoint.leaves import LeafKind, PerRank, Sharded
 from coci_hpc.checkpoint.rng import restore_rng
-from coci_hpc.checkpoint.state import is_stateful, load_tree
+from coci_hpc.checkpoint.state import is_stateful, load_tree, module_tree
 from coci_hpc.checkpoint.treecode import unflatten
 from coci_hpc.errors import CheckpointError
 
@@ -68,6 +68,8 @@ def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mappi
         if is_stateful(inner) and not isinstance(inner, torch.nn.Module):
             continue
         if is_stateful(inner):
+            if isinstance(inner, torch.nn.Module) and isinstance(tree, Mapping):
+                tree = module_tree(inner, tree)  # saved under clean names (.fqn)
             if not _loaded_in_place(inner, tree, in_place):
                 inner.load_state_dict(tree)
         elif isinstance(inner, dict):

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from coci_hpc.checkpoint.dtensor import is_dtensor, local_of
+from coci_hpc.checkpoint.fqn import saved_to_live, state_names
 from coci_hpc.checkpoint.leaves import LeafKind, PerRank, Sharded, escape_key
 from coci_hpc.checkpoint.loadcheck import AnyTensor
 from coci_hpc.checkpoint.optim_names import is_fqn_keyed, param_names, to_fqn, to_index
@@ -110,8 +111,12 @@ def _buffers_from_rank0(module: torch.nn.Module, prefix: str, leaves: list[Leaf]
     different values there (BatchNorm running statistics come from each rank's own batch) and DDP
     broadcasts rank 0's at the next forward (``broadcast_buffers``), so rank 0's are the ones the
     uninterrupted run goes on with. Every other replicated leaf must be equal on all ranks
-    (checked: :mod:`.replicas`)."""
-    names = {f"{prefix}/{escape_key(n)}" for n, _ in module.named_buffers(remove_duplicate=False)}
+    (checked: :mod:`.replicas`). A buffer's leaf is named by its clean name (:mod:`.fqn`; also
+    where the module's own ``state_dict`` cleans it: activation checkpointing's wrapper does,
+    its ``named_buffers`` does not) or, where the module's keys are kept, its own."""
+    own = [n for n, _ in module.named_buffers(remove_duplicate=False)]
+    clean = state_names(module, own)
+    names = {f"{prefix}/{escape_key(x)}" for n in own for x in (n, clean.get(n, n))}
     if not names:
         return
     for i in range(first, len(leaves)):
@@ -135,8 +140,13 @@ def current_trees(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _tree_of(state: Mapping[str, Any], value: Any) -> Any:
-    """The tree a state value is saved as: ``state_dict()`` of a stateful object, keyed by
-    parameter names for an optimizer whose model is in the state (:mod:`.optim_names`)."""
+    """The tree a state value is saved as: ``state_dict()`` of a stateful object, a module's
+    keyed by their names without wrapper parts (:mod:`.fqn`), an optimizer's by parameter
+    names when its model is in the state (:mod:`.optim_names`)."""
+    if isinstance(value, torch.nn.Module):
+        sd = value.state_dict()
+        names = state_names(value, sd.keys())
+        return {names.get(k, k): v for k, v in sd.items()} if names else sd
     return _named(state, value, value.state_dict()) if is_stateful(value) else value
 
 
@@ -156,15 +166,28 @@ def live_trees(state: Mapping[str, Any], obj: Any) -> list[Any]:
     return [tree] if named is tree else [tree, named]
 
 
+def saved_keys(skeleton: Any) -> set[str]:
+    """The top-level keys of a saved tree's skeleton (a module's state-dict keys)."""
+    if isinstance(skeleton, dict) and "__dict__" in skeleton and len(skeleton) == 1:
+        return {str(k) for k, _ in skeleton["__dict__"]}
+    return set(skeleton) if isinstance(skeleton, dict) else set()
+
+
 def match_saved_keys(state: Mapping[str, Any], skeletons: Mapping[str, Any], trees: dict[str, Any],
                      targets: dict[str, Any]) -> None:
-    """An optimizer saved index-keyed (before optimizer state was keyed by name, or without its
-    model) is loaded index-keyed: its current tree and in-place targets go back to positions.
+    """Name the current trees as the checkpoint names them. A module saved under other names
+    than its clean ones (:mod:`.fqn`: a checkpoint written before modules were saved under
+    them) gets its tree and in-place targets under the saved names. An optimizer saved
+    index-keyed (before optimizer state was keyed by name, or without its model) is loaded
+    index-keyed: its current tree and in-place targets go back to positions.
     ``skeletons``: this rank's {"replicated": ..., "per_rank": ...} saved skeletons."""
     for key, value in state.items():
         section = LeafKind.PER_RANK if isinstance(value, PerRank) else LeafKind.REPLICATED
         inner = value.value if isinstance(value, PerRank) else value
         saved = skeletons.get(section, {}).get(key)
+        if isinstance(inner, torch.nn.Module) and saved is not None and isinstance(trees[key], Mapping):
+            _module_as_saved(inner, saved_keys(saved), trees, key, f"{section}/{key}", targets)
+            continue
         if not isinstance(inner, torch.optim.Optimizer) or saved is None or not is_fqn_keyed(trees[key]):
             continue
         if is_fqn_keyed(unflatten(saved, AnyTensor())):
@@ -174,6 +197,33 @@ def match_saved_keys(state: Mapping[str, Any], skeletons: Mapping[str, Any], tre
         for name in [n for n in targets if n.startswith(prefix)]:
             del targets[name]
         _collect_tensors(trees[key], f"{section}/{key}", targets)
+
+
+def _module_as_saved(module: torch.nn.Module, saved: set[str], trees: dict[str, Any], key: str,
+                     prefix: str, targets: dict[str, Any]) -> None:
+    tree = trees[key]
+    if saved == set(tree):
+        return
+    live = list(module.state_dict(keep_vars=True))
+    names = state_names(module, live)
+    mapping = saved_to_live(saved, live, names)
+    if mapping is None:
+        return  # the load's checks name what differs
+    trees[key] = {s: tree[names.get(raw, raw)] for s, raw in mapping.items()}
+    for name in [n for n in targets if n.startswith(prefix + "/")]:
+        del targets[name]
+    _collect_tensors(trees[key], prefix, targets)
+
+
+def module_tree(module: torch.nn.Module, tree: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A loaded module tree under the module's own state-dict keys (it may be saved under the
+    clean names, or another wrapping's: :func:`~.fqn.saved_to_live`); as it is when the keys
+    cannot be mapped (``load_state_dict`` then names them)."""
+    live = list(module.state_dict(keep_vars=True))
+    if set(tree) == set(live):
+        return tree
+    mapping = saved_to_live(set(tree), live, state_names(module, live))
+    return tree if mapping is None else {mapping[s]: v for s, v in tree.items()}
 
 
 def load_tree(state: Mapping[str, Any], key: str, inner: Any, tree: Any) -> None:

@@ -4,25 +4,15 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from coci_hpc.checkpoint.fqn import clean_saved
 from coci_hpc.errors import UsageError
-
-# What wrappers put into state-dict keys: DDP/DataParallel ("module."), torch.compile
-# ("_orig_mod."), FSDP1 and activation checkpointing (anywhere in the key).
-WRAPPER_PARTS = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
 def clean(name: str) -> str:
-    """``module._orig_mod.layers.0._fsdp_wrapped_module.w`` -> ``layers.0.w``."""
-    while True:
-        for p in ("module.", "_orig_mod."):
-            if name.startswith(p):
-                name = name[len(p):]
-                break
-        else:
-            break
-    for p in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
-        name = name.replace(p, "")
-    return name
+    """``module._orig_mod.layers.0._fsdp_wrapped_module.w`` -> ``layers.0.w`` (the store's own
+    naming, :func:`coci_hpc.checkpoint.fqn.clean_saved`; a block compiled on its own,
+    ``layers.0._orig_mod.w``, too)."""
+    return clean_saved(name)
 
 
 def parse_renames(specs: Sequence[str]) -> list[tuple[re.Pattern[str], str]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from coci_hpc.checkpoint.layout import FROM_RANK0, LeafDesc, make_layout
@@ -47,10 +48,15 @@ def test_checksums_cover_replicated_leaves_only_and_see_a_one_bit_difference() -
     assert checksums(collect(a, rng=False)[1])[2] != checksums(collect(b, rng=False)[1])[2]
 
 
-def test_ddp_with_batchnorm_resumes_bit_exactly_like_an_uninterrupted_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["bn", "bn_wrapped"])
+def test_ddp_with_batchnorm_resumes_bit_exactly_like_an_uninterrupted_run(tmp_path: Path, mode: str) -> None:
     """2 ranks, gloo: each rank's running statistics differ at the save; DDP goes on with rank
-    0's (broadcast at the next forward), so the checkpoint must hold rank 0's."""
-    out = _result(run_ranks(2, "-m", "mpi4py", SCRIPT, "bn", str(tmp_path / "ck"), timeout=240).stdout)
+    0's (broadcast at the next forward), so the checkpoint must hold rank 0's. Also with the
+    DDP wrapper saved and the BatchNorm under activation checkpointing's wrapper (its
+    ``state_dict`` drops the wrapper's name, its ``named_buffers`` does not): the state is saved
+    under the clean names."""
+    out = _result(run_ranks(2, "-m", "mpi4py", SCRIPT, mode, str(tmp_path / "ck"), timeout=240).stdout)
+    assert "replicated/model/1.running_mean" in out["names"]
     assert out["stats_at_save"][0] != out["stats_at_save"][1]   # the case the test is about
     assert out["resumed"] == out["straight"]            # each rank: parameters and buffers, bit for bit
     assert out["running_mean_written_by"] == [0]

@@ -2,6 +2,8 @@
 
     replicas_job.py bn DIR        DDP + BatchNorm: 6 steps straight, and 3 steps, save, a fresh
                                   model loads it, 3 more; print RESULT with both runs' digests
+    replicas_job.py bn_wrapped DIR  the same with the BatchNorm under activation checkpointing's
+                                  wrapper, the DDP wrapper itself saved and loaded
     replicas_job.py moments DIR   Adam moments that differ between ranks (local gradients, lr=0):
                                   the save must be refused naming the leaf; print RESULT
 """
@@ -31,12 +33,15 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True)
 
 
-def bn_model() -> tuple[torch.nn.Module, DDP, torch.optim.Optimizer]:
+def bn_model(wrapped: bool = False) -> tuple[torch.nn.Module, DDP, torch.optim.Optimizer]:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     torch.manual_seed(0)
     # The large first layer comes first: the bytes of today's split fall so that rank 1 would
     # write the BatchNorm buffers from its own copy.
-    model = torch.nn.Sequential(torch.nn.Linear(D_IN, WIDE), torch.nn.BatchNorm1d(WIDE), torch.nn.ReLU(),
-                                torch.nn.Linear(WIDE, 1))
+    norm = torch.nn.BatchNorm1d(WIDE)
+    model = torch.nn.Sequential(torch.nn.Linear(D_IN, WIDE), checkpoint_wrapper(norm) if wrapped else norm,
+                                torch.nn.ReLU(), torch.nn.Linear(WIDE, 1))
     return model, DDP(model), torch.optim.SGD(model.parameters(), lr=0.01)
 
 
@@ -57,27 +62,28 @@ def digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def bn(comm: Comm, root: str) -> dict:
-    model, ddp, opt = bn_model()
+def bn(comm: Comm, root: str, wrapped: bool = False) -> dict:
+    model, ddp, opt = bn_model(wrapped)
     train(ddp, opt, comm.rank, range(6))
     straight = digest(model)
 
-    model, ddp, opt = bn_model()
+    model, ddp, opt = bn_model(wrapped)
     train(ddp, opt, comm.rank, range(3))
     stats_differ = comm.allgather(model[1].running_mean.sum().item())
     mgr = CheckpointManager(root, comm=comm)
-    mgr.save(3, {"model": model, "optimizer": opt})
+    mgr.save(3, {"model": ddp if wrapped else model, "optimizer": opt})
     mgr.close()
 
-    model, ddp, opt = bn_model()
+    model, ddp, opt = bn_model(wrapped)
     mgr = CheckpointManager(root, comm=comm)
-    mgr.load_latest({"model": model, "optimizer": opt})
+    mgr.load_latest({"model": ddp if wrapped else model, "optimizer": opt})
     mgr.close()
     train(ddp, opt, comm.rank, range(3, 6))
     m = cat.read_step(root, 3)
     writers = sorted({s["rank"] for s in m["shards"] if s["dataset"].endswith("running_mean")})
     return {"straight": comm.allgather(straight), "resumed": comm.allgather(digest(model)),
-            "stats_at_save": stats_differ, "running_mean_written_by": writers}
+            "stats_at_save": stats_differ, "running_mean_written_by": writers,
+            "names": sorted(t["name"] for t in m["tensors"] if t["name"].startswith("replicated/model/"))}
 
 
 def moments(comm: Comm, root: str) -> dict:
@@ -111,7 +117,7 @@ def main() -> int:
     torch.set_num_threads(1)
     coci_hpc.init_distributed()
     comm = Comm.world()
-    out = bn(comm, root) if mode == "bn" else moments(comm, root)
+    out = bn(comm, root, mode == "bn_wrapped") if mode.startswith("bn") else moments(comm, root)
     if comm.rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     return 0
