@@ -198,3 +198,47 @@ def test_saved_to_live_maps_one_to_one_or_not_at_all() -> None:
     assert fqn.saved_to_live({"a"}, live, names) is None                        # one missing
     assert fqn.saved_to_live({"a", "b", "c"}, live, names) is None              # one extra
     assert fqn.saved_to_live({"module.a", "_orig_mod.a"}, live, names) is None  # two onto one
+
+
+@pytest.mark.parametrize("saved_as, loaded_as", [("checkpointed", "plain"), ("blocks_compiled", "checkpointed"),
+                                                 ("plain", "blocks_compiled")])
+def test_fsdp2_state_loads_across_wrappings(tmp_path: Path, group: None, saved_as: str, loaded_as: str) -> None:
+    """torchtitan's way (each block wrapped, compiled or checkpointed, then ``fully_shard``): the
+    DTensor parameters and moments are saved under the clean names and load into the model
+    wrapped otherwise, on a one-rank CPU mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+
+    def build(seed: int, wrap: str, steps: int) -> tuple[Net, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        net = Net()
+        WRAPS[wrap](net)
+        for layer in net.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        opt = torch.optim.AdamW(net.parameters(), lr=0.05)
+        with torch._dynamo.config.patch(disable=True):   # the compiled blocks run eagerly: nothing compiles
+            for _ in range(steps):
+                opt.zero_grad()
+                net(torch.randn(8, 6)).square().mean().backward()
+                opt.step()
+        return net, opt
+
+    def flat(net: Net, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        out = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in net.state_dict().values()]
+        for p in net.parameters():
+            out += [v.full_tensor() if hasattr(v, "full_tensor") else v for _, v in sorted(opt.state[p].items())]
+        return out
+
+    net, opt = build(1, saved_as, 2)
+    mgr = CheckpointManager(tmp_path, Comm.serial())
+    mgr.save(1, {"model": net, "optimizer": opt})
+    names = {t["name"] for t in cat.read_manifest(cat.step_dir(tmp_path, 1))["tensors"]}
+    assert "replicated/model/layers.0.lin.weight" in names
+    assert "replicated/optimizer/state/layers.0.lin.weight/exp_avg" in names
+    net2, opt2 = build(2, loaded_as, 1)
+    mgr.load(1, {"model": net2, "optimizer": opt2})
+    assert all(torch.equal(a, b) for a, b in zip(flat(net, opt), flat(net2, opt2), strict=True))
+    mgr.close()
