@@ -319,8 +319,7 @@ def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, An
 
 def _open_checked(comm: Comm, root: Path, step: int, state: Mapping[str, Any],
                   targets: dict[str, Any], all_rows: list[dict[str, int]], trees: dict[str, Any],
-                  boxes: dict[str, Any] | None = None, made: set[str] | None = None
-                  ) -> tuple[dict[str, Any], DatasetReader]:
+                  boxes: dict[str, Any], made: set[str]) -> tuple[dict[str, Any], DatasetReader]:
     """Collective: read the manifest, open the data file, check everything; nothing written yet.
 
     Adds DTensor targets for a fresh optimizer's saved state to ``targets``
@@ -337,13 +336,10 @@ def _open_checked(comm: Comm, root: Path, step: int, state: Mapping[str, Any],
         match_saved_keys(state, {LeafKind.REPLICATED: m["skeletons"][LeafKind.REPLICATED],
                                  LeafKind.PER_RANK: m["skeletons"][LeafKind.PER_RANK].get(str(comm.rank), {})},
                          trees, targets)
-        fresh = optimizer_targets(state, mine, targets)
-        if made is not None:
-            made.update(fresh)
+        made.update(optimizer_targets(state, mine, targets))
         _check_against_state(m, comm.rank, state, targets, all_rows, trees)
-        if boxes is not None:
-            wanted = {meta["name"] for meta in mine}
-            boxes.update({n: target_box(t, n) for n, t in targets.items() if n in wanted and is_dtensor(t)})
+        wanted = {meta["name"] for meta in mine}
+        boxes.update({n: target_box(t, n) for n, t in targets.items() if n in wanted and is_dtensor(t)})
         return m
 
     try:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from coci_hpc.checkpoint.fqn import clean
+from coci_hpc.checkpoint.fqn import clean_names
 from coci_hpc.errors import CheckpointError
 
 
@@ -46,9 +46,10 @@ def param_names(state: Mapping[str, Any], opt: torch.optim.Optimizer) -> list[st
     if not params:
         return None
     for model in _models(state):
+        named = list(model.named_parameters(remove_duplicate=True))
         by_id: dict[int, str] = {}
-        for name, p in model.named_parameters(remove_duplicate=True):
-            by_id.setdefault(id(p), clean(model, name))
+        for (_, p), name in zip(named, clean_names(model, [n for n, _ in named])):
+            by_id.setdefault(id(p), name)
         names = [by_id.get(id(p)) for p in params]
         if all(n is not None for n in names) and len(set(names)) == len(names):
             return [str(n) for n in names]

@@ -67,11 +67,13 @@ def apply(state: Mapping[str, Any], skeletons: Mapping[str, Any], tensors: Mappi
     for _key, inner, tree in pending:
         if is_stateful(inner) and not isinstance(inner, torch.nn.Module):
             continue
-        if is_stateful(inner):
-            if isinstance(inner, torch.nn.Module) and isinstance(tree, Mapping):
-                tree = module_tree(inner, tree)  # saved under clean names (.fqn)
-            if not _loaded_in_place(inner, tree, in_place):
+        if isinstance(inner, torch.nn.Module) and isinstance(tree, Mapping):
+            live = inner.state_dict(keep_vars=True)
+            tree = module_tree(inner, tree, list(live))  # saved under clean names (.fqn)
+            if not _loaded_in_place(inner, tree, in_place, live):
                 inner.load_state_dict(tree)
+        elif is_stateful(inner):
+            inner.load_state_dict(tree)
         elif isinstance(inner, dict):
             _load_into_dict(inner, tree)
         elif isinstance(inner, list):
@@ -99,11 +101,13 @@ def _known_hook(hook: Any) -> bool:
     return str(getattr(fn, "__module__", "")).startswith("torch.distributed.fsdp._fully_shard")
 
 
-def _loaded_in_place(module: torch.nn.Module, tree: Any, in_place: frozenset[int]) -> bool:
+def _loaded_in_place(module: torch.nn.Module, tree: Any, in_place: frozenset[int],
+                     live: Mapping[str, Any] | None = None) -> bool:
     """True when ``tree`` holds only tensors already written into ``module``'s own storage, so
     ``load_state_dict`` would copy each onto itself (for FSDP2 a DTensor dispatch and a memcpy
     per parameter: a tenth of a same-mesh load in the issue-23 profile). Any hook of the user's
-    (or extra state) keeps the ordinary path."""
+    (or extra state) keeps the ordinary path. ``live``: the module's
+    ``state_dict(keep_vars=True)`` where the caller has it already."""
     if not in_place or not isinstance(tree, Mapping) or not tree:
         return False
     if not all(isinstance(v, torch.Tensor) and id(v) in in_place for v in tree.values()):
@@ -113,7 +117,8 @@ def _loaded_in_place(module: torch.nn.Module, tree: Any, in_place: frozenset[int
         if any(not _known_hook(h) for h in hooks) or \
                 type(m).get_extra_state is not torch.nn.Module.get_extra_state:
             return False
-    live = module.state_dict(keep_vars=True)
+    if live is None:
+        live = module.state_dict(keep_vars=True)
     return len(live) == len(tree) and all(_same_memory(tree[k], live.get(k)) for k in tree)
 
 

@@ -215,11 +215,10 @@ def _module_as_saved(module: torch.nn.Module, saved: set[str], trees: dict[str, 
     _collect_tensors(trees[key], prefix, targets)
 
 
-def module_tree(module: torch.nn.Module, tree: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A loaded module tree under the module's own state-dict keys (it may be saved under the
-    clean names, or another wrapping's: :func:`~.fqn.saved_to_live`); as it is when the keys
-    cannot be mapped (``load_state_dict`` then names them)."""
-    live = list(module.state_dict(keep_vars=True))
+def module_tree(module: torch.nn.Module, tree: Mapping[str, Any], live: list[str]) -> Mapping[str, Any]:
+    """A loaded module tree under the module's own state-dict keys ``live`` (it may be saved
+    under the clean names, or another wrapping's: :func:`~.fqn.saved_to_live`); as it is when
+    the keys cannot be mapped (``load_state_dict`` then names them)."""
     if set(tree) == set(live):
         return tree
     mapping = saved_to_live(set(tree), live, state_names(module, live))
