@@ -30,7 +30,8 @@ def clean_names(model: torch.nn.Module, names: Sequence[str]) -> list[str]:
     name). Every save asks, for the model's state and its
     optimizer's parameters: each module path is walked once, not once per name, and names with
     no wrapper part and no ``module`` part are returned as they are after one string scan (a
-    4,000-key model: 0.3 ms unwrapped, 8 ms compiled, where its ``state_dict()`` takes 12 ms)."""
+    4,000-key model, 2026-11-30: 0.2-0.3 ms unwrapped; compiled 8-13 ms, about what its own
+    ``state_dict()`` takes)."""
     from torch.nn import DataParallel
     from torch.nn.parallel import DistributedDataParallel
 
