@@ -18,7 +18,7 @@ import numpy as np
 
 from coci_hpc.checkpoint.h5check import H5_ERRORS, checked_offset, only_named_datasets, open_untrusted
 from coci_hpc.checkpoint.integrity import checksum
-from coci_hpc.checkpoint.rawio import FileMap, aligned_empty, copy_pool, load_helper, pread_into
+from coci_hpc.checkpoint.rawio import FileMap, aligned_empty, copy_pool, load_helper, pread_into, stream_copy
 from coci_hpc.checkpoint.shards import ShardIndex, ShardKey
 from coci_hpc.errors import CheckpointCorrupt
 
@@ -86,7 +86,7 @@ class ScratchCopies:
             p0, dest = self._pieces[i]
             a, b = max(p0, at), min(p0 + dest.nbytes, end)
             if a < b:
-                np.copyto(dest[a - p0:b - p0], part[a - at:b - at])
+                stream_copy(dest[a - p0:b - p0], part[a - at:b - at])
                 self._got[i] += b - a
             i += 1
 
@@ -478,7 +478,7 @@ class DatasetReader:
                 if fmap is None:
                     pread_into(self._fd, d, at)
                 else:
-                    np.copyto(d, fmap.view(at, d.nbytes))
+                    stream_copy(d, fmap.view(at, d.nbytes))  # the state's bytes: not read before the next step
 
         futures = [copy_pool().submit(run, sh) for sh in shares[1:]]
         errors: list[BaseException] = []

@@ -104,6 +104,27 @@ def copy_threads(sharing: int = 1) -> int:
     return max(1, min(MAX_COPY_THREADS, cores // max(1, sharing)))
 
 
+try:  # built from coci_hpc/_stream.c where the install had a C compiler (optional)
+    from coci_hpc import _stream
+except ImportError:  # pragma: no cover - an install without a compiler
+    _stream = None
+
+STREAM_MIN = 1 << 20  # bytes from which stream_copy streams (smaller copies stay in the cache)
+STREAM_STORES = _stream.STORES if _stream is not None else None  # "avx2", "sse2", "memcpy" or None
+
+
+def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``numpy.copyto(dst, src)`` for a copy whose destination is not read again soon (the bytes
+    a load installs into the state): from :data:`STREAM_MIN` bytes, two C-contiguous arrays of
+    one dtype and shape are copied with non-temporal stores (``coci_hpc._stream``; why, and the
+    measurement, in its source), anything else by ``numpy.copyto``. Releases the GIL either way."""
+    if (_stream is not None and dst.nbytes >= STREAM_MIN and dst.dtype == src.dtype and dst.shape == src.shape
+            and dst.flags.c_contiguous and src.flags.c_contiguous):
+        _stream.copy(dst, src)
+    else:
+        np.copyto(dst, src)
+
+
 _times = threading.local()
 
 
