@@ -116,13 +116,13 @@ def mapped_copy(comm: Any, path: Any, views: Sequence[Any], timed: Callable[[Cal
     benchmark's slowest-rank timer): ``path`` (the raw floor's file, holding ``views``' own bytes,
     read just before) is mapped and populated untimed, then copied into ``views`` (uint8 numpy
     views of the live tensors) with as many threads as coci's load copies with (the cores the
-    rank may use, shared among the node's ranks on them). Nothing changes: the bytes are the same."""
+    rank may use, shared among the node's ranks on them), by the copy the load itself uses
+    (``rawio.stream_copy``: streaming stores where ``coci_hpc._stream`` is built; until
+    2026-11-30 ``numpy.copyto``). Nothing changes: the bytes are the same."""
     import os
 
-    import numpy as np
-
     from coci_hpc.checkpoint.load import _node_ranks
-    from coci_hpc.checkpoint.rawio import FileMap, copy_pool, copy_threads
+    from coci_hpc.checkpoint.rawio import FileMap, copy_pool, copy_threads, stream_copy
 
     threads = copy_threads(_node_ranks(comm)[1])
     fd = os.open(path, os.O_RDONLY)
@@ -139,7 +139,7 @@ def mapped_copy(comm: Any, path: Any, views: Sequence[Any], timed: Callable[[Cal
 
         def run(share: list[Any]) -> None:
             for d, at in share:
-                np.copyto(d, fmap.view(at, d.nbytes))
+                stream_copy(d, fmap.view(at, d.nbytes))
 
         def copy() -> None:
             futures = [copy_pool().submit(run, sh) for sh in shares[1:]]
