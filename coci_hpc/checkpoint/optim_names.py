@@ -106,7 +106,19 @@ def to_index(tree: Mapping[str, Any], opt: torch.optim.Optimizer, names: list[st
             raise CheckpointError(f"optimizer {key!r}: the parameter groups differ from the saved ones "
                                   f"(a group of this optimizer holds {mine[:3]}...)", hint=hint)
         saved = tree["param_groups"][saved_group[mine[0]]]
-        groups.append({**saved, "params": [pos[n] for n in mine]})
+        group = {**saved, "params": [pos[n] for n in mine]}
+        if "param_names" in saved:
+            # An optimizer built over named_parameters() (torch >= 2.6) lists the names beside
+            # the parameters, in their order; load_state_dict keeps the saved list when there is
+            # one, which would name another parameter at each place of a reordered group. Keep
+            # this optimizer's own list (load_state_dict then leaves it), else the saved names
+            # in this optimizer's order.
+            del group["param_names"]
+            names_saved = saved["param_names"]
+            if "param_names" not in g and isinstance(names_saved, list) and len(names_saved) == len(saved["params"]):
+                by_fqn = dict(zip(saved["params"], names_saved))
+                group["param_names"] = [by_fqn[n] for n in mine]
+        groups.append(group)
     out = dict(tree)
     out["state"] = {pos[n]: v for n, v in tree.get("state", {}).items()}
     out["param_groups"] = groups

@@ -62,3 +62,20 @@ def test_other_parameters_or_groups_are_refused_naming_them() -> None:
         to_index(named, split, param_names({"model": b}, split), "optimizer")
     with pytest.raises(CheckpointError, match="holds no model"):
         to_index(named, split, None, "optimizer")
+
+
+@pytest.mark.parametrize("loader_named", [True, False])
+def test_a_reordered_optimizer_over_named_parameters_keeps_each_name_at_its_parameter(loader_named) -> None:
+    # torch >= 2.6: an optimizer over model.named_parameters() keeps "param_names" in its groups
+    a = _net()
+    opt_a = _stepped(a, list(a.named_parameters()))
+    named = to_fqn(opt_a.state_dict(), param_names({"model": a}, opt_a) or [])
+    b = _net()
+    order = list(b.named_parameters())[::-1]
+    opt_b = torch.optim.Adam(order if loader_named else [p for _, p in order], lr=1e-2)
+    opt_b.load_state_dict(to_index(named, opt_b, param_names({"model": b}, opt_b), "optimizer"))
+    name_of = {id(p): n for n, p in b.named_parameters()}
+    group = opt_b.param_groups[0]
+    assert group["param_names"] == [name_of[id(p)] for p in group["params"]]
+    for (na, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(opt_a.state[pa]["exp_avg"], opt_b.state[pb]["exp_avg"]), na
