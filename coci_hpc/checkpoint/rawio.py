@@ -104,8 +104,11 @@ def copy_threads(sharing: int = 1) -> int:
     return max(1, min(MAX_COPY_THREADS, cores // max(1, sharing)))
 
 
+_stream: Any  # coci_hpc._stream, or None
 try:  # built from coci_hpc/_stream.c where the install had a C compiler (optional)
-    from coci_hpc import _stream
+    from coci_hpc import _stream as _built
+
+    _stream = _built
 except ImportError:  # pragma: no cover - an install without a compiler
     _stream = None
 
