@@ -41,6 +41,7 @@ from coci_hpc.checkpoint.state import (
     live_trees,
     match_saved_keys,
     saved_keys,
+    with_generators,
 )
 from coci_hpc.checkpoint.treecode import empty_like_leaf, leaf_view
 from coci_hpc.comm import Comm
@@ -85,6 +86,7 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
     ``close_s``.
     """
     clock = _Clock(stats)
+    state = with_generators(state)
     trees = current_trees(state)
     targets = dict(iter_targets(state, trees))
     local_rows = {n: t.local.shape[0] for n, t in targets.items() if isinstance(t, Sharded)}

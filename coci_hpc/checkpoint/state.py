@@ -28,7 +28,7 @@ from coci_hpc.checkpoint.fqn import saved_to_live, state_names
 from coci_hpc.checkpoint.leaves import LeafKind, PerRank, Sharded, escape_key
 from coci_hpc.checkpoint.loadcheck import AnyTensor
 from coci_hpc.checkpoint.optim_names import is_fqn_keyed, param_names, to_fqn, to_index
-from coci_hpc.checkpoint.rng import capture_rng
+from coci_hpc.checkpoint.rng import GeneratorState, capture_rng, generator_kind
 from coci_hpc.checkpoint.treecode import Leaf, flatten, unflatten
 from coci_hpc.checkpoint.unsupported import check_value
 from coci_hpc.errors import CheckpointError
@@ -82,9 +82,24 @@ def guarded_ptrs(optimizers: list[torch.optim.Optimizer]) -> frozenset[int]:
     return frozenset(ptrs)
 
 
+def with_generators(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state`` with each random number generator object among its values (top level or in
+    ``PerRank``) seen through a :class:`~coci_hpc.checkpoint.rng.GeneratorState`, which saves
+    and loads it like any stateful object; ``state`` itself when it holds none. Saves
+    (:func:`collect`) and loads (:func:`~coci_hpc.checkpoint.load.load`) begin here."""
+    out: dict[str, Any] | None = None
+    for key, value in state.items():
+        inner = value.value if isinstance(value, PerRank) else value
+        if generator_kind(inner) is not None:
+            out = dict(state) if out is None else out
+            out[key] = PerRank(GeneratorState(inner)) if isinstance(value, PerRank) else GeneratorState(inner)
+    return state if out is None else out
+
+
 def collect(state: Mapping[str, Any], *, rng: bool = True, defer_device: bool = False,
             guarded: frozenset[int] = frozenset()) -> tuple[dict[str, Any], list[Leaf]]:
     """Flatten a user state into ``({"replicated":..., "per_rank":...} skeletons, leaves)``."""
+    state = with_generators(state)
     leaves: list[Leaf] = []
     repl: dict[str, Any] = {}
     per_rank: dict[str, Any] = {}
