@@ -41,7 +41,7 @@ from coci_hpc.checkpoint.leaves import LeafKind, PerRank
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
 from coci_hpc.checkpoint.rng import restore_rng
-from coci_hpc.checkpoint.state import collect, is_stateful
+from coci_hpc.checkpoint.state import collect, is_stateful, with_generators
 from coci_hpc.checkpoint.treecode import empty_like_leaf, unflatten
 from coci_hpc.comm import Comm
 from coci_hpc.runtime import events as ev
@@ -81,7 +81,7 @@ class BoundarySnapshot:
 
     def take(self, state: Mapping[str, Any], step: int, opt_steps: int) -> None:
         self.step, self.opt_steps = step, opt_steps
-        for key, value in state.items():
+        for key, value in with_generators(state).items():  # a generator: its state, not the object
             if key in self.skip:
                 continue
             inner = value.value if isinstance(value, PerRank) else value
@@ -98,7 +98,7 @@ class BoundarySnapshot:
             self.values[key] = copy.deepcopy(inner.state_dict() if is_stateful(inner) else inner)
 
     def rollback(self, state: Mapping[str, Any]) -> None:
-        for key, value in state.items():
+        for key, value in with_generators(state).items():
             if key in self.skip:
                 continue
             inner = value.value if isinstance(value, PerRank) else value

@@ -162,6 +162,19 @@ def test_boundary_snapshot_rolls_back_what_a_step_changed_before_optimizer_step(
     assert st["loader"].state_dict() == before
 
 
+def test_boundary_snapshot_rolls_back_a_generator_the_step_drew_from() -> None:
+    # a generator in the state (an augmentation's): its state, not the object, is what is kept
+    st = {**_state(), "aug": torch.Generator().manual_seed(3), "np_aug": PerRank(np.random.default_rng(4))}
+    snap = sv.BoundarySnapshot()
+    snap.take(st, 10, 0)
+    expected = (torch.rand(3, generator=torch.Generator().manual_seed(3)).tolist(),
+                np.random.default_rng(4).random(3).tolist())
+    torch.rand(5, generator=st["aug"])                         # the next step drew from them...
+    st["np_aug"].value.random(5)
+    snap.rollback(st)                                          # ...and the failure came in backward
+    assert (torch.rand(3, generator=st["aug"]).tolist(), st["np_aug"].value.random(3).tolist()) == expected
+
+
 def test_survivors_checkpoint_loads_through_the_normal_path(tmp_path: Path) -> None:
     """Rank 0 writes a 2-rank checkpoint alone, rank 1's per-rank state from its partner copy; a
     2-rank load (run here as rank 1 of a fake world through the same reader) gets rank 1's RNG."""
