@@ -101,3 +101,18 @@ def test_a_generator_seeded_by_rank_is_refused_outside_per_rank_and_kept_per_ran
         cm.load(2, {"model": model, "gen": PerRank(mine), "shared": shared})
         assert mine.random() == np.random.default_rng(comm.rank).random()
         assert shared.random() == np.random.default_rng(42).random()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_generator_draws_after_a_load_what_it_drew_after_the_save(tmp_path):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    torch.rand(7, generator=gen, device="cuda")
+    with CheckpointManager(tmp_path) as cm:
+        cm.save(1, {"gen": gen})
+        expected = torch.rand(9, generator=gen, device="cuda").tolist()
+        other = torch.Generator(device="cuda").manual_seed(99)
+        cm.load(1, {"gen": other})
+        assert torch.rand(9, generator=other, device="cuda").tolist() == expected
+        with pytest.raises(CheckpointError):   # a CPU generator's state is another size
+            cm.load(1, {"gen": torch.Generator()})

@@ -315,6 +315,13 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _stream_stores() -> str | None:
+    """How the load's last copy stores (coci_hpc._stream: "avx2" / "sse2"; None: numpy.copyto)."""
+    from coci_hpc.checkpoint import rawio
+
+    return rawio.STREAM_STORES
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -335,7 +342,8 @@ def main() -> int:
     try:
         report: dict[str, Any] = {"device": device, "mode": "quick" if quick else "full",
                                   "torch": torch.__version__,
-                                  "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None}
+                                  "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+                                  "stream_stores": _stream_stores()}
         steps = 30 if quick else 120
         report["examples"] = [example(s, steps, tmp, device == "cuda") for s in ("train.py", "train_fsdp.py")]
         report["matrix"] = matrix(device, tmp)
