@@ -25,8 +25,10 @@ PKG = Path(__file__).resolve().parents[1] / "coci_hpc"
 
 
 def _modules() -> dict[str, Path]:
+    """Every module of the package by name: its ``.py``, or for a compiled extension
+    (``coci_hpc/_stream.c``) its stub ``.pyi``, which names what it imports (nothing of coci_hpc)."""
     out = {}
-    for path in PKG.rglob("*.py"):
+    for path in sorted(PKG.rglob("*.py")) + [p for p in PKG.rglob("*.pyi") if not p.with_suffix(".py").exists()]:
         parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
