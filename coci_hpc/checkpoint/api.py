@@ -219,7 +219,8 @@ class CheckpointManager:
         Args:
             step: The training step the state belongs to (a non-negative integer).
             state: The state to save, by name (modules, optimizers, schedulers, tensors, JSON-able
-                values, ``PerRank`` / ``Sharded`` wrappers).
+                values, random number generators (``torch.Generator``, numpy ``Generator`` /
+                ``RandomState``, ``random.Random``), ``PerRank`` / ``Sharded`` wrappers).
         """
         t0 = time.perf_counter()
         self._async.wait()
