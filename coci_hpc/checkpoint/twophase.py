@@ -78,7 +78,7 @@ from coci_hpc.checkpoint.coordinator import LayoutCache
 from coci_hpc.checkpoint.devices import wait_copies
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
-from coci_hpc.checkpoint.rawio import WriteItem, lower_thread_priority
+from coci_hpc.checkpoint.rawio import WriteItem, lower_thread_priority, stream_copy
 from coci_hpc.checkpoint.state import collect
 from coci_hpc.checkpoint.transaction import SaveTransaction
 from coci_hpc.checkpoint.treecode import Leaf
@@ -198,7 +198,11 @@ def copy_bytes(leaf: Leaf, start: int, dst: np.ndarray, pinned: torch.Tensor | N
     leaf's copy is only queued (on its device's side stream): ``copies.wait()`` before ``dst`` is read."""
     stop = start + dst.nbytes
     if leaf.array is not None:
-        np.copyto(dst, leaf.array.view(np.uint8)[start:stop])
+        # streaming stores: the snapshot is read next by the writer's pwrite, not by this core,
+        # and evicting the training's working set for it only slows the steps beside it
+        # (528 MB in 22 MB tensors, copy then pwrite, 7 rounds: 0.075 + 0.100 s with numpy,
+        # 0.055 + 0.102 s streamed)
+        stream_copy(dst, leaf.array.view(np.uint8)[start:stop])
         return
     assert leaf.source is not None
     if pinned is not None and copies is not None:
@@ -215,7 +219,7 @@ def copy_bytes(leaf: Leaf, start: int, dst: np.ndarray, pinned: torch.Tensor | N
         pinned.copy_(src, non_blocking=True)
         wait_copies(src.device)
     else:
-        np.copyto(dst, src.cpu().numpy())  # .cpu(): a blocking copy (or the host tensor itself)
+        stream_copy(dst, src.cpu().numpy())  # .cpu(): a blocking copy (or the host tensor itself)
 
 
 @dataclass
