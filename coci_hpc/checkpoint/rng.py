@@ -1,7 +1,8 @@
 """A rank's random number generators as a tree a checkpoint stores (no pickle): python ``random``,
 numpy's global generator, torch CPU and CUDA when present. Checkpoints store it per rank
 (``per_rank/__rng__``, :func:`coci_hpc.checkpoint.state.collect`); the survivors' partner copy
-carries it too (:mod:`coci_hpc.runtime.rngstate`).
+carries it too (:mod:`coci_hpc.runtime.rngstate`). Generator objects among the state's values
+(:class:`GeneratorState`) are stored the same way.
 """
 from __future__ import annotations
 
@@ -14,31 +15,44 @@ from typing import Any
 import numpy as np
 import torch
 
+from coci_hpc.errors import CheckpointError
+
+
+def _python_tree(gen: Any) -> dict[str, Any]:
+    """Python's generator state (the ``random`` module's own, or a ``random.Random``'s)."""
+    version, internal, gauss = gen.getstate()
+    return {"version": version, "state": np.asarray(internal, dtype=np.int64), "gauss": gauss}
+
+
+def _set_python(gen: Any, tree: Mapping[str, Any]) -> None:
+    gen.setstate((int(tree["version"]), tuple(int(x) for x in np.asarray(tree["state"])), tree["gauss"]))
+
+
+def _legacy_tree(gen: Any) -> dict[str, Any]:
+    """numpy's legacy generator state (``numpy.random``'s global one, or a ``RandomState``'s)."""
+    st = gen.get_state(legacy=False)
+    return {"bit_generator": st["bit_generator"], "key": np.asarray(st["state"]["key"]).copy(),
+            "pos": int(st["state"]["pos"]), "has_gauss": int(st["has_gauss"]), "gauss": float(st["gauss"])}
+
+
+def _set_legacy(gen: Any, tree: Mapping[str, Any]) -> None:
+    gen.set_state({"bit_generator": tree["bit_generator"],
+                   "state": {"key": np.asarray(tree["key"], dtype=np.uint32), "pos": int(tree["pos"])},
+                   "has_gauss": int(tree["has_gauss"]), "gauss": float(tree["gauss"])})
+
 
 def capture_rng() -> dict[str, Any]:
     """RNG states of this rank: python ``random``, numpy's global generator, torch CPU and CUDA."""
-    version, internal, gauss = random.getstate()
-    np_state = np.random.get_state(legacy=False)
-    out: dict[str, Any] = {
-        "python": {"version": version, "state": np.asarray(internal, dtype=np.int64), "gauss": gauss},
-        "numpy": {"bit_generator": np_state["bit_generator"],
-                  "key": np.asarray(np_state["state"]["key"]).copy(),
-                  "pos": int(np_state["state"]["pos"]),
-                  "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
-        "torch": torch.get_rng_state(),
-    }
+    out: dict[str, Any] = {"python": _python_tree(random), "numpy": _legacy_tree(np.random),
+                           "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         out["cuda"] = list(torch.cuda.get_rng_state_all())
     return out
 
 
 def restore_rng(state: Mapping[str, Any]) -> None:
-    py = state["python"]
-    random.setstate((int(py["version"]), tuple(int(x) for x in np.asarray(py["state"])), py["gauss"]))
-    npst = state["numpy"]
-    np.random.set_state({"bit_generator": npst["bit_generator"],
-                         "state": {"key": np.asarray(npst["key"], dtype=np.uint32), "pos": int(npst["pos"])},
-                         "has_gauss": int(npst["has_gauss"]), "gauss": float(npst["gauss"])})
+    _set_python(random, state["python"])
+    _set_legacy(np.random, state["numpy"])
     torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
         cuda = state["cuda"]
@@ -46,12 +60,10 @@ def restore_rng(state: Mapping[str, Any]) -> None:
             torch.cuda.set_rng_state_all([torch.as_tensor(s, dtype=torch.uint8) for s in cuda])
 
 
-GENERATOR_KINDS = ("torch.Generator", "numpy.random.Generator", "numpy.random.RandomState", "random.Random")
-
-
 def generator_kind(obj: Any) -> str | None:
-    """Which of :data:`GENERATOR_KINDS` ``obj`` is (a random number generator object a user keeps
-    in the state, e.g. a data sampler's or an augmentation's), or None."""
+    """Which kind of random number generator object ``obj`` is (one a user keeps in the state,
+    e.g. a data sampler's or an augmentation's): "torch.Generator", "numpy.random.Generator",
+    "numpy.random.RandomState" or "random.Random"; None for anything else."""
     if isinstance(obj, torch.Generator):
         return "torch.Generator"
     if isinstance(obj, np.random.Generator):
@@ -109,13 +121,10 @@ class GeneratorState:
             # that differs between ranks outside PerRank (seeded by rank) instead of saving rank 0's
             return {"kind": self.kind, "state": state, "digest": np.array([_digest(state)], dtype=np.uint32)}
         if self.kind == "numpy.random.RandomState":
-            return {"kind": self.kind, "state": _plain(g.get_state(legacy=False))}
-        version, internal, gauss = g.getstate()
-        return {"kind": self.kind, "version": version, "state": np.asarray(internal, dtype=np.int64), "gauss": gauss}
+            return {"kind": self.kind, **_legacy_tree(g)}   # as the rank's global ones (capture_rng)
+        return {"kind": self.kind, **_python_tree(g)}
 
     def load_state_dict(self, tree: Mapping[str, Any]) -> None:
-        from coci_hpc.errors import CheckpointError
-
         saved = tree.get("kind") if isinstance(tree, Mapping) else None
         if saved != self.kind:
             raise CheckpointError(f"the checkpoint holds a {saved or 'value that is not a generator'} where the "
@@ -128,9 +137,9 @@ class GeneratorState:
             elif self.kind == "numpy.random.Generator":
                 g.bit_generator.state = dict(tree["state"])
             elif self.kind == "numpy.random.RandomState":
-                g.set_state(dict(tree["state"]))
+                _set_legacy(g, tree)
             else:
-                g.setstate((int(tree["version"]), tuple(int(x) for x in np.asarray(tree["state"])), tree["gauss"]))
+                _set_python(g, tree)
         except (ValueError, TypeError, KeyError, RuntimeError) as exc:
             raise CheckpointError(f"the saved {self.kind} state does not fit the one in the state passed to "
                                   f"load: {exc}",
