@@ -43,13 +43,34 @@ def is_dtensor(t: Any) -> bool:
 
 
 def check_plain(t: torch.Tensor, name: str) -> None:
-    """Refuse tensor subclasses the store does not know (their bytes are not the tensor's)."""
-    if type(t) in (torch.Tensor, torch.nn.Parameter) or is_dtensor(t):
+    """Refuse tensor subclasses the store does not know (their bytes are not the tensor's), and
+    tensors whose values are not a dense block of memory (sparse, nested, on the meta device)."""
+    if is_dtensor(t):
+        refuse_meta(t, name, "to save")
+        return
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        refuse_meta(t, name, "to save")
+        if t.layout != torch.strided or t.is_nested:
+            what = "a nested tensor" if t.is_nested else f"a {t.layout} tensor"
+            raise UsageError(f"tensor {name!r} is {what}: the checkpoint store saves dense tensors only",
+                             hint="save its dense form (t.to_dense()) or its parts (indices and values, "
+                                  "or the nested tensor's unbind()) as plain tensors")
         return
     raise UsageError(f"tensor {name!r} is a {type(t).__module__}.{type(t).__qualname__}, a tensor "
                      f"subclass the checkpoint store does not know how to save",
                      hint="save plain tensors or DTensors (FSDP2 fully_shard, parallelize_module); "
                           "convert this one first (e.g. with .full_tensor() or a plain copy)")
+
+
+def refuse_meta(t: Any, name: str, doing: str) -> None:
+    """UsageError if ``t`` (or a DTensor's local shard) is on the meta device: a model built there
+    (the FSDP2 recipe: build on meta, shard, then ``to_empty``) has shapes but no memory yet."""
+    local = local_of(t) if is_dtensor(t) else t
+    if isinstance(local, torch.Tensor) and local.is_meta:
+        mesh = f" (its device mesh: {t.device_mesh.device_type!r})" if is_dtensor(t) else ""
+        raise UsageError(f"tensor {name!r} is on the meta device{mesh}: it has a shape but no memory {doing}",
+                         hint="materialise the model first (model.to_empty(device=...), then initialise "
+                              "or load it), or leave the tensor out of the state")
 
 
 # (global shape, mesh, coordinate, placements) -> this rank's (local shape, global offset): torch's

@@ -50,18 +50,25 @@ class Sharded:
     local: torch.Tensor
 
 
-# The numpy kinds ever saved (float, signed, unsigned, bool): raw bytes read into an object
-# (pointer) array would be memory corruption, never a tensor.
-NUMPY_KINDS = "fiub"
+# The numpy kinds ever saved (float, signed, unsigned, bool, complex): raw bytes read into an
+# object (pointer) array would be memory corruption, never a tensor.
+NUMPY_KINDS = "fiubc"
 
 
 @cache
 def torch_dtypes() -> dict[str, tuple[np.dtype, torch.dtype]]:
     """torch dtype name -> (numpy dtype used for the stored bytes, torch dtype to view as on the way
-    out). bfloat16 and bool have no exact numpy twin of the same meaning, so their bytes go out as uint."""
+    out). bfloat16, bool and the 8-bit floats have no exact numpy twin of the same meaning, so
+    their bytes go out as unsigned integers of their width (the manifest keeps the torch dtype).
+    Complex tensors (a Llama's rotary ``freqs_cis`` buffer) are stored as HDF5's complex
+    compound, which h5py reads back as numpy complex."""
     import numpy as np
     import torch
 
+    # one byte each; torch names the ones this build has (float8_e8m0fnu came in 2.7)
+    bytes8 = {f"torch.{n}": (np.dtype("u1"), torch.uint8) for n in
+              ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+               "float4_e2m1fn_x2") if hasattr(torch, n)}
     return {
         "torch.float64": (np.dtype("<f8"), torch.float64),
         "torch.float32": (np.dtype("<f4"), torch.float32),
@@ -72,7 +79,13 @@ def torch_dtypes() -> dict[str, tuple[np.dtype, torch.dtype]]:
         "torch.int16": (np.dtype("<i2"), torch.int16),
         "torch.int8": (np.dtype("i1"), torch.int8),
         "torch.uint8": (np.dtype("u1"), torch.uint8),
+        "torch.uint16": (np.dtype("<u2"), torch.uint16),
+        "torch.uint32": (np.dtype("<u4"), torch.uint32),
+        "torch.uint64": (np.dtype("<u8"), torch.uint64),
         "torch.bool": (np.dtype("u1"), torch.uint8),
+        "torch.complex64": (np.dtype("<c8"), torch.complex64),
+        "torch.complex128": (np.dtype("<c16"), torch.complex128),
+        **bytes8,
     }
 
 

@@ -23,6 +23,7 @@ from coci_hpc.checkpoint.dtensor import (
     is_dtensor,
     local_of,
     optimizer_targets,
+    refuse_meta,
     runs,
     target_box,
     wrap_like,
@@ -262,6 +263,8 @@ def _check_against_state(m: Mapping[str, Any], rank: int, state: Mapping[str, An
                          trees: Mapping[str, Any]) -> None:
     """Raise a CheckpointError if the checkpoint cannot be loaded into ``state`` as it is."""
     step = m["step"]
+    for name, tgt in targets.items():
+        refuse_meta(tgt.local if isinstance(tgt, Sharded) else tgt, name, "to load into")
     hint = "load into a state built like the one that was saved (same model, dtypes and sizes)"
     for meta in _my_tensors(m, rank):
         name, shape = meta["name"], tuple(meta["part"][1] if "part" in meta else meta["shape"])

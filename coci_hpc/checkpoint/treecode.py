@@ -73,6 +73,7 @@ def _tensor_leaf(t: torch.Tensor, prefix: str, kind: str, defer_device: bool,
 
 def _dtensor_leaf(t: Any, prefix: str, defer_device: bool, guarded: frozenset[int]) -> Leaf:
     """One global dataset, of which this rank holds (and may write) its box."""
+    check_plain(t, prefix)
     box = local_box(t, prefix)
     local = local_of(t)
     deferrable = local.numel() > 0 and local.data_ptr() in guarded

@@ -228,10 +228,11 @@ class Job:
 
 def mixed(job: Job) -> dict[str, Any]:
     """Save, then load, a state with a DTensor whose local shard is on the meta device while its
-    mesh is a CPU one (on a GPU: a CPU shard of a CUDA mesh's tensor). Both refused, naming it."""
+    mesh is a CPU one (on a GPU: a CPU shard of a CUDA mesh's tensor). Both refused, naming it
+    and its mesh (a meta shard is refused as having no memory, before the devices are compared)."""
     from torch.distributed.tensor import Shard
 
-    from coci_hpc.errors import CheckpointError
+    from coci_hpc.errors import CheckpointError, UsageError
 
     mesh = init_device_mesh("cpu", (job.world,))
     odd = DTensor.from_local(torch.empty(3, 4, device="meta"), mesh, [Shard(0)], run_check=False)
@@ -241,7 +242,7 @@ def mixed(job: Job) -> dict[str, Any]:
     try:
         mgr.save(2, {"model": model, "extras": {"w": odd}})
         out["save"] = None
-    except CheckpointError as exc:
+    except (CheckpointError, UsageError) as exc:
         out["save"] = str(exc)
     out["latest_after_save"] = mgr.latest_step()
     good = DTensor.from_local(torch.ones(3, 4), mesh, [Shard(0)], run_check=False)
@@ -251,7 +252,7 @@ def mixed(job: Job) -> dict[str, Any]:
     try:
         mgr.load(2, {"model": fresh, "optimizer": fresh_opt, "extras": {"w": odd}})
         out["load"] = None
-    except CheckpointError as exc:
+    except (CheckpointError, UsageError) as exc:
         out["load"] = str(exc)
     out["unchanged"] = hashes(fresh, fresh_opt) == before
     mgr.close()
