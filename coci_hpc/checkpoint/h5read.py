@@ -286,7 +286,8 @@ class DatasetReader:
         2 processes, the halves of a 1 GB file interleaved in 32 MB blocks, after eviction, 9
         rounds in turns: 0.635 s median begun at 0 / 0.5 against 0.69 s both at 0; the
         benchmark's 1 GB FSDP2 load, in-process A/B, two runs of 9 rounds: 0.698 / 0.685 s
-        against 0.752 / 0.711 s).
+        against 0.752 / 0.711 s). Since the load deals each rank of a node one contiguous run
+        of the file (``load._my_checks``), it begins every stream at 0 (``load.SPREAD_READS``).
 
         The CRC of one chunk runs in the load's helper thread while the next is read in (the
         populate call of the mapping, whose faults the kernel reads around: 8 MB here, the

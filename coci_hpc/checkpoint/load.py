@@ -124,9 +124,8 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
             try:
                 mine, needed = _my_checks(comm.rank, node, m, reader, all_rows, all_boxes)
                 clock.lap("plan_s")
-                # The ranks of a node start their streams at different places of the file, not
-                # side by side (an interleaved sharded file; the A/B is in DatasetReader.verify's
-                # docstring)
+                # each rank one contiguous run of the file from its start (see _my_checks);
+                # SPREAD_READS (off) would begin each rank's at another place of it
                 reader.verify(mine, node.index(comm.rank) / len(node) if SPREAD_READS else 0.0, into)
                 clock.lap("check_s")
                 reader.prefetch(needed - mine)  # what the other ranks of the node check
@@ -152,7 +151,11 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
         clock.lap("close_s")
 
 
-SPREAD_READS = True  # False: every rank reads its shards from the file's start (for A/B runs)
+NODE_RUNS = True  # every shard the node reads dealt out over all its ranks (False: over its readers; A/B)
+# True: each rank of a node begins its stream at another place of its shards (DatasetReader.verify);
+# a help when a rank's shards interleaved with the others', a jump more since NODE_RUNS gives each
+# rank one contiguous run (1 GB FSDP2 on 2 ranks, 10 rounds: 0.612 s median against 0.569 s)
+SPREAD_READS = False
 PREFAULT = True  # fault in fresh targets' pages during the check (False: in the copy; for A/B runs)
 FILL_IN_CHECK = True  # the check fills scratch destinations as it reads (False: copied after it; A/B)
 
@@ -414,17 +417,26 @@ def _cores() -> set[int]:
 def _my_checks(rank: int, node: list[int], m: dict[str, Any], reader: DatasetReader,
                all_rows: list[dict[str, int]], all_boxes: list[dict[str, Any]] | None = None
                ) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
-    """(shards this rank checks, shards it reads): the shards the ranks of a node read are
-    dealt out among the ranks that read each, so a node checks each shard once. Each rank gets
-    one contiguous run of the file (by bytes), so that every rank reads one sequential stream
-    instead of skipping about (benchmark A/B on 2 ranks, two alternating runs each while a
-    cluster test ran: restore_ratio 1.51 / 1.64 against 1.55 / 1.81 with shards dealt out in turn)."""
+    """(shards this rank checks, shards it reads): every shard a rank of the node reads is dealt
+    out among all the node's ranks (they share the page cache, so a node checks each shard once),
+    each rank one contiguous run of the file by bytes, whoever reads the shards in it: every rank
+    reads one sequential stream instead of skipping about. For a replicated (DDP) state that was
+    already so (benchmark A/B on 2 ranks, two alternating runs each while a cluster test ran:
+    restore_ratio 1.51 / 1.64 against 1.55 / 1.81 with shards dealt out in turn). A sharded state
+    (FSDP2) on its saving mesh had each rank check its own shards, which in the one file per step
+    interleave with the other ranks' (each tensor's rows in rank order): one pread of a rank's own
+    bytes out of that file took 1.06-1.16 x a read of the same bytes from a file of its own, and
+    the check about as long. Dealt out over the node instead (``NODE_RUNS``; issue 33, the 1 GB
+    FSDP2 state on 2 ranks, a save before each round, 10-12 rotating rounds, three runs): load
+    0.571 / 0.576 / 0.569 s median against 0.620 / 0.651 / 0.671 s, 1.11-1.19 x the raw read of
+    files of their own against 1.27-1.31 x; the copies after the check read the other rank's
+    half from the page cache (:meth:`DatasetReader.prefetch` maps it)."""
     needs = {r: reader.shards_of([(meta, start, start + n) for meta, rs, _, _ in _ranges(r, m, all_rows, all_boxes)
                                   for start, _, n in rs])
              for r in node}
     groups: dict[tuple[int, ...], list[tuple[str, int]]] = {}
     for key in set().union(*needs.values()):
-        groups.setdefault(tuple(r for r in node if key in needs[r]), []).append(key)
+        groups.setdefault(tuple(node) if NODE_RUNS else tuple(r for r in node if key in needs[r]), []).append(key)
     mine = set()
     for readers, keys in groups.items():
         if rank not in readers:

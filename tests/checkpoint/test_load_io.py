@@ -197,6 +197,41 @@ def test_the_ranks_of_a_node_each_check_one_contiguous_run_of_the_file(tmp_path,
 
 
 
+@pytest.mark.mpi
+def test_a_sharded_state_is_checked_in_contiguous_runs_over_the_whole_node(tmp_path_factory, monkeypatch):
+    """Row-sharded state saved by the ranks interleaves in the file (each tensor's rows in rank
+    order). The ranks of a node check it in one contiguous run of the file each, whoever reads the
+    shards in it (their own shards and the others'), covering every shard the node reads once;
+    with ``NODE_RUNS`` off each checked only its own, interleaved with the others' runs."""
+    from coci_hpc.checkpoint import Sharded
+    from coci_hpc.checkpoint import load as load_mod
+    from coci_hpc.comm import Comm
+
+    comm = Comm.world()
+    base = Path(comm.bcast(str(tmp_path_factory.mktemp("noderuns")) if comm.rank == 0 else None))
+    torch.manual_seed(comm.rank)
+    state = {f"w{i}": Sharded(torch.randn(8 + 4 * i, 16)) for i in range(5)}
+    with CheckpointManager(base, comm=comm) as cm:
+        cm.save(1, state)
+    m = cat.read_manifest(cat.step_dir(base, 1))
+    rows = comm.allgather({f"replicated/w{i}": state[f"w{i}"].local.shape[0] for i in range(5)})
+    node = list(range(comm.size))
+    with DatasetReader(cat.step_dir(base, 1) / mf.DATA_FILE, m) as r:
+        order = sorted(_all_keys(r, m), key=r.shard_extent)
+        got = {}
+        for flag in (True, False):
+            monkeypatch.setattr(load_mod, "NODE_RUNS", flag)
+            got[flag] = [load_mod._my_checks(rank, node, m, r, rows) for rank in node]
+    mine = [sorted(order.index(k) for k in checks) for checks, _ in got[True]]
+    assert sorted(i for at in mine for i in at) == list(range(len(order)))  # every shard once
+    for at in mine:
+        assert at == list(range(at[0], at[0] + len(at)))  # one contiguous run each
+    for (checks, needed), (old_checks, old_needed) in zip(got[True], got[False]):
+        assert needed == old_needed and old_checks == needed
+    if comm.size > 1:
+        # rank 0's own shards lie in every tensor's first rows: its run holds others' too
+        assert got[True][0][0] != got[True][0][1]
+
 def test_rotated_jobs_begin_at_the_share_of_their_bytes_and_keep_file_order():
     from coci_hpc.checkpoint.h5read import _rotated
 
