@@ -66,8 +66,9 @@ class ScratchCopies:
     from the disk, instead of in a copy after the last check (issue 33). A failed check leaves
     them half filled, and they are dropped with the load.
 
-    Only the verifying thread's helper writes them, one chunk after another, so the counts need
-    no lock; :meth:`full` is read after ``verify`` returned."""
+    Only the verifying thread's helper writes them, one chunk after another, and then
+    :meth:`DatasetReader.prefetch` (the shards other ranks of the node check), so the counts need
+    no lock; :meth:`full` is read after both returned."""
 
     def __init__(self, pieces: Sequence[tuple[np.ndarray, int]]) -> None:
         self._pieces = sorted(((at, d.reshape(-1).view(np.uint8)) for d, at in pieces if d.nbytes),
@@ -411,17 +412,23 @@ class DatasetReader:
             if stop > start:
                 os.posix_fadvise(self._fd, self.offset(meta) + start, stop - start, os.POSIX_FADV_WILLNEED)
 
-    def prefetch(self, keys: set[ShardKey]) -> None:
+    def prefetch(self, keys: set[ShardKey], into: ScratchCopies | None = None) -> None:
         """Read in and map the shards named by ``keys`` without checking them: the shards another
         rank of this node checks, which this rank copies afterwards. Done while that rank may
         still be reading them (the page cache is shared, nothing is read twice), so that the
-        copy after the agreement is a plain memcpy."""
+        copy after the agreement is a plain memcpy. ``into``: scratch destinations (nothing of
+        the state) filled from them now, not after the agreement; a failed check elsewhere
+        drops them with the load."""
         ranges = [(self._shards.metas[key[0]], at, n) for (at, n), key in sorted((self.shard_extent(k), k) for k in keys)]
-        if self._mapped() is None:
+        fmap = self._mapped()
+        if fmap is None:
             for _, at, n in ranges:
                 os.posix_fadvise(self._fd, at, n, os.POSIX_FADV_WILLNEED)
             return
         self._map_in(ranges)
+        if into is not None and len(into):
+            for _, at, n in ranges:
+                into.copy(fmap.view(at, n), at)
 
     def read_verified(self, meta: Mapping[str, Any], dest: np.ndarray, start: int = 0) -> None:
         """Fill ``dest`` with bytes [start, start+dest.nbytes) of a dataset whose shards

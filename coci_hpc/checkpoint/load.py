@@ -128,7 +128,7 @@ def load(comm: Comm, root: Path, step: int, state: Mapping[str, Any], *, rng: bo
                 # SPREAD_READS (off) would begin each rank's at another place of it
                 reader.verify(mine, node.index(comm.rank) / len(node) if SPREAD_READS else 0.0, into)
                 clock.lap("check_s")
-                reader.prefetch(needed - mine)  # what the other ranks of the node check
+                reader.prefetch(needed - mine, into)  # what the other ranks of the node check
                 clock.lap("prefetch_s")
             finally:
                 if faulting is not None:

@@ -226,7 +226,7 @@ def test_a_sharded_state_is_checked_in_contiguous_runs_over_the_whole_node(tmp_p
     assert sorted(i for at in mine for i in at) == list(range(len(order)))  # every shard once
     for at in mine:
         assert at == list(range(at[0], at[0] + len(at)))  # one contiguous run each
-    for (checks, needed), (old_checks, old_needed) in zip(got[True], got[False]):
+    for (_, needed), (old_checks, old_needed) in zip(got[True], got[False]):
         assert needed == old_needed and old_checks == needed
     if comm.size > 1:
         # rank 0's own shards lie in every tensor's first rows: its run holds others' too
