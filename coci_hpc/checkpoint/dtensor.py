@@ -45,16 +45,17 @@ def is_dtensor(t: Any) -> bool:
 def check_plain(t: torch.Tensor, name: str) -> None:
     """Refuse tensor subclasses the store does not know (their bytes are not the tensor's), and
     tensors whose values are not a dense block of memory (sparse, nested, on the meta device)."""
-    if is_dtensor(t):
-        refuse_meta(t, name, "to save")
-        return
-    if type(t) in (torch.Tensor, torch.nn.Parameter):
-        refuse_meta(t, name, "to save")
-        if t.layout != torch.strided or t.is_nested:
+    if type(t) in _PLAIN:
+        # three attribute reads (~0.2 us): every save asks this of every leaf
+        if t.is_meta or t.is_nested or t.layout is not torch.strided:
+            refuse_meta(t, name, "to save")
             what = "a nested tensor" if t.is_nested else f"a {t.layout} tensor"
             raise UsageError(f"tensor {name!r} is {what}: the checkpoint store saves dense tensors only",
                              hint="save its dense form (t.to_dense()) or its parts (indices and values, "
                                   "or the nested tensor's unbind()) as plain tensors")
+        return
+    if is_dtensor(t):
+        refuse_meta(t, name, "to save")
         return
     raise UsageError(f"tensor {name!r} is a {type(t).__module__}.{type(t).__qualname__}, a tensor "
                      f"subclass the checkpoint store does not know how to save",
@@ -62,9 +63,14 @@ def check_plain(t: torch.Tensor, name: str) -> None:
                           "convert this one first (e.g. with .full_tensor() or a plain copy)")
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def refuse_meta(t: Any, name: str, doing: str) -> None:
     """UsageError if ``t`` (or a DTensor's local shard) is on the meta device: a model built there
     (the FSDP2 recipe: build on meta, shard, then ``to_empty``) has shapes but no memory yet."""
+    if type(t) in _PLAIN and not t.is_meta:
+        return
     local = local_of(t) if is_dtensor(t) else t
     if isinstance(local, torch.Tensor) and local.is_meta:
         mesh = f" (its device mesh: {t.device_mesh.device_type!r})" if is_dtensor(t) else ""
