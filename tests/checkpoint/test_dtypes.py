@@ -5,13 +5,11 @@ before anything is written; a load into a model still on the meta device is refu
 down the device path."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.checkpoint.leaves import storage_dtype
@@ -115,19 +113,6 @@ def test_a_load_into_a_model_on_the_meta_device_is_refused_and_changes_nothing(t
     model.to_empty(device="cpu")
     mgr.load(1, {"model": model, "opt": opt})
     assert opt == {"lr": 0.5}
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    """A real one-rank gloo process group (FSDP2 needs one)."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp2_on_the_meta_device_is_refused_on_save_and_load(tmp_path: Path, group: None) -> None:

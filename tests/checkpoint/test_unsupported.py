@@ -2,30 +2,15 @@
 any state_dict() (collective for both) runs; nothing is written."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from coci_hpc import Session
 from coci_hpc.checkpoint import CheckpointManager
 from coci_hpc.comm import Comm
 from coci_hpc.errors import UsageError
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    """A real one-rank gloo process group (FSDP1 and ZeRO need one)."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _fsdp1() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
