@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, SlurmCluster
+from tests.conftest import ROOT, SlurmCluster, wait_for
 
 pytestmark = pytest.mark.slurm
 
@@ -172,6 +172,40 @@ def test_frozen_node_stops_its_tasks_then_kills_them_at_node_fail(slurm_cluster:
     finally:
         _recover_n2(slurm_cluster, proc)
     _assert_node_fail_then_completed(slurm_cluster, job)
+
+
+def test_a_failed_node_runs_nothing_slurm_places_on_it_before_it_is_down(slurm_cluster: SlurmCluster) -> None:
+    """Until a failed node is marked DOWN Slurm may place a requeued job on it again; a dead host
+    runs none of it (the launch hangs there until the DOWN ends the attempt). CI, 2026-11-30: the
+    requeued attempt ran 46 steps on a node `fail --freeze` had frozen, and its DOWN threw them away.
+    Here the job is requeued by hand right after the freeze: its next run starts on n1 and n2 before
+    n2 is DOWN, the task on n1 runs, the one on n2 never does, and the DOWN ends that run NODE_FAIL."""
+    wd = slurm_cluster.workdir / f"dead-{uuid.uuid4().hex[:6]}"
+    wd.mkdir()
+    # Each run's task leaves ran-<node>-<restart count> after a second; the third run exits at once.
+    task = (f"sleep 1; echo $$ > {wd}/ran-$SLURMD_NODENAME-${{SLURM_RESTART_COUNT:-0}}; "
+            f"[ ${{SLURM_RESTART_COUNT:-0}} -ge 1 ] && exit 0; exec sleep 600")
+    job = slurm_cluster.sbatch("-N", "2", "--requeue", "--open-mode=append", "-o", str(wd / "out-%j.txt"),
+                               "--wrap", f"srun -N2 --ntasks-per-node=1 sh -c '{task}'")
+    wait_for(lambda: (wd / "ran-n1-0").exists() and (wd / "ran-n2-0").exists(), "the first run's tasks", 60)
+    delay = 25      # Slurm holds a requeued job ~10 s (BeginTime): its next run starts well within this
+    proc = subprocess.Popen([str(slurm_cluster.devcluster), "fail", "n2", "--hard", "--freeze", "--delay", str(delay)],
+                            env=slurm_cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(1)
+        slurm_cluster.run("scontrol", "requeue", job)
+        wait_for(lambda: (wd / "ran-n1-1").exists() or proc.poll() is not None, "the requeued run on n1", delay + 10)
+        assert proc.poll() is None, "n2 went DOWN before the requeued run started: nothing was tested"
+        out, _ = proc.communicate(timeout=delay + 30)
+        print(out)
+        assert proc.returncode == 0 and "started on it while it was dead" in out, out
+        assert not (wd / "ran-n2-1").exists(), "the dead node ran the requeued attempt's task"
+        slurm_cluster.wait_state(job, ("PENDING",), timeout=60)
+    finally:
+        _recover_n2(slurm_cluster, proc)
+    rows = slurm_cluster.wait_gone(job, timeout=120)
+    assert [r["State"] for r in rows] == ["REQUEUED", "NODE_FAIL", "COMPLETED"], rows
+    assert (wd / "ran-n2-2").exists()       # back up: the next run's task ran there
 
 
 def test_hard_node_failure_kills_tasks_first_then_node_fail_and_requeue(slurm_cluster: SlurmCluster) -> None:

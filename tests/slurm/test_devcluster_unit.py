@@ -5,6 +5,7 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -192,13 +193,46 @@ def test_a_frozen_process_that_a_signal_continues_is_stopped_again(dc) -> None:
         time.sleep(0.1)
         wake = threading.Timer(0.3, os.kill, (p.pid, signal.SIGCONT))
         wake.start()
-        again = dc.keep_stopped([p.pid], 1.0)
+        again, new = dc.keep_stopped([p.pid], 1.0, "n7")
         wake.join()
-        assert again >= 1 and dc.proc_state(p.pid) in ("T", "t")
-        assert dc.keep_stopped([p.pid], 0.1) == 0           # nothing continued it: nothing to do
+        assert again >= 1 and new == [] and dc.proc_state(p.pid) in ("T", "t")
+        assert dc.keep_stopped([p.pid], 0.1, "n7") == (0, [])   # nothing continued it: nothing to do
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_dead_node_starts_nothing_new(dc) -> None:
+    """While a failed node waits to be marked DOWN, a job process that appears on it (a requeued
+    attempt Slurm placed there, not knowing the node is dead) is stopped at once and stays stopped;
+    one on another node, or of another cluster, is left alone (CI, 2026-11-30: the attempt ran 46
+    steps that the node's DOWN threw away)."""
+    import threading
+
+    def task(node: str, conf: str) -> subprocess.Popen:
+        return subprocess.Popen(["sleep", "60"], env={**os.environ, "SLURMD_NODENAME": node,
+                                                      "SLURM_CONF": conf, "SLURM_JOB_ID": "99"})
+
+    out: list = []
+    hold = threading.Thread(target=lambda: out.append(dc.keep_stopped([], 2.0, "n7")))
+    hold.start()
+    time.sleep(0.3)
+    procs = [task("n7", str(dc.SLURM_CONF)), task("n6", str(dc.SLURM_CONF)), task("n7", "/elsewhere/slurm.conf")]
+    try:
+        time.sleep(0.5)
+        states = [dc.proc_state(p.pid) for p in procs]
+        assert states[0] in ("T", "t") and states[1] not in ("T", "t") and states[2] not in ("T", "t"), states
+        os.kill(procs[0].pid, signal.SIGCONT)         # Slurm's SIGCONT on the job's end: stopped again
+        hold.join()
+        assert out == [(out[0][0], [procs[0].pid])] and out[0][0] >= 1, out
+        assert dc.proc_state(procs[0].pid) in ("T", "t")
+        dc.kill_held("n7", out[0][1])
+        assert procs[0].wait(5) == -signal.SIGKILL
+    finally:
+        hold.join()
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def test_a_second_cluster_gets_its_own_job_ids_and_mpi_ports(tmp_path: Path, monkeypatch) -> None:

@@ -145,7 +145,9 @@ def check_peer_run(cluster: SlurmCluster, wd: Path, job: str, ckpt: Path, log0: 
     # Slurm only learns of a dead host when it marks it DOWN (SlurmdTimeout; --delay here): until then
     # the requeued attempt may be placed on that host again, and the NODE_FAIL that ends it requeues
     # once more (seen in CI, 2026-11-28: attempt 2 started on the frozen n2 2 s before it went DOWN).
-    # Such an extra attempt stops at a step boundary like any other: it repeats at most one step.
+    # A dead host runs nothing, so such a run makes no step (devcluster holds what starts there
+    # stopped: in CI, 2026-11-30, before it did, the run made 46 steps that the DOWN threw away):
+    # the attempt after it repeats at most one step.
     assert len(starts) >= 2, starts
     for extra in starts[2:]:
         assert extra["prev_end"]["reason"] in ("node_failure", "requeue_by_hand"), extra
