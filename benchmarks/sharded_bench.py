@@ -20,7 +20,9 @@ rotating every round):
 * async stall (after one untimed warm-up of each): the time coci's ``save_async`` blocks a
   training loop that goes on stepping (the call, the optimizer step's wait for the snapshot, the
   polls: ``checkpoint_bench.py``'s measure) against the time ``get_state_dict`` +
-  ``dcp.async_save`` block it; each then finishes in the background;
+  ``dcp.async_save`` block it; each then finishes in the background. Its parts, each the slowest
+  rank's, beside it: ``coci_stall_start`` (the call), ``coci_stall_polls``,
+  ``coci_stall_snapwait`` (the optimizer step's wait), ``coci_stall_steps`` (steps to the commit);
 * load on the same mesh, page cache dropped first: ``CheckpointManager.load`` against
   ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``.
 
@@ -289,16 +291,23 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                 comm.barrier()
                 t0 = time.perf_counter()
                 mgr.save_async(100 + rep, state)
-                blocked = time.perf_counter() - t0
+                start = time.perf_counter() - t0
+                polls, steps = 0.0, 0
                 while True:
                     step(opt)
+                    steps += 1
                     t1 = time.perf_counter()
                     done = mgr.poll()
-                    blocked += time.perf_counter() - t1
+                    polls += time.perf_counter() - t1
                     if done:
                         break
-                blocked += mgr.async_stats.get("snapshot_wait_s", 0.0)
-                rec("coci_stall", float(comm.allreduce_max(blocked)))
+                snapwait = mgr.async_stats.get("snapshot_wait_s", 0.0)
+                rec("coci_stall", float(comm.allreduce_max(start + polls + snapwait)))
+                # its parts, each the slowest rank's: which one a slow stall spent its time in
+                rec("coci_stall_start", float(comm.allreduce_max(start)))
+                rec("coci_stall_polls", float(comm.allreduce_max(polls)))
+                rec("coci_stall_snapwait", float(comm.allreduce_max(snapwait)))
+                rec("coci_stall_steps", float(steps))
                 # DCP: the async_save call (state dict + staging copy); the write goes on behind
                 comm.barrier()
                 t0 = time.perf_counter()
