@@ -182,9 +182,10 @@ def test_a_failed_node_runs_nothing_slurm_places_on_it_before_it_is_down(slurm_c
     n2 is DOWN, the task on n1 runs, the one on n2 never does, and the DOWN ends that run NODE_FAIL."""
     wd = slurm_cluster.workdir / f"dead-{uuid.uuid4().hex[:6]}"
     wd.mkdir()
-    # Each run's task leaves ran-<node>-<restart count> after a second; the third run exits at once.
+    # Each run's task leaves ran-<node>-<restart count> after a second, then waits (as a rank whose
+    # peer never started waits in MPI's start-up), but in the third run, which ends there.
     task = (f"sleep 1; echo $$ > {wd}/ran-$SLURMD_NODENAME-${{SLURM_RESTART_COUNT:-0}}; "
-            f"[ ${{SLURM_RESTART_COUNT:-0}} -ge 1 ] && exit 0; exec sleep 600")
+            f"[ ${{SLURM_RESTART_COUNT:-0}} -ge 2 ] && exit 0; exec sleep 600")
     job = slurm_cluster.sbatch("-N", "2", "--requeue", "--open-mode=append", "-o", str(wd / "out-%j.txt"),
                                "--wrap", f"srun -N2 --ntasks-per-node=1 sh -c '{task}'")
     wait_for(lambda: (wd / "ran-n1-0").exists() and (wd / "ran-n2-0").exists(), "the first run's tasks", 60)
