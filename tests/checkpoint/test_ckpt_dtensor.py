@@ -149,6 +149,18 @@ def test_flipped_byte_in_a_shard_falls_back(tmp_path: Path) -> None:
     check_loaded(first, loaded)
 
 
+def test_load_into_a_live_optimizer_is_all_or_nothing(tmp_path: Path) -> None:
+    """Loading into a live FSDP2 optimizer (trained past the step loaded): a damaged step leaves
+    its moments the same tensors with the same values; a good one loads with the parameter's
+    placements, and training goes on as the saver's did."""
+    got = job(2, "live", tmp_path)
+    assert got["error"] == "CheckpointCorrupt"
+    assert got["unchanged"]
+    assert got["step"] == 1 and got["loaded"]
+    assert set(got["placements"].values()) == {"same"}, got["placements"]
+    assert got["continues"]
+
+
 def test_async_two_phase_save_of_fsdp2(tmp_path: Path) -> None:
     saved = job(2, "asave", tmp_path)
     assert saved["changed"]  # training went on after the snapshot ...

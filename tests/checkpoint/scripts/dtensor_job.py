@@ -17,6 +17,7 @@ over 2, 3 or 4 ranks):
     dtensor_job.py bad DIR CASE             one bad input; print ERROR type + message
     dtensor_job.py asave DIR                save_async an FSDP2 state at step 1, train on; print RESULT
     dtensor_job.py cache DIR                cached layout of an unchanged state, a shape change
+    dtensor_job.py live DIR                 loads into a live FSDP2 optimizer: a damaged step, then a good one
 
 RESULT (rank 0): sha256 of every full tensor (gathered with full_tensor()), the loaded step,
 and per rank the bytes the load read into its own state against the bytes that state holds.
@@ -219,6 +220,47 @@ def main() -> int:
         res = mgr.load_latest({"model": model3, "optimizer": opt3})
         result["step"] = res.step
         result["same"] = hashes(model2, opt2) == hashes(model3, opt3)
+    elif mode == "live":
+        # a live optimizer (moments on the host), trained past the steps it loads
+        from coci_hpc.checkpoint import catalog as cat
+        from coci_hpc.checkpoint import manifest as mf
+        model, opt = build("fsdp", world)
+        hs = []
+        for step in (1, 2):
+            train(model, opt, 1)
+            mgr.save(step, {"model": model, "optimizer": opt})
+            hs.append(hashes(model, opt))
+        train(model, opt, 1)
+        now = hashes(model, opt)
+
+        def moments() -> list[tuple[int, int]]:
+            return [(id(v), v.to_local().data_ptr()) for st in opt.state.values() for k, v in st.items()
+                    if k != "step"]
+
+        before = moments()
+        if rank == 0:  # one flipped byte in rank 1's shard of a moment of step 2
+            m = cat.read_step(root, 2)
+            t = next(t for t in m["tensors"] if t["name"].endswith("/exp_avg") and "fc1.weight" in t["name"])
+            sh = next(s for s in m["shards"] if s["dataset"] == t["dataset"] and s["rank"] == 1)
+            with open(cat.step_dir(root, 2) / mf.DATA_FILE, "r+b") as f:
+                f.seek(t["offset"] + sh["start"] + 3)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0x01]))
+        comm.barrier()
+        try:
+            mgr.load(2, {"model": model, "optimizer": opt})
+            result["error"] = None
+        except CociError as exc:
+            result["error"] = type(exc).__name__
+        # all or nothing: the live moments are the same tensors, holding what they held
+        result["unchanged"] = hashes(model, opt) == now and moments() == before
+        res = mgr.load(1, {"model": model, "optimizer": opt})
+        result["step"] = res.step
+        result["loaded"] = hashes(model, opt) == hs[0]
+        result["placements"] = placements(model, opt)
+        train(model, opt, 1)
+        result["continues"] = hashes(model, opt) == hs[1]
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
