@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -116,3 +118,19 @@ def replicated_hash(state: dict[str, Any]) -> str:
 
 def rng_draws() -> tuple:
     return (random.random(), float(np.random.random()), torch.rand(3).tolist())
+
+
+def flip_shard_byte(root: Path, step: int, which: Callable[[str], bool], rank: int, at: int, mask: int) -> None:
+    """XOR ``mask`` into byte ``at`` of the shard ``rank`` wrote of the first tensor of committed
+    step ``step`` whose name ``which`` accepts (its CRC in the manifest no longer matches)."""
+    from coci_hpc.checkpoint import catalog as cat
+    from coci_hpc.checkpoint import manifest as mf
+
+    m = cat.read_step(root, step)
+    t = next(t for t in m["tensors"] if which(t["name"]))
+    sh = next(s for s in m["shards"] if s["dataset"] == t["dataset"] and s["rank"] == rank)
+    with open(cat.step_dir(root, step) / mf.DATA_FILE, "r+b") as f:
+        f.seek(t["offset"] + sh["start"] + at)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ mask]))

@@ -18,6 +18,7 @@ import pytest
 from coci_hpc.checkpoint import catalog as cat
 from coci_hpc.checkpoint import manifest as mf
 from tests.checkpoint.conftest import SCRIPTS, run_ranks
+from tests.checkpoint.helpers import flip_shard_byte
 
 JOB = str(SCRIPTS / "dtensor_job.py")
 
@@ -135,15 +136,7 @@ def test_plain_and_sharded_checkpoints_to_fsdp2(tmp_path: Path) -> None:
 def test_flipped_byte_in_a_shard_falls_back(tmp_path: Path) -> None:
     first = job(2, "save", tmp_path, "fsdp", 1)
     job(2, "save", tmp_path, "fsdp", 2)
-    m = cat.read_step(tmp_path, 2)
-    w = next(t for t in m["tensors"] if t["name"] == "replicated/model/fc1.weight")
-    sh = next(s for s in m["shards"] if s["dataset"] == w["dataset"] and s["rank"] == 1)
-    path = cat.step_dir(tmp_path, 2) / mf.DATA_FILE
-    with open(path, "r+b") as f:
-        f.seek(w["offset"] + sh["start"] + 5)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_shard_byte(tmp_path, 2, lambda name: name == "replicated/model/fc1.weight", 1, 5, 0x10)
     loaded = job(3, "load", tmp_path, "fsdp")
     assert loaded["step"] == 1
     check_loaded(first, loaded)

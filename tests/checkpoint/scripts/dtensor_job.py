@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -222,8 +223,7 @@ def main() -> int:
         result["same"] = hashes(model2, opt2) == hashes(model3, opt3)
     elif mode == "live":
         # a live optimizer (moments on the host), trained past the steps it loads
-        from coci_hpc.checkpoint import catalog as cat
-        from coci_hpc.checkpoint import manifest as mf
+        from tests.checkpoint.helpers import flip_shard_byte
         model, opt = build("fsdp", world)
         hs = []
         for step in (1, 2):
@@ -239,14 +239,7 @@ def main() -> int:
 
         before = moments()
         if rank == 0:  # one flipped byte in rank 1's shard of a moment of step 2
-            m = cat.read_step(root, 2)
-            t = next(t for t in m["tensors"] if t["name"].endswith("/exp_avg") and "fc1.weight" in t["name"])
-            sh = next(s for s in m["shards"] if s["dataset"] == t["dataset"] and s["rank"] == 1)
-            with open(cat.step_dir(root, 2) / mf.DATA_FILE, "r+b") as f:
-                f.seek(t["offset"] + sh["start"] + 3)
-                b = f.read(1)
-                f.seek(-1, 1)
-                f.write(bytes([b[0] ^ 0x01]))
+            flip_shard_byte(Path(root), 2, lambda name: name.endswith("/exp_avg") and "fc1.weight" in name, 1, 3, 0x01)
         comm.barrier()
         try:
             mgr.load(2, {"model": model, "optimizer": opt})
