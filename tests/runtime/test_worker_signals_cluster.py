@@ -76,7 +76,19 @@ def test_dataloader_workers_preempted_via_template_and_coci_submit_end_bit_exact
         stops = [e for e in read_events(ckpt) if e["event"] == "stop"]
         assert len(stops) == 1 and stops[0]["reason"] == "preemption" and stops[0]["requeued"], stops
         starts = [e for e in read_events(ckpt) if e["event"] == "attempt_start"]
-        assert starts[1]["resumed_step"] == stops[0]["step"] and starts[1]["steps_lost"] == 0, starts
+        stop = stops[0]
+        if stop["saved"]:
+            assert starts[1]["resumed_step"] == stop["step"] and starts[1]["steps_lost"] == 0, starts
+        else:
+            # On a loaded machine (CI of 2026-11-30: two steps took 16 s, not 0.6) the boundary can come
+            # too late in the 20 s grace for a save; the session then must say so, resume from the
+            # last periodic checkpoint and count every repeated step.
+            assert "no save: it would not end before Slurm's kill" in stop["detail"], stop
+            events = read_events(ckpt)
+            before = events[:next(i for i, e in enumerate(events) if e["event"] == "stop")]
+            last = max(e["step"] for e in before if e["event"] == "checkpoint")
+            assert starts[1]["resumed_step"] == last < stop["step"], (starts, last)
+            assert starts[1]["steps_lost"] == stop["step"] - last and starts[1]["steps_lost_exact"], starts
     ref = reference_hash(ref_run.result().stdout)
     assert reference_hash(out_t) == ref
     assert reference_hash(out_s) == ref
