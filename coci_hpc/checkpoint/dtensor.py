@@ -124,7 +124,7 @@ def local_box(dt: Any, name: str) -> Box:
             _LOCAL_BOXES.clear()
         got = _LOCAL_BOXES[key] = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
     shape, offset = got
-    local = tuple(dt.to_local().shape)
+    local = tuple(local_of(dt).shape)  # to_local() is an autograd op: 0.05 ms a tensor
     if tuple(shape) != local:
         raise UsageError(f"DTensor {name!r} holds a local tensor of shape {list(local)} where its "
                          f"placements {dt.placements} give {list(shape)}",
