@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from benchmarks.method import MIN_ROUNDS, evict, phase_breakdown, rotate, slowest_rank, spread_table, summary
+from benchmarks.method import MIN_ROUNDS, cached, evict, phase_breakdown, rotate, slowest_rank, spread_table, summary
 
 
 def test_summary_keeps_the_cold_round_out_of_the_median_and_gives_the_spread() -> None:
@@ -61,18 +61,6 @@ def test_vm_reported_mib_reads_the_counter_and_is_none_without_one(tmp_path, mon
     assert method.vm_reported_mib() is None
 
 
-def _cached(path) -> bool:
-    """Whether the file's first page is in the page cache: a read that may not wait for the disk
-    (RWF_NOWAIT) succeeds only then."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT) > 0
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-
-
 def test_evict_drops_the_files_it_names_and_keeps_the_kept_one(tmp_path) -> None:
     d = tmp_path / "ckpt"
     (d / "step_1").mkdir(parents=True)
@@ -80,7 +68,7 @@ def test_evict_drops_the_files_it_names_and_keeps_the_kept_one(tmp_path) -> None
     for f in files:
         f.write_bytes(os.urandom(1 << 20))
         f.read_bytes()
-    assert all(_cached(f) for f in files)
+    assert all(cached(f) for f in files)
     assert evict([d, tmp_path / "raw.bin", tmp_path / "gone"], keep=[d / "spare.h5"]) == "fadvise"
-    assert not _cached(files[0]) and not _cached(files[2])
-    assert _cached(files[1])            # kept: the next save writes over it, no job evicts it
+    assert not cached(files[0]) and not cached(files[2])
+    assert cached(files[1])            # kept: the next save writes over it, no job evicts it
