@@ -45,8 +45,12 @@ def evict(paths: Iterable[Path], keep: Iterable[Path] = ()) -> str:
     (retention's reaper) are skipped. Returns the method's name for the JSON."""
     kept = {Path(k) for k in keep}
     for p in map(Path, paths):
-        for f in ([p] if p.is_file() else [q for q in p.rglob("*") if q.is_file()]):
-            if f in kept:
+        # os.walk, not rglob: the reaper may remove a retired step's directory while it is
+        # listed, and rglob then raised FileNotFoundError out of its scandir (a benchmark run of
+        # 2026-11-30 ended on it); os.walk skips a directory it can no longer list
+        files = [p] if p.is_file() else [Path(d) / n for d, _, names in os.walk(p) for n in names]
+        for f in files:
+            if f in kept or not f.is_file():
                 continue
             try:
                 fd = os.open(f, os.O_RDONLY)
