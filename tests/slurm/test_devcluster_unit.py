@@ -294,3 +294,22 @@ def test_up_leaves_the_system_link_to_another_running_cluster(dc, tmp_path: Path
     monkeypatch.setattr(dc, "port_open", lambda port, host="127.0.0.1": False)
     dc.link_system_conf()
     assert link.resolve() == dc.SLURM_CONF.resolve()  # nothing answers there: ours now
+
+
+def test_nodes_that_fail_together_are_all_killed_before_any_is_marked_down(dc, monkeypatch) -> None:
+    """`fail n2 n3 --hard`: one command after another let the survivors of the first save before
+    the second died (the memory-tier cluster test, CI 2026-12-01); together, every node's tasks
+    are killed first."""
+    done: list[tuple[str, str]] = []
+    monkeypatch.setattr(dc, "cmd_kill_tasks", lambda node: done.append(("kill", node)))
+    monkeypatch.setattr(dc, "keep_stopped", lambda frozen, delay, node: (0, []))
+    monkeypatch.setattr(dc, "kill_held", lambda node, held: None)
+    monkeypatch.setattr(dc, "cmd_fail", lambda node, reason: done.append(("down", node)))
+    assert dc.main(["fail", "n2", "n3", "--hard", "--delay", "1"]) in (0, None)
+    assert done == [("kill", "n2"), ("kill", "n3"), ("down", "n2"), ("down", "n3")]
+    done.clear()
+    assert dc.main(["fail", "n2", "--hard", "--delay", "1"]) in (0, None)
+    assert done == [("kill", "n2"), ("down", "n2")]
+    done.clear()
+    assert dc.main(["fail", "n2", "n3", "--hard", "--freeze"]) != 0
+    assert done == []
