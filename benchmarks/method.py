@@ -79,25 +79,23 @@ def cached(path: Path) -> bool:
 def _any_cached(fd: int, size: int) -> bool:
     if size <= 0:
         return False
-    libc = _libc()
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if addr in (None, ctypes.c_void_p(-1).value):
-        return False
+    import numpy as np
+
+    from coci_hpc.checkpoint.rawio import _the_libc  # the store's one loader of the C library
+
+    libc = _the_libc()
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     try:
+        arr = np.frombuffer(mm, dtype=np.uint8)
+        addr = arr.ctypes.data  # the mapping's address, as rawio.FileMap takes it
+        del arr  # no export left when the mapping closes
         vec = (ctypes.c_ubyte * ((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
-        if libc.mincore(addr, size, vec) != 0:
-            return False
+        if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mincore failed: {os.strerror(err)}")
         return any(b & 1 for b in bytes(vec))
     finally:
-        libc.munmap(addr, size)
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)  # the C library this process already has loaded
+        mm.close()
 
 
 def summary(samples: Mapping[str, Sequence[float]], cold: Mapping[str, float] | None = None

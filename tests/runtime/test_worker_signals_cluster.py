@@ -73,9 +73,10 @@ def test_dataloader_workers_preempted_via_template_and_coci_submit_end_bit_exact
     for rows, out, ckpt in ((rows_t, out_t, tmpl_ckpt), (rows_s, out_s + err_s, sub_ckpt)):
         assert "killed by signal" not in out and "exited unexpectedly" not in out, out[-3000:]
         assert [r["State"] for r in rows][-1] == "COMPLETED" and len(rows) == 2, rows
-        stops = [e for e in read_events(ckpt) if e["event"] == "stop"]
+        events = read_events(ckpt)
+        stops = [e for e in events if e["event"] == "stop"]
         assert len(stops) == 1 and stops[0]["reason"] == "preemption" and stops[0]["requeued"], stops
-        starts = [e for e in read_events(ckpt) if e["event"] == "attempt_start"]
+        starts = [e for e in events if e["event"] == "attempt_start"]
         stop = stops[0]
         if stop["saved"]:
             assert starts[1]["resumed_step"] == stop["step"] and starts[1]["steps_lost"] == 0, starts
@@ -84,7 +85,6 @@ def test_dataloader_workers_preempted_via_template_and_coci_submit_end_bit_exact
             # too late in the 20 s grace for a save; the session then must say so, resume from the
             # last periodic checkpoint and count every repeated step.
             assert "no save: it would not end before Slurm's kill" in stop["detail"], stop
-            events = read_events(ckpt)
             before = events[:next(i for i, e in enumerate(events) if e["event"] == "stop")]
             last = max(e["step"] for e in before if e["event"] == "checkpoint")
             assert starts[1]["resumed_step"] == last < stop["step"], (starts, last)
