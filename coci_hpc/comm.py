@@ -492,6 +492,12 @@ class Pending(Generic[T]):
             self._keep = None
         return self._value  # type: ignore[return-value]
 
+    def test(self) -> None:
+        """Let MPI move it on without waiting (``MPI_Test``): a rank that relays the others'
+        data (the root of a tree) does its part now, not when it next waits."""
+        if not self._done and self._req is not None:
+            self._req.Test()
+
 
 class PendingMin:
     """A MIN-allreduce in flight (or already known, without MPI)."""

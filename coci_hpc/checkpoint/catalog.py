@@ -392,13 +392,23 @@ class StepCatalog:
     def commit(self, step: int, manifest: dict[str, Any]) -> Path:
         """Write the manifest of ``step`` (temp name, fsync, rename, directory fsync): from
         here on the step is committed."""
+        path = self.write_manifest(step, manifest)
+        self.committed_now(step)
+        return path
+
+    def write_manifest(self, step: int, manifest: dict[str, Any]) -> Path:
+        """The I/O of :meth:`commit` alone, without touching this catalog's listing: safe in
+        another thread while the owner thread reads the catalog (the async save's commit seals
+        in a thread); :meth:`committed_now` afterwards, in the owner thread."""
         OPS.creates += 1
         OPS.renames += 1
-        path = mf.commit(step_dir(self.root, step), manifest)
+        return mf.commit(step_dir(self.root, step), manifest)
+
+    def committed_now(self, step: int) -> None:
+        """Record that :meth:`write_manifest` committed ``step``."""
         steps = self._list()
         steps[step] = True
         self._steps = dict(sorted(steps.items()))
-        return path
 
     def discard(self, step: int) -> None:
         """Remove the directory of a save that failed (never a committed step)."""

@@ -28,11 +28,12 @@ process) drive it; which rank makes each call::
                        survivors' save).
     4. commit          ALL ranks: agree every rank wrote (a MIN-allreduce), gather the commit
                        messages (CRCs, changed skeletons) on rank 0, which seals the step
-                       (``commit.seal``: the manifest through ``catalog.commit``: temp, fsync,
-                       rename, fsync dir; then ``catalog.retain(keep)``), then broadcast the
-                       outcome. One implementation: ``Commit.run()`` blocks (the sync save),
-                       ``Commit.step()`` completes one non-blocking collective per ``poll()``
-                       (the async save).
+                       (the manifest through ``catalog.write_manifest``: temp, fsync, rename,
+                       fsync dir, in a thread when stepped; then ``catalog.retain(keep)``),
+                       then agree on the outcome (a MIN-allreduce). One implementation:
+                       ``Commit.run()`` blocks (the sync save), ``Commit.step()`` moves it on
+                       at each ``poll()``, each non-blocking collective completed two calls
+                       after it started (the async save).
     abort              ALL ranks, on failure: ``SaveTransaction.abort``, the one discard
                        (rank 0's catalog removes the directory);
                        a full disk goes to the one no-space policy

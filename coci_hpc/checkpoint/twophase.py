@@ -37,12 +37,12 @@ A second ``start`` while a persist is in flight does what ``on_busy`` says:
     nothing (the ranks agree with one allreduce); otherwise commit the old one and start.
 
 Commit of a finished persist happens at later collective calls: ``poll()`` (call it every
-step) spreads it over a few calls, each completing the small non-blocking collective started by
-the previous call and starting the next (all finished? -> gather the CRCs on rank 0, which writes
-the manifest -> broadcast the outcome; the one commit of every save,
-:class:`~coci_hpc.checkpoint.commit.Commit`, stepped), so no training step waits
-for another rank to reach the same call; ``poll`` returns True on every rank at the same call,
-the fourth call after the last rank finished writing. ``wait()``, ``start()`` (through
+step) spreads it over a few calls, each small non-blocking collective started at one call,
+tested at the next and completed at the one after (all finished? -> gather the CRCs on rank 0,
+which writes the manifest in a thread -> agree on the outcome; the one commit of every save,
+:class:`~coci_hpc.checkpoint.commit.Commit`, stepped), so no training step waits for another
+rank to reach the same call; ``poll`` returns True on every rank at the same call, the seventh
+call after the last rank finished writing (later while rank 0 is still writing the manifest). ``wait()``, ``start()`` (through
 ``make_room``) and ``close()`` finish whatever stage the commit is in, blocking. Until the
 manifest is written nothing is committed, and "latest" is still the previous checkpoint.
 Background errors are re-raised there on EVERY rank as one CommError naming the failed ranks.
@@ -355,10 +355,11 @@ class TwoPhaseSaver:
         """Collective and non-blocking: move the commit of the in-flight checkpoint one stage on;
         True at the call that committed it (the same call on every rank).
 
-        Each call completes the non-blocking collective started by the previous call (every
-        rank started it one call ago, so this does not wait for a slower rank to reach this
-        call) and starts the next one; see :class:`~coci_hpc.checkpoint.commit.Commit`. The
-        commit finishes at the fourth call after the last rank finished writing.
+        Each collective of the commit is started at one call, tested at the next and completed
+        at the one after (every rank started it two calls ago, so this does not wait for a
+        slower rank to reach this call); see :class:`~coci_hpc.checkpoint.commit.Commit`. The
+        commit finishes at the seventh call after the last rank finished writing, or later
+        while rank 0 is still writing the manifest.
         """
         if self._job is None:
             return False
@@ -386,6 +387,7 @@ class TwoPhaseSaver:
         except BaseException as exc:
             self._job = None
             job.snapshot_done.set()  # never leave the optimizer pre-hook waiting for it
+            job.commit.settle()      # rank 0's manifest thread is done with the step's directory
             self._note(job)
             job.tx.abort()
             if self.on_failure is None:

@@ -50,10 +50,14 @@ def test_the_commit_takes_several_polls_and_ends_at_the_same_call_everywhere(sha
     expected = canonical(state)
     assert mgr.save_async(2, state) == "started"
     all_written(mgr, comm)
-    # One stage per call: agree all written; gather (rank 0 writes the manifest); the outcome.
-    assert [mgr.poll(), mgr.poll(), mgr.poll()] == [False, False, False]
+    # Each collective completes two calls after it started: agree all written; gather (rank 0
+    # writes the manifest in a thread); one call for it; agree on the outcome (again while rank
+    # 0 is still writing it). So the seventh call at the earliest, the same one on every rank.
+    assert [mgr.poll() for _ in range(6)] == [False] * 6
     assert mgr.persist_in_flight
-    assert mgr.poll() is True and not mgr.persist_in_flight
+    n, err = polls_until_outcome(mgr)
+    assert err is None and not mgr.persist_in_flight
+    assert len(set(comm.allgather(n))) == 1
     assert mgr.latest_step() == 2 and [c.step for c in mgr.list()] == [1, 2]
     target = empty_state(comm.rank, comm.size)
     mgr.load(2, target)
@@ -95,24 +99,24 @@ def test_a_rank_failing_while_the_others_already_poll_commits_nothing_anywhere(
     record_figure("async commit: a rank fails while others poll", runs=1, polls=n, committed=0)
 
 
-@pytest.mark.parametrize("polls_before", [0, 1, 2, 3])
+@pytest.mark.parametrize("polls_before", [0, 1, 2, 3, 5, 6])
 @pytest.mark.parametrize("manifest_fails", [False, True], ids=["ok", "manifest_fails"])
 def test_wait_finishes_a_commit_that_polls_began(shared_dir, comm, monkeypatch, record_figure,  # noqa: F811
                                                  polls_before, manifest_fails):
-    """A stop (Session: ``mgr.wait()``) or exit (``close()``) after 0-3 of the commit's polls:
+    """A stop (Session: ``mgr.wait()``) or exit (``close()``) after 0-6 of the commit's polls:
     it commits, or, when rank 0's manifest write fails between two polls, raises the same
     CommError on every rank and commits nothing."""
     mgr = CheckpointManager(shared_dir, comm=comm)
     mgr.save(1, full_state(1, comm.rank, comm.size))
     if manifest_fails:
-        real_commit = StepCatalog.commit
+        real_write = StepCatalog.write_manifest
 
         def failing(self, step, manifest):  # type: ignore[no-untyped-def]
             if step == 2:
                 raise OSError("Read-only file system")
-            return real_commit(self, step, manifest)
+            return real_write(self, step, manifest)
 
-        monkeypatch.setattr(StepCatalog, "commit", failing)
+        monkeypatch.setattr(StepCatalog, "write_manifest", failing)
     assert mgr.save_async(2, full_state(2, comm.rank, comm.size)) == "started"
     all_written(mgr, comm)
     assert [mgr.poll() for _ in range(polls_before)] == [False] * polls_before
@@ -128,4 +132,59 @@ def test_wait_finishes_a_commit_that_polls_began(shared_dir, comm, monkeypatch, 
         assert mgr.latest_step() == 2
     assert not mgr.persist_in_flight
     mgr.close()
-    record_figure("async commit: wait() after 0-3 polls", runs=1, committed=int(not manifest_fails))
+    record_figure("async commit: wait() after 0-6 polls", runs=1, committed=int(not manifest_fails))
+
+
+def test_polls_go_on_while_rank_0_writes_the_manifest(shared_dir, comm, monkeypatch):  # noqa: F811
+    """Rank 0 writes the manifest (fsync, rename, directory fsync: slow on a parallel file
+    system's metadata server) in a thread: no poll waits for it, and the commit still ends at
+    the same call everywhere."""
+    real_write = StepCatalog.write_manifest
+
+    def slow(self, step, manifest):  # type: ignore[no-untyped-def]
+        time.sleep(0.5)
+        return real_write(self, step, manifest)
+
+    monkeypatch.setattr(StepCatalog, "write_manifest", slow)
+    mgr = CheckpointManager(shared_dir, comm=comm)
+    assert mgr.save_async(1, full_state(1, comm.rank, comm.size)) == "started"
+    all_written(mgr, comm)
+    longest, n = 0.0, 0
+    while True:
+        t0 = time.monotonic()
+        done = mgr.poll()
+        longest = max(longest, time.monotonic() - t0)
+        n += 1
+        if done:
+            break
+        time.sleep(0.02)
+    assert longest < 0.25, f"a poll waited {longest:.3f} s for the manifest's 0.5 s write"
+    assert n > 7 and len(set(comm.allgather(n))) == 1   # the calls during the write were extra ones
+    assert mgr.latest_step() == 1 and not mgr.persist_in_flight
+    mgr.close()
+
+
+def test_a_rank_ahead_of_rank_0_does_not_wait_for_it_in_poll(shared_dir, comm):  # noqa: F811
+    """Rank 0 reaches each poll 0.15 s after the others (its steps run later, by less than a
+    step of 0.3 s): the others' polls never wait for it, since every collective of the commit
+    is completed two calls after it started and moved on (``MPI_Test``) at the call between.
+    (Completed at the very next call, a rank ahead waited there for rank 0, the root of the
+    reduction, to reach that call and relay the result.)"""
+    mgr = CheckpointManager(shared_dir, comm=comm)
+    assert mgr.save_async(1, full_state(1, comm.rank, comm.size)) == "started"
+    all_written(mgr, comm)
+    if comm.rank == 0:
+        time.sleep(0.15)
+    longest, n = 0.0, 0
+    while True:
+        t0 = time.monotonic()
+        done = mgr.poll()
+        longest = max(longest, time.monotonic() - t0)
+        n += 1
+        if done:
+            break
+        time.sleep(0.3)
+    assert len(set(comm.allgather(n))) == 1 and mgr.latest_step() == 1
+    if comm.rank != 0:
+        assert longest < 0.08, f"a poll of rank {comm.rank} waited {longest:.3f} s for rank 0"
+    mgr.close()

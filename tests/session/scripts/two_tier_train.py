@@ -61,12 +61,12 @@ def failure_model(mtbf_s: float) -> failures.FailureModel:
 
 def slow_commits() -> None:
     """Every manifest commit pays ``COMMIT_LATENCY_S`` first (the stand-in above)."""
-    commit = catalog.StepCatalog.commit
+    write = catalog.StepCatalog.write_manifest
 
     def slow(self: catalog.StepCatalog, step: int, manifest: dict[str, Any]) -> Path:
         time.sleep(COMMIT_LATENCY_S)
-        return commit(self, step, manifest)
-    catalog.StepCatalog.commit = slow  # type: ignore[method-assign]
+        return write(self, step, manifest)
+    catalog.StepCatalog.write_manifest = slow  # type: ignore[method-assign]
 
 
 def digest(model: torch.nn.Module) -> str:
