@@ -78,11 +78,11 @@ class Commit:
     ``MPI_Test`` at the call between (:meth:`_completed`): the root of a reduction tree relays
     the others' data at that test, so a rank whose steps run ahead of rank 0's by less than a
     step never waits for it (completed at the next call, as until 2026-12-01, it waited for
-    rank 0 to reach that call: 20-130 ms in 4 of 9 saves of the sharded benchmark's harness,
-    none of 11 with the test). Rank 0 writes the manifest (fsync, rename, directory fsync:
+    rank 0 to reach that call: 23-127 ms in 3 of 9 saves of a two-rank harness of the sharded
+    benchmark, none in 11 with the test). Rank 0 writes the manifest (fsync, rename, directory fsync:
     5-20 ms here, more on a parallel file system's metadata server) while training goes on.
     Every rank completes every collective at the same call, so :meth:`step` returns True on
-    every rank at the same call: the seventh after the last rank finished writing, or later
+    every rank at the same call: the eighth after the last rank finished writing, or later
     while rank 0 is still sealing.
 
     A failure anywhere (a rank's write, a timeout, the manifest) is raised on every rank as one

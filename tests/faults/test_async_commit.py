@@ -50,10 +50,11 @@ def test_the_commit_takes_several_polls_and_ends_at_the_same_call_everywhere(sha
     expected = canonical(state)
     assert mgr.save_async(2, state) == "started"
     all_written(mgr, comm)
-    # Each collective completes two calls after it started: agree all written; gather (rank 0
-    # writes the manifest in a thread); one call for it; agree on the outcome (again while rank
-    # 0 is still writing it). So the seventh call at the earliest, the same one on every rank.
-    assert [mgr.poll() for _ in range(6)] == [False] * 6
+    # Each collective completes two calls after it started: agree all written (calls 1-3);
+    # gather (3-5; rank 0 then writes the manifest in a thread); one call for it (6); agree on
+    # the outcome (6-8; again while rank 0 is still writing it). So the eighth call at the
+    # earliest, the same one on every rank.
+    assert [mgr.poll() for _ in range(7)] == [False] * 7
     assert mgr.persist_in_flight
     n, err = polls_until_outcome(mgr)
     assert err is None and not mgr.persist_in_flight
