@@ -116,7 +116,7 @@ class Commit:
         """Wait for rank 0's manifest thread, if one is running (before a failed save is
         discarded: the thread must not write into a directory being removed)."""
         if self._sealer is not None:
-            self._sealer.join()
+            self._sealer.join_thread()
 
     def _completed(self, pending: Pending[T]) -> Generator[None, None, T]:
         """The result of ``pending``: two steps on (tested at the one between), or now
@@ -231,10 +231,17 @@ class _Sealer:
         return self._ran
 
     def join(self) -> None:
+        """The manifest written: the thread's end, or (``start=False``) written now."""
         if self._thread is not None:
             self._thread.join()
         elif not self._ran:
             self._run()
+
+    def join_thread(self) -> None:
+        """The thread's end, if one was started; never writes the manifest itself (a failed
+        save is about to be discarded)."""
+        if self._thread is not None:
+            self._thread.join()
 
 
 def verify(prepared: Prepared, items: Sequence[WriteItem], crcs: Sequence[int]) -> None:
