@@ -42,6 +42,20 @@ def polls_until_outcome(mgr: CheckpointManager, limit: int = 400) -> tuple[int, 
     raise AssertionError(f"no outcome after {limit} polls")
 
 
+def timed_polls_until_committed(mgr: CheckpointManager, pause_s: float) -> tuple[int, float]:
+    """poll() with ``pause_s`` between calls (a training step) until it commits: (calls, the
+    longest call in seconds)."""
+    longest, n = 0.0, 0
+    while True:
+        t0 = time.monotonic()
+        done = mgr.poll()
+        longest = max(longest, time.monotonic() - t0)
+        n += 1
+        if done:
+            return n, longest
+        time.sleep(pause_s)
+
+
 def test_the_commit_takes_several_polls_and_ends_at_the_same_call_everywhere(shared_dir, comm):  # noqa: F811
     mgr = CheckpointManager(shared_dir, comm=comm, keep=2)
     state = full_state(1, comm.rank, comm.size)
@@ -150,15 +164,7 @@ def test_polls_go_on_while_rank_0_writes_the_manifest(shared_dir, comm, monkeypa
     mgr = CheckpointManager(shared_dir, comm=comm)
     assert mgr.save_async(1, full_state(1, comm.rank, comm.size)) == "started"
     all_written(mgr, comm)
-    longest, n = 0.0, 0
-    while True:
-        t0 = time.monotonic()
-        done = mgr.poll()
-        longest = max(longest, time.monotonic() - t0)
-        n += 1
-        if done:
-            break
-        time.sleep(0.02)
+    n, longest = timed_polls_until_committed(mgr, pause_s=0.02)
     assert longest < 0.25, f"a poll waited {longest:.3f} s for the manifest's 0.5 s write"
     assert n > 7 and len(set(comm.allgather(n))) == 1   # the calls during the write were extra ones
     assert mgr.latest_step() == 1 and not mgr.persist_in_flight
@@ -176,15 +182,7 @@ def test_a_rank_ahead_of_rank_0_does_not_wait_for_it_in_poll(shared_dir, comm): 
     all_written(mgr, comm)
     if comm.rank == 0:
         time.sleep(0.15)
-    longest, n = 0.0, 0
-    while True:
-        t0 = time.monotonic()
-        done = mgr.poll()
-        longest = max(longest, time.monotonic() - t0)
-        n += 1
-        if done:
-            break
-        time.sleep(0.3)
+    n, longest = timed_polls_until_committed(mgr, pause_s=0.3)
     assert len(set(comm.allgather(n))) == 1 and mgr.latest_step() == 1
     if comm.rank != 0:
         assert longest < 0.08, f"a poll of rank {comm.rank} waited {longest:.3f} s for rank 0"
