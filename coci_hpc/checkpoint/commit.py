@@ -83,7 +83,9 @@ class Commit:
     5-20 ms here, more on a parallel file system's metadata server) while training goes on.
     Every rank completes every collective at the same call, so :meth:`step` returns True on
     every rank at the same call: the eighth after the last rank finished writing, or later
-    while rank 0 is still sealing.
+    while rank 0 is still sealing. One rank has nobody to wait for: its collectives complete
+    where they start, and its commit ends at the second call (the manifest written in the
+    thread meanwhile), not the eighth (a single-GPU job's ``poll()`` loop).
 
     A failure anywhere (a rank's write, a timeout, the manifest) is raised on every rank as one
     CommError naming the failed ranks; the transaction aborts (:meth:`~.transaction.SaveTransaction.abort`,
@@ -120,13 +122,21 @@ class Commit:
 
     def _completed(self, pending: Pending[T]) -> Generator[None, None, T]:
         """The result of ``pending``: two steps on (tested at the one between), or now
-        (blocking). Every rank makes the same calls, so every rank completes it at the same one."""
-        if not self._block:
+        (blocking, or one rank: there is no other rank to wait for, so its collectives are
+        complete as soon as they start). Every rank makes the same calls, so every rank completes
+        it at the same one."""
+        if not self._block and self.comm.size > 1:
             yield
             if not self._block:
                 pending.test()
                 yield
         return pending.wait()
+
+    def _again(self) -> Generator[None, None, None]:
+        """Before a stage is repeated (still writing, still sealing): the next call, where
+        :meth:`_completed` took none (one rank), so that a poll never waits."""
+        if not self._block and self.comm.size == 1:
+            yield
 
     def _run(self) -> Generator[None, None, None]:
         comm, prepared, written = self.comm, self.prepared, self.written
@@ -148,6 +158,7 @@ class Commit:
             agreed, longest = yield from self._completed(comm.iallreduce_min_array([flag, -sent]))
             if agreed != _WRITING:
                 break
+            yield from self._again()
         if written.thread is not None and written.done.is_set():
             written.thread.join()
         if agreed != _DONE_OK:  # some rank failed or timed out: one error on every rank
@@ -188,6 +199,7 @@ class Commit:
             (outcome,) = yield from self._completed(comm.iallreduce_min_array([flag]))
             if outcome != _SEALING:
                 break
+            yield from self._again()
         if outcome != _SEALED:  # the same CommError on every rank
             comm.check(error, f"committing checkpoint step {prepared.step}")
             raise AssertionError("rank 0 reported a failed manifest but no error")

@@ -42,7 +42,8 @@ tested at the next and completed at the one after (all finished? -> gather the C
 which writes the manifest in a thread -> agree on the outcome; the one commit of every save,
 :class:`~coci_hpc.checkpoint.commit.Commit`, stepped), so no training step waits for another
 rank to reach the same call; ``poll`` returns True on every rank at the same call, the eighth
-call after the last rank finished writing (later while rank 0 is still writing the manifest). ``wait()``, ``start()`` (through
+call after the last rank finished writing (later while rank 0 is still writing the manifest; on
+one rank the second). ``wait()``, ``start()`` (through
 ``make_room``) and ``close()`` finish whatever stage the commit is in, blocking. Until the
 manifest is written nothing is committed, and "latest" is still the previous checkpoint.
 Background errors are re-raised there on EVERY rank as one CommError naming the failed ranks.
@@ -358,8 +359,8 @@ class TwoPhaseSaver:
         Each collective of the commit is started at one call, tested at the next and completed
         at the one after (every rank started it two calls ago, so this does not wait for a
         slower rank to reach this call); see :class:`~coci_hpc.checkpoint.commit.Commit`. The
-        commit finishes at the eighth call after the last rank finished writing, or later
-        while rank 0 is still writing the manifest.
+        commit finishes at the eighth call after the last rank finished writing (one rank: the
+        second), or later while rank 0 is still writing the manifest.
         """
         if self._job is None:
             return False

@@ -441,3 +441,62 @@ def test_a_restarted_optimizers_moments_are_live_for_the_next_load(tmp_path, one
         mgr.load(2, {"model": model, "optimizer": opt})
     assert all(torch.equal(a, b) for a, b in zip(restarted, _moments(opt)))
     mgr.close()
+
+
+def _plain_moments(opt) -> list[torch.Tensor]:
+    return [v for st in opt.state.values() for k, v in sorted(st.items()) if k != "step"]
+
+
+def test_a_failed_check_leaves_a_trained_optimizer_with_its_own_moments(tmp_path):
+    """A load into an optimizer that already has state (a rollback in the same process): a flipped
+    byte in the last moment read fails the load, and the optimizer keeps its own tensors, unchanged."""
+    from coci_hpc.errors import CheckpointError
+
+    big = 300_001
+    mgr = CheckpointManager(tmp_path, comm=None)
+    mgr.save(1, full_state(1, big=big))
+    mgr.close()
+    d = cat.step_dir(tmp_path, 1)
+    m = cat.read_manifest(d)
+    last = max((t for t in m["tensors"] if "exp_avg" in t["name"] and t["nbytes"] >= big * 4),
+               key=lambda t: t["offset"])
+    with open(d / mf.DATA_FILE, "r+b") as f:
+        f.seek(last["offset"] + last["nbytes"] - 3)
+        b = f.read(1)
+        f.seek(last["offset"] + last["nbytes"] - 3)
+        f.write(bytes([b[0] ^ 0x01]))
+    trained = full_state(2, big=big)
+    before = canonical(trained)
+    old = _plain_moments(trained["optimizer"])
+    with pytest.raises(CheckpointError):
+        CheckpointManager(tmp_path, comm=None).load(1, trained)
+    assert canonical(trained) == before
+    assert all(a is b for a, b in zip(old, _plain_moments(trained["optimizer"])))
+
+
+def test_a_refused_load_gives_a_trained_optimizer_its_own_moments_back(tmp_path):
+    """An object loaded after the optimizer refuses its state: the optimizer is rolled back to
+    the moment tensors it had, with their values, and no byte of the checkpoint reached them."""
+    from coci_hpc.errors import CommError
+
+    class Picky:
+        def __init__(self) -> None:
+            self.v = 1
+
+        def state_dict(self) -> dict:
+            return {"v": self.v}
+
+        def load_state_dict(self, sd: dict) -> None:
+            raise ValueError("refused")
+
+    big = 300_001
+    mgr = CheckpointManager(tmp_path, comm=None)
+    mgr.save(1, {**full_state(1, big=big), "zz_picky": Picky()})
+    trained = {**full_state(2, big=big), "zz_picky": Picky()}
+    before = canonical({k: v for k, v in trained.items() if k != "zz_picky"})
+    old = _plain_moments(trained["optimizer"])
+    with pytest.raises(CommError, match="refused"):
+        mgr.load(1, trained)
+    mgr.close()
+    assert canonical({k: v for k, v in trained.items() if k != "zz_picky"}) == before
+    assert all(a is b for a, b in zip(old, _plain_moments(trained["optimizer"])))

@@ -56,6 +56,11 @@ def timed_polls_until_committed(mgr: CheckpointManager, pause_s: float) -> tuple
         time.sleep(pause_s)
 
 
+def first_commit_call(comm: Comm) -> int:
+    """The earliest poll() that can commit once every rank has written (Commit's docstring)."""
+    return 8 if comm.size > 1 else 2
+
+
 def test_the_commit_takes_several_polls_and_ends_at_the_same_call_everywhere(shared_dir, comm):  # noqa: F811
     mgr = CheckpointManager(shared_dir, comm=comm, keep=2)
     state = full_state(1, comm.rank, comm.size)
@@ -67,8 +72,10 @@ def test_the_commit_takes_several_polls_and_ends_at_the_same_call_everywhere(sha
     # Each collective completes two calls after it started: agree all written (calls 1-3);
     # gather (3-5; rank 0 then writes the manifest in a thread); one call for it (6); agree on
     # the outcome (6-8; again while rank 0 is still writing it). So the eighth call at the
-    # earliest, the same one on every rank.
-    assert [mgr.poll() for _ in range(7)] == [False] * 7
+    # earliest, the same one on every rank. One rank waits for nobody: its collectives complete
+    # at once, and the second call (after the one that starts the manifest's thread) at the earliest.
+    before = first_commit_call(comm) - 1
+    assert [mgr.poll() for _ in range(before)] == [False] * before
     assert mgr.persist_in_flight
     n, err = polls_until_outcome(mgr)
     assert err is None and not mgr.persist_in_flight
@@ -134,6 +141,7 @@ def test_wait_finishes_a_commit_that_polls_began(shared_dir, comm, monkeypatch, 
         monkeypatch.setattr(StepCatalog, "write_manifest", failing)
     assert mgr.save_async(2, full_state(2, comm.rank, comm.size)) == "started"
     all_written(mgr, comm)
+    polls_before = min(polls_before, first_commit_call(comm) - 1)  # one rank: the second may commit
     assert [mgr.poll() for _ in range(polls_before)] == [False] * polls_before
     if manifest_fails:
         with pytest.raises(CommError) as info:
@@ -166,7 +174,7 @@ def test_polls_go_on_while_rank_0_writes_the_manifest(shared_dir, comm, monkeypa
     all_written(mgr, comm)
     n, longest = timed_polls_until_committed(mgr, pause_s=0.02)
     assert longest < 0.25, f"a poll waited {longest:.3f} s for the manifest's 0.5 s write"
-    assert n > 7 and len(set(comm.allgather(n))) == 1   # the calls during the write were extra ones
+    assert n > first_commit_call(comm) - 1 and len(set(comm.allgather(n))) == 1   # the calls during the write were extra ones
     assert mgr.latest_step() == 1 and not mgr.persist_in_flight
     mgr.close()
 
@@ -186,4 +194,20 @@ def test_a_rank_ahead_of_rank_0_does_not_wait_for_it_in_poll(shared_dir, comm): 
     assert len(set(comm.allgather(n))) == 1 and mgr.latest_step() == 1
     if comm.rank != 0:
         assert longest < 0.08, f"a poll of rank {comm.rank} waited {longest:.3f} s for rank 0"
+    mgr.close()
+
+
+def test_one_rank_commits_at_the_second_poll(shared_dir, comm):  # noqa: F811
+    """A job of one rank (a single-GPU job's poll loop) has no rank to wait for: its commit does
+    not take the eight polls that keep ranks from waiting for each other. The first poll after
+    the write starts rank 0's manifest thread; the next one that finds it written commits."""
+    mgr = CheckpointManager(shared_dir / f"own{comm.rank}", comm=Comm.serial())
+    state = full_state(1)
+    assert mgr.save_async(1, state) == "started"
+    while not mgr.persist_done:
+        time.sleep(0.01)
+    assert mgr.poll() is False
+    n, longest = timed_polls_until_committed(mgr, pause_s=0.05)
+    assert n <= 3, f"{n + 1} polls to commit on one rank"
+    assert mgr.latest_step() == 1 and not mgr.persist_in_flight
     mgr.close()
