@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from coci_hpc.checkpoint.catalog import latest_step
 from coci_hpc.runtime.events import read_events
 from tests.conftest import ROOT, SlurmCluster, reference_hash, reference_run_later
 
@@ -202,7 +203,10 @@ def test_sigterm_only_preemption_saves_requeues_and_ends_bit_exact_and_scancel_d
     ckpt2, log2 = wd / "cancel", wd / "cancel.out"
     job2 = _submit(cluster, "-N", "1", "--time=10", "-o", str(log2), str(TEMPLATE), sys.executable, str(TRAIN),
                    "--steps", "100000", "--ckpt-dir", str(ckpt2), "--policy", "fixed:50", "--step-time", "0.05")
-    _wait("a checkpoint", lambda: any(e["event"] == "checkpoint" for e in read_events(ckpt2)), 180,
+    # Two checkpoints first: the session's save estimate then holds a save after the first, which
+    # on a loaded machine (CI of 2026-12-01: 2.5 s blocked, 2.9 s to persist) alone may not fit
+    # in KillWait (5 s).
+    _wait("two checkpoints", lambda: sum(e["event"] == "checkpoint" for e in read_events(ckpt2)) >= 2, 180,
           lambda: log2.read_text() if log2.exists() else "")
     cluster.run("scancel", job2)
     rows2 = cluster.wait_gone(job2, timeout=120)
@@ -210,6 +214,12 @@ def test_sigterm_only_preemption_saves_requeues_and_ends_bit_exact_and_scancel_d
     print(log2.read_text()[-2000:], rows2, *[e for e in events2 if e["event"] != "losses"], sep="\n")
     assert len(rows2) == 1 and rows2[0]["State"].startswith("CANCELLED"), rows2
     stop2 = [e for e in events2 if e["event"] == "stop"]
-    assert len(stop2) == 1 and (stop2[0]["reason"], stop2[0]["requeued"], stop2[0]["saved"]) == \
-        ("cancelled", False, True), stop2
-    assert [e for e in events2 if e["event"] == "checkpoint"][-1]["step"] == stop2[0]["step"]
+    assert len(stop2) == 1 and (stop2[0]["reason"], stop2[0]["requeued"]) == ("cancelled", False), stop2
+    last = [e for e in events2 if e["event"] == "checkpoint"][-1]["step"]
+    if stop2[0]["saved"]:
+        assert last == stop2[0]["step"]
+    else:
+        # Still too slow for the 5 s: the session must say so and leave the last periodic
+        # checkpoint the latest, nothing half-saved after it.
+        assert "no save: it would not end before Slurm's kill" in stop2[0]["detail"], stop2
+        assert last < stop2[0]["step"] and latest_step(ckpt2) == last
