@@ -30,6 +30,19 @@ def _all_keys(reader: DatasetReader, m: dict) -> set:
     return reader.shards_of([(t, 0, t["nbytes"]) for t in m["tensors"]])
 
 
+def flip_last_moment_byte(root: Path, step: int, min_nbytes: int = 0) -> None:
+    """Flip one bit near the end of the Adam moment (``exp_avg*``, at least ``min_nbytes``) that
+    lies last in the step's data file: the last bytes a load's check reads."""
+    d = cat.step_dir(root, step)
+    last = max((t for t in cat.read_manifest(d)["tensors"] if "exp_avg" in t["name"] and t["nbytes"] >= min_nbytes),
+               key=lambda t: t["offset"])
+    with open(d / mf.DATA_FILE, "r+b") as f:
+        f.seek(last["offset"] + last["nbytes"] - 3)
+        b = f.read(1)
+        f.seek(last["offset"] + last["nbytes"] - 3)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
 def test_libc_is_found_without_running_ldconfig(monkeypatch):
     """`ctypes.util.find_library` runs `ldconfig -p` in a subprocess (about 70 ms here, paid by
     the first load of every restarted job): the process's own symbols are used instead."""
@@ -338,15 +351,7 @@ def test_a_check_that_fails_leaves_the_fresh_optimizer_it_half_filled_empty(tmp_
     mgr = CheckpointManager(tmp_path, comm=None)
     mgr.save(1, full_state(1, big=big))
     mgr.close()
-    d = cat.step_dir(tmp_path, 1)
-    m = cat.read_manifest(d)
-    moments = [t for t in m["tensors"] if "exp_avg" in t["name"] and t["nbytes"] >= big * 4]
-    last = max(moments, key=lambda t: t["offset"])
-    with open(d / mf.DATA_FILE, "r+b") as f:
-        f.seek(last["offset"] + last["nbytes"] - 3)
-        b = f.read(1)
-        f.seek(last["offset"] + last["nbytes"] - 3)
-        f.write(bytes([b[0] ^ 0x01]))
+    flip_last_moment_byte(tmp_path, 1, min_nbytes=big * 4)
     fresh = full_state(2, big=big, train_steps=0)
     before = canonical(fresh["model"])
     with pytest.raises(CheckpointError):
@@ -426,13 +431,7 @@ def test_a_restarted_optimizers_moments_are_live_for_the_next_load(tmp_path, one
     mgr.save(1, {"model": m1, "optimizer": o1})
     m2, o2 = _fsdp2(one_rank_group, 2, 3)
     mgr.save(2, {"model": m2, "optimizer": o2})
-    d = cat.step_dir(tmp_path, 2)
-    last = max((t for t in cat.read_manifest(d)["tensors"] if "exp_avg" in t["name"]), key=lambda t: t["offset"])
-    with open(d / mf.DATA_FILE, "r+b") as f:  # step 2's last moment: a flipped bit at its end
-        f.seek(last["offset"] + last["nbytes"] - 3)
-        b = f.read(1)
-        f.seek(last["offset"] + last["nbytes"] - 3)
-        f.write(bytes([b[0] ^ 0x01]))
+    flip_last_moment_byte(tmp_path, 2)  # step 2's last moment: a flipped bit at its end
     model, opt = _fsdp2(one_rank_group, 3, 0)
     mgr.load(1, {"model": model, "optimizer": opt})  # the restart: a fresh optimizer
     restarted = _moments(opt)
@@ -456,15 +455,7 @@ def test_a_failed_check_leaves_a_trained_optimizer_with_its_own_moments(tmp_path
     mgr = CheckpointManager(tmp_path, comm=None)
     mgr.save(1, full_state(1, big=big))
     mgr.close()
-    d = cat.step_dir(tmp_path, 1)
-    m = cat.read_manifest(d)
-    last = max((t for t in m["tensors"] if "exp_avg" in t["name"] and t["nbytes"] >= big * 4),
-               key=lambda t: t["offset"])
-    with open(d / mf.DATA_FILE, "r+b") as f:
-        f.seek(last["offset"] + last["nbytes"] - 3)
-        b = f.read(1)
-        f.seek(last["offset"] + last["nbytes"] - 3)
-        f.write(bytes([b[0] ^ 0x01]))
+    flip_last_moment_byte(tmp_path, 1, min_nbytes=big * 4)
     trained = full_state(2, big=big)
     before = canonical(trained)
     old = _plain_moments(trained["optimizer"])
