@@ -21,12 +21,19 @@ round's ``*_cold`` beside each in ``by_ranks``):
   (every rank loads the whole replicated state, as data parallelism needs). Cold: the files that
   restore reads are evicted (fsync + fadvise DONTNEED, :func:`benchmarks.method.evict`), nothing
   else; before 2026-11-29 a global ``drop_caches``, which also evicted the job's libraries and
-  coci's spare data file (the next save's), as no running job has them evicted.
+  coci's spare data file (the next save's), as no running job has them evicted. Since 2026-12-01
+  each cold read also waits, after its eviction, until this VM has stopped handing free memory
+  back to its host (:func:`benchmarks.method.settle_vm`; ``*_settle_s``), and records what it
+  handed back during the read (``*_vm_mib``): before, the coci load, right after coci's save,
+  paid for memory freed seconds before it and the raw read, right after its own eviction, did not.
 
 Times are the slowest rank's, between barriers. Ratios (goals from issue 3):
 persist_efficiency = raw write / save (>= 0.95); stall_ratio = training-loop blocked time of an
 async save / torch.save time (<= 0.05); restore_ratio = restore / raw read (<= 1.2);
-interference = training steps/s while a persist runs / steps/s without (>= 0.9).
+interference = training steps/s while a persist runs / steps/s without (>= 0.9), the steps/s
+over the persist alone (:func:`benchmarks.method.rate_until`: the steps ended by the persist's
+end plus the running step's part); ``interference_to_commit``, the measure until 2026-12-01,
+counts the steps up to the poll that commits (one or more steps after the persist ended).
 restore_floor = (raw read + copy after check) / raw read: the least an all-or-nothing load that
 keeps the old state until every byte is checked can take, since it must copy every checked byte
 into the live tensors after the last check (``copy_after_check``: that copy, timed warm from the
@@ -48,7 +55,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.method import MIN_ROUNDS, evict, mapped_copy, phase_breakdown, slowest_rank, spread_table, summary  # noqa: E402
+from benchmarks.method import (  # noqa: E402
+    MIN_ROUNDS,
+    evict,
+    mapped_copy,
+    phase_breakdown,
+    rate_until,
+    settle_vm,
+    slowest_rank,
+    spread_table,
+    summary,
+    vm_reported_mib,
+)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -197,6 +215,23 @@ def worker(args: argparse.Namespace) -> dict:
         else:
             res.setdefault(key, []).append(value)
 
+    def cold_read(key: str, paths: list[Path], fn, keep: list[Path] | None = None) -> str:
+        """Evict ``paths`` (rank 0), let the VM finish handing memory back (``settle_vm``), then
+        time ``fn`` as ``key``; ``key_vm_mib``: MiB the VM handed back during it, ``key_settle_s``:
+        the wait before it. Returns the eviction's method."""
+        method, waited = "", 0.0
+        if rank == 0:
+            method = evict(paths, keep=keep or [])
+            waited = settle_vm()[0]
+        comm.barrier()
+        m0 = vm_reported_mib()
+        rec(key, timer(fn)[0])
+        m1 = vm_reported_mib()
+        if m0 is not None and m1 is not None:
+            rec(f"{key}_vm_mib", m1 - m0)
+            rec(f"{key}_settle_s", comm.allreduce_max(waited))
+        return method
+
     def clean(p: Path) -> None:
         comm.barrier()
         if rank == 0:
@@ -216,9 +251,7 @@ def worker(args: argparse.Namespace) -> dict:
         # raw write + read
         raw = base / "raw.bin"
         rec("raw_write", timer(lambda: raw_write(comm, raw, tensors))[0])
-        cache_method = evict([raw]) if rank == 0 else ""
-        comm.barrier()
-        rec("raw_read", timer(lambda: raw_read(raw, tensors))[0])
+        cache_method = cold_read("raw_read", [raw], lambda: raw_read(raw, tensors))
         rec("copy_after_check", copy_after_check(timer, raw, tensors))
         clean(raw)
 
@@ -230,21 +263,15 @@ def worker(args: argparse.Namespace) -> dict:
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tp)
                 fsync_tree(tp)
         rec("torch_save", timer(tsave)[0])
-        if rank == 0:
-            evict([tp])
-        comm.barrier()
-        rec("torch_load", timer(lambda: torch.load(tp, weights_only=True))[0])
+        cold_read("torch_load", [tp], lambda: torch.load(tp, weights_only=True))
         clean(tp)
 
         # DCP save, load, async_save
         dp = base / f"dcp{rep}"
         sd = {"model": model.state_dict(), "optimizer": opt.state_dict()}
         rec("dcp_save", timer(lambda: dcp.save(sd, checkpoint_id=str(dp)))[0])
-        if rank == 0:
-            evict([dp])
-        comm.barrier()
-        rec("dcp_load", timer(lambda: dcp.load({"model": model.state_dict(),
-                                                "optimizer": opt.state_dict()}, checkpoint_id=str(dp)))[0])
+        cold_read("dcp_load", [dp], lambda: dcp.load({"model": model.state_dict(),
+                                                     "optimizer": opt.state_dict()}, checkpoint_id=str(dp)))
         clean(dp)
         dpa = base / f"dcpa{rep}"
         comm.barrier()
@@ -253,13 +280,19 @@ def worker(args: argparse.Namespace) -> dict:
                              checkpoint_id=str(dpa))
         blocked = time.perf_counter() - t0
         steps, t1 = 0, time.perf_counter()
+        dcp_done: list[float] = []
+        fut.add_done_callback(lambda _: dcp_done.append(time.perf_counter()))
+        ends = []
         while True:
             train_step()
             steps += 1
+            ends.append(time.perf_counter() - t1)
             if comm.allreduce_min(1.0 if fut.done() else 0.0) >= 1.0:
                 break
         window = time.perf_counter() - t1
         fut.result()
+        # steps/s over DCP's persist alone (from the call's return to its future's completion)
+        rec("dcp_persist_rate", comm.allreduce_min(rate_until(ends, (dcp_done or [t1 + window])[0] - t1)))
         rec("dcp_async_blocked", comm.allreduce_max(blocked))
         rec("dcp_async_rate", steps / comm.allreduce_max(window))
         rec("dcp_async_total", comm.allreduce_max(blocked + window))
@@ -274,10 +307,7 @@ def worker(args: argparse.Namespace) -> dict:
         # where this save spent its time: each phase's slowest rank (issue 33)
         ranks_stats = comm.allgather(dict(mgr.stats))
         phases.append({k: round(max(st.get(k, 0.0) for st in ranks_stats), 4) for k in ranks_stats[0]})
-        if rank == 0:
-            evict([cdir], keep=[spare_path(cdir)])
-        comm.barrier()
-        rec("coci_load", timer(lambda: mgr.load(1 + 10 * rep, state))[0])
+        cold_read("coci_load", [cdir], lambda: mgr.load(1 + 10 * rep, state), keep=[spare_path(cdir)])
         load_phases.append(slowest_rank(comm.allgather(dict(mgr.load_stats))))
 
         # steps/s without checkpoint activity, measured right before the async saves
@@ -294,9 +324,11 @@ def worker(args: argparse.Namespace) -> dict:
             mgr.save_async(2 + 10 * rep + k, state)
             start_blocked = time.perf_counter() - t0
             steps, t1, poll_s = 0, time.perf_counter(), 0.0
+            ends = []
             while True:
                 train_step()   # its optimizer.step() waits for the snapshot copy (pre-hook)
                 steps += 1
+                ends.append(time.perf_counter() - t1)
                 tp0 = time.perf_counter()
                 done = mgr.poll()
                 poll_s += time.perf_counter() - tp0
@@ -312,6 +344,9 @@ def worker(args: argparse.Namespace) -> dict:
                 rec("coci_async_manifest", comm.allreduce_max(st.get("manifest_s", 0.0)))
                 rec("coci_async_blocked", comm.allreduce_max(blocked))
                 rec("coci_async_rate", steps / comm.allreduce_max(window))
+                # steps/s over the persist alone: it ended persist_s after the call began (t0)
+                rec("coci_persist_rate", comm.allreduce_min(
+                    rate_until(ends, st.get("persist_s", 0.0) - (t1 - t0))))
                 rec("coci_async_persist", comm.allreduce_max(st.get("persist_s", 0.0)))
 
     mgr.close()
@@ -337,7 +372,9 @@ def ratios(m: dict) -> dict:
                  "restore_ratio": r(m["coci_load"], m["raw_read"]),
                  # the least an all-or-nothing load can take: the raw read, then one copy
                  "restore_floor": r(m["raw_read"] + m["copy_after_check"], m["raw_read"]),
-                 "interference": r(m["coci_async_rate"], m["base_rate"])},
+                 # steps/s while the persist runs / without (until 2026-12-01: to the commit)
+                 "interference": r(m["coci_persist_rate"], m["base_rate"]),
+                 "interference_to_commit": r(m["coci_async_rate"], m["base_rate"])},
         "torch_save": {"persist_efficiency": r(m["raw_write"], m["torch_save"]),
                        "stall_ratio": 1.0,
                        "restore_ratio": r(m["torch_load"], m["raw_read"]),
@@ -345,7 +382,8 @@ def ratios(m: dict) -> dict:
         "dcp": {"persist_efficiency": r(m["raw_write"], m["dcp_save"]),
                 "stall_ratio": r(m["dcp_async_blocked"], m["torch_save"]),
                 "restore_ratio": r(m["dcp_load"], m["raw_read"]),
-                "interference": r(m["dcp_async_rate"], m["base_rate"])},
+                "interference": r(m["dcp_persist_rate"], m["base_rate"]),
+                "interference_to_commit": r(m["dcp_async_rate"], m["base_rate"])},
     }
 
 
@@ -361,6 +399,10 @@ def table(results: dict[int, dict]) -> str:
             ("raw read (cold)", "raw_read"), ("torch.load (cold)", "torch_load"),
             ("DCP load (cold)", "dcp_load"), ("coci load (cold)", "coci_load"),
             ("copy after check (warm)", "copy_after_check")]
+    if all("coci_load_vm_mib" in results[w] for w in results):
+        rows += [("VM handed back: raw read MiB", "raw_read_vm_mib"),
+                 ("VM handed back: coci load MiB", "coci_load_vm_mib"),
+                 ("settle before coci load s", "coci_load_settle_s")]
     ws = sorted(results)
     out = []
     gb = results[ws[0]]["bytes"] / 1e9
@@ -385,6 +427,9 @@ def table(results: dict[int, dict]) -> str:
             vals = [ratios(results[w])[tool][key] for w in ws]
             cells = "".join(f"{('n/a' if v is None else f'{v:.3f}'):>12}" for v in vals)
             out.append(f"{tool + ' ' + key:<34}{cells}   {goal if tool == 'coci' else ''}")
+        cells = "".join(f"{ratios(results[w])[tool].get('interference_to_commit') or float('nan'):>12.3f}"
+                        for w in ws)
+        out.append(f"{tool + ' interference_to_commit':<34}{cells}")
         if tool == "coci":
             cells = "".join(f"{ratios(results[w])['coci']['restore_floor']:>12.3f}" for w in ws)
             out.append(f"{'coci restore_floor (raw + copy)':<34}{cells}")

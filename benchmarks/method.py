@@ -37,6 +37,57 @@ def vm_reported_mib() -> float | None:
         return None
 
 
+def settle_vm(quiet_s: float = 1.0, most_s: float = 10.0) -> tuple[float, float]:
+    """Wait until this VM has handed no memory back to its host for ``quiet_s`` (at most
+    ``most_s``); returns (seconds waited, MiB handed back meanwhile), (0, 0) where the kernel
+    reports no free pages (bare metal: nothing to wait for). Not longer: with ``quiet_s`` 2.5 s
+    the VM never fell quiet (most waits ran to their 12 s bound) and the cold reads took 2.8-3.6 x
+    as long, the raw read too (DCP's 1.5-1.6 x) (run C17, 2026-12-01: the evicted pages were handed back meanwhile,
+    and the read faulted them in from the host); with 1 s a load still saw up to 254 MiB handed
+    back during it in a round (C16), recorded in ``*_vm_mib``.
+
+    Called right before each timed cold read, after its eviction, so that every reader starts
+    from the same state of the machine. Without it a read paid for memory freed 1-3 s before
+    it (the kernel hands free 8 MB blocks back about 2 s after they are freed), and which read
+    paid depended on its place in the round: issue 33, one process, the 1.26 GB DDP state, 9
+    rounds each, a coci load right after a coci save (a save frees what it staged) took
+    0.39-0.70 s, the slow ones while 384-512 MiB were handed back during them, against a raw
+    read right after a raw write of 0.30-0.36 s with nothing handed back; settled, coci's
+    0.41-0.54 s, nothing handed back during any of them."""
+    import time
+
+    start = vm_reported_mib()
+    if start is None:
+        return 0.0, 0.0
+    t0 = time.perf_counter()
+    last, since = start, t0
+    while time.perf_counter() - t0 < most_s:
+        time.sleep(0.1)
+        now = vm_reported_mib() or 0.0
+        if now != last:
+            last, since = now, time.perf_counter()
+        elif time.perf_counter() - since >= quiet_s:
+            break
+    return time.perf_counter() - t0, last - start
+
+
+def rate_until(ends: Sequence[float], t_end: float) -> float:
+    """Training steps per second over [0, ``t_end``] from the steps' end times (seconds since
+    the same origin, ascending): the steps ended by ``t_end`` plus the part of the step running
+    at ``t_end`` (by its own length). A persist's interference is measured over the persist
+    alone, not up to the poll that commits it a step or more later (issue 33)."""
+    if t_end <= 0 or not ends:
+        return float("nan")
+    done, prev = 0.0, 0.0
+    for e in ends:
+        if e <= t_end:
+            done, prev = done + 1.0, e
+        else:
+            done += (t_end - prev) / (e - prev)
+            return done / t_end
+    return done / prev if prev > 0 else float("nan")  # no step ran past t_end: the steps' own rate
+
+
 def evict(paths: Iterable[Path], keep: Iterable[Path] = ()) -> str:
     """Evict these files (every file under a directory), but those in ``keep``, from the page
     cache: fsync, then ``posix_fadvise(DONTNEED)``. Never a global ``drop_caches``: that also

@@ -72,3 +72,39 @@ def test_evict_drops_the_files_it_names_and_keeps_the_kept_one(tmp_path) -> None
     assert evict([d, tmp_path / "raw.bin", tmp_path / "gone"], keep=[d / "spare.h5"]) == "fadvise"
     assert not cached(files[0]) and not cached(files[2])
     assert cached(files[1])            # kept: the next save writes over it, no job evicts it
+
+
+def test_rate_until_counts_whole_steps_and_the_running_steps_part() -> None:
+    from benchmarks.method import rate_until
+
+    ends = [1.0, 2.0, 4.0, 5.0]          # steps of 1, 1, 2, 1 s
+    assert rate_until(ends, 2.0) == 1.0  # two whole steps in 2 s
+    assert rate_until(ends, 3.0) == 2.5 / 3.0  # and half of the 2-s step running at 3 s
+    assert rate_until(ends, 0.5) == 1.0  # half of the first step
+    # every step ended before t_end (the loop stopped first): the steps' own rate
+    assert rate_until(ends, 6.0) == 4 / 5.0
+    assert rate_until([], 1.0) != rate_until([], 1.0)  # nan: nothing to measure
+
+
+def test_settle_vm_waits_until_the_counter_is_quiet_and_not_without_one(tmp_path, monkeypatch) -> None:
+    import time
+
+    import benchmarks.method as method
+
+    counter = tmp_path / "reported_kib"
+    counter.write_text("0\n")
+    monkeypatch.setattr(method, "_REPORTED_KIB", str(counter))
+    ticks = iter([1024, 2048, 2048, 2048] + [2048] * 100)  # handed back 2 MiB, then quiet
+
+    real_sleep = time.sleep
+
+    def sleep(s: float) -> None:
+        counter.write_text(f"{next(ticks)}\n")
+        real_sleep(s)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    waited, mib = method.settle_vm(quiet_s=0.3, most_s=5.0)
+    assert mib == 2.0
+    assert 0.3 <= waited < 2.0  # stopped once quiet, long before the bound
+    monkeypatch.setattr(method, "_REPORTED_KIB", str(tmp_path / "absent"))
+    assert method.settle_vm() == (0.0, 0.0)
