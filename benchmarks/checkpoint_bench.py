@@ -34,6 +34,12 @@ interference = training steps/s while a persist runs / steps/s without (>= 0.9),
 over the persist alone (:func:`benchmarks.method.rate_until`: the steps ended by the persist's
 end plus the running step's part); ``interference_to_commit``, the measure until 2026-12-01,
 counts the steps up to the poll that commits (one or more steps after the persist ended).
+Since 2026-12-02 the JSON also has what the persist cost: ``coci_persist_lost`` (seconds of
+training lost over it: its length x (1 - steps/s over it / steps/s without)), its CPU seconds
+(``coci_persist_cpu`` and its parts ``coci_persist_{copy,write,crc}_cpu``, thread CPU time,
+each the slowest rank's) and ``interference_if_cpu_only`` = 1 - that CPU / the persist's length:
+the interference if training, each rank on its own busy core, lost the persist's CPU and
+nothing else.
 restore_floor = (raw read + copy after check) / raw read: the least an all-or-nothing load that
 keeps the old state until every byte is checked can take, since it must copy every checked byte
 into the live tensors after the last check (``copy_after_check``: that copy, timed warm from the
@@ -315,7 +321,8 @@ def worker(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         for _ in range(args.steps):
             train_step()
-        rec("base_rate", args.steps / comm.allreduce_max(time.perf_counter() - t0))
+        base_rate = args.steps / comm.allreduce_max(time.perf_counter() - t0)
+        rec("base_rate", base_rate)
 
         # coci async save inside a training loop (twice: the second reuses host buffers)
         for k in range(2):
@@ -345,9 +352,18 @@ def worker(args: argparse.Namespace) -> dict:
                 rec("coci_async_blocked", comm.allreduce_max(blocked))
                 rec("coci_async_rate", steps / comm.allreduce_max(window))
                 # steps/s over the persist alone: it ended persist_s after the call began (t0)
-                rec("coci_persist_rate", comm.allreduce_min(
-                    rate_until(ends, st.get("persist_s", 0.0) - (t1 - t0))))
+                tp = comm.allreduce_max(st.get("persist_s", 0.0) - (t1 - t0))
+                rate = comm.allreduce_min(rate_until(ends, tp))
+                rec("coci_persist_rate", rate)
                 rec("coci_async_persist", comm.allreduce_max(st.get("persist_s", 0.0)))
+                # what the persist cost the training: seconds of steps lost over it, and the
+                # CPU the persist used (each part's and the sum's slowest rank; issue 33)
+                rec("coci_persist_lost", tp * (1.0 - rate / base_rate))
+                rec("coci_persist_window", tp)
+                cpu = {k: st.get(f"persist_{k}_cpu_s", 0.0) for k in ("copy", "write", "crc")}
+                for k, v in cpu.items():
+                    rec(f"coci_persist_{k}_cpu", comm.allreduce_max(v))
+                rec("coci_persist_cpu", comm.allreduce_max(sum(cpu.values())))
 
     mgr.close()
     dist.destroy_process_group()
@@ -374,7 +390,11 @@ def ratios(m: dict) -> dict:
                  "restore_floor": r(m["raw_read"] + m["copy_after_check"], m["raw_read"]),
                  # steps/s while the persist runs / without (until 2026-12-01: to the commit)
                  "interference": r(m["coci_persist_rate"], m["base_rate"]),
-                 "interference_to_commit": r(m["coci_async_rate"], m["base_rate"])},
+                 "interference_to_commit": r(m["coci_async_rate"], m["base_rate"]),
+                 # the interference if training lost the persist's CPU time (a rank's, each rank
+                 # on its own busy core) and nothing else: 1 - CPU / the persist's length
+                 "interference_if_cpu_only": round(1.0 - m["coci_persist_cpu"] / m["coci_persist_window"], 3)
+                 if m.get("coci_persist_window") else None},
         "torch_save": {"persist_efficiency": r(m["raw_write"], m["torch_save"]),
                        "stall_ratio": 1.0,
                        "restore_ratio": r(m["torch_load"], m["raw_read"]),
@@ -396,6 +416,11 @@ def table(results: dict[int, dict]) -> str:
             ("  of which poll/commit", "coci_async_poll"),
             ("    of which manifest (rank 0)", "coci_async_manifest"),
             ("coci save_async: persist", "coci_async_persist"),
+            ("  training time lost over it", "coci_persist_lost"),
+            ("  its CPU (copy+write+crc)", "coci_persist_cpu"),
+            ("    of which snapshot copies", "coci_persist_copy_cpu"),
+            ("    of which writes", "coci_persist_write_cpu"),
+            ("    of which checksums", "coci_persist_crc_cpu"),
             ("raw read (cold)", "raw_read"), ("torch.load (cold)", "torch_load"),
             ("DCP load (cold)", "dcp_load"), ("coci load (cold)", "coci_load"),
             ("copy after check (warm)", "copy_after_check")]
@@ -433,6 +458,9 @@ def table(results: dict[int, dict]) -> str:
         if tool == "coci":
             cells = "".join(f"{ratios(results[w])['coci']['restore_floor']:>12.3f}" for w in ws)
             out.append(f"{'coci restore_floor (raw + copy)':<34}{cells}")
+            cells = "".join(f"{ratios(results[w])['coci']['interference_if_cpu_only'] or float('nan'):>12.3f}"
+                            for w in ws)
+            out.append(f"{'coci interference_if_cpu_only':<34}{cells}")
     return "\n".join(out)
 
 

@@ -387,6 +387,12 @@ class CheckpointManager:
 
     @property
     def async_stats(self) -> dict[str, float]:
+        """Times of the last background save, this rank: ``start_blocked_s`` (the call),
+        ``snapshot_wait_s`` (optimizer steps waiting for the snapshot), ``snapshot_s`` and
+        ``persist_s`` (from the call to the snapshot's and the write's end), ``manifest_s``; and
+        the CPU seconds the persist used, ``persist_copy_cpu_s`` (snapshot copies in the
+        background thread), ``persist_write_cpu_s``, ``persist_crc_cpu_s``: on cores the
+        training keeps busy, roughly what the persist takes from it."""
         return dict(self._async.last_stats)
 
     @property

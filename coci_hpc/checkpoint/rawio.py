@@ -40,8 +40,10 @@ class WriteItem:
     buf: np.ndarray
 
 
-def _crcs(items: Sequence[WriteItem]) -> list[int]:
-    return [checksum(it.buf, CHECKSUM) for it in items]
+def _crcs(items: Sequence[WriteItem]) -> tuple[list[int], float]:
+    """The items' CRC-32Cs and the CPU seconds they took in this (the checksum) thread."""
+    c0 = time.thread_time()
+    return [checksum(it.buf, CHECKSUM) for it in items], time.thread_time() - c0
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -133,7 +135,9 @@ _times = threading.local()
 
 def last_write_times() -> dict[str, float]:
     """``{"write_s", "sync_s"}`` of the last :func:`write_posix` / :func:`write_mpiio` of the
-    calling thread: the save's phase times name the slow part (issue 33)."""
+    calling thread: the save's phase times name the slow part (issue 33); and the CPU seconds
+    it used, ``write_cpu_s`` in the calling thread and ``crc_cpu_s`` in the checksum thread
+    (what a background persist takes from training on busy cores)."""
     return dict(getattr(_times, "last", {}))
 
 
@@ -209,7 +213,7 @@ def write_posix(path: str | os.PathLike, items: Sequence[WriteItem], *, fsync: b
     the page cache. Falls back to buffered writes where O_DIRECT is refused.
     """
     fut = background().submit(_crcs, items)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     t1 = t0
     fd = os.open(path, os.O_WRONLY)
     dfd = open_direct(path) if direct else None
@@ -220,11 +224,13 @@ def write_posix(path: str | os.PathLike, items: Sequence[WriteItem], *, fsync: b
         if fsync:
             os.fsync(fd)
     finally:
-        _times.last = {"write_s": t1 - t0, "sync_s": time.perf_counter() - t1}
+        _times.last = {"write_s": t1 - t0, "sync_s": time.perf_counter() - t1,
+                       "write_cpu_s": time.thread_time() - c0}
         os.close(fd)
         if dfd is not None:
             os.close(dfd)
-    return fut.result()
+    crcs, _times.last["crc_cpu_s"] = fut.result()
+    return crcs
 
 
 def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteItem], info: Any = None,
@@ -254,6 +260,7 @@ def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteIte
     total = sum(len(mv) for _, mv in chunks)
     t0 = time.perf_counter()
     t1 = t0
+    c0 = time.thread_time()
     with guarded("the MPI-IO write's agreement on rounds"):
         rounds = mpi_comm.allreduce(len(chunks), op=MPI.MAX)
     with guarded("MPI_File_open (collective)"):
@@ -289,8 +296,9 @@ def write_mpiio(mpi_comm: Any, path: str | os.PathLike, items: Sequence[WriteIte
     finally:
         with guarded("MPI_File_close"):
             fh.Close()
-        _times.last = {"write_s": t1 - t0, "sync_s": time.perf_counter() - t1}
-    crcs = fut.result()
+        _times.last = {"write_s": t1 - t0, "sync_s": time.perf_counter() - t1,
+                       "write_cpu_s": time.thread_time() - c0}
+    crcs, _times.last["crc_cpu_s"] = fut.result()
     if short is not None:
         raise CheckpointError(short, hint="free space (df, lfs quota) or lower keep=; nothing was "
                                           "committed and the previous checkpoint is intact")

@@ -79,7 +79,7 @@ from coci_hpc.checkpoint.coordinator import LayoutCache
 from coci_hpc.checkpoint.devices import wait_copies
 from coci_hpc.checkpoint.lustre import IOTuning
 from coci_hpc.checkpoint.protocol import StorageWriter
-from coci_hpc.checkpoint.rawio import WriteItem, lower_thread_priority, stream_copy
+from coci_hpc.checkpoint.rawio import WriteItem, last_write_times, lower_thread_priority, stream_copy
 from coci_hpc.checkpoint.state import collect
 from coci_hpc.checkpoint.transaction import SaveTransaction
 from coci_hpc.checkpoint.treecode import Leaf
@@ -237,6 +237,9 @@ class _Job:
     t_start: float = 0.0
     t_snapshot: float = 0.0
     t_persist: float = 0.0
+    # CPU seconds of the persist (copy_cpu_s: the snapshot copies in the thread; write_cpu_s,
+    # crc_cpu_s: the writes and the checksums): what it takes from training on busy cores
+    cpu: dict[str, float] = field(default_factory=dict)
     copies: devices.HostCopies = field(default_factory=devices.HostCopies)
 
 
@@ -403,7 +406,8 @@ class TwoPhaseSaver:
 
     def _note(self, job: _Job) -> None:
         self.last_stats.update({"snapshot_s": job.t_snapshot, "persist_s": job.t_persist,
-                                "manifest_s": job.commit.manifest_s})
+                                "manifest_s": job.commit.manifest_s,
+                                **{f"persist_{k}": v for k, v in job.cpu.items()}})
 
     # --------------------------------------------------------------------- local calls
     def wait_snapshot(self) -> float:
@@ -430,6 +434,7 @@ class TwoPhaseSaver:
     def _persist(self, job: _Job) -> None:
         """The background thread: finish the snapshot, then phase 3 (no MPI)."""
         crcs, error = None, None
+        c0 = time.thread_time()
         try:
             for leaf, start, buf, pinned in job.deferred:
                 copy_bytes(leaf, start, buf, pinned, copies=job.copies)
@@ -438,11 +443,14 @@ class TwoPhaseSaver:
             job.copies.wait()
             job.t_snapshot = time.perf_counter() - job.t_start
             job.snapshot_done.set()
+            job.cpu["copy_cpu_s"] = time.thread_time() - c0
             # The copy ran at full priority (the optimizer step may be waiting for it); the
             # writes yield the CPU to training, which keeps interference low on few cores.
             lower_thread_priority()
             crcs = job.tx.write(job.items, independent=True, direct=self.direct)
             job.t_persist = time.perf_counter() - job.t_start
+            io = last_write_times()
+            job.cpu.update(write_cpu_s=io.get("write_cpu_s", 0.0), crc_cpu_s=io.get("crc_cpu_s", 0.0))
         except BaseException as exc:  # noqa: BLE001 - surfaced on every rank at commit
             error = exc
         finally:
