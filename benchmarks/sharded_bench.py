@@ -76,7 +76,6 @@ from benchmarks.method import (  # noqa: E402
     mapped_copy,
     phase_breakdown,
     rotate,
-    settle_vm,
     slowest_rank,
     spread_table,
     summary,
@@ -211,27 +210,6 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         else:
             res.setdefault(key, []).append(v)
 
-    vm_mark: dict[str, float | None] = {}
-
-    def settled(name: str) -> None:
-        """Before a timed cold load, after its eviction: rank 0 waits until the VM hands no memory
-        back to its host for 1 s (``settle_vm``, as checkpoint_bench's cold reads since C16), so
-        no load pays for memory the one before it freed (since 2026-12-02: in S51-S53 the 2 -> 1
-        reshard's coci load took 0.83-1.63 s in all 12 rounds right after DCP's load, and
-        0.40-0.47 s in 7 of the 9 right after a coci load).
-        Records the wait (``NAME_settle_s``); :func:`handed` records the MiB handed back during
-        the load (``NAME_vm_mib``)."""
-        waited = settle_vm()[0] if comm.rank == 0 else 0.0
-        comm.barrier()
-        vm_mark[name] = vm_reported_mib()
-        if vm_mark[name] is not None:
-            rec(f"{name}_settle_s", float(comm.allreduce_max(waited)))
-
-    def handed(name: str) -> None:
-        m0, m1 = vm_mark.pop(name, None), vm_reported_mib()
-        if m0 is not None and m1 is not None:
-            rec(f"{name}_vm_mib", float(comm.allreduce_max(m1 - m0)))
-
     def dcp_load(opt: Any, where: Path) -> None:
         msd, osd = get_state_dict(model, opt)
         sd = {"model": msd, "optim": osd}
@@ -290,9 +268,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                      ("dcp_load", lambda: dcp_load(opt, target)),
                      ("raw_load", lambda: raw_read(raw_path, bufs))]
             for name, fn in rotate(loads, rep):
-                settled(name)
                 rec(name, timer(fn))
-                handed(name)
                 if name == "coci_load":
                     load_phases.append(comm.allgather({k: round(v, 4) for k, v in mgr.load_stats.items()}))
                 if name == "raw_load":
@@ -366,15 +342,13 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                 opt = torch.optim.Adam(model.parameters(), lr=1e-4)  # fresh: no state yet
                 if comm.rank == 0:
                     evict([cdir, ddir, raw_path.parent])
-                settled(name)
+                comm.barrier()
                 if which == "raw":
                     if raw_bufs:
                         rec(name, timer(lambda: raw_read(raw_path, raw_bufs)))
-                        handed(name)
                     continue
                 rec(name, timer((lambda o=opt: mgr.load_latest({"model": model, "optimizer": o}))
                                 if which == "coci" else (lambda o=opt: dcp_load(o, ddir))))
-                handed(name)
                 if which == "coci":
                     load_phases.append(comm.allgather({k: round(v, 4) for k, v in mgr.load_stats.items()}))
                     if not raw_bufs and args.phase == "restart":
