@@ -458,8 +458,8 @@ def table(results: dict[int, dict]) -> str:
         if tool == "coci":
             cells = "".join(f"{ratios(results[w])['coci']['restore_floor']:>12.3f}" for w in ws)
             out.append(f"{'coci restore_floor (raw + copy)':<34}{cells}")
-            cells = "".join(f"{ratios(results[w])['coci']['interference_if_cpu_only'] or float('nan'):>12.3f}"
-                            for w in ws)
+            vals = [ratios(results[w])["coci"]["interference_if_cpu_only"] for w in ws]
+            cells = "".join(f"{float('nan') if v is None else v:>12.3f}" for v in vals)
             out.append(f"{'coci interference_if_cpu_only':<34}{cells}")
     return "\n".join(out)
 
