@@ -105,7 +105,12 @@ def check_restart(ckpt: Path, attempt: int, job: Job, last: int, t_kill: float, 
     assert (start["steps_lost"], start["steps_lost_exact"], start["prev_last_step"]) == (lost, True, last), start
     if lost:
         assert f"; {lost} step(s) to repeat (the previous attempt finished step {last})" in err, err[-2000:]
-    lat = [e for e in read_events(ckpt) if e["event"] == "resumed" and e["attempt"] == attempt][0]["restart_latency_s"]
+    resumed_recs = [e for e in read_events(ckpt) if e["event"] == "resumed" and e["attempt"] == attempt]
+    if start["resumed_step"] is None:
+        # Nothing to resume from: the attempt starts afresh and writes no `resumed` record.
+        assert not resumed_recs and "resumed from step" not in err, (resumed_recs, err[-2000:])
+        return lost
+    lat = resumed_recs[0]["restart_latency_s"]
     # From the last finished step (at most one 50 ms step before the kill) to the first resumed step.
     assert t_launch - t_kill <= lat["total"] <= time.time() - t_kill + 0.2, (lat, t_launch - t_kill)
     assert lat["after_last_step_s"] is not None and 0.0 <= lat["after_last_step_s"] < 1.0, lat
