@@ -34,16 +34,20 @@ GUARD_BYTES_PER_S = 20e6
 
 @dataclass(frozen=True)
 class WriteItem:
-    """``buf`` (a 1-D uint8 view) goes to ``offset`` of the file."""
+    """``buf`` (a 1-D uint8 view) goes to ``offset`` of the file; ``crc``: its CRC-32C where the
+    copy that filled it computed it on the way (:func:`~coci_hpc.checkpoint.integrity.copy_checksum`),
+    else None and the writer's checksum thread computes it."""
 
     offset: int
     buf: np.ndarray
+    crc: int | None = None
 
 
 def _crcs(items: Sequence[WriteItem]) -> tuple[list[int], float]:
-    """The items' CRC-32Cs and the CPU seconds they took in this (the checksum) thread."""
+    """The items' CRC-32Cs (those their copies did not compute) and the CPU seconds they took in
+    this (the checksum) thread."""
     c0 = time.thread_time()
-    return [checksum(it.buf, CHECKSUM) for it in items], time.thread_time() - c0
+    return [it.crc if it.crc is not None else checksum(it.buf, CHECKSUM) for it in items], time.thread_time() - c0
 
 
 _pool: ThreadPoolExecutor | None = None
