@@ -160,13 +160,33 @@ def pwrite_all(fd: int, buf: np.ndarray, offset: int) -> None:
 DIRECT_ALIGN = 4096
 
 
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """A page-aligned uint8 buffer (anonymous mmap), usable for O_DIRECT writes."""
+HUGE_PAGE = 2 << 20
+
+
+def aligned_empty(nbytes: int, huge: bool = False) -> np.ndarray:
+    """A page-aligned uint8 buffer (anonymous mmap), usable for O_DIRECT writes.
+
+    ``huge``: from :data:`HUGE_PAGE` bytes, private memory aligned to 2 MiB and advised for
+    transparent huge pages (where the kernel has them), and not inherited by forked processes. An
+    ``O_DIRECT`` write pins every page of its buffer, and with 2-MiB pages that costs a tenth of
+    the CPU (640 MB written from a reused buffer, one core of the development VM: 0.002 s against
+    0.019-0.032 s): the CPU an asynchronous persist takes from training on busy cores (issue 33).
+    Not inherited (``MADV_DONTFORK``): a data loader's worker forked while the buffer exists would
+    otherwise make every later copy into it pay a copy-on-write fault per page."""
     if nbytes == 0:
         return np.empty(0, dtype=np.uint8)
     import mmap
 
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    if not huge or nbytes < HUGE_PAGE:
+        return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    mm = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = np.frombuffer(mm, dtype=np.uint8)
+    at = -whole.ctypes.data % HUGE_PAGE
+    for advice in ("MADV_HUGEPAGE", "MADV_DONTFORK"):
+        with contextlib.suppress(AttributeError, OSError, ValueError):   # a kernel without it
+            mm.madvise(getattr(mmap, advice), at, size)
+    return whole[at:at + nbytes]
 
 
 def open_direct(path: str | os.PathLike) -> int | None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from coci_hpc.checkpoint import rawio
+from coci_hpc.checkpoint.integrity import checksum
 from coci_hpc.checkpoint.rawio import DIRECT_ALIGN, WriteItem, aligned_empty, open_direct, pwrite_pages, write_posix
 
 
@@ -80,3 +81,47 @@ def test_a_full_disk_or_an_io_error_on_a_direct_write_is_raised(tmp_path, monkey
     with pytest.raises(OSError) as got:
         write_posix(path, [WriteItem(buf=_payload(2 * DIRECT_ALIGN, 3), offset=0)], direct=True)
     assert got.value.errno == err
+
+
+def _vmflags(addr: int) -> set[str]:
+    """The VmFlags of the mapping holding ``addr`` (/proc/self/smaps)."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    inside = False
+    for line in lines:
+        head = line.split()[0] if line else ""
+        if "-" in head and ":" not in head:
+            a, b = (int(x, 16) for x in head.split("-"))
+            inside = a <= addr < b
+        elif inside and line.startswith("VmFlags:"):
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only")
+def test_a_huge_snapshot_buffer_is_2mib_aligned_advised_for_huge_pages_and_not_inherited_by_forks():
+    n = 3 * rawio.HUGE_PAGE + 4097
+    buf = rawio.aligned_empty(n, huge=True)
+    assert buf.nbytes == n and buf.ctypes.data % rawio.HUGE_PAGE == 0 and buf.flags.writeable
+    buf[:] = 7
+    flags = _vmflags(buf.ctypes.data)
+    assert "dc" in flags, flags                        # MADV_DONTFORK: a forked worker has no copy
+    thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read() \
+        if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else "[never]"
+    if "[never]" not in thp:
+        assert "hg" in flags, flags                    # MADV_HUGEPAGE
+    # small or not huge: the plain shared mapping, page-aligned
+    small = rawio.aligned_empty(rawio.HUGE_PAGE - 1, huge=True)
+    plain = rawio.aligned_empty(n)
+    assert small.ctypes.data % rawio.DIRECT_ALIGN == 0 and plain.ctypes.data % rawio.DIRECT_ALIGN == 0
+    assert "dc" not in _vmflags(plain.ctypes.data)
+
+
+def test_direct_writes_from_a_huge_buffer_land_exactly(tmp_path):
+    n = 2 * rawio.HUGE_PAGE + 12345
+    buf = rawio.aligned_empty(n, huge=True)
+    buf[:] = np.random.default_rng(2).integers(0, 256, n, dtype=np.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(b"\0" * (n + 8192))
+    crcs = rawio.write_posix(path, [rawio.WriteItem(4096, buf)], direct=True)
+    data = path.read_bytes()
+    assert data[4096:4096 + n] == buf.tobytes() and crcs == [checksum(buf)]
