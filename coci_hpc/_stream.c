@@ -84,6 +84,11 @@ static void copy_sse2(char *dst, const char *src, size_t n)
     memcpy(dst, src, n);
 }
 
+/* The fold needs compilers that know AVX-512 VPCLMULQDQ intrinsics (GCC 8, clang 8); with an
+ * older one the extension still builds, streaming copies only (CRC is None). */
+#if defined(__clang__) ? (__clang_major__ >= 8) : (__GNUC__ >= 8)
+#define COCI_FOLD 1
+
 /* The fold constants: for a distance D, {reflect64(x^(64+D-1) mod P), reflect64(x^(D-1) mod P)}
  * with P the CRC-32C polynomial 0x1EDC6F41 (computed in Python, the derivation above). */
 #define K128_LO 0x3743f7bd00000000ULL
@@ -189,7 +194,11 @@ __attribute__((target(FOLD_TARGET))) static uint32_t crc_fold(char *dst, const c
     return ~r;
 }
 #else
+#define COCI_FOLD 0
+#endif
+#else
 #define COCI_STREAM 0
+#define COCI_FOLD 0
 #endif
 
 static int have_avx2, have_fold;
@@ -230,7 +239,7 @@ static PyObject *crc_common(Py_buffer *dst, Py_buffer *src, unsigned long value)
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-#if COCI_STREAM
+#if COCI_FOLD
     crc = crc_fold(dst != NULL ? (char *)dst->buf : NULL, (const char *)src->buf, (size_t)src->len,
                    (uint32_t)value);
 #endif
@@ -295,7 +304,7 @@ PyMODINIT_FUNC PyInit__stream(void)
 #if COCI_STREAM
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2");
-    have_fold = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+    have_fold = COCI_FOLD && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("vpclmulqdq") &&
                 __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.2");
     if (PyModule_AddObject(m, "CRC", have_fold ? PyUnicode_FromString("vpclmulqdq") : Py_NewRef(Py_None)) < 0) {
