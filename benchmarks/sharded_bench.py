@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -72,6 +73,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.method import (  # noqa: E402
     MIN_ROUNDS,
+    cached_mib,
     evict,
     mapped_copy,
     phase_breakdown,
@@ -202,6 +204,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, list[float]] = {}
 
     cold: dict[str, float] = {}
+    probes: list[dict[str, Any]] = []   # per timed load (reshard, restart): its files' cached MiB before, page faults
     warm_round = True   # the first round of each comparison: kept apart as the cold figure
 
     def rec(key: str, v: float) -> None:
@@ -347,8 +350,18 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                     if raw_bufs:
                         rec(name, timer(lambda: raw_read(raw_path, raw_bufs)))
                     continue
-                rec(name, timer((lambda o=opt: mgr.load_latest({"model": model, "optimizer": o}))
-                                if which == "coci" else (lambda o=opt: dcp_load(o, ddir))))
+                # What could make one load of a kind far faster than the next (the 2 -> 1 load's
+                # two modes): bytes still cached despite the eviction, or fewer fresh pages touched.
+                before = cached_mib([cdir if which == "coci" else ddir]) if comm.rank == 0 else 0.0
+                f0 = resource.getrusage(resource.RUSAGE_SELF)
+                secs = timer((lambda o=opt: mgr.load_latest({"model": model, "optimizer": o}))
+                             if which == "coci" else (lambda o=opt: dcp_load(o, ddir)))
+                f1 = resource.getrusage(resource.RUSAGE_SELF)
+                faults = comm.allgather((f1.ru_minflt - f0.ru_minflt, f1.ru_majflt - f0.ru_majflt))
+                rec(name, secs)
+                if not warm_round:
+                    probes.append({"op": name, "round": rep, "s": round(secs, 4), "cached_mib": round(before, 1),
+                                   "minflt": max(f[0] for f in faults), "majflt": max(f[1] for f in faults)})
                 if which == "coci":
                     load_phases.append(comm.allgather({k: round(v, 4) for k, v in mgr.load_stats.items()}))
                     if not raw_bufs and args.phase == "restart":
@@ -363,6 +376,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         out["coci_load_phases"] = load_phases
     if vm_rounds:
         out["vm_handed_back_rounds"] = vm_rounds
+    if probes:
+        out["load_probes"] = probes
     return out
 
 
@@ -425,6 +440,13 @@ def table(doc: dict[str, Any]) -> str:
         for k, v in doc["spread"].items():
             cold = "-" if v["cold"] is None else f"{v['cold']:.3f}"
             lines.append(f"  {k:24s} {v['median']:8.3f} {v['min']:7.3f} {v['max']:7.3f} {cold:>7s}")
+    for what, ph in (("restart", rs), ("2 -> 1", r1), ("2 -> 4", r4)):
+        if ph.get("load_probes"):
+            # each timed load in order: its seconds, MiB of its files cached before it, and the
+            # page faults of its slowest-faulting rank (minor; major)
+            lines.append(f"{what} loads in order: seconds, MiB of its files cached before, page faults (minor/major)")
+            lines.append("  " + ", ".join(f"{p['op'][:-5]} {p['s']:.2f} ({p['cached_mib']:.0f}, {p['minflt']}/{p['majflt']})"
+                                          for p in ph["load_probes"]))
     for which in ("slowest", "fastest"):
         ph = doc.get(f"coci_save_phases_{which}")
         if ph:

@@ -108,3 +108,20 @@ def test_settle_vm_waits_until_the_counter_is_quiet_and_not_without_one(tmp_path
     assert 0.3 <= waited < 2.0  # stopped once quiet, long before the bound
     monkeypatch.setattr(method, "_REPORTED_KIB", str(tmp_path / "absent"))
     assert method.settle_vm() == (0.0, 0.0)
+
+
+def test_cached_mib_counts_the_resident_bytes_of_files_and_directories(tmp_path) -> None:
+    import pytest
+
+    from benchmarks import method
+
+    d = tmp_path / "ckpt"
+    (d / "step_1").mkdir(parents=True)
+    a, b = d / "step_1" / "data.h5", d / "spare.h5"
+    a.write_bytes(os.urandom(2 << 20))
+    b.write_bytes(os.urandom(1 << 20))
+    a.read_bytes(), b.read_bytes()
+    assert method.cached_mib([d]) == pytest.approx(3.0, abs=0.01)
+    assert method.cached_mib([a, tmp_path / "gone"]) == pytest.approx(2.0, abs=0.01)
+    evict([a])
+    assert method.cached_mib([d]) == pytest.approx(1.0, abs=0.01)   # what the eviction left
