@@ -88,6 +88,14 @@ def rate_until(ends: Sequence[float], t_end: float) -> float:
     return done / prev if prev > 0 else float("nan")  # no step ran past t_end: the steps' own rate
 
 
+def _files(p: Path) -> list[Path]:
+    """``p`` if a file, else every file under it. os.walk, not rglob: the reaper may remove a
+    retired step's directory while it is listed, and rglob then raised FileNotFoundError out of
+    its scandir (a benchmark run of 2026-11-30 ended on it); os.walk skips a directory it can no
+    longer list."""
+    return [p] if p.is_file() else [Path(d) / n for d, _, names in os.walk(p) for n in names]
+
+
 def evict(paths: Iterable[Path], keep: Iterable[Path] = ()) -> str:
     """Evict these files (every file under a directory), but those in ``keep``, from the page
     cache: fsync, then ``posix_fadvise(DONTNEED)``. Never a global ``drop_caches``: that also
@@ -96,11 +104,7 @@ def evict(paths: Iterable[Path], keep: Iterable[Path] = ()) -> str:
     (retention's reaper) are skipped. Returns the method's name for the JSON."""
     kept = {Path(k) for k in keep}
     for p in map(Path, paths):
-        # os.walk, not rglob: the reaper may remove a retired step's directory while it is
-        # listed, and rglob then raised FileNotFoundError out of its scandir (a benchmark run of
-        # 2026-11-30 ended on it); os.walk skips a directory it can no longer list
-        files = [p] if p.is_file() else [Path(d) / n for d, _, names in os.walk(p) for n in names]
-        for f in files:
+        for f in _files(p):
             if f in kept or not f.is_file():
                 continue
             try:
@@ -132,8 +136,7 @@ def cached_mib(paths: Iterable[Path]) -> float:
     :func:`cached`): what a cold read of them would not read from the disk."""
     pages = 0
     for p in map(Path, paths):
-        files = [p] if p.is_file() else [Path(d) / n for d, _, names in os.walk(p) for n in names]
-        for f in files:
+        for f in _files(p):
             try:
                 fd = os.open(f, os.O_RDONLY)
             except (FileNotFoundError, IsADirectoryError):

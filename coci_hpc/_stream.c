@@ -28,10 +28,10 @@
  * CRC: a 128-bit lane X (bytes in file order, little-endian) moves D bits forward as
  * clmul(X.lo, x^(64+D-1) mod P) ^ clmul(X.hi, x^(D-1) mod P), each constant bit-reflected into
  * a 64-bit word (the -1: a product of two reflected words lands one bit low). The folded 128
- * bits are then reduced with two crc32 instructions. Only where the CPU has AVX-512F, AVX-512BW
- * and VPCLMULQDQ (CRC names it: "vpclmulqdq", else None and callers use the crc32c library);
- * tests/checkpoint/test_stream.py checks it against the library for every length to 1 KiB,
- * unaligned buffers and chained values.
+ * bits are then reduced with two crc32 instructions. Only where the CPU has AVX-512F/BW/VL,
+ * VPCLMULQDQ, PCLMULQDQ and SSE4.2 (CRC names it: "vpclmulqdq", else None and callers use the
+ * crc32c library); tests/checkpoint/test_stream_copy.py checks it against the library for every
+ * length to 1 KiB, unaligned buffers and chained values.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -131,6 +131,16 @@ __attribute__((target(FOLD_TARGET))) static inline __m128i fold128(__m128i x, ui
     return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11));
 }
 
+/* 256 bytes of src into b[0..3], streamed to dst when it is not NULL (64-byte aligned). */
+__attribute__((target(FOLD_TARGET))) static inline void load256(const char *src, char *dst, __m512i b[4])
+{
+    for (int i = 0; i < 4; i++) {
+        b[i] = _mm512_loadu_si512((const void *)(src + 64 * i));
+        if (dst != NULL)
+            _mm512_stream_si512((void *)(dst + 64 * i), b[i]);
+    }
+}
+
 /* CRC-32C of src[0:n] chained on value (as crc32c.crc32c(src, value)); copies src to dst with
  * streaming stores on the way when dst is not NULL. */
 __attribute__((target(FOLD_TARGET))) static uint32_t crc_fold(char *dst, const char *src, size_t n, uint32_t value)
@@ -146,45 +156,27 @@ __attribute__((target(FOLD_TARGET))) static uint32_t crc_fold(char *dst, const c
     if (n >= 256) {
         const __m512i k2048 = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)K2048_HI, (long long)K2048_LO));
         const __m512i k512 = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)K512_HI, (long long)K512_LO));
-        __m512i a0 = _mm512_loadu_si512((const void *)src);
-        __m512i a1 = _mm512_loadu_si512((const void *)(src + 64));
-        __m512i a2 = _mm512_loadu_si512((const void *)(src + 128));
-        __m512i a3 = _mm512_loadu_si512((const void *)(src + 192));
-        if (dst != NULL) {
-            _mm512_stream_si512((void *)dst, a0);
-            _mm512_stream_si512((void *)(dst + 64), a1);
-            _mm512_stream_si512((void *)(dst + 128), a2);
-            _mm512_stream_si512((void *)(dst + 192), a3);
-            dst += 256;
-        }
+        __m512i a[4], b[4];
+        load256(src, dst, a);
         /* the register enters as the first 32 bits of the message */
-        a0 = _mm512_xor_si512(a0, _mm512_inserti32x4(_mm512_setzero_si512(), _mm_cvtsi32_si128((int)r), 0));
+        a[0] = _mm512_xor_si512(a[0], _mm512_inserti32x4(_mm512_setzero_si512(), _mm_cvtsi32_si128((int)r), 0));
         src += 256, n -= 256;
+        if (dst != NULL)
+            dst += 256;
         for (; n >= 256; n -= 256, src += 256) {
-            __m512i b0 = _mm512_loadu_si512((const void *)src);
-            __m512i b1 = _mm512_loadu_si512((const void *)(src + 64));
-            __m512i b2 = _mm512_loadu_si512((const void *)(src + 128));
-            __m512i b3 = _mm512_loadu_si512((const void *)(src + 192));
-            if (dst != NULL) {
-                _mm512_stream_si512((void *)dst, b0);
-                _mm512_stream_si512((void *)(dst + 64), b1);
-                _mm512_stream_si512((void *)(dst + 128), b2);
-                _mm512_stream_si512((void *)(dst + 192), b3);
+            load256(src, dst, b);
+            if (dst != NULL)
                 dst += 256;
-            }
-            a0 = fold512(a0, k2048, b0);
-            a1 = fold512(a1, k2048, b1);
-            a2 = fold512(a2, k2048, b2);
-            a3 = fold512(a3, k2048, b3);
+            for (int i = 0; i < 4; i++)
+                a[i] = fold512(a[i], k2048, b[i]);
         }
-        a1 = fold512(a0, k512, a1);
-        a2 = fold512(a1, k512, a2);
-        a3 = fold512(a2, k512, a3);
+        for (int i = 1; i < 4; i++)   /* the four accumulators into the last */
+            a[i] = fold512(a[i - 1], k512, a[i]);
         __m128i x = _mm_xor_si128(
-            _mm_xor_si128(fold128(_mm512_extracti32x4_epi32(a3, 0), K384_LO, K384_HI),
-                          fold128(_mm512_extracti32x4_epi32(a3, 1), K256_LO, K256_HI)),
-            _mm_xor_si128(fold128(_mm512_extracti32x4_epi32(a3, 2), K128_LO, K128_HI),
-                          _mm512_extracti32x4_epi32(a3, 3)));
+            _mm_xor_si128(fold128(_mm512_extracti32x4_epi32(a[3], 0), K384_LO, K384_HI),
+                          fold128(_mm512_extracti32x4_epi32(a[3], 1), K256_LO, K256_HI)),
+            _mm_xor_si128(fold128(_mm512_extracti32x4_epi32(a[3], 2), K128_LO, K128_HI),
+                          _mm512_extracti32x4_epi32(a[3], 3)));
         r = (uint32_t)_mm_crc32_u64(_mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x)),
                                     (uint64_t)_mm_extract_epi64(x, 1));
         if (dst != NULL)
