@@ -131,9 +131,17 @@ __attribute__((target(FOLD_TARGET))) static inline __m128i fold128(__m128i x, ui
     return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11));
 }
 
+/* How far ahead of its loads the fold asks for the source's lines. One sequential stream from
+ * memory left the fold at ~8 GB/s on an Intel Xeon (2026-12-02: 640 MB in 0.076-0.097 s against
+ * the crc32c library's 0.065-0.071 s, whose three interleaved streams keep more misses in flight);
+ * 2-8 KB ahead all gave 0.061 s (copy + CRC 0.088 -> 0.077 s, a plain copy 0.071 s). */
+#define FOLD_PREFETCH 2048
+
 /* 256 bytes of src into b[0..3], streamed to dst when it is not NULL (64-byte aligned). */
 __attribute__((target(FOLD_TARGET))) static inline void load256(const char *src, char *dst, __m512i b[4])
 {
+    for (int i = 0; i < 4; i++)   /* a hint: never faults, past the end or on a page not mapped */
+        _mm_prefetch(src + FOLD_PREFETCH + 64 * i, _MM_HINT_T0);
     for (int i = 0; i < 4; i++) {
         b[i] = _mm512_loadu_si512((const void *)(src + 64 * i));
         if (dst != NULL)
