@@ -26,11 +26,6 @@ round's ``*_cold`` beside each in ``by_ranks``):
   back to its host (:func:`benchmarks.method.settle_vm`; ``*_settle_s``), and records what it
   handed back during the read (``*_vm_mib``): before, the coci load, right after coci's save,
   paid for memory freed seconds before it and the raw read, right after its own eviction, did not.
-  Since 2026-12-02 (C24) every deletion of a file the round wrote (``clean``) waits, at least
-  :data:`benchmarks.method.FREED_WAIT_S` and until the VM is quiet, for the hand-back of its freed
-  pages (``freed_wait_s``): the 1-s quiet wait before a read could end before that hand-back
-  began, and coci's load, which followed the deletion of the second raw write's file, paid for
-  it (C23: 1-rank coci load 3.72 s, raw read 0.76 s).
 
 Times are the slowest rank's, between barriers. Ratios (goals from issue 3):
 persist_efficiency = raw write / save (>= 0.95); stall_ratio = training-loop blocked time of an
@@ -67,7 +62,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.method import (  # noqa: E402
-    FREED_WAIT_S,
     MIN_ROUNDS,
     evict,
     mapped_copy,
@@ -245,13 +239,9 @@ def worker(args: argparse.Namespace) -> dict:
         return method
 
     def clean(p: Path) -> None:
-        """Delete a file or directory the round wrote, then wait out the VM's hand-back of its
-        freed pages (``settle_vm(least_s=FREED_WAIT_S)``) so that the next timed operation,
-        whichever it is, does not pay for it."""
         comm.barrier()
         if rank == 0:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-            rec("freed_wait_s", settle_vm(least_s=FREED_WAIT_S)[0])
         comm.barrier()
 
     for _ in range(2):  # warm up

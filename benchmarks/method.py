@@ -37,21 +37,10 @@ def vm_reported_mib() -> float | None:
         return None
 
 
-# How long to wait, at least, after the benchmark deletes a file it wrote through the page cache
-# before its next timed operation: the kernel hands the freed pages back about 2 s after they
-# are freed, so a 1-s quiet wait (settle_vm's) could end before that began, and the next timed
-# read paid for it (issue 33, 2026-12-02, one process, the DDP benchmark's 1.26 GB state and its
-# order: raw write, eviction, raw read; a raw write and its unlink; coci's save, eviction, coci's
-# load: coci's load 1.66-1.93 s with 556-628 MiB handed back during it, the raw read, which
-# followed only its own eviction, 0.67-0.86 s with none).
-FREED_WAIT_S = 3.0
-
-
-def settle_vm(quiet_s: float = 1.0, most_s: float = 10.0, least_s: float = 0.0) -> tuple[float, float]:
-    """Wait until this VM has handed no memory back to its host for ``quiet_s``, and at least
-    ``least_s`` (at most ``most_s``); returns (seconds waited, MiB handed back meanwhile), (0, 0)
-    where the kernel reports no free pages (bare metal: nothing to wait for). ``least_s``: after
-    the benchmark itself freed a file's pages (:data:`FREED_WAIT_S`). Not longer: with ``quiet_s`` 2.5 s
+def settle_vm(quiet_s: float = 1.0, most_s: float = 10.0) -> tuple[float, float]:
+    """Wait until this VM has handed no memory back to its host for ``quiet_s`` (at most
+    ``most_s``); returns (seconds waited, MiB handed back meanwhile), (0, 0) where the kernel
+    reports no free pages (bare metal: nothing to wait for). Not longer: with ``quiet_s`` 2.5 s
     the VM never fell quiet (most waits ran to their 12 s bound) and the cold reads took 2.8-3.6 x
     as long, the raw read too (DCP's 1.5-1.6 x) (run C17, 2026-12-01: the evicted pages were handed back meanwhile,
     and the read faulted them in from the host); with 1 s a load still saw up to 254 MiB handed
@@ -77,7 +66,7 @@ def settle_vm(quiet_s: float = 1.0, most_s: float = 10.0, least_s: float = 0.0) 
         now = vm_reported_mib() or 0.0
         if now != last:
             last, since = now, time.perf_counter()
-        elif time.perf_counter() - since >= quiet_s and time.perf_counter() - t0 >= least_s:
+        elif time.perf_counter() - since >= quiet_s:
             break
     return time.perf_counter() - t0, last - start
 

@@ -110,22 +110,6 @@ def test_settle_vm_waits_until_the_counter_is_quiet_and_not_without_one(tmp_path
     assert method.settle_vm() == (0.0, 0.0)
 
 
-def test_settle_vm_waits_at_least_least_s_even_when_quiet_from_the_start(tmp_path, monkeypatch) -> None:
-    """After the benchmark deletes a file, the hand-back of its pages begins about 2 s later: a
-    wait that ends at the first quiet second would miss it (FREED_WAIT_S)."""
-    import benchmarks.method as method
-
-    counter = tmp_path / "reported_kib"
-    counter.write_text("4096\n")   # never changes
-    monkeypatch.setattr(method, "_REPORTED_KIB", str(counter))
-    waited, mib = method.settle_vm(quiet_s=0.1, most_s=5.0, least_s=0.6)
-    assert mib == 0.0
-    assert 0.6 <= waited < 2.0
-    waited, _ = method.settle_vm(quiet_s=0.1, most_s=5.0)
-    assert waited < 0.6   # without least_s: the first quiet 0.1 s ends it
-    assert method.FREED_WAIT_S >= 2.5   # longer than the kernel's ~2-s delay before it reports
-
-
 def test_cached_mib_counts_the_resident_bytes_of_files_and_directories(tmp_path) -> None:
     import pytest
 
