@@ -133,8 +133,9 @@ __attribute__((target(FOLD_TARGET))) static inline __m128i fold128(__m128i x, ui
 
 /* How far ahead of its loads the fold asks for the source's lines. One sequential stream from
  * memory left the fold at ~8 GB/s on an Intel Xeon (2026-12-02: 640 MB in 0.076-0.097 s against
- * the crc32c library's 0.065-0.071 s, whose three interleaved streams keep more misses in flight);
- * 2-8 KB ahead all gave 0.061 s (copy + CRC 0.088 -> 0.077 s, a plain copy 0.071 s). The plain
+ * the crc32c library's 0.065-0.071 s, which reads three interleaved streams; from the cache both
+ * ran at ~21 GB/s); 2-8 KB ahead all gave 0.061 s (copy + CRC 0.088 -> 0.077 s, a plain copy
+ * 0.071 s). Not measured on an AMD EPYC, where the fold ran at ~23 GB/s without it. The plain
  * streaming copy (copy_avx2) gained nothing from the same hint (24 copies of 22 MB from a file's
  * mapping: 0.074-0.085 s with and without), so it has none. */
 #define FOLD_PREFETCH 2048
