@@ -16,7 +16,9 @@
   writes ~1/N; no rank ever passes a zero-size HDF5 selection (the h5py #965 hang): data never
   goes through HDF5 selections at all, and MPI-IO accepts empty buffers in a collective call.
 * ``write`` on any other filesystem (a local disk, NFS, ext4/xfs scratch): each rank ``pwrite``s
-  its pieces into the same file and fsyncs it, no MPI. Measured here (issue 33, ext4, 2 ranks,
+  its pieces into the same file and fsyncs it, no MPI; their whole pages ``O_DIRECT``, staged
+  through two reused aligned buffers (:func:`~coci_hpc.checkpoint.rawio.write_posix`: no fresh
+  page cache per save, issue 33). Measured here (issue 33, ext4, 2 ranks,
   1 GB): the collective two-phase write moved every byte through an aggregator first and took
   1.2-1.8 s per ``Write_at_all`` round on a loaded machine, where each rank's own ``pwrite`` of
   the same bytes is what the raw-disk floor does. Collective buffering pays off where stripes and
@@ -63,7 +65,7 @@ class ParallelH5Writer:
         if not tuning.lustre:
             # every rank still gets here (the protocol's call order), but nothing here waits
             # for a peer: a lost one is noticed by the commit's polled collectives
-            return write_posix(path, items)
+            return write_posix(path, items, direct=True)
         info = mpi_info(tuning.mpi_hints)
         try:
             return write_mpiio(self.comm.mpi_comm, path, items, info, guard=self.comm)

@@ -28,7 +28,7 @@ class SerialH5Writer:
         return create_on_rank0(self.comm, directory, datasets, tuning)
 
     def write(self, path: Path, items: Sequence[WriteItem], tuning: IOTuning) -> list[int]:
-        return write_posix(path, items)
+        return write_posix(path, items, direct=True)
 
     def write_independent(self, path: Path, items: Sequence[WriteItem], tuning: IOTuning, *,
                           direct: bool = False) -> list[int]:

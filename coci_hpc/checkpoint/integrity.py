@@ -77,17 +77,17 @@ def checksum(buf: np.ndarray | memoryview | bytes, algorithm: str = CHECKSUM, va
     return value & 0xFFFFFFFF
 
 
-def copy_checksum(dst: np.ndarray, src: np.ndarray, algorithm: str = CHECKSUM) -> int | None:
+def copy_checksum(dst: np.ndarray, src: np.ndarray, algorithm: str = CHECKSUM, value: int = 0) -> int | None:
     """Copy ``src`` into ``dst`` (two C-contiguous byte buffers of one length, ``dst`` not read
     again soon) with streaming stores and return the checksum of the bytes, in one pass over
     them; None, with nothing copied, where that pass does not run here (no AVX-512 VPCLMULQDQ,
-    another algorithm or a buffer it cannot take): the caller copies and checks apart."""
+    another algorithm or a buffer it cannot take): the caller copies and checks apart.
+    ``value``: the checksum of the bytes before these (a buffer copied in parts)."""
     if (FOLD_CRC32C is None or algorithm != "crc32c" or dst.nbytes != src.nbytes
             or not (dst.flags.c_contiguous and src.flags.c_contiguous)):
         return None
     d = dst.reshape(-1).view(np.uint8)
     s = src.reshape(-1).view(np.uint8)
-    value = 0
     for i in range(0, d.nbytes, _CHUNK):     # bounded calls, as checksum's
         value = _fold.copy_crc32c(d[i:i + _CHUNK], s[i:i + _CHUNK], value)
     return value

@@ -125,3 +125,102 @@ def test_direct_writes_from_a_huge_buffer_land_exactly(tmp_path):
     crcs = rawio.write_posix(path, [rawio.WriteItem(4096, buf)], direct=True)
     data = path.read_bytes()
     assert data[4096:4096 + n] == buf.tobytes() and crcs == [checksum(buf)]
+
+
+# ------------------------------------------------ the sync save's staged direct writes (issue 33)
+def _unaligned(n: int, seed: int) -> np.ndarray:
+    """``n`` random bytes at an address that is not page-aligned (a live tensor's)."""
+    whole = np.random.default_rng(seed).integers(0, 256, n + 128, dtype=np.uint8)
+    at = -whole.ctypes.data % 64                              # 64-byte aligned, as torch's ...
+    if (whole.ctypes.data + at) % DIRECT_ALIGN == 0:
+        at += 64                                              # ... but not at a page start
+    return whole[at:at + n]
+
+
+def _counting(monkeypatch) -> dict[str, int]:
+    """Bytes written through direct descriptors and through buffered ones."""
+    count = {"direct": 0, "buffered": 0}
+    real_open, real_write = rawio.open_direct, rawio.pwrite_all
+    direct: set[int] = set()
+
+    def opening(path):  # type: ignore[no-untyped-def]
+        fd = real_open(path)
+        if fd is not None:
+            direct.add(fd)
+        return fd
+
+    def writing(fd, buf, offset):  # type: ignore[no-untyped-def]
+        count["direct" if fd in direct else "buffered"] += buf.nbytes
+        real_write(fd, buf, offset)
+
+    monkeypatch.setattr(rawio, "open_direct", opening)
+    monkeypatch.setattr(rawio, "pwrite_all", writing)
+    return count
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_unaligned_items_are_staged_written_direct_and_their_crcs_right(tmp_path, monkeypatch, fused):
+    """Live tensors (not page-aligned, at unaligned offsets, larger than one staging buffer, next
+    to small items and to each other within one page) land byte-exact, with the CRC-32C of each,
+    and all but the partial pages at their ends go through the direct descriptor."""
+    if fused and not rawio.FUSED_COPY_CRC:
+        pytest.skip("this CPU has no folded CRC-32C")
+    monkeypatch.setattr(rawio, "FUSED_COPY_CRC", fused)
+    monkeypatch.setattr(rawio, "STAGE_CHUNK", 3 * DIRECT_ALIGN * 64 + 512)  # several parts per item
+    count = _counting(monkeypatch)
+    mib = 1 << 20
+    items = [WriteItem(100, _unaligned(3 * mib + 7, 1)),
+             WriteItem(100 + 3 * mib + 7, _unaligned(2 * mib, 2)),           # shares a page with the first
+             WriteItem(6 * mib, _unaligned(333, 3)),                         # small: buffered, unstaged
+             WriteItem(7 * mib, _payload(mib, 4)),                           # aligned: direct, unstaged
+             WriteItem(9 * mib + 4095, _unaligned(mib + 1, 5))]
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    crcs = write_posix(path, items, direct=True)
+    data = path.read_bytes()
+    for it, crc in zip(items, crcs, strict=True):
+        assert data[it.offset:it.offset + it.buf.nbytes] == it.buf.tobytes()
+        assert crc == checksum(it.buf)
+    total = sum(it.buf.nbytes for it in items)
+    if open_direct(path) is None:
+        pytest.skip("this filesystem refuses O_DIRECT: only correctness checked")
+    assert count["direct"] + count["buffered"] == total
+    assert count["buffered"] < 333 + 2 * DIRECT_ALIGN * 20, count   # the ends of each part only
+
+
+def test_staged_writes_go_on_through_the_page_cache_where_direct_is_refused(tmp_path, monkeypatch):
+    direct = _refusing(monkeypatch, errno.EINVAL)
+    monkeypatch.setattr(rawio, "STAGE_CHUNK", 256 * 1024)
+    items = [WriteItem(10, _unaligned(3 << 20, 6)), WriteItem(5 << 20, _unaligned(2 << 20, 7))]
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    crcs = write_posix(path, items, direct=True)
+    data = path.read_bytes()
+    assert direct, "no direct descriptor was opened"
+    for it, crc in zip(items, crcs, strict=True):
+        assert data[it.offset:it.offset + it.buf.nbytes] == it.buf.tobytes() and crc == checksum(it.buf)
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
+def test_a_failed_staged_write_is_raised_after_the_write_in_flight_finished(tmp_path, monkeypatch, err):
+    """The error of a write in the helper thread reaches the caller (no hang, no half-seen
+    success), and the next staged save works (the buffers were released)."""
+    monkeypatch.setattr(rawio, "STAGE_CHUNK", 256 * 1024)
+    real, calls = rawio._write_span, []
+
+    def failing(fd, dfd, buf, offset):  # type: ignore[no-untyped-def]
+        calls.append(offset)
+        if len(calls) == 3:
+            raise OSError(err, os.strerror(err))
+        return real(fd, dfd, buf, offset)
+
+    monkeypatch.setattr(rawio, "_write_span", failing)
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    with pytest.raises(OSError) as got:
+        write_posix(path, [WriteItem(10, _unaligned(3 << 20, 8))], direct=True)
+    assert got.value.errno == err and len(calls) == 3   # nothing written after the failed part
+    monkeypatch.setattr(rawio, "_write_span", real)
+    item = WriteItem(10, _unaligned(3 << 20, 9))
+    assert write_posix(path, [item], direct=True) == [checksum(item.buf)]
+    assert path.read_bytes()[10:10 + item.buf.nbytes] == item.buf.tobytes()
