@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from coci_hpc.checkpoint import catalog as cat
-from coci_hpc.checkpoint import exitguard, h5_parallel, perms, recovery, transaction
+from coci_hpc.checkpoint import exitguard, h5_parallel, perms, rawio, recovery, transaction
 from coci_hpc.checkpoint.catalog import ABANDONED, StepCatalog, is_no_space
 from coci_hpc.checkpoint.coordinator import LayoutCache
 from coci_hpc.checkpoint.h5_serial import SerialH5Writer
@@ -475,13 +475,15 @@ class CheckpointManager:
         return [c for c in cat.scan(self.root) if c.committed]
 
     def close(self) -> None:
-        """Collective: finish and commit any background persist; release the directory lock."""
+        """Collective: finish and commit any background persist; release the directory lock and
+        the sync save's staging buffers (:func:`~coci_hpc.checkpoint.rawio.release_staging`)."""
         if self._closed:
             return
         self._closed = True
         try:
             self._async.close()
         finally:
+            rawio.release_staging()
             if self._lock is not None:
                 self._lock.release()
 

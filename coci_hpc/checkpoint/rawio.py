@@ -305,6 +305,13 @@ def _stage_buffers(largest: int) -> list[np.ndarray]:
     return _stage_bufs
 
 
+def release_staging() -> None:
+    """Free the staging buffers (a manager's ``close``); the next staged write allocates them
+    again. Waits for a staged write in flight."""
+    with _stage_lock:
+        _stage_bufs.clear()
+
+
 def _write_span(fd: int, dfd: int | None, buf: np.ndarray, offset: int) -> int | None:
     """Write ``buf`` (placed at ``offset % DIRECT_ALIGN`` of an aligned buffer) at ``offset``:
     the partial first page through ``fd``, the rest by :func:`pwrite_pages`."""

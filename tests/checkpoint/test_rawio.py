@@ -224,3 +224,28 @@ def test_a_failed_staged_write_is_raised_after_the_write_in_flight_finished(tmp_
     item = WriteItem(10, _unaligned(3 << 20, 9))
     assert write_posix(path, [item], direct=True) == [checksum(item.buf)]
     assert path.read_bytes()[10:10 + item.buf.nbytes] == item.buf.tobytes()
+
+
+def test_a_managers_sync_save_writes_direct_and_its_close_frees_the_staging_buffers(tmp_path, monkeypatch):
+    import torch
+
+    from coci_hpc.checkpoint import CheckpointManager
+
+    count = _counting(monkeypatch)
+    state = {"w": torch.randn(3 << 18), "b": torch.randn(7)}     # 3 MiB, and a small leaf
+    mgr = CheckpointManager(tmp_path / "ck", comm=None)
+    mgr.save(1, state)
+    want = state["w"].clone()
+    state["w"].zero_()
+    mgr.load(1, state)
+    assert torch.equal(state["w"], want)
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"")
+    dfd = open_direct(probe)
+    if dfd is not None:
+        os.close(dfd)
+        assert count["direct"] >= (3 << 20) - 2 * DIRECT_ALIGN, count   # all but the ends' pages
+    write_posix(probe, [WriteItem(10, _unaligned(2 << 20, 11))], direct=True)
+    assert rawio._stage_bufs or dfd is None
+    mgr.close()
+    assert not rawio._stage_bufs
