@@ -346,10 +346,10 @@ def _write_staged(fd: int, dfd: int | None, items: Sequence[WriteItem], fused: b
                     k += 1
                     crc = copy_checksum(dst, part, CHECKSUM, value) if fused else None
                     if crc is None:
-                        if fused:
-                            raise RuntimeError("the folded copy declined a staged part")  # pragma: no cover
                         stream_copy(dst, part)
-                    else:
+                        if fused:   # the fold declined this part (it takes every staged one here)
+                            crc = checksum(part, CHECKSUM, value)  # pragma: no cover
+                    if crc is not None:
                         value = crc
                     if pending is not None:
                         dfd, pending = pending.result(), None
