@@ -25,8 +25,12 @@ def test_unhealthy_nodes_reads_sinfo_states() -> None:
 # was ignored when it started, and in CI's full run (2026-11-24) the sh version never saw the
 # loop's SIGINTs although the same test passed alone: something earlier in that pytest process
 # left SIGINT ignored or blocked for its children (not found; the real srun is not affected).
+# The fakes leave with os._exit on the SIGINT that ends them, as srun does at once: a sys.exit
+# meant an interpreter teardown, and under CI's load (CI 2026-12-02, 2 cores) one outlasted the
+# 0.3 s before the loop's second SIGINT, which then met Python's restored default handler and
+# ended the fake by the signal (status -2), not with srun's 137.
 _FAKE_SRUN_HEAD = f"""#!{sys.executable}
-import signal, sys, time
+import os, signal, sys, time
 signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 """
 
@@ -40,7 +44,7 @@ def on_int(*_):
         f.write(f"sigint {{n}}\\n")
     if n >= 2:
         print("srun: Force Terminated", file=sys.stderr, flush=True)
-        sys.exit(137)
+        os._exit(137)
 signal.signal(signal.SIGINT, on_int)
 print("srun: error: n3: task 1: Killed", file=sys.stderr, flush=True)
 print("srun: error: Node failure on n3", file=sys.stderr, flush=True)
@@ -80,7 +84,7 @@ def test_a_step_stuck_after_a_lost_task_is_ended_after_the_grace(tmp_path, capfd
 FAKE_STUCK_AT_START_SRUN = _FAKE_SRUN_HEAD + """
 def on_int(*_):
     print("srun: Force Terminated", file=sys.stderr, flush=True)
-    sys.exit(137)
+    os._exit(137)
 signal.signal(signal.SIGINT, on_int)
 if {training!r}:
     open({training!r}, "w").close()
@@ -142,7 +146,7 @@ FAKE_SILENT_SRUN = _FAKE_SRUN_HEAD + """
 def on_int(*_):
     print("srun: Force Terminated", file=sys.stderr, flush=True)
     print("srun: error: n2: task 1: Killed", file=sys.stderr, flush=True)
-    sys.exit(137)
+    os._exit(137)
 signal.signal(signal.SIGINT, on_int)
 time.sleep(0.3)
 print("srun: error: n1: task 0: Exited with exit code 1", file=sys.stderr, flush=True)
