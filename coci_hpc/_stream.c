@@ -28,10 +28,12 @@
  * CRC: a 128-bit lane X (bytes in file order, little-endian) moves D bits forward as
  * clmul(X.lo, x^(64+D-1) mod P) ^ clmul(X.hi, x^(D-1) mod P), each constant bit-reflected into
  * a 64-bit word (the -1: a product of two reflected words lands one bit low). The folded 128
- * bits are then reduced with two crc32 instructions. Only where the CPU has AVX-512F/BW/VL,
- * VPCLMULQDQ, PCLMULQDQ and SSE4.2 (CRC names it: "vpclmulqdq", else None and callers use the
- * crc32c library); tests/checkpoint/test_stream_copy.py checks it against the library for every
- * length to 1 KiB, unaligned buffers and chained values.
+ * bits are then reduced with two crc32 instructions. Over 512-bit registers where the CPU has
+ * AVX-512F/BW/VL, VPCLMULQDQ, PCLMULQDQ and SSE4.2 (CRC names it "vpclmulqdq"); over 256-bit
+ * registers where it has AVX2, VPCLMULQDQ, PCLMULQDQ and SSE4.2 only ("vpclmulqdq-avx2"); else
+ * CRC is None and callers use the crc32c library. set_fold(width) picks the narrower fold on a
+ * CPU with both, for tests; tests/checkpoint/test_stream_copy.py checks each fold against the
+ * library for every length to 1 KiB, unaligned buffers and chained values.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -105,7 +107,8 @@ static void copy_sse2(char *dst, const char *src, size_t n)
 #define FOLD_TARGET "avx512f,avx512bw,avx512vl,vpclmulqdq,pclmul,sse4.2"
 
 /* The register r (not inverted) over n bytes with crc32 instructions, copying them to dst if set. */
-__attribute__((target(FOLD_TARGET))) static uint32_t crc_bytes(uint32_t r, char *dst, const char *src, size_t n)
+/* (sse4.2 only: the 256-bit fold calls it on CPUs without AVX-512, which its code must not use) */
+__attribute__((target("sse4.2"))) static uint32_t crc_bytes(uint32_t r, char *dst, const char *src, size_t n)
 {
     if (dst != NULL)
         memcpy(dst, src, n);
@@ -125,7 +128,7 @@ __attribute__((target(FOLD_TARGET))) static inline __m512i fold512(__m512i x, __
                                      _mm512_clmulepi64_epi128(x, k, 0x11), next, 0x96);
 }
 
-__attribute__((target(FOLD_TARGET))) static inline __m128i fold128(__m128i x, uint64_t klo, uint64_t khi)
+__attribute__((target("pclmul,sse4.2"))) static inline __m128i fold128(__m128i x, uint64_t klo, uint64_t khi)
 {
     __m128i k = _mm_set_epi64x((long long)khi, (long long)klo);
     return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11));
@@ -196,6 +199,72 @@ __attribute__((target(FOLD_TARGET))) static uint32_t crc_fold(char *dst, const c
     r = crc_bytes(r, dst, src, n);
     return ~r;
 }
+
+/* The same fold over 256-bit registers, for CPUs with VPCLMULQDQ and AVX2 but no AVX-512 (AMD
+ * Zen 3, Intel client cores, VMs that hide AVX-512: the development VM of 2026-12-03, an AMD EPYC
+ * whose hypervisor shows avx2 and vpclmulqdq only). Eight 32-byte accumulators take 256 bytes a
+ * round, each lane moving 2048 bits forward; at the end each accumulator folds 256 bits into the
+ * next and the last one's two lanes into one, reduced as above. */
+#define FOLD256_TARGET "avx2,vpclmulqdq,pclmul,sse4.2"
+
+__attribute__((target(FOLD256_TARGET))) static inline __m256i fold256(__m256i x, __m256i k, __m256i next)
+{
+    return _mm256_xor_si256(_mm256_xor_si256(_mm256_clmulepi64_epi128(x, k, 0x00),
+                                             _mm256_clmulepi64_epi128(x, k, 0x11)), next);
+}
+
+/* 256 bytes of src into b[0..7], streamed to dst when it is not NULL (32-byte aligned). */
+__attribute__((target(FOLD256_TARGET))) static inline void load256y(const char *src, char *dst, __m256i b[8])
+{
+    for (int i = 0; i < 4; i++)
+        _mm_prefetch(src + FOLD_PREFETCH + 64 * i, _MM_HINT_T0);
+    for (int i = 0; i < 8; i++) {
+        b[i] = _mm256_loadu_si256((const __m256i *)(src + 32 * i));
+        if (dst != NULL)
+            _mm256_stream_si256((__m256i *)(dst + 32 * i), b[i]);
+    }
+}
+
+__attribute__((target(FOLD256_TARGET))) static uint32_t crc_fold_avx2(char *dst, const char *src, size_t n,
+                                                                      uint32_t value)
+{
+    uint32_t r = ~value;
+    if (dst != NULL) {  /* streaming stores want aligned lines */
+        size_t head = (32 - ((uintptr_t)dst & 31)) & 31;
+        if (head > n)
+            head = n;
+        r = crc_bytes(r, dst, src, head);
+        dst += head, src += head, n -= head;
+    }
+    if (n >= 256) {
+        const __m256i k2048 = _mm256_broadcastsi128_si256(_mm_set_epi64x((long long)K2048_HI, (long long)K2048_LO));
+        const __m256i k256 = _mm256_broadcastsi128_si256(_mm_set_epi64x((long long)K256_HI, (long long)K256_LO));
+        __m256i a[8], b[8];
+        load256y(src, dst, a);
+        /* the register enters as the first 32 bits of the message */
+        a[0] = _mm256_xor_si256(a[0], _mm256_zextsi128_si256(_mm_cvtsi32_si128((int)r)));
+        src += 256, n -= 256;
+        if (dst != NULL)
+            dst += 256;
+        for (; n >= 256; n -= 256, src += 256) {
+            load256y(src, dst, b);
+            if (dst != NULL)
+                dst += 256;
+            for (int i = 0; i < 8; i++)
+                a[i] = fold256(a[i], k2048, b[i]);
+        }
+        for (int i = 1; i < 8; i++)   /* the eight accumulators into the last */
+            a[i] = fold256(a[i - 1], k256, a[i]);
+        __m128i x = _mm_xor_si128(fold128(_mm256_castsi256_si128(a[7]), K128_LO, K128_HI),
+                                  _mm256_extracti128_si256(a[7], 1));
+        r = (uint32_t)_mm_crc32_u64(_mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x)),
+                                    (uint64_t)_mm_extract_epi64(x, 1));
+        if (dst != NULL)
+            _mm_sfence();
+    }
+    r = crc_bytes(r, dst, src, n);
+    return ~r;
+}
 #else
 #define COCI_FOLD 0
 #endif
@@ -204,7 +273,7 @@ __attribute__((target(FOLD_TARGET))) static uint32_t crc_fold(char *dst, const c
 #define COCI_FOLD 0
 #endif
 
-static int have_avx2, have_fold;
+static int have_avx2, have_fold, have_fold512, have_fold256;  /* have_fold: the width in use */
 
 static PyObject *stream_copy(PyObject *self, PyObject *args)
 {
@@ -237,14 +306,18 @@ static PyObject *crc_common(Py_buffer *dst, Py_buffer *src, unsigned long value)
 {
     uint32_t crc = 0;
     if (!have_fold) {
-        PyErr_SetString(PyExc_RuntimeError, "this CPU has no AVX-512 VPCLMULQDQ (_stream.CRC is None): "
+        PyErr_SetString(PyExc_RuntimeError, "this CPU has no VPCLMULQDQ with AVX2 (_stream.CRC is None): "
                                             "use the crc32c library");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
 #if COCI_FOLD
-    crc = crc_fold(dst != NULL ? (char *)dst->buf : NULL, (const char *)src->buf, (size_t)src->len,
-                   (uint32_t)value);
+    if (have_fold == 512)
+        crc = crc_fold(dst != NULL ? (char *)dst->buf : NULL, (const char *)src->buf, (size_t)src->len,
+                       (uint32_t)value);
+    else
+        crc = crc_fold_avx2(dst != NULL ? (char *)dst->buf : NULL, (const char *)src->buf, (size_t)src->len,
+                            (uint32_t)value);
 #endif
     Py_END_ALLOW_THREADS
     return PyLong_FromUnsignedLong(crc);
@@ -282,7 +355,35 @@ static PyObject *stream_copy_crc32c(PyObject *self, PyObject *args)
     return out;
 }
 
+static PyObject *crc_name(int width)
+{
+    return width == 512 ? PyUnicode_FromString("vpclmulqdq") : width == 256 ? PyUnicode_FromString("vpclmulqdq-avx2")
+                                                                            : Py_NewRef(Py_None);
+}
+
+static PyObject *stream_set_fold(PyObject *self, PyObject *args)
+{
+    int width, old = have_fold;
+    if (!PyArg_ParseTuple(args, "i:set_fold", &width))
+        return NULL;
+    if (!(width == 0 || (width == 512 && have_fold512) || (width == 256 && have_fold256))) {
+        PyErr_Format(PyExc_ValueError, "set_fold: %d-bit folding does not run on this CPU", width);
+        return NULL;
+    }
+    PyObject *name = crc_name(width);
+    int rc = PyObject_SetAttrString(self, "CRC", name);
+    Py_DECREF(name);
+    if (rc < 0)
+        return NULL;
+    have_fold = width;
+    return PyLong_FromLong(old);
+}
+
 static PyMethodDef methods[] = {
+    {"set_fold", stream_set_fold, METH_VARARGS,
+     "set_fold(width): fold over 512- or 256-bit registers, or not at all (0), where the CPU can; "
+     "returns the width before. For tests of both folds on one CPU; modules that imported CRC "
+     "keep the value they read."},
     {"crc32c", stream_crc32c, METH_VARARGS,
      "crc32c(buf, value=0): the CRC-32C of buf chained on value, as crc32c.crc32c (only where "
      "CRC is not None)."},
@@ -307,10 +408,12 @@ PyMODINIT_FUNC PyInit__stream(void)
 #if COCI_STREAM
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2");
-    have_fold = COCI_FOLD && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("vpclmulqdq") &&
-                __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.2");
-    if (PyModule_AddObject(m, "CRC", have_fold ? PyUnicode_FromString("vpclmulqdq") : Py_NewRef(Py_None)) < 0) {
+    have_fold256 = COCI_FOLD && have_avx2 && __builtin_cpu_supports("vpclmulqdq") &&
+                   __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.2");
+    have_fold512 = have_fold256 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl");
+    have_fold = have_fold512 ? 512 : have_fold256 ? 256 : 0;
+    if (PyModule_AddObject(m, "CRC", crc_name(have_fold)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

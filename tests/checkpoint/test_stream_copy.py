@@ -70,7 +70,22 @@ def test_typed_strided_and_unbuilt_copies_fall_back_to_numpy(monkeypatch):
 
 # --- CRC-32C by folding (coci_hpc/_stream.c: crc32c, copy_crc32c) ----------------------------------
 
-fold = pytest.mark.skipif(integrity.FOLD_CRC32C is None, reason="this CPU has no AVX-512 VPCLMULQDQ")
+fold = pytest.mark.skipif(integrity.FOLD_CRC32C is None, reason="this CPU has no VPCLMULQDQ")
+
+
+def _widths() -> list[int]:
+    """The fold widths this CPU runs (512 and 256 where it has AVX-512, else 256 or none)."""
+    return {"vpclmulqdq": [512, 256], "vpclmulqdq-avx2": [256]}.get(integrity.FOLD_CRC32C or "", [])
+
+
+@pytest.fixture(params=[512, 256])
+def width(request):
+    """Each fold width in turn, set in the extension for the test and restored after it."""
+    if request.param not in _widths():
+        pytest.skip(f"this CPU has no {request.param}-bit fold")
+    before = rawio._stream.set_fold(request.param)
+    yield request.param
+    rawio._stream.set_fold(before)
 
 
 def test_the_fold_runs_where_the_cpu_has_it():
@@ -78,12 +93,38 @@ def test_the_fold_runs_where_the_cpu_has_it():
     flags = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
     if platform.machine() not in ("x86_64", "AMD64") or not flags:
         pytest.skip("x86-64 Linux only")
-    want = all(f" {f}" in flags for f in ("avx512f", "avx512bw", "avx512vl", "vpclmulqdq", "pclmulqdq", "sse4_2"))
-    assert (integrity.FOLD_CRC32C == "vpclmulqdq") == want, (integrity.FOLD_CRC32C, want)
+    has = {f: f" {f}" in flags for f in ("avx512f", "avx512bw", "avx512vl", "vpclmulqdq", "pclmulqdq", "sse4_2",
+                                           "avx2")}
+    narrow = all(has[f] for f in ("avx2", "vpclmulqdq", "pclmulqdq", "sse4_2"))
+    wide = narrow and all(has[f] for f in ("avx512f", "avx512bw", "avx512vl"))
+    want = "vpclmulqdq" if wide else "vpclmulqdq-avx2" if narrow else None
+    assert integrity.FOLD_CRC32C == want, (integrity.FOLD_CRC32C, want)
+    # the plain checksum folds only over 512-bit registers (the library won over 256: integrity.py)
+    assert integrity.PLAIN_FOLD == wide
+
+
+def test_set_fold_switches_widths_and_refuses_one_the_cpu_lacks():
+    if rawio._stream is None:
+        pytest.skip("coci_hpc._stream not built")
+    before = rawio._stream.set_fold(0)
+    try:
+        assert rawio._stream.CRC is None
+        with pytest.raises(RuntimeError, match="crc32c library"):
+            rawio._stream.crc32c(b"abc")
+        for w in (512, 256):
+            if w in _widths():
+                assert rawio._stream.set_fold(w) in (0, 512, 256)
+                assert rawio._stream.CRC == {512: "vpclmulqdq", 256: "vpclmulqdq-avx2"}[w]
+                assert rawio._stream.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+            else:
+                with pytest.raises(ValueError, match="does not run on this CPU"):
+                    rawio._stream.set_fold(w)
+    finally:
+        rawio._stream.set_fold(before)
 
 
 @fold
-def test_fold_equals_the_crc32c_library_at_every_length_offset_and_chained_value():
+def test_fold_equals_the_crc32c_library_at_every_length_offset_and_chained_value(width):
     rng = np.random.default_rng(3)
     data = rng.integers(0, 256, 4096 + 64, dtype=np.uint8)
     values = [0, 0xFFFFFFFF, 0x12345678]
@@ -107,7 +148,7 @@ def test_fold_equals_the_crc32c_library_at_every_length_offset_and_chained_value
 
 
 @fold
-def test_fold_over_large_buffers_chunks_and_bit_flips_matches_the_library():
+def test_fold_over_large_buffers_chunks_and_bit_flips_matches_the_library(width):
     rng = np.random.default_rng(5)
     big = rng.integers(0, 256, 3 * STREAM_MIN + 1234, dtype=np.uint8)
     assert integrity.checksum(big) == crc32c_lib.crc32c(big)
