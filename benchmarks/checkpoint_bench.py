@@ -26,6 +26,15 @@ round's ``*_cold`` beside each in ``by_ranks``):
   back to its host (:func:`benchmarks.method.settle_vm`; ``*_settle_s``), and records what it
   handed back during the read (``*_vm_mib``): before, the coci load, right after coci's save,
   paid for memory freed seconds before it and the raw read, right after its own eviction, did not.
+  Since 2026-12-03 each cold read also begins with the same freshly freed memory
+  (:func:`benchmarks.method.warm_free_memory`: a scratch file of 1.25 x the state's bytes written
+  through the page cache and deleted, after the settle; ``*_warm_s``; ``--no-warm`` for the
+  method before): the page cache a read fills came, for the raw read, from the pages its own
+  file's eviction had just freed, and for coci's load, after a save written ``O_DIRECT`` that
+  frees nothing, from memory handed back to the host long before, which on this VM filled at
+  about half the speed (2026-12-03, 2 ranks, 7 rounds: coci's load 1.016 s median without,
+  0.667 s with, the raw read 0.553 s; a plain ``pread`` of coci's own step file right after its
+  save 1.5-3.0 s).
 
 Times are the slowest rank's, between barriers. Ratios (goals from issue 3):
 persist_efficiency = raw write / save (>= 0.95); stall_ratio = training-loop blocked time of an
@@ -72,6 +81,7 @@ from benchmarks.method import (  # noqa: E402
     spread_table,
     summary,
     vm_reported_mib,
+    warm_free_memory,
 )
 
 
@@ -225,10 +235,12 @@ def worker(args: argparse.Namespace) -> dict:
         """Evict ``paths`` (rank 0), let the VM finish handing memory back (``settle_vm``), then
         time ``fn`` as ``key``; ``key_vm_mib``: MiB the VM handed back during it, ``key_settle_s``:
         the wait before it. Returns the eviction's method."""
-        method, waited = "", 0.0
+        method, waited, warmed = "", 0.0, 0.0  # warmed: warm_free_memory's seconds (untimed)
         if rank == 0:
             method = evict(paths, keep=keep or [])
             waited = settle_vm()[0]
+            if args.warm:
+                warmed = warm_free_memory(base, int(1.25 * nbytes), sync=False)
         comm.barrier()
         m0 = vm_reported_mib()
         rec(key, timer(fn)[0])
@@ -236,6 +248,7 @@ def worker(args: argparse.Namespace) -> dict:
         if m0 is not None and m1 is not None:
             rec(f"{key}_vm_mib", m1 - m0)
             rec(f"{key}_settle_s", comm.allreduce_max(waited))
+            rec(f"{key}_warm_s", comm.allreduce_max(warmed))
         return method
 
     def clean(p: Path) -> None:
@@ -372,7 +385,7 @@ def worker(args: argparse.Namespace) -> dict:
     res["raw_write"] = [min(a, b) for a, b in zip(res["raw_write"], res.pop("raw_write_b"))]
     cold["raw_write"] = min(cold["raw_write"], cold.pop("raw_write_b"))
     med = summary(res, cold)
-    med.update({"bytes": nbytes, "ranks": W, "cache": cache_method,
+    med.update({"bytes": nbytes, "ranks": W, "cache": cache_method, "warm": args.warm,
                 "threads_per_rank": threads, "samples": res, "coci_save_phases": phases,
                 "coci_load_phases": load_phases})
     return med
@@ -428,6 +441,8 @@ def table(results: dict[int, dict]) -> str:
         rows += [("VM handed back: raw read MiB", "raw_read_vm_mib"),
                  ("VM handed back: coci load MiB", "coci_load_vm_mib"),
                  ("settle before coci load s", "coci_load_settle_s")]
+    if all("coci_load_warm_s" in results[w] for w in results):
+        rows += [("freed page cache before coci load s", "coci_load_warm_s")]
     ws = sorted(results)
     out = []
     gb = results[ws[0]]["bytes"] / 1e9
@@ -476,6 +491,9 @@ def main() -> int:
     ap.add_argument("--bind-to", default=None, choices=["core", "none"],
                     help="mpiexec's binding of each rank (default: Open MPI's own, a core per rank for "
                          "1-2 ranks); 'none' lets each rank use every core, as --cpus-per-task does")
+    ap.add_argument("--no-warm", dest="warm", action="store_false",
+                    help="begin each cold read without first freeing fresh page cache (the method "
+                         "before 2026-12-03; see benchmarks.method.warm_free_memory)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -498,6 +516,8 @@ def main() -> int:
                "--repeats", str(args.repeats), "--steps", str(args.steps)]
         if args.dir:
             cmd += ["--dir", args.dir]
+        if not args.warm:
+            cmd += ["--no-warm"]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
             print(p.stdout, p.stderr, file=sys.stderr)

@@ -266,3 +266,36 @@ def mapped_copy(comm: Any, path: Any, views: Sequence[Any], timed: Callable[[Cal
     finally:
         fmap.close()
         os.close(fd)
+
+
+
+def warm_free_memory(directory: Path, nbytes: int, *, sync: bool = True) -> float:
+    """Write ``nbytes`` into a scratch file in ``directory`` through the page cache, then drop it
+    (``sync``: fsync, evict and delete; else delete at once, its dirty pages discarded); returns
+    the seconds it took (0 where the kernel reports no free pages: bare metal).
+
+    On a VM that hands free memory back to its host (:func:`vm_reported_mib`) a cold read
+    filled its page cache fast from pages a file's eviction had freed moments before, and at
+    about half the speed otherwise. Which it got depended on the writer, not the reader: a file
+    written through the page cache (the raw floor, torch.save, DCP) freed its own pages when it
+    was evicted before its read; coci's, written ``O_DIRECT``, had nothing to free. Called
+    before each cold read (after its eviction and :func:`settle_vm`) so that every reader
+    starts with the same freshly freed memory, as the raw floor always did."""
+    if vm_reported_mib() is None or nbytes <= 0:
+        return 0.0
+    import time
+
+    t0 = time.perf_counter()
+    path = Path(directory) / f".warm-{os.getpid()}"
+    chunk = bytes(8 << 20)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for off in range(0, nbytes, len(chunk)):
+            os.pwrite(fd, chunk[:min(len(chunk), nbytes - off)], off)
+        if sync:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return time.perf_counter() - t0

@@ -125,3 +125,30 @@ def test_cached_mib_counts_the_resident_bytes_of_files_and_directories(tmp_path)
     assert method.cached_mib([a, tmp_path / "gone"]) == pytest.approx(2.0, abs=0.01)
     evict([a])
     assert method.cached_mib([d]) == pytest.approx(1.0, abs=0.01)   # what the eviction left
+
+
+def test_warm_free_memory_writes_and_removes_its_scratch_file_and_does_nothing_on_bare_metal(
+        tmp_path, monkeypatch) -> None:
+    import benchmarks.method as method
+
+    counter = tmp_path / "reported_kib"
+    counter.write_text("0\n")
+    monkeypatch.setattr(method, "_REPORTED_KIB", str(counter))
+    work = tmp_path / "work"
+    work.mkdir()
+    seen: list[int] = []
+    real_pwrite = os.pwrite
+
+    def pwrite(fd: int, data: bytes, off: int) -> int:
+        seen.append(off + len(data))
+        return real_pwrite(fd, data, off)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    for sync in (True, False):
+        seen.clear()
+        assert method.warm_free_memory(work, 20 << 20, sync=sync) > 0
+        assert max(seen) == 20 << 20          # every byte asked for went through the page cache
+        assert list(work.iterdir()) == []     # and the scratch file is gone
+    monkeypatch.setattr(method, "_REPORTED_KIB", str(tmp_path / "absent"))
+    seen.clear()
+    assert method.warm_free_memory(work, 20 << 20) == 0.0 and seen == []
