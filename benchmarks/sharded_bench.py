@@ -49,6 +49,12 @@ load pays after its last check; ``load_aon_floor_vs_floor`` = (raw read + that c
 ``_fastest`` / ``_cold`` (same mesh), ``coci_load_reshard_1_phases_*``, ``coci_load_reshard_4_phases_*``,
 ``coci_load_restart_phases_*``.
 
+Every timed cold load (since 2026-12-03; ``--no-warm`` for the method before) begins with its
+files evicted, the VM settled (:func:`benchmarks.method.settle_vm`) and a scratch file's page cache
+freed (:func:`benchmarks.method.warm_free_memory`, ``*_warm_s``), so that every reader fills the
+same freshly freed memory; before, one eviction preceded a round's three loads and only the first
+of them refilled the pages it freed.
+
 Times are the slowest rank's, between barriers; medians over the rounds. Ratios (goals from
 issue 23): ``sharded_save_vs_dcp``, ``sharded_load_vs_dcp``, ``reshard_load_vs_dcp`` (the worse
 of 2 -> 1 and 2 -> 4) <= 0.8; ``sharded_stall_vs_dcp_async`` <= 0.2; ``bytes_written_ratio``
@@ -78,10 +84,12 @@ from benchmarks.method import (  # noqa: E402
     mapped_copy,
     phase_breakdown,
     rotate,
+    settle_vm,
     slowest_rank,
     spread_table,
     summary,
     vm_reported_mib,
+    warm_free_memory,
 )
 
 
@@ -219,7 +227,21 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         dcp.load(sd, checkpoint_id=str(where))
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
-    out: dict[str, Any] = {"world": world}
+    def cold_start(name: str, paths: list[Path], nbytes: int, keep: list[Path] | None = None) -> None:
+        """Before a timed cold load: evict its files (rank 0), let the VM settle, then (``--warm``)
+        free a scratch file's page cache, so that every load fills the same freshly freed memory
+        (checkpoint_bench.py's method since 2026-12-03; ``*_warm_s``, untimed)."""
+        warmed = 0.0
+        if comm.rank == 0:
+            evict(paths, keep=keep or [])
+            if args.warm:
+                settle_vm()
+                warmed = warm_free_memory(base, int(1.25 * nbytes), sync=False)
+        comm.barrier()
+        if args.warm:
+            rec(f"{name}_warm_s", warmed)
+
+    out: dict[str, Any] = {"world": world, "warm": args.warm}
     phases: list[list[dict[str, float]]] = []   # [round][rank] -> the coci save's phase times
     load_phases: list[list[dict[str, float]]] = []   # [round][rank] -> the coci load's phase times
     vm_rounds: list[list[dict[str, Any]]] = []   # [round] -> saves in order, memory handed back to the host (rank 0's view)
@@ -260,17 +282,20 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                 vm_rounds.append(handed_back)
             # where this round's coci save spent its time, per rank (issue 33: a slow save names its phase)
             phases.append(comm.allgather({k: round(v, 4) for k, v in mgr.stats.items()}))
-            if comm.rank == 0:
-                # What the loads read comes from the disk; coci's spare (a retired step's file, which
-                # the next save writes over) stays as a job leaves it: evicting it made that save
-                # allocate its page cache afresh, which on this VM means memory the host took back
-                # (see benchmarks/method.py, vm_reported_mib), while the raw floor reuses its own pages.
-                evict([cdir, target, rawdir], keep=[spare_path(cdir)])
-            comm.barrier()
+            # What the loads read comes from the disk; coci's spare (a retired step's file, which
+            # the next save writes over) stays as a job leaves it: evicting it made that save
+            # allocate its page cache afresh, which on this VM means memory the host took back
+            # (see benchmarks/method.py, vm_reported_mib), while the raw floor reuses its own pages.
+            # Evicted before each load (--warm; before 2026-12-03 once before the three, so that
+            # only the round's first load refilled the pages the eviction freed).
+            if not args.warm:
+                cold_start("loads", [cdir, target, rawdir], 0, keep=[spare_path(cdir)])
             loads = [("coci_load", lambda: mgr.load(rep + 1, {"model": model, "optimizer": opt})),
                      ("dcp_load", lambda: dcp_load(opt, target)),
                      ("raw_load", lambda: raw_read(raw_path, bufs))]
             for name, fn in rotate(loads, rep):
+                if args.warm:
+                    cold_start(name, [cdir, target, rawdir], out["state_bytes"], keep=[spare_path(cdir)])
                 rec(name, timer(fn))
                 if name == "coci_load":
                     load_phases.append(comm.allgather({k: round(v, 4) for k, v in mgr.load_stats.items()}))
@@ -343,9 +368,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                 order.append(("raw_load", "raw"))
             for name, which in rotate(order, rep):
                 opt = torch.optim.Adam(model.parameters(), lr=1e-4)  # fresh: no state yet
-                if comm.rank == 0:
-                    evict([cdir, ddir, raw_path.parent])
-                comm.barrier()
+                cold_start(name, [cdir, ddir, raw_path.parent],
+                           3 * sum(p.numel() * p.element_size() for p in model.parameters()))
                 if which == "raw":
                     if raw_bufs:
                         rec(name, timer(lambda: raw_read(raw_path, raw_bufs)))
@@ -389,6 +413,8 @@ def run(args: argparse.Namespace, n: int, phase: str, workdir: Path) -> dict[str
            "--size-mb", str(args.size_mb), "--repeats", str(args.repeats), "--dir", str(workdir)]
     if args.async_:
         cmd.append("--async")
+    if not args.warm:
+        cmd.append("--no-warm")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
@@ -473,6 +499,9 @@ def main() -> int:
     ap.add_argument("--async", dest="async_", action="store_true", default=True)
     ap.add_argument("--no-async", dest="async_", action="store_false",
                     help="skip the async-save stall comparison")
+    ap.add_argument("--no-warm", dest="warm", action="store_false",
+                    help="evict once before a round's loads and free no fresh page cache before each "
+                         "(the method before 2026-12-03; see benchmarks.method.warm_free_memory)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--phase", default="save", help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
