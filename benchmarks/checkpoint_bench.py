@@ -72,16 +72,14 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.method import (  # noqa: E402
     MIN_ROUNDS,
-    evict,
     mapped_copy,
     phase_breakdown,
     rate_until,
-    settle_vm,
+    ready_cold_read,
     slowest_rank,
     spread_table,
     summary,
     vm_reported_mib,
-    warm_free_memory,
 )
 
 
@@ -237,10 +235,8 @@ def worker(args: argparse.Namespace) -> dict:
         the wait before it. Returns the eviction's method."""
         method, waited, warmed = "", 0.0, 0.0  # warmed: warm_free_memory's seconds (untimed)
         if rank == 0:
-            method = evict(paths, keep=keep or [])
-            waited = settle_vm()[0]
-            if args.warm:
-                warmed = warm_free_memory(base, int(1.25 * nbytes), sync=False)
+            method, waited, warmed = ready_cold_read(paths, keep or [], scratch=base, nbytes=int(1.25 * nbytes),
+                                                     warm=args.warm)
         comm.barrier()
         m0 = vm_reported_mib()
         rec(key, timer(fn)[0])

@@ -268,7 +268,6 @@ def mapped_copy(comm: Any, path: Any, views: Sequence[Any], timed: Callable[[Cal
         os.close(fd)
 
 
-
 def warm_free_memory(directory: Path, nbytes: int, *, sync: bool = True) -> float:
     """Write ``nbytes`` into a scratch file in ``directory`` through the page cache, then drop it
     (``sync``: fsync, evict and delete; else delete at once, its dirty pages discarded); returns
@@ -292,10 +291,22 @@ def warm_free_memory(directory: Path, nbytes: int, *, sync: bool = True) -> floa
     try:
         for off in range(0, nbytes, len(chunk)):
             os.pwrite(fd, chunk[:min(len(chunk), nbytes - off)], off)
-        if sync:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-        path.unlink(missing_ok=True)
+    if sync:
+        evict([path])
+    path.unlink(missing_ok=True)
     return time.perf_counter() - t0
+
+
+def ready_cold_read(paths: Iterable[Path], keep: Iterable[Path] = (), *, scratch: Path, nbytes: int,
+                    settle: bool = True, warm: bool = True) -> tuple[str, float, float]:
+    """Rank 0's part before a timed cold read, shared by the benchmarks: evict ``paths`` (but
+    ``keep``, :func:`evict`), then (``settle``) wait for the VM to stop handing memory back
+    (:func:`settle_vm`), then (``warm``) free ``nbytes`` of fresh page cache through a scratch
+    file in ``scratch`` (:func:`warm_free_memory`). Returns (the eviction's method, seconds
+    settled, seconds warming)."""
+    method = evict(paths, keep=keep)
+    waited = settle_vm()[0] if settle else 0.0
+    warmed = warm_free_memory(scratch, nbytes, sync=False) if warm else 0.0
+    return method, waited, warmed

@@ -80,16 +80,14 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.method import (  # noqa: E402
     MIN_ROUNDS,
     cached_mib,
-    evict,
     mapped_copy,
     phase_breakdown,
+    ready_cold_read,
     rotate,
-    settle_vm,
     slowest_rank,
     spread_table,
     summary,
     vm_reported_mib,
-    warm_free_memory,
 )
 
 
@@ -233,10 +231,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         (checkpoint_bench.py's method since 2026-12-03; ``*_warm_s``, untimed)."""
         warmed = 0.0
         if comm.rank == 0:
-            evict(paths, keep=keep or [])
-            if args.warm:
-                settle_vm()
-                warmed = warm_free_memory(base, int(1.25 * nbytes), sync=False)
+            # --no-warm: the eviction alone, as before 2026-12-03
+            warmed = ready_cold_read(paths, keep or [], scratch=base, nbytes=int(1.25 * nbytes),
+                                     settle=args.warm, warm=args.warm)[2]
         comm.barrier()
         if args.warm:
             rec(f"{name}_warm_s", warmed)
