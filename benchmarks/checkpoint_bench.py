@@ -34,7 +34,9 @@ round's ``*_cold`` beside each in ``by_ranks``):
   frees nothing, from memory handed back to the host long before, which on this VM filled at
   about half the speed (2026-12-03, 2 ranks, 7 rounds: coci's load 1.016 s median without,
   0.667 s with, the raw read 0.553 s; a plain ``pread`` of coci's own step file right after its
-  save 1.5-3.0 s).
+  save 1.5-3.0 s). Since run C36 (2026-12-03) the scratch file is deleted right after one of the
+  VM's report passes, or with none pending (:func:`benchmarks.method.wait_report_gap`): in C33-C35
+  a pass that fell inside the read handed back the pages the deletion had just freed for it.
 
 Times are the slowest rank's, between barriers. Ratios (goals from issue 3):
 persist_efficiency = raw write / save (>= 0.95); stall_ratio = training-loop blocked time of an

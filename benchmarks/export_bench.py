@@ -21,7 +21,12 @@ Python process, with a cold page cache for the files it reads (those files evict
 fadvise DONTNEED, :func:`benchmarks.method.evict`; a global drop_caches before 2026-11-29), and
 reports its wall time and its peak resident memory above its resident memory once its imports
 are done (``/proc/self/status`` VmHWM - VmRSS, the peak reset through
-``/proc/self/clear_refs`` where the kernel allows):
+``/proc/self/clear_refs`` where the kernel allows). Since 2026-12-03 each measurement's eviction
+is followed by a settle of the VM and a scratch file's page cache freed
+(:func:`benchmarks.method.ready_cold_read`, 1.25 x the checkpoint's bytes; ``warm_s`` in the JSON),
+as in the DDP and sharded benchmarks: on this VM a read filled its page cache twice as fast
+from memory freed moments before it, and which reader got it depended on what ran before;
+``--no-warm`` for the eviction alone:
 
 * raw_read: the coci data file read sequentially into one 8 MiB buffer (the floor);
 * export_hf (``--max-shard-size``, default 256MB), export_torch, export_dcp: ``coci_hpc.interop.export``;
@@ -56,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-from benchmarks.method import MIN_ROUNDS, evict, rotate, summary  # noqa: E402
+from benchmarks.method import MIN_ROUNDS, ready_cold_read, rotate, summary  # noqa: E402
 
 
 def status_kb(field: str) -> int:
@@ -188,11 +193,17 @@ def measure(name: str, paths: dict, work: Path, args: argparse.Namespace) -> dic
         target = {f"layers.{i}.weight": torch.zeros(*shape) for i, shape in enumerate(shapes(args.size_mb, args.tensor_mb))}
     reads = {"raw_read": [Path(paths["data"])], "raw_read_hf": [work / "hf"], "import_hf": [work / "hf"],
              "dcp_to_torch_save": [Path(paths["dcp_native"])], "dcp_native_load": [Path(paths["dcp_native"])]}
+    # since 2026-12-03 (as checkpoint_bench, sharded_bench): the files evicted, the VM settled
+    # and a scratch file's page cache freed, so that every measurement fills its page cache from
+    # the same freshly freed memory (--no-warm: the eviction alone, as before)
+    cold = {"settle": args.warm, "warm": args.warm, "scratch": work, "nbytes": int(1.25 * paths["bytes"])}
+    warmed = 0.0
     if sharded:
-        cache = evict(reads.get(name, [Path(paths["data"])])) if dist.get_rank() == 0 else ""
+        cache, _, warmed = (ready_cold_read(reads.get(name, [Path(paths["data"])]), **cold)
+                            if dist.get_rank() == 0 else ("", 0.0, 0.0))
         dist.barrier()
     else:
-        cache = evict(reads.get(name, [Path(paths["data"])]))
+        cache, _, warmed = ready_cold_read(reads.get(name, [Path(paths["data"])]), **cold)
     peak_reset = reset_peak()
     base = status_kb("VmRSS")
     out = work / f"out_{name}"
@@ -225,7 +236,7 @@ def measure(name: str, paths: dict, work: Path, args: argparse.Namespace) -> dic
         if not local or any(not bool(t.any()) for t in local):
             raise SystemExit(f"{name}: a target tensor is still all zeros after the load")
     out = {"seconds": seconds, "peak_extra_bytes": max(0, peak - base) * 1024, "cache": cache,
-           "peak_reset": peak_reset}
+           "peak_reset": peak_reset, "warm_s": round(warmed, 3)}
     if sharded:   # the slowest rank's time, the largest rank's peak (each is one of the ranks)
         ranks: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, out)
@@ -233,7 +244,7 @@ def measure(name: str, paths: dict, work: Path, args: argparse.Namespace) -> dic
         dist.destroy_process_group()
         out = {"seconds": max(r["seconds"] for r in ranks),
                "peak_extra_bytes": max(r["peak_extra_bytes"] for r in ranks), "cache": ranks[0]["cache"],
-               "peak_reset": all(r["peak_reset"] for r in ranks), "ranks": len(ranks),
+               "peak_reset": all(r["peak_reset"] for r in ranks), "warm_s": ranks[0]["warm_s"], "ranks": len(ranks),
                "rank_seconds": [round(r["seconds"], 3) for r in ranks]}
         if rank != 0:
             return None
@@ -255,7 +266,7 @@ def run_one(name: str, paths: dict, work: Path, args: argparse.Namespace, layout
         out.unlink()
     cmd = [sys.executable, __file__, "--measure", name, "--paths", json.dumps(paths), "--work", str(work),
            "--size-mb", str(args.size_mb), "--tensor-mb", str(args.tensor_mb),
-           "--max-shard-size", args.max_shard_size, "--layout", layout]
+           "--max-shard-size", args.max_shard_size, "--layout", layout] + ([] if args.warm else ["--no-warm"])
     if layout == "fsdp2" and name in SHARDED_LOADS:
         cmd = ["mpiexec", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n",
                str(args.save_ranks), cmd[0], "-m", "mpi4py", *cmd[1:]]
@@ -305,6 +316,9 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
     ap.add_argument("--only", default=None, help="comma-separated measurements (default: all); the "
                     "ratios need their baselines, e.g. --only dcp_native_load,dcp_reader_load")
+    ap.add_argument("--no-warm", dest="warm", action="store_false",
+                    help="before each measurement evict its files only (the method before 2026-12-03): no "
+                         "settle, no scratch file's freed page cache")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--save-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--measure", help=argparse.SUPPRESS)
@@ -379,7 +393,7 @@ def bench_layout(layout: str, args: argparse.Namespace) -> dict[str, Any]:
         "export_torch_peak_extra_rss_over_checkpoint": rss("export_torch"),
         "import_hf_peak_extra_rss_over_checkpoint": rss("import_hf"),
         "dcp_to_torch_save_peak_extra_rss_over_checkpoint": rss("dcp_to_torch_save"),
-        "checkpoint_bytes": size, "layout": layout, "save_ranks": args.save_ranks, "repeats": args.repeats,
+        "checkpoint_bytes": size, "warm": args.warm, "layout": layout, "save_ranks": args.save_ranks, "repeats": args.repeats,
         "max_shard_size": args.max_shard_size,
         "page_cache": next(iter(runs.values()))["cache"], "peak_reset": next(iter(runs.values()))["peak_reset"],
         "elapsed_s": round(time.perf_counter() - t_start, 1), "runs": runs,

@@ -268,6 +268,44 @@ def mapped_copy(comm: Any, path: Any, views: Sequence[Any], timed: Callable[[Cal
         os.close(fd)
 
 
+# The kernel hands free memory back in passes (mm/page_reporting.c): a pass runs 2 s after the
+# first free it was asked about, hands back at most its budget (here ~640 MiB, reported in a
+# burst of 128-MiB steps over ~0.3 s) and, if more is left, runs again 2 s later.
+REPORT_PERIOD_S = 2.0
+
+
+def wait_report_gap(*, burst_end_s: float = 0.15, quiet_s: float = REPORT_PERIOD_S + 0.2,
+                    most_s: float = 8.0) -> float:
+    """Wait until no free-page report can come for nearly :data:`REPORT_PERIOD_S`: until a
+    report pass has just ended (the counter moved, then stood still ``burst_end_s``) or none
+    was pending (it stood still ``quiet_s``, longer than the period); at most ``most_s``.
+    Returns the seconds waited (0 where the kernel reports no free pages).
+
+    :func:`settle_vm` stops after 1 s without a report, but a pass comes every 2 s while
+    more is left to hand back (an evicted 1.26 GB file takes two): the next pass then fell on
+    whatever ran next. Through :func:`warm_free_memory`, when the scratch write was quick, that
+    was the cold read itself, and the pass handed back the page cache the scratch file had just
+    freed for it (issue 33, DDP 1.26 GB on 2 ranks, runs C33-C35 of 2026-12-03: coci's loads
+    after a scratch write of 0.4-1.5 s took 0.71-1.15 s, 640 MiB handed back during the median
+    one; after writes of 3.1-3.2 s, every round, 0.58-0.70 s against a raw read of 0.51 s)."""
+    if vm_reported_mib() is None:
+        return 0.0
+    import time
+
+    t0 = time.perf_counter()
+    last, moved_at = vm_reported_mib(), None
+    while (now := time.perf_counter()) - t0 < most_s:
+        v = vm_reported_mib()
+        if v != last:
+            last, moved_at = v, now
+        elif moved_at is not None and now - moved_at >= burst_end_s:
+            break  # a pass just ended: the next is a period away
+        elif moved_at is None and now - t0 >= quiet_s:
+            break  # none pending
+        time.sleep(0.01)
+    return time.perf_counter() - t0
+
+
 def warm_free_memory(directory: Path, nbytes: int, *, sync: bool = True) -> float:
     """Write ``nbytes`` into a scratch file in ``directory`` through the page cache, then drop it
     (``sync``: fsync, evict and delete; else delete at once, its dirty pages discarded); returns
@@ -279,7 +317,9 @@ def warm_free_memory(directory: Path, nbytes: int, *, sync: bool = True) -> floa
     written through the page cache (the raw floor, torch.save, DCP) freed its own pages when it
     was evicted before its read; coci's, written ``O_DIRECT``, had nothing to free. Called
     before each cold read (after its eviction and :func:`settle_vm`) so that every reader
-    starts with the same freshly freed memory, as the raw floor always did."""
+    starts with the same freshly freed memory, as the raw floor always did. The scratch file is
+    dropped right after a report pass, or with none pending (:func:`wait_report_gap`), so that
+    no pass hands its pages back during the read; the seconds returned include that wait."""
     if vm_reported_mib() is None or nbytes <= 0:
         return 0.0
     import time
@@ -293,6 +333,9 @@ def warm_free_memory(directory: Path, nbytes: int, *, sync: bool = True) -> floa
             os.pwrite(fd, chunk[:min(len(chunk), nbytes - off)], off)
     finally:
         os.close(fd)
+    # freed right after a report pass (or with none pending), so that no pass hands the freed
+    # pages back before the read that follows has filled them (wait_report_gap)
+    wait_report_gap()
     if sync:
         evict([path])
     path.unlink(missing_ok=True)

@@ -152,3 +152,41 @@ def test_warm_free_memory_writes_and_removes_its_scratch_file_and_does_nothing_o
     monkeypatch.setattr(method, "_REPORTED_KIB", str(tmp_path / "absent"))
     seen.clear()
     assert method.warm_free_memory(work, 20 << 20) == 0.0 and seen == []
+
+
+def test_wait_report_gap_stops_after_a_report_burst_or_a_quiet_period_and_not_without_a_counter(
+        tmp_path, monkeypatch) -> None:
+    import time
+
+    import benchmarks.method as method
+
+    counter = tmp_path / "reported_kib"
+    counter.write_text("0\n")
+    monkeypatch.setattr(method, "_REPORTED_KIB", str(counter))
+    real_sleep = time.sleep
+
+    def run(ticks: list[int], **kw: float) -> float:
+        it = iter(ticks)
+
+        def sleep(s: float) -> None:
+            counter.write_text(f"{next(it, ticks[-1])}\n")
+            real_sleep(s)
+
+        monkeypatch.setattr(time, "sleep", sleep)
+        try:
+            return method.wait_report_gap(**kw)
+        finally:
+            monkeypatch.setattr(time, "sleep", real_sleep)
+
+    # a pass hands back 3 x 128 MiB, then nothing: stop soon after the burst, long before quiet_s
+    waited = run([0, 0, 131072, 262144, 393216], burst_end_s=0.1, quiet_s=3.0, most_s=6.0)
+    assert 0.1 <= waited < 1.5
+    # nothing pending: wait the whole quiet period (longer than a report period), not the bound
+    counter.write_text("393216\n")
+    waited = run([393216], burst_end_s=0.1, quiet_s=0.5, most_s=6.0)
+    assert 0.5 <= waited < 2.0
+    # the counter never stands still: the bound
+    waited = run(list(range(0, 10**9, 1024)), burst_end_s=0.3, quiet_s=0.3, most_s=0.6)
+    assert 0.6 <= waited < 1.5
+    monkeypatch.setattr(method, "_REPORTED_KIB", str(tmp_path / "absent"))
+    assert method.wait_report_gap() == 0.0
