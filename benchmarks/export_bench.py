@@ -29,6 +29,9 @@ from memory freed moments before it, and which reader got it depended on what ra
 ``--no-warm`` for the eviction alone:
 
 * raw_read: the coci data file read sequentially into one 8 MiB buffer (the floor);
+* raw_copy (since 2026-12-03): the same file copied into a new one, read and written as the hf
+  export does it (:func:`raw_copy`: pipelined, ``O_DIRECT``, fsync): the floor of any export on
+  this disk (``copy_floor_vs_raw_read``, ``export_hf_vs_copy_floor``);
 * export_hf (``--max-shard-size``, default 256MB), export_torch, export_dcp: ``coci_hpc.interop.export``;
 * dcp_to_torch_save: DCP's own converter of the native DCP directory (holds the whole model);
 * raw_read_hf + import_hf: ``load_pretrained`` of the hf export into preallocated tensors;
@@ -166,6 +169,45 @@ def setup(work: Path, args: argparse.Namespace, layout: str) -> dict:
 
 
 # ------------------------------------------------------------------------------ measurements
+def raw_copy(src: Path, dst: Path, window: int = 64 << 20) -> None:
+    """The floor of an export: the coci data file's bytes copied into a new file as the hf export
+    writes its shards (two reused page-aligned buffers, a helper thread reading the next window
+    while this one writes the last with ``O_DIRECT``, then ``fsync``), without format or checksum.
+    An export must read every byte and write it again; on a disk that does not read and write at
+    full speed at once this costs more than the raw read alone, which is the export goal's
+    baseline."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coci_hpc.checkpoint.rawio import aligned_empty, open_direct, pread_into, pwrite_pages
+
+    size = src.stat().st_size
+    bufs = (aligned_empty(window), aligned_empty(window))
+    rfd = os.open(src, os.O_RDONLY)
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    dfd = open_direct(dst)
+
+    def read(i: int) -> Any:
+        view = bufs[i % 2][:min(window, size - i * window)]
+        pread_into(rfd, view, i * window)
+        return view
+
+    try:
+        with ThreadPoolExecutor(1) as reader:
+            n = -(-size // window)
+            pending = reader.submit(read, 0) if n else None
+            for i in range(n):
+                assert pending is not None
+                view = pending.result()
+                pending = reader.submit(read, i + 1) if i + 1 < n else None
+                dfd = pwrite_pages(fd, dfd, view, i * window)
+        os.fsync(fd)
+    finally:
+        os.close(rfd)
+        os.close(fd)
+        if dfd is not None:
+            os.close(dfd)
+
+
 def measure(name: str, paths: dict, work: Path, args: argparse.Namespace) -> dict | None:
     """Run one measurement in this (fresh) process; imports first, then the baseline RSS."""
     import numpy as np
@@ -217,6 +259,8 @@ def measure(name: str, paths: dict, work: Path, args: argparse.Namespace) -> dic
             with open(f, "rb", buffering=0) as fh:
                 while fh.readinto(memoryview(buf)):
                     pass
+    elif name == "raw_copy":
+        raw_copy(Path(paths["data"]), out)
     elif name.startswith("export_"):
         export(paths["coci"], out, to=name.split("_", 1)[1], max_shard_size=args.max_shard_size)
     elif name == "dcp_to_torch_save":
@@ -254,7 +298,7 @@ def measure(name: str, paths: dict, work: Path, args: argparse.Namespace) -> dic
 LAYOUTS = ("ddp", "fsdp2")
 # measurements that load into preallocated targets: with fsdp2 into the FSDP2 model, on its ranks
 SHARDED_LOADS = ("import_hf", "dcp_native_load", "dcp_reader_load")
-ORDER = ["raw_read", "export_hf", "export_torch", "export_dcp", "dcp_to_torch_save", "raw_read_hf",
+ORDER = ["raw_read", "raw_copy", "export_hf", "export_torch", "export_dcp", "dcp_to_torch_save", "raw_read_hf",
          "import_hf", "dcp_native_load", "dcp_reader_load"]
 
 
@@ -384,6 +428,10 @@ def bench_layout(layout: str, args: argparse.Namespace) -> dict[str, Any]:
 
     return {
         "export_hf_vs_raw_read": ratio("export_hf", "raw_read"),
+        # the floor of any export on this disk (read + write of the same bytes, pipelined), and
+        # the export against it (since 2026-12-03, X15)
+        "copy_floor_vs_raw_read": ratio("raw_copy", "raw_read"),
+        "export_hf_vs_copy_floor": ratio("export_hf", "raw_copy"),
         "export_peak_extra_rss_over_checkpoint": rss("export_hf"),
         "import_hf_vs_raw_read": ratio("import_hf", "raw_read_hf"),
         "dcp_reader_load_vs_dcp_native": ratio("dcp_reader_load", "dcp_native_load"),

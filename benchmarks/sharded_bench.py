@@ -53,7 +53,8 @@ Every timed cold load (since 2026-12-03; ``--no-warm`` for the method before) be
 files evicted, the VM settled (:func:`benchmarks.method.settle_vm`) and a scratch file's page cache
 freed (:func:`benchmarks.method.warm_free_memory`, ``*_warm_s``), so that every reader fills the
 same freshly freed memory; before, one eviction preceded a round's three loads and only the first
-of them refilled the pages it freed.
+of them refilled the pages it freed. Since S70 the scratch file is deleted right after a free-page
+report pass, or once none is pending (:func:`benchmarks.method.wait_report_gap`).
 
 Times are the slowest rank's, between barriers; medians over the rounds. Ratios (goals from
 issue 23): ``sharded_save_vs_dcp``, ``sharded_load_vs_dcp``, ``reshard_load_vs_dcp`` (the worse
