@@ -179,14 +179,15 @@ def test_wait_report_gap_stops_after_a_report_burst_or_a_quiet_period_and_not_wi
             monkeypatch.setattr(time, "sleep", real_sleep)
 
     # a pass hands back 3 x 128 MiB, then nothing: stop soon after the burst, long before quiet_s
-    waited = run([0, 0, 131072, 262144, 393216], burst_end_s=0.1, quiet_s=3.0, most_s=6.0)
-    assert 0.1 <= waited < 1.5
+    # (upper bounds loose: the unit phase runs niced beside the cluster tests)
+    waited = run([0, 0, 131072, 262144, 393216], burst_end_s=0.1, quiet_s=6.0, most_s=12.0)
+    assert 0.1 <= waited < 5.0
     # nothing pending: wait the whole quiet period (longer than a report period), not the bound
     counter.write_text("393216\n")
-    waited = run([393216], burst_end_s=0.1, quiet_s=0.5, most_s=6.0)
-    assert 0.5 <= waited < 2.0
+    waited = run([393216], burst_end_s=0.1, quiet_s=0.5, most_s=12.0)
+    assert 0.5 <= waited < 5.0
     # the counter never stands still: the bound
-    waited = run(list(range(0, 10**9, 1024)), burst_end_s=0.3, quiet_s=0.3, most_s=0.6)
-    assert 0.6 <= waited < 1.5
+    waited = run(list(range(0, 10**9, 1024)), burst_end_s=30.0, quiet_s=30.0, most_s=0.6)
+    assert 0.6 <= waited < 5.0
     monkeypatch.setattr(method, "_REPORTED_KIB", str(tmp_path / "absent"))
     assert method.wait_report_gap() == 0.0
