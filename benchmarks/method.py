@@ -329,16 +329,18 @@ def warm_free_memory(directory: Path, nbytes: int, *, sync: bool = True) -> floa
     chunk = bytes(8 << 20)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        for off in range(0, nbytes, len(chunk)):
-            os.pwrite(fd, chunk[:min(len(chunk), nbytes - off)], off)
+        try:
+            for off in range(0, nbytes, len(chunk)):
+                os.pwrite(fd, chunk[:min(len(chunk), nbytes - off)], off)
+        finally:
+            os.close(fd)
+        # freed right after a report pass (or with none pending), so that no pass hands the freed
+        # pages back before the read that follows has filled them (wait_report_gap)
+        wait_report_gap()
+        if sync:
+            evict([path])
     finally:
-        os.close(fd)
-    # freed right after a report pass (or with none pending), so that no pass hands the freed
-    # pages back before the read that follows has filled them (wait_report_gap)
-    wait_report_gap()
-    if sync:
-        evict([path])
-    path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)   # a failed write (a full disk) leaves no scratch file behind
     return time.perf_counter() - t0
 
 

@@ -391,6 +391,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         mgr = CheckpointManager(cdir, comm=comm, lock=False)
         raw_path = base / "raw" / f"rank{comm.rank}.bin"
         raw_bufs: list[Any] = []   # the raw read's destination: the first loaded optimizer's own tensors
+        # the saving ranks' raw files in rank order (reshard: each new rank reads its share of them)
+        raw_files = sorted(raw_path.parent.glob("rank*.bin"), key=lambda p: int(p.stem[len("rank"):]))
         for rep in range(args.repeats + 1):
             warm_round = rep == 0
             order = [("coci_load", "coci"), ("dcp_load", "dcp")]
@@ -405,8 +407,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                     if raw_bufs and args.phase == "restart":
                         rec(name, timer(lambda: raw_read(raw_path, raw_bufs)))
                     elif raw_bufs:
-                        rec(name, timer(lambda: raw_read_share(sorted(raw_path.parent.glob("rank*.bin")),
-                                                               raw_bufs, comm.rank, world)))
+                        rec(name, timer(lambda: raw_read_share(raw_files, raw_bufs, comm.rank, world)))
                     continue
                 # What could make one load of a kind far faster than the next (the 2 -> 1 load's
                 # two modes): bytes still cached despite the eviction, or fewer fresh pages touched.
@@ -580,9 +581,9 @@ def main() -> int:
     if "raw_load" in r1 and "raw_load" in r4:
         # the goal's second half for a resharding load (issue 33): <= 1.25 x the raw read of each
         # new rank's share, the worse of 2 -> 1 and 2 -> 4 (since 2026-12-03)
-        doc["reshard_load_vs_floor"] = max(r1["coci_load"] / r1["raw_load"], r4["coci_load"] / r4["raw_load"])
         doc["reshard_1_load_vs_floor"] = r1["coci_load"] / r1["raw_load"]
         doc["reshard_4_load_vs_floor"] = r4["coci_load"] / r4["raw_load"]
+        doc["reshard_load_vs_floor"] = max(doc["reshard_1_load_vs_floor"], doc["reshard_4_load_vs_floor"])
     if "coci_stall" in save:
         doc["sharded_stall_vs_dcp_async"] = ratio(save, "stall")
     if "raw_save" in save:
