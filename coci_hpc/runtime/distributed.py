@@ -179,34 +179,83 @@ def _store(host: str, port: int, rank: int, world: int, timeout_s: float) -> dis
     """The rendezvous store, rank 0 serving it (on the socket the MPI rendezvous listened on, when
     there is one) as torch's ``tcp://`` and ``env://`` do, or torchrun's agent serving it
     (``TORCHELASTIC_USE_AGENT_STORE``: every rank a client); returns once every rank has reached
-    it, or raises naming the ranks missing."""
+    it, or raises naming the ranks missing.
+
+    Every rank returns only once rank 0 has seen all of them arrive: gloo's (and NCCL's) own
+    handshake that follows has the same timeout, counted from each rank's start of it, so a rank
+    that arrived early and went straight on would give up there (a bare ``DistStoreError``
+    traceback, and its peers a "Connection closed by peer") whenever the last rank came more than
+    the timeout after it (a slow start on a busy node or file system; seen in CI under load). Rank
+    0 polls one counter; the others wait, server-side, for one verdict key. The verdict is
+    written once (``compare_set``), by whoever decides first: rank 0's "ok" or its error naming
+    the missing ranks, or a rank that gave up waiting for rank 0; every rank then acts on the
+    same verdict (a rank 0 arriving after one gave up raises too, instead of meeting a peer that
+    has gone inside gloo's handshake)."""
     timeout = timedelta(seconds=timeout_s)
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     # the agent's store outlives a restart of the workers: this attempt's keys only
     arrived = f"{ARRIVED_KEY}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/" if agent else ARRIVED_KEY
-    if rank == 0 and not agent:
-        sock = _listeners.pop(port, None)
-        fd = sock.detach() if sock is not None else None      # the store owns (and closes) it now
-        store = dist.TCPStore(host, port, world, True, timeout, wait_for_workers=False, multi_tenant=True,
-                              master_listen_fd=fd)
-    else:
-        store = dist.TCPStore(host, port, world, False, timeout)
+    count, verdict = f"{arrived}count", f"{arrived}verdict"
+    hint = ("look at those ranks' output; a start-up that can take longer (slow imports, a busy file "
+            f"system) needs a larger {settings.DIST_TIMEOUT.name}")
+    try:
+        if rank == 0 and not agent:
+            sock = _listeners.pop(port, None)
+            fd = sock.detach() if sock is not None else None      # the store owns (and closes) it now
+            store = dist.TCPStore(host, port, world, True, timeout, wait_for_workers=False, multi_tenant=True,
+                                  master_listen_fd=fd)
+        else:
+            store = dist.TCPStore(host, port, world, False, timeout)
+    except RuntimeError as exc:   # DistNetworkError: nobody serves the address (or it is ours and taken)
+        serves = "torchrun's agent" if agent else "rank 0"
+        raise CommError(f"rank {rank} could not {'serve' if rank == 0 and not agent else 'reach'} the rendezvous "
+                        f"store at {host}:{port} ({serves} serves it) within {timeout_s:g}s: "
+                        f"{str(exc).splitlines()[0][:300]}",
+                        hint=f"check that {serves} is running and that MASTER_ADDR/MASTER_PORT name it; "
+                             f"a slow start needs a larger {settings.DIST_TIMEOUT.name}") from None
     store.set(f"{arrived}{rank}", f"{socket.gethostname()} pid {os.getpid()}")
+    store.add(count, 1)
     if rank == 0:
         deadline = time.monotonic() + timeout_s
-        missing = list(range(1, world))
-        while missing:
-            missing = [r for r in missing if not store.check([f"{arrived}{r}"])]
-            if missing and time.monotonic() > deadline:
-                raise CommError(
-                    f"rank(s) {missing[:16]}{' ...' if len(missing) > 16 else ''} of {world} did not reach the "
-                    f"rendezvous at {host}:{port} within {timeout_s:g}s: each such rank died or hung before or "
-                    "inside init_distributed (its stack is in its stderr if it hung inside)",
-                    hint="look at those ranks' output; a start-up that can take longer (slow imports, a busy file "
-                         f"system) needs a larger {settings.DIST_TIMEOUT.name}")
-            if missing:
-                time.sleep(0.05)
+        while store.add(count, 0) < world:
+            if time.monotonic() > deadline:
+                missing = [r for r in range(1, world) if not store.check([f"{arrived}{r}"])]
+                message = (f"rank(s) {missing[:16]}{' ...' if len(missing) > 16 else ''} of {world} did not reach "
+                           f"the rendezvous at {host}:{port} within {timeout_s:g}s: each such rank died or hung "
+                           "before or inside init_distributed (its stack is in its stderr if it hung inside)")
+                said = _decide(store, verdict, message)   # the ranks that did arrive raise it too
+                raise CommError(message if said == message else f"{said} (and {message})", hint=hint)
+            time.sleep(0.05)
+        said = _decide(store, verdict, "ok")
+        if said != "ok":
+            raise CommError(f"rank 0 reached the rendezvous after another rank gave up: {said}", hint=hint)
+        return store
+    # Rank 0 gives the others up to the timeout from its own arrival, which may come after ours.
+    # One blocking get (it waits for the key): the value comes back even if rank 0, which serves
+    # the store, exits right after writing its error.
+    store.set_timeout(2 * timeout)
+    try:
+        said = store.get(verdict).decode()
+    except RuntimeError as exc:   # DistStoreError (timeout), DistNetworkError (the server is gone)
+        gave_up = (f"rank {rank} had no word from rank 0 at the rendezvous {host}:{port} within {2 * timeout_s:g}s "
+                   f"of arriving ({str(exc).splitlines()[0][:200]}): rank 0 died, hung, or started far later than "
+                   "this rank (its output says which)")
+        try:
+            said = _decide(store, verdict, gave_up)   # rank 0 may have said "ok" just now
+        except RuntimeError:
+            said = gave_up                            # the store itself is gone
+    finally:
+        store.set_timeout(timeout)
+    if said != "ok":
+        mine = said.startswith(f"rank {rank} ")
+        raise CommError(said if mine else f"rank 0's rendezvous failed: {said}",
+                        hint=hint.replace("those ranks'", "rank 0's") if mine else hint)
     return store
+
+
+def _decide(store: dist.TCPStore, key: str, value: str) -> str:
+    """Write ``value`` under ``key`` unless a verdict is there already; the verdict that holds."""
+    return store.compare_set(key, "", value).decode()
 
 
 def default_comm(environ: Mapping[str, str] | None = None) -> Comm:

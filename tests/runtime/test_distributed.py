@@ -107,9 +107,12 @@ def test_mpi_rendezvous_refuses_another_jobs_address() -> None:
 
 
 RANK0 = """
-import sys
+import os, sys, time
 sys.path.insert(0, {root!r})
 import coci_hpc
+go = os.environ.get("TEST_GO_FILE")     # imported already: wait for the test's go, then start at once
+while go and not os.path.exists(go):
+    time.sleep(0.02)
 coci_hpc.init_distributed()
 print("INITIALISED")
 """
@@ -158,7 +161,76 @@ def test_under_torchruns_agent_store_every_rank_is_a_client(tmp_path: Path) -> N
     agent.set(f"{distributed.ARRIVED_KEY}0/1", "a worker of the attempt before")   # not this attempt's
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "1"}
     ranks = [_rank(r, agent.port, 30, tmp_path, **env) for r in (0, 1)]
+    _all_initialised(ranks)
+    assert agent.check([f"{distributed.ARRIVED_KEY}1/0", f"{distributed.ARRIVED_KEY}1/1"])
+
+
+def _all_initialised(ranks: list[subprocess.Popen[str]]) -> None:
+    done = [p.communicate(timeout=90) for p in ranks]
+    report = "\n".join(f"--- rank {r}: exit {p.returncode}\n{err[-3000:]}" for r, (p, (_, err)) in
+                        enumerate(zip(ranks, done)))
+    assert all(p.returncode == 0 and "INITIALISED" in out for p, (out, _) in zip(ranks, done)), report
+
+
+def _agent_store() -> tuple[dist.TCPStore, dict[str, str]]:
+    from datetime import timedelta
+
+    agent = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=60), wait_for_workers=False)
+    return agent, {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+
+
+def _wait_for(predicate: Any, what: str, within_s: float = 90) -> None:
+    import time
+
+    deadline = time.monotonic() + within_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"no {what} within {within_s}s"
+        time.sleep(0.02)
+
+
+def test_a_rank_0_that_arrives_longer_than_the_timeout_after_the_others_still_meets_them(tmp_path: Path) -> None:
+    """Rank 1 reaches the rendezvous first and rank 0 only 9 s later, more than the 8-s timeout
+    after it: gloo's handshake, which counts its timeout from each rank's start of it, would give
+    up on rank 1 (a DistStoreError traceback; rank 0 "Connection closed by peer", seen in CI under
+    load). Every rank now waits for all of them before the handshake starts."""
+    import time
+
+    agent, env = _agent_store()
+    go = tmp_path / "go"
+    rank1 = _rank(1, agent.port, 8, tmp_path, **env)
+    rank0 = _rank(0, agent.port, 8, tmp_path, TEST_GO_FILE=str(go), **env)
+    _wait_for(lambda: agent.check([f"{distributed.ARRIVED_KEY}0/1"]), "arrival of rank 1")
+    time.sleep(9)
+    go.touch()
+    _all_initialised([rank0, rank1])
+
+
+def test_a_rank_that_gave_up_on_rank_0_fails_rank_0_too_in_one_line(tmp_path: Path) -> None:
+    """Rank 1 waits 2 x the timeout for rank 0, gives up (exit 8, one line, no traceback) and says
+    so in the store: rank 0, arriving after, raises that instead of starting a handshake with a
+    rank that has gone."""
+    agent, env = _agent_store()
+    go = tmp_path / "go"
+    rank0 = _rank(0, agent.port, 2, tmp_path, TEST_GO_FILE=str(go), **env)
+    rank1 = _rank(1, agent.port, 2, tmp_path, **env)
+    out1, err1 = rank1.communicate(timeout=90)
+    go.touch()
+    out0, err0 = rank0.communicate(timeout=90)
+    for p, out, err in ((rank0, out0, err0), (rank1, out1, err1)):
+        assert p.returncode == CommError.exit_code, err
+        assert "Traceback" not in err and "INITIALISED" not in out
+    assert "error: rank 1 had no word from rank 0 at the rendezvous" in err1 and "within 4s of arriving" in err1
+    assert "rank 0 reached the rendezvous after another rank gave up: rank 1 had no word" in err0
+
+
+def test_the_ranks_that_did_arrive_name_the_one_that_did_not_as_rank_0_does(tmp_path: Path) -> None:
+    """Rank 2 of 3 never starts: rank 0 names it (exit 8) and rank 1, which arrived, raises the
+    same, one line, instead of timing out inside gloo's handshake with a traceback."""
+    port = _port()
+    ranks = [_rank(r, port, 3, tmp_path, WORLD_SIZE="3") for r in (0, 1)]
     for p in ranks:
         out, err = p.communicate(timeout=90)
-        assert p.returncode == 0 and "INITIALISED" in out, err
-    assert agent.check([f"{distributed.ARRIVED_KEY}1/0", f"{distributed.ARRIVED_KEY}1/1"])
+        assert p.returncode == CommError.exit_code, err
+        assert "Traceback" not in err and "INITIALISED" not in out
+        assert "rank(s) [2] of 3 did not reach the rendezvous" in err, err
+    assert "rank 0's rendezvous failed: rank(s) [2] of 3" in err
