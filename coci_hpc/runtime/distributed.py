@@ -15,6 +15,7 @@ the ranks that did not arrive.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import socket
@@ -154,6 +155,8 @@ def init_distributed(backend: str | None = None, comm: Comm | None = None,
         with _stack_watchdog(max(1.0, min(timeout_s - WATCHDOG_LEAD_S, 0.9 * timeout_s))):
             store = _store(values["MASTER_ADDR"], int(values["MASTER_PORT"]), rank, world, timeout_s)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+            teardown.install(owns_process_group=True)
+            _all_joined(store, rank, world, timeout_s)
     teardown.install(owns_process_group=True)   # destroyed at exit, no gloo release left in flight
     return DistInfo(rank, world, local, backend, source)
 
@@ -192,9 +195,8 @@ def _store(host: str, port: int, rank: int, world: int, timeout_s: float) -> dis
     same verdict (a rank 0 arriving after one gave up raises too, instead of meeting a peer that
     has gone inside gloo's handshake)."""
     timeout = timedelta(seconds=timeout_s)
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    # the agent's store outlives a restart of the workers: this attempt's keys only
-    arrived = f"{ARRIVED_KEY}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/" if agent else ARRIVED_KEY
+    agent = _agent_store()
+    arrived = _keys()
     count, verdict = f"{arrived}count", f"{arrived}verdict"
     hint = ("look at those ranks' output; a start-up that can take longer (slow imports, a busy file "
             f"system) needs a larger {settings.DIST_TIMEOUT.name}")
@@ -224,6 +226,7 @@ def _store(host: str, port: int, rank: int, world: int, timeout_s: float) -> dis
                            f"the rendezvous at {host}:{port} within {timeout_s:g}s: each such rank died or hung "
                            "before or inside init_distributed (its stack is in its stderr if it hung inside)")
                 said = _decide(store, verdict, message)   # the ranks that did arrive raise it too
+                _await_readers(store, f"{arrived}read", store.add(count, 0) - 1)
                 raise CommError(message if said == message else f"{said} (and {message})", hint=hint)
             time.sleep(0.05)
         said = _decide(store, verdict, "ok")
@@ -231,8 +234,8 @@ def _store(host: str, port: int, rank: int, world: int, timeout_s: float) -> dis
             raise CommError(f"rank 0 reached the rendezvous after another rank gave up: {said}", hint=hint)
         return store
     # Rank 0 gives the others up to the timeout from its own arrival, which may come after ours.
-    # One blocking get (it waits for the key): the value comes back even if rank 0, which serves
-    # the store, exits right after writing its error.
+    # One blocking get (it waits for the key). Rank 0, which serves the store, waits (briefly) for
+    # each arrived rank to count itself read before it raises and exits with its error.
     store.set_timeout(2 * timeout)
     try:
         said = store.get(verdict).decode()
@@ -247,10 +250,62 @@ def _store(host: str, port: int, rank: int, world: int, timeout_s: float) -> dis
     finally:
         store.set_timeout(timeout)
     if said != "ok":
+        with contextlib.suppress(RuntimeError):   # rank 0 may exit once we have read its error
+            store.add(f"{arrived}read", 1)
         mine = said.startswith(f"rank {rank} ")
         raise CommError(said if mine else f"rank 0's rendezvous failed: {said}",
                         hint=hint.replace("those ranks'", "rank 0's") if mine else hint)
     return store
+
+
+def _agent_store() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+
+
+def _keys() -> str:
+    """The prefix of this attempt's rendezvous keys: the agent's store outlives a restart of the
+    workers, so under it each attempt (``TORCHELASTIC_RESTART_COUNT``) has its own."""
+    return f"{ARRIVED_KEY}{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/" if _agent_store() else ARRIVED_KEY
+
+
+def _all_joined(store: dist.TCPStore, rank: int, world: int, timeout_s: float) -> None:
+    """Return once every rank's ``init_process_group`` has returned. gloo's full-mesh handshake
+    can return on one rank while a peer is still inside it: a rank 0 that then exits (a script
+    that fails, or ends, right after starting) closed the connection under that peer, whose
+    handshake failed with "Connection closed by peer" and a traceback (seen under load). Rank 0,
+    which serves the store, leaves last: it waits (briefly) for the others to say they saw all."""
+    joined, left = f"{_keys()}joined", f"{_keys()}left"
+    store.set(f"{joined}/{rank}", "1")
+    store.add(joined, 1)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while store.add(joined, 0) < world:
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world) if not store.check([f"{joined}/{r}"])]
+                raise CommError(f"rank(s) {missing[:16]}{' ...' if len(missing) > 16 else ''} of {world} did not "
+                                f"finish the process group's handshake within {timeout_s:g}s of this rank "
+                                "(each such rank's output says why)",
+                                hint="look at those ranks' output; a slow start needs a larger "
+                                     f"{settings.DIST_TIMEOUT.name}")
+            time.sleep(0.005)
+    except RuntimeError as exc:   # DistNetworkError: the store's server (rank 0) has gone
+        raise CommError(f"rank {rank} lost the rendezvous store while the ranks finished the process group's "
+                        f"handshake: {str(exc).splitlines()[0][:200]}",
+                        hint="rank 0 died or ended early: its output says why") from None
+    if rank == 0:
+        _await_readers(store, left, world - 1)
+    else:
+        with contextlib.suppress(RuntimeError):   # rank 0 may exit as soon as it has counted us
+            store.add(left, 1)
+
+
+def _await_readers(store: dist.TCPStore, key: str, readers: int, within_s: float = 5.0) -> None:
+    """Rank 0, about to raise (and exit, taking the store it serves with it): wait, briefly,
+    until the ``readers`` ranks that arrived have read its verdict (a blocking ``get`` is a wait
+    and then a read; a server gone in between leaves the reader a bare "Connection reset")."""
+    deadline = time.monotonic() + within_s
+    while store.add(key, 0) < readers and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _decide(store: dist.TCPStore, key: str, value: str) -> str:

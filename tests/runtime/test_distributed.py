@@ -29,6 +29,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(distributed.errorexit, "install", lambda: None)
     monkeypatch.setattr(distributed, "_store", lambda *a: seen.update(store=a))
+    monkeypatch.setattr(distributed, "_all_joined", lambda *a: seen.update(joined=a[1:]))
     monkeypatch.setattr(distributed, "rendezvous",
                         lambda comm=None, **kw: ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "3",
                                             "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "env"))
@@ -110,11 +111,25 @@ RANK0 = """
 import os, sys, time
 sys.path.insert(0, {root!r})
 import coci_hpc
-go = os.environ.get("TEST_GO_FILE")     # imported already: wait for the test's go, then start at once
+import coci_hpc.runtime.distributed   # torch and torch.distributed, before any go
+go = os.environ.get("TEST_GO_FILE")     # imported already: say so, wait for the test's go, then start at once
+if go:
+    open(go + ".ready", "w").close()
 while go and not os.path.exists(go):
     time.sleep(0.02)
+slow = os.environ.get("TEST_SLOW_JOIN_FILE")   # rank 1's init_process_group returns 3 s after its handshake
+if slow and os.environ["RANK"] == "1":
+    import torch.distributed as dist
+    handshake = dist.init_process_group
+    def slow_return(*args, **kwargs):
+        handshake(*args, **kwargs)
+        time.sleep(3)
+        open(slow, "w").close()
+    dist.init_process_group = slow_return
 coci_hpc.init_distributed()
 print("INITIALISED")
+if slow:
+    print("RANK 1 JOINED" if os.path.exists(slow) else "RANK 1 NOT JOINED")
 """
 
 
@@ -165,6 +180,20 @@ def test_under_torchruns_agent_store_every_rank_is_a_client(tmp_path: Path) -> N
     assert agent.check([f"{distributed.ARRIVED_KEY}1/0", f"{distributed.ARRIVED_KEY}1/1"])
 
 
+def test_no_rank_returns_before_every_rank_has_its_process_group(tmp_path: Path) -> None:
+    """gloo's handshake can return on rank 0 while rank 1 is still inside it; a rank 0 that then
+    exits (a script ending or failing right after it starts) closed the connection under rank 1
+    ("Connection closed by peer" and a traceback, seen under load). Here rank 1's
+    init_process_group returns 3 s late: rank 0 must not have returned before it."""
+    port = _port()
+    slow = tmp_path / "rank1-joined"
+    ranks = [_rank(r, port, 30, tmp_path, TEST_SLOW_JOIN_FILE=str(slow)) for r in (0, 1)]
+    out0, err0 = ranks[0].communicate(timeout=90)
+    out1, err1 = ranks[1].communicate(timeout=90)
+    assert ranks[0].returncode == 0 and ranks[1].returncode == 0, err0 + err1
+    assert "RANK 1 JOINED" in out0 and "INITIALISED" in out1, out0 + err0
+
+
 def _all_initialised(ranks: list[subprocess.Popen[str]]) -> None:
     done = [p.communicate(timeout=90) for p in ranks]
     report = "\n".join(f"--- rank {r}: exit {p.returncode}\n{err[-3000:]}" for r, (p, (_, err)) in
@@ -200,7 +229,11 @@ def test_a_rank_0_that_arrives_longer_than_the_timeout_after_the_others_still_me
     rank1 = _rank(1, agent.port, 8, tmp_path, **env)
     rank0 = _rank(0, agent.port, 8, tmp_path, TEST_GO_FILE=str(go), **env)
     _wait_for(lambda: agent.check([f"{distributed.ARRIVED_KEY}0/1"]), "arrival of rank 1")
-    time.sleep(9)
+    arrived = time.monotonic()
+    # rank 0 imported, so that what is left after the go is init_distributed alone (a slow import
+    # under load would otherwise eat the margin: 9 s late of the 16 s rank 1 waits for rank 0)
+    _wait_for(lambda: Path(f"{go}.ready").exists(), "rank 0's imports")
+    time.sleep(max(0.0, arrived + 9 - time.monotonic()))
     go.touch()
     _all_initialised([rank0, rank1])
 
