@@ -236,6 +236,7 @@ def test_init_distributed_bounds_collectives(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda *a, **k: seen.update(k))
     monkeypatch.setattr(distributed, "_store", lambda *a: seen.update(store_timeout_s=a[-1]))
+    monkeypatch.setattr(distributed, "_all_joined", lambda *a: seen.update(joined_timeout_s=a[-1]))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -243,6 +244,7 @@ def test_init_distributed_bounds_collectives(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("COCI_DIST_TIMEOUT_S", "42")
     distributed.init_distributed("gloo", comm=Comm.serial())
     assert seen["timeout"] == timedelta(seconds=42) and seen["store_timeout_s"] == 42   # the rendezvous too
+    assert seen["joined_timeout_s"] == 42                                                # and the join after it
 
 
 def test_a_writer_killed_before_its_manifest_leaves_the_previous_checkpoint_and_is_swept(
